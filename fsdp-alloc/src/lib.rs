@@ -26,12 +26,14 @@
 
 pub mod allocator;
 pub mod device;
+pub mod dtype;
 pub mod error;
 pub mod memory;
 pub mod stream;
 
 pub use allocator::{Buffer, CachingAllocator, MemoryStats};
 pub use device::{Device, DeviceConfig, DeviceId};
+pub use dtype::DType;
 pub use error::{AllocError, Capacity, Result};
 pub use memory::{BufferRef, ReadGuard, WriteGuard};
 pub use stream::{Event, Stream, StreamId, StreamMode};
