@@ -2,3 +2,6 @@
 //!
 //! This crate is being built; see the project's issues for its contract.
 #![deny(missing_docs)]
+
+pub mod init;
+pub mod kernels;
