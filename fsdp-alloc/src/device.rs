@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::allocator::{Buffer, CachingAllocator, MemoryStats};
+use crate::allocator::{AllocatorConfig, Buffer, CachingAllocator, MemoryStats};
 use crate::error::{AllocError, Capacity, Result};
 use crate::stream::{Stream, StreamMode};
 
@@ -24,13 +24,23 @@ impl std::fmt::Display for DeviceId {
     }
 }
 
-/// How to build a CPU device.
+/// How to build a device. Build it with struct update syntax
+/// (`DeviceConfig { capacity: Capacity::Bytes(1 << 30), ..Default::default() }`) or the `with_*`
+/// methods, so that new fields do not break your code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceConfig {
     /// Memory capacity (e.g. `Capacity::Bytes(80 << 30)` to emulate an 80 GB GPU).
     pub capacity: Capacity,
     /// How the device's streams run work.
     pub stream_mode: StreamMode,
+    /// Checked mode: the device's streams track their ordering and every guard taken inside
+    /// launched work verifies it is ordered after the conflicting accesses before it (see the
+    /// crate docs, "Checked mode"). Off by default: it costs a clock per job and a history per
+    /// segment, and synchronization outside events (barriers) is invisible to it.
+    pub checked: bool,
+    /// Cache freed blocks (default). `false` makes every allocation a raw allocation and every
+    /// free a raw free: the no-caching baseline.
+    pub caching: bool,
 }
 
 impl Default for DeviceConfig {
@@ -38,6 +48,42 @@ impl Default for DeviceConfig {
         DeviceConfig {
             capacity: Capacity::Unlimited,
             stream_mode: StreamMode::Async,
+            checked: false,
+            caching: true,
+        }
+    }
+}
+
+impl DeviceConfig {
+    /// This configuration with another capacity.
+    pub fn with_capacity(mut self, capacity: Capacity) -> Self {
+        self.capacity = capacity;
+        self
+    }
+
+    /// This configuration with another stream mode.
+    pub fn with_stream_mode(mut self, mode: StreamMode) -> Self {
+        self.stream_mode = mode;
+        self
+    }
+
+    /// This configuration with the checked mode on or off.
+    pub fn with_checked(mut self, checked: bool) -> Self {
+        self.checked = checked;
+        self
+    }
+
+    /// This configuration with caching on or off.
+    pub fn with_caching(mut self, caching: bool) -> Self {
+        self.caching = caching;
+        self
+    }
+
+    /// The allocator part of this configuration.
+    pub fn allocator_config(&self) -> AllocatorConfig {
+        AllocatorConfig {
+            capacity: self.capacity,
+            caching: self.caching,
         }
     }
 }
@@ -45,6 +91,8 @@ impl Default for DeviceConfig {
 struct DeviceInner {
     id: DeviceId,
     config: DeviceConfig,
+    #[cfg(feature = "cuda")]
+    cuda: Option<Arc<cudarc::driver::CudaContext>>,
     allocator: Arc<CachingAllocator>,
     default_stream: Stream,
     streams: Mutex<Vec<Stream>>,
@@ -80,24 +128,59 @@ impl Device {
     /// A CPU device with the given configuration.
     pub fn cpu_with(index: usize, config: DeviceConfig) -> Device {
         let id = DeviceId::Cpu(index);
-        let default_stream = Stream::new(id, "default", config.stream_mode);
+        let default_stream = Stream::with_checking(id, "default", config.stream_mode, config.checked);
         Device {
             inner: Arc::new(DeviceInner {
                 id,
                 config,
-                allocator: CachingAllocator::new(id, config.capacity),
+                #[cfg(feature = "cuda")]
+                cuda: None,
+                allocator: CachingAllocator::with_config(id, config.allocator_config()),
                 streams: Mutex::new(vec![default_stream.clone()]),
                 default_stream,
             }),
         }
     }
 
-    /// A CUDA device. Without the `cuda` feature, or without a CUDA driver and GPU, this is an
-    /// [`AllocError::CudaUnavailable`] error saying which.
+    /// A CUDA device with the default configuration. Without the `cuda` feature, or without a
+    /// CUDA driver and GPU, this is an [`AllocError::CudaUnavailable`] error saying which.
     pub fn cuda(ordinal: usize) -> Result<Device> {
-        Err(AllocError::CudaUnavailable(format!(
-            "cuda:{ordinal}: the CUDA device runtime is not available in this build"
-        )))
+        Device::cuda_with(ordinal, DeviceConfig::default())
+    }
+
+    /// A CUDA device: its streams are CUDA streams, its events CUDA events, and its allocator
+    /// carves `cuMemAlloc` segments (with cudarc's per-slice event tracking disabled, since the
+    /// allocator and streams already order the memory). `stream_mode` and `checked` are ignored
+    /// (CUDA streams are always asynchronous; the checked mode is CPU-only).
+    pub fn cuda_with(ordinal: usize, config: DeviceConfig) -> Result<Device> {
+        #[cfg(feature = "cuda")]
+        {
+            let (ctx, default_backend) = crate::cuda::open(ordinal)?;
+            let id = DeviceId::Cuda(ordinal);
+            let default_stream = Stream::new_cuda(id, "default", default_backend);
+            Ok(Device {
+                inner: Arc::new(DeviceInner {
+                    id,
+                    config,
+                    allocator: CachingAllocator::with_cuda(
+                        id,
+                        config.allocator_config(),
+                        Arc::clone(&ctx),
+                    ),
+                    cuda: Some(ctx),
+                    streams: Mutex::new(vec![default_stream.clone()]),
+                    default_stream,
+                }),
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = config;
+            Err(AllocError::CudaUnavailable(format!(
+                "cuda:{ordinal}: this build of fsdp-alloc has no CUDA support; rebuild with \
+                 `--features cuda`"
+            )))
+        }
     }
 
     /// Which device this is.
@@ -116,8 +199,26 @@ impl Device {
     }
 
     /// A new stream on this device, covered by [`Device::synchronize`].
+    ///
+    /// On a CUDA device, if the driver cannot create a stream, the returned stream is already
+    /// failed with the driver's error (reported by its `check`/`synchronize`).
     pub fn new_stream(&self, name: &str) -> Stream {
-        let s = Stream::new(self.inner.id, name, self.inner.config.stream_mode);
+        #[cfg(feature = "cuda")]
+        if let Some(ctx) = &self.inner.cuda {
+            let s = crate::cuda::new_stream(self.inner.id, name, ctx);
+            self.inner
+                .streams
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(s.clone());
+            return s;
+        }
+        let s = Stream::with_checking(
+            self.inner.id,
+            name,
+            self.inner.config.stream_mode,
+            self.inner.config.checked,
+        );
         self.inner
             .streams
             .lock()

@@ -25,13 +25,21 @@
 #![deny(missing_docs)]
 
 pub mod allocator;
+mod checked;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod memory;
+pub mod rate_limiter;
 pub mod stream;
 
-pub use allocator::{Buffer, CachingAllocator, MemoryStats};
+pub use allocator::{
+    AllocatorConfig, BlockInfo, BlockState, Buffer, CachingAllocator, MemoryStats, Pool,
+    PoolStats, SegmentInfo,
+};
+pub use rate_limiter::{RateLimiter, RateLimiterStats};
 pub use device::{Device, DeviceConfig, DeviceId};
 pub use dtype::DType;
 pub use error::{AllocError, Capacity, Result};

@@ -18,8 +18,13 @@
 //!    that is a whole number of `T`s, inside the segment. Memory starts zeroed, so every byte is
 //!    initialized and every bit pattern is a valid `T`.
 //!
-//! Ordering (that a reader on stream B runs after the writer on stream A) is *not* enforced here:
-//! that is stream order plus events, checked by the allocator's checked mode.
+//! 4. Device (CUDA) segments have no host pointer: guards refuse them with
+//!    [`AllocError::BadAccess`]; their memory is reached only through [`BufferRef::device_ptr`]
+//!    by device kernels, and released by the CUDA module when the last `Arc<Segment>` goes.
+//!
+//! Ordering (that a reader on stream B runs after the writer on stream A) is *not* enforced by
+//! invariant 2 alone: that is stream order plus events, verified by the checked mode, whose hook
+//! (`checked::on_access`) every guard calls before it registers.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::marker::PhantomData;
@@ -27,6 +32,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::checked::{self, History};
 use crate::error::{AllocError, Result};
 use crate::DeviceId;
 
@@ -46,11 +52,15 @@ struct ActiveAccess {
 
 /// One raw allocation from a device.
 pub struct Segment {
-    ptr: NonNull<u8>,
+    /// Host-accessible memory (`None` for device memory that the host cannot touch).
+    ptr: Option<NonNull<u8>>,
     size: usize,
     id: u64,
     device: DeviceId,
     active: Mutex<Vec<ActiveAccess>>,
+    history: History,
+    #[cfg(feature = "cuda")]
+    cuda: Option<crate::cuda::DeviceMemory>,
 }
 
 // SAFETY: the segment owns its memory exclusively (no other code holds the raw pointer), and all
@@ -79,12 +89,29 @@ impl Segment {
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw)?;
         Some(Arc::new(Segment {
-            ptr,
+            ptr: Some(ptr),
             size,
             id: NEXT_SEGMENT_ID.fetch_add(1, Ordering::Relaxed),
             device,
             active: Mutex::new(Vec::new()),
+            history: History::default(),
+            #[cfg(feature = "cuda")]
+            cuda: None,
         }))
+    }
+
+    /// A segment over CUDA device memory (not host-accessible: guards refuse it).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn new_cuda(device: DeviceId, mem: crate::cuda::DeviceMemory) -> Arc<Segment> {
+        Arc::new(Segment {
+            ptr: None,
+            size: mem.size(),
+            id: NEXT_SEGMENT_ID.fetch_add(1, Ordering::Relaxed),
+            device,
+            active: Mutex::new(Vec::new()),
+            history: History::default(),
+            cuda: Some(mem),
+        })
     }
 
     /// Size in bytes.
@@ -154,11 +181,14 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.size, SEGMENT_ALIGN)
-            .expect("layout was valid at allocation");
+        // (CUDA memory is released by `DeviceMemory`'s own Drop.)
+        let Some(ptr) = self.ptr else { return };
+        let Ok(layout) = Layout::from_size_align(self.size, SEGMENT_ALIGN) else {
+            return; // unreachable: the same layout was valid at allocation
+        };
         // SAFETY: `ptr` came from `alloc_zeroed(layout)` with this exact layout, and no guard can
         // be alive (guards borrow a `BufferRef` that holds an `Arc` of this segment).
-        unsafe { dealloc(self.ptr.as_ptr(), layout) }
+        unsafe { dealloc(ptr.as_ptr(), layout) }
     }
 }
 
@@ -257,9 +287,28 @@ impl BufferRef {
         self.slice(start * sz, count * sz)
     }
 
+    /// The raw device address of the range's first byte, for device kernels (CUDA memory only;
+    /// `None` for host memory, which is accessed through [`BufferRef::read`] / [`BufferRef::write`]).
+    pub fn device_ptr(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(m) = &self.seg.cuda {
+            return Some(m.ptr() + self.offset as u64);
+        }
+        None
+    }
+
+    fn host_ptr(&self) -> Result<NonNull<u8>> {
+        self.seg.ptr.ok_or_else(|| {
+            AllocError::BadAccess(format!(
+                "{self:?} is device memory the host cannot access; launch a device kernel on \
+                 its device_ptr() instead"
+            ))
+        })
+    }
+
     fn check_typed<T: bytemuck::Pod>(&self) -> Result<usize> {
         let sz = std::mem::size_of::<T>();
-        let addr = self.seg.ptr.as_ptr() as usize + self.offset;
+        let addr = self.host_ptr()?.as_ptr() as usize + self.offset;
         if sz == 0 || self.len % sz != 0 || addr % std::mem::align_of::<T>() != 0 {
             return Err(AllocError::BadAccess(format!(
                 "{} bytes at offset {} of block {} are not a whole, aligned slice of {}",
@@ -277,9 +326,20 @@ impl BufferRef {
     }
 
     /// Shared access as `&[T]`. Fails if the range is being written right now (an unordered race)
-    /// or does not hold a whole, aligned number of `T`.
+    /// or does not hold a whole, aligned number of `T`, or is device memory. Inside work launched
+    /// on a checked stream, also fails with [`AllocError::OrderingViolation`] (and fails that
+    /// stream) if the last write of these bytes is not ordered before this read.
     pub fn read<T: bytemuck::Pod>(&self) -> Result<ReadGuard<'_, T>> {
         let n = self.check_typed::<T>()?;
+        let base = self.host_ptr()?;
+        checked::on_access(
+            &self.seg.history,
+            self.seg.id,
+            self.offset,
+            self.offset + self.len,
+            false,
+            self.block,
+        )?;
         let token = self
             .seg
             .register(self.offset, self.offset + self.len, false, &|| {
@@ -290,7 +350,7 @@ impl BufferRef {
         // patterns), and no overlapping write guard exists (register), so no `&mut` aliases it
         // for the guard's lifetime.
         let slice = unsafe {
-            std::slice::from_raw_parts(self.seg.ptr.as_ptr().add(self.offset) as *const T, n)
+            std::slice::from_raw_parts(base.as_ptr().add(self.offset) as *const T, n)
         };
         Ok(ReadGuard {
             r: self,
@@ -299,9 +359,21 @@ impl BufferRef {
         })
     }
 
-    /// Exclusive access as `&mut [T]`. Fails if any overlapping access is live.
+    /// Exclusive access as `&mut [T]`. Fails if any overlapping access is live, or (checked
+    /// mode, inside launched work) if an earlier read or write of these bytes is not ordered
+    /// before this write — which is also how a block freed without `record_stream` and reused
+    /// by another stream is caught.
     pub fn write<T: bytemuck::Pod>(&self) -> Result<WriteGuard<'_, T>> {
         let n = self.check_typed::<T>()?;
+        let base = self.host_ptr()?;
+        checked::on_access(
+            &self.seg.history,
+            self.seg.id,
+            self.offset,
+            self.offset + self.len,
+            true,
+            self.block,
+        )?;
         let token = self
             .seg
             .register(self.offset, self.offset + self.len, true, &|| {
@@ -310,7 +382,7 @@ impl BufferRef {
         // SAFETY: as in `read`, and `register` refused if any overlapping guard (read or write)
         // is live, so this `&mut` is the only reference to these bytes while the guard lives.
         let slice = unsafe {
-            std::slice::from_raw_parts_mut(self.seg.ptr.as_ptr().add(self.offset) as *mut T, n)
+            std::slice::from_raw_parts_mut(base.as_ptr().add(self.offset) as *mut T, n)
         };
         Ok(WriteGuard {
             r: self,

@@ -10,14 +10,24 @@
 //! after it as *failed*, and reports the panic message from the next [`Stream::synchronize`] or
 //! [`Event::synchronize`]. Streams that wait on a failed event fail in turn, so an error
 //! propagates along the dependency graph instead of hanging it.
+//!
+//! A *checked* stream ([`Stream::with_checking`], or a device built with
+//! `DeviceConfig { checked: true, .. }`) also tracks which positions of which streams each job is
+//! ordered after, so that the guards of [`crate::BufferRef`] can detect unordered cross-stream
+//! accesses (see the `checked` module docs in the crate documentation).
+//!
+//! On a CUDA device (feature `cuda`) a stream wraps a CUDA stream: `launch` enqueues the closure
+//! as a host function (`cuLaunchHostFunc`, so it runs in stream order and must not call CUDA),
+//! events are CUDA events, and `wait_event` is `cuStreamWaitEvent`.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::thread;
 
 use crossbeam::channel::{unbounded, Sender};
 
+use crate::checked::{self, Clock, JobCtx};
 use crate::error::{AllocError, Result};
 use crate::DeviceId;
 
@@ -43,36 +53,61 @@ impl std::fmt::Display for StreamId {
     }
 }
 
-type Work = Box<dyn FnOnce() + Send + 'static>;
+pub(crate) type Work = Box<dyn FnOnce() + Send + 'static>;
 
 enum Job {
-    Work(Work),
-    Wait(Event),
+    Work {
+        work: Work,
+        pos: u64,
+        host: Option<Arc<Clock>>,
+    },
+    Wait {
+        event: Event,
+        pos: u64,
+    },
     Record(Event),
 }
 
-/// Failure state shared by a stream's handles and its worker.
-#[derive(Default)]
-struct Health {
+/// State shared by a stream's handles and its worker: failure, and (checked mode) its clock.
+pub(crate) struct Health {
+    id: StreamId,
+    name: Arc<str>,
+    checked: bool,
     failure: Mutex<Option<String>>,
+    clock: Mutex<Clock>,
 }
 
 impl Health {
+    fn new(id: StreamId, name: &str, checked: bool) -> Health {
+        Health {
+            id,
+            name: Arc::from(name),
+            checked,
+            failure: Mutex::new(None),
+            clock: Mutex::new(Clock::default()),
+        }
+    }
+
     fn failure(&self) -> Option<String> {
         self.failure
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
-    fn fail(&self, msg: String) {
+
+    pub(crate) fn fail(&self, msg: String) {
         let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
         if f.is_none() {
             *f = Some(msg);
         }
     }
+
+    fn clock(&self) -> std::sync::MutexGuard<'_, Clock> {
+        self.clock.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
-struct StreamInner {
+pub(crate) struct StreamInner {
     id: StreamId,
     name: String,
     device: DeviceId,
@@ -81,6 +116,10 @@ struct StreamInner {
     health: Arc<Health>,
     /// Number of jobs launched so far (the position an event recorded now marks).
     launched: AtomicU64,
+    /// Serializes "take a position, enqueue" so queue order equals position order.
+    submit_lock: Mutex<()>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<crate::cuda::StreamBackend>,
 }
 
 impl Drop for StreamInner {
@@ -97,6 +136,16 @@ pub struct Stream {
     inner: Arc<StreamInner>,
 }
 
+/// A handle that does not keep the stream (and its worker thread) alive.
+#[derive(Clone)]
+pub(crate) struct WeakStream(Weak<StreamInner>);
+
+impl WeakStream {
+    pub(crate) fn upgrade(&self) -> Option<Stream> {
+        self.0.upgrade().map(|inner| Stream { inner })
+    }
+}
+
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Stream")
@@ -104,6 +153,7 @@ impl std::fmt::Debug for Stream {
             .field("name", &self.inner.name)
             .field("device", &self.inner.device)
             .field("mode", &self.inner.mode)
+            .field("checked", &self.inner.health.checked)
             .finish()
     }
 }
@@ -115,7 +165,7 @@ impl PartialEq for Stream {
 }
 impl Eq for Stream {}
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {
@@ -125,25 +175,60 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-fn run_job(job: Job, health: &Health, label: &str) {
-    match job {
-        Job::Work(w) => {
-            if health.failure().is_some() {
-                return; // skip work queued after a failure
-            }
-            if let Err(p) = catch_unwind(AssertUnwindSafe(w)) {
-                health.fail(panic_message(p.as_ref()));
-            }
+/// Runs launched work on behalf of `health`'s stream: skipped after a failure, a panic becomes
+/// the stream's failure. Also used by the CUDA host-function trampoline.
+pub(crate) fn run_work(work: Work, pos: u64, host: Option<Arc<Clock>>, health: &Arc<Health>) {
+    if health.failure().is_some() {
+        return; // skip work queued after a failure
+    }
+    let ctx = if health.checked {
+        let mut c = health.clock();
+        if let Some(h) = &host {
+            c.merge(h);
         }
-        Job::Wait(ev) => {
-            if let Err(e) = ev.wait_raw() {
+        c.advance(health.id, pos);
+        Some(Arc::new(JobCtx {
+            stream: health.id,
+            name: Arc::clone(&health.name),
+            pos,
+            clock: Arc::new(c.clone()),
+            health: Arc::clone(health),
+        }))
+    } else {
+        None
+    };
+    let r = checked::with_job(ctx, health.id, || catch_unwind(AssertUnwindSafe(work)));
+    if let Err(p) = r {
+        health.fail(panic_message(p.as_ref()));
+    }
+}
+
+fn run_job(job: Job, health: &Arc<Health>, label: &str) {
+    match job {
+        Job::Work { work, pos, host } => run_work(work, pos, host, health),
+        Job::Wait { event, pos } => {
+            if let Err(e) = event.wait_raw() {
                 health.fail(format!("waited on a failed event: {e}"));
             }
+            if health.checked {
+                let mut c = health.clock();
+                c.advance(health.id, pos);
+                if let Some(ec) = event.inner.clock.get() {
+                    c.merge(ec);
+                }
+            }
         }
-        Job::Record(ev) => match health.failure() {
-            None => ev.complete(Ok(())),
-            Some(m) => ev.complete(Err(format!("{label}: {m}"))),
-        },
+        Job::Record(ev) => {
+            if health.checked {
+                let mut c = health.clock();
+                c.advance(health.id, ev.inner.position);
+                let _ = ev.inner.clock.set(Arc::new(c.clone()));
+            }
+            match health.failure() {
+                None => ev.complete(Ok(())),
+                Some(m) => ev.complete(Err(format!("{label}: {m}"))),
+            }
+        }
     }
 }
 
@@ -151,8 +236,15 @@ impl Stream {
     /// Creates a stream on `device`. Prefer `Device::new_stream`, which also registers the stream
     /// with the device so that `Device::synchronize` covers it.
     pub fn new(device: DeviceId, name: &str, mode: StreamMode) -> Stream {
+        Stream::with_checking(device, name, mode, false)
+    }
+
+    /// Like [`Stream::new`], with the checked mode on or off (see the crate docs). A checked
+    /// stream maintains a vector clock so that unordered cross-stream accesses to device memory
+    /// are reported as [`AllocError::OrderingViolation`].
+    pub fn with_checking(device: DeviceId, name: &str, mode: StreamMode, checked: bool) -> Stream {
         let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
-        let health = Arc::new(Health::default());
+        let health = Arc::new(Health::new(id, name, checked));
         let tx = match mode {
             StreamMode::Inline => None,
             StreamMode::Async => {
@@ -179,8 +271,40 @@ impl Stream {
                 tx,
                 health,
                 launched: AtomicU64::new(0),
+                submit_lock: Mutex::new(()),
+                #[cfg(feature = "cuda")]
+                cuda: None,
             }),
         }
+    }
+
+    /// A stream over a CUDA stream (no worker thread: the CUDA driver runs it).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn new_cuda(device: DeviceId, name: &str, backend: crate::cuda::StreamBackend) -> Stream {
+        let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
+        Stream {
+            inner: Arc::new(StreamInner {
+                id,
+                name: name.to_string(),
+                device,
+                mode: StreamMode::Async,
+                tx: None,
+                health: Arc::new(Health::new(id, name, false)),
+                launched: AtomicU64::new(0),
+                submit_lock: Mutex::new(()),
+                cuda: Some(backend),
+            }),
+        }
+    }
+
+    /// The CUDA stream under this stream, if it is a CUDA stream.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
+        self.inner.cuda.as_ref().map(|b| b.stream())
+    }
+
+    pub(crate) fn downgrade(&self) -> WeakStream {
+        WeakStream(Arc::downgrade(&self.inner))
     }
 
     /// This stream's process-unique id.
@@ -203,21 +327,37 @@ impl Stream {
         self.inner.mode
     }
 
+    /// True if the checked mode is on for this stream.
+    pub fn is_checked(&self) -> bool {
+        self.inner.health.checked
+    }
+
     /// Number of jobs (work, waits and event records) enqueued so far.
     pub fn launched(&self) -> u64 {
         self.inner.launched.load(Ordering::Acquire)
     }
 
-    fn submit(&self, job: Job) {
-        self.inner.launched.fetch_add(1, Ordering::AcqRel);
+    /// Takes the next position and enqueues the job built for it (CPU streams).
+    fn submit(&self, make: impl FnOnce(u64) -> Job) -> u64 {
         match &self.inner.tx {
             Some(tx) => {
+                let _g = self
+                    .inner
+                    .submit_lock
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                let pos = self.inner.launched.fetch_add(1, Ordering::AcqRel) + 1;
                 // The worker only exits once every sender is gone, and we hold one.
-                if let Err(e) = tx.send(job) {
+                if let Err(e) = tx.send(make(pos)) {
                     run_job(e.into_inner(), &self.inner.health, &self.inner.name);
                 }
+                pos
             }
-            None => run_job(job, &self.inner.health, &self.label()),
+            None => {
+                let pos = self.inner.launched.fetch_add(1, Ordering::AcqRel) + 1;
+                run_job(make(pos), &self.inner.health, &self.label());
+                pos
+            }
         }
     }
 
@@ -228,23 +368,79 @@ impl Stream {
     /// Enqueues `work`; returns at once in async mode. Work runs after everything launched before
     /// it on this stream, and after every event this stream was told to wait on before it.
     pub fn launch<F: FnOnce() + Send + 'static>(&self, work: F) {
-        self.submit(Job::Work(Box::new(work)));
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.inner.cuda {
+            let pos = self.inner.launched.fetch_add(1, Ordering::AcqRel) + 1;
+            if let Err(e) = crate::cuda::launch_host(cuda, Box::new(work), pos, &self.inner.health) {
+                self.inner.health.fail(e);
+            }
+            return;
+        }
+        let host = if self.inner.health.checked {
+            checked::host_clock()
+        } else {
+            None
+        };
+        self.submit(move |pos| Job::Work {
+            work: Box::new(work),
+            pos,
+            host,
+        });
     }
 
     /// Records a new event at the current end of this stream.
     pub fn record_event(&self) -> Event {
-        let ev = Event::pending(self.inner.id, self.inner.device, self.launched() + 1);
-        self.submit(Job::Record(ev.clone()));
-        ev
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.inner.cuda {
+            let pos = self.inner.launched.fetch_add(1, Ordering::AcqRel) + 1;
+            return match crate::cuda::record(cuda) {
+                Ok(ev) => Event::cuda(self.inner.id, self.inner.device, pos, ev, &self.inner.health),
+                Err(e) => {
+                    self.inner.health.fail(e.clone());
+                    let ev = Event::pending(self.inner.id, self.inner.device, pos);
+                    ev.complete(Err(e));
+                    ev
+                }
+            };
+        }
+        let (id, device) = (self.inner.id, self.inner.device);
+        let mut out = None;
+        self.submit(|pos| {
+            let ev = Event::pending(id, device, pos);
+            out = Some(ev.clone());
+            Job::Record(ev)
+        });
+        out.expect("submit always builds the job")
     }
 
     /// Makes all work launched on this stream from now on wait until `event` completes.
     /// The issuing thread does not block.
     pub fn wait_event(&self, event: &Event) {
-        if event.query() && event.error().is_none() {
-            return; // already complete: nothing to order
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = &self.inner.cuda {
+            self.inner.launched.fetch_add(1, Ordering::AcqRel);
+            if let Err(e) = crate::cuda::wait(cuda, event) {
+                self.inner.health.fail(e);
+            }
+            return;
         }
-        self.submit(Job::Wait(event.clone()));
+        if event.query() && event.error().is_none() {
+            return; // already complete: nothing to order (the host clock now covers it)
+        }
+        let event = event.clone();
+        self.submit(move |pos| Job::Wait { event, pos });
+    }
+
+    /// Orders all work launched from now on after `events`, which the allocator has observed as
+    /// complete (checked mode: merges their clocks even though no waiting is needed).
+    pub(crate) fn order_after(&self, events: &[Event]) {
+        if !self.inner.health.checked {
+            return;
+        }
+        for e in events {
+            let event = e.clone();
+            self.submit(move |pos| Job::Wait { event, pos });
+        }
     }
 
     /// Blocks until all work launched so far has run. Returns the first failure of this stream.
@@ -279,6 +475,10 @@ struct EventInner {
     position: u64,
     state: Mutex<EventState>,
     cv: Condvar,
+    /// Checked mode: the recording stream's clock at this point.
+    clock: OnceLock<Arc<Clock>>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<(crate::cuda::EventBackend, Arc<Health>)>,
 }
 
 /// A point in a stream. Complete once all work launched on that stream before it has run.
@@ -305,28 +505,59 @@ impl Default for Event {
 }
 
 impl Event {
+    fn make(
+        stream: Option<StreamId>,
+        device: Option<DeviceId>,
+        position: u64,
+        state: EventState,
+    ) -> EventInner {
+        EventInner {
+            stream,
+            device,
+            position,
+            state: Mutex::new(state),
+            cv: Condvar::new(),
+            clock: OnceLock::new(),
+            #[cfg(feature = "cuda")]
+            cuda: None,
+        }
+    }
+
     fn pending(stream: StreamId, device: DeviceId, position: u64) -> Event {
         Event {
-            inner: Arc::new(EventInner {
-                stream: Some(stream),
-                device: Some(device),
+            inner: Arc::new(Event::make(
+                Some(stream),
+                Some(device),
                 position,
-                state: Mutex::new(EventState::Pending),
-                cv: Condvar::new(),
-            }),
+                EventState::Pending,
+            )),
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        stream: StreamId,
+        device: DeviceId,
+        position: u64,
+        ev: crate::cuda::EventBackend,
+        health: &Arc<Health>,
+    ) -> Event {
+        let mut inner = Event::make(Some(stream), Some(device), position, EventState::Pending);
+        inner.cuda = Some((ev, Arc::clone(health)));
+        Event {
+            inner: Arc::new(inner),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_backend(&self) -> Option<&crate::cuda::EventBackend> {
+        self.inner.cuda.as_ref().map(|(e, _)| e)
     }
 
     /// An event that is already complete (like a CUDA event that was never recorded).
     pub fn completed() -> Event {
         Event {
-            inner: Arc::new(EventInner {
-                stream: None,
-                device: None,
-                position: 0,
-                state: Mutex::new(EventState::Done),
-                cv: Condvar::new(),
-            }),
+            inner: Arc::new(Event::make(None, None, 0, EventState::Done)),
         }
     }
 
@@ -354,16 +585,36 @@ impl Event {
         self.inner.cv.notify_all();
     }
 
+    /// The calling thread has seen this event complete: in checked mode, work it launches from
+    /// now on is ordered after the event.
+    fn observed(&self) {
+        if let Some(c) = self.inner.clock.get() {
+            checked::observe(c);
+        }
+    }
+
     /// True once the event has completed (successfully or not). Never blocks.
     pub fn query(&self) -> bool {
-        !matches!(
+        #[cfg(feature = "cuda")]
+        if let Some((ev, _)) = &self.inner.cuda {
+            return crate::cuda::query(ev);
+        }
+        let done = !matches!(
             *self.inner.state.lock().unwrap_or_else(|e| e.into_inner()),
             EventState::Pending
-        )
+        );
+        if done {
+            self.observed();
+        }
+        done
     }
 
     /// The failure message if the event's stream failed before reaching it.
     pub fn error(&self) -> Option<String> {
+        #[cfg(feature = "cuda")]
+        if let Some((_, health)) = &self.inner.cuda {
+            return health.failure();
+        }
         match &*self.inner.state.lock().unwrap_or_else(|e| e.into_inner()) {
             EventState::Failed(m) => Some(m.clone()),
             _ => None,
@@ -371,6 +622,14 @@ impl Event {
     }
 
     fn wait_raw(&self) -> std::result::Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some((ev, health)) = &self.inner.cuda {
+            crate::cuda::synchronize(ev)?;
+            return match health.failure() {
+                None => Ok(()),
+                Some(m) => Err(m),
+            };
+        }
         let mut s = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             match &*s {
@@ -383,7 +642,11 @@ impl Event {
 
     /// Blocks the calling thread until the event completes; an error if its stream failed.
     pub fn synchronize(&self) -> Result<()> {
-        self.wait_raw().map_err(|m| self.failed(m))
+        let r = self.wait_raw().map_err(|m| self.failed(m));
+        if r.is_ok() {
+            self.observed();
+        }
+        r
     }
 
     fn failed(&self, message: String) -> AllocError {
@@ -396,11 +659,28 @@ impl Event {
 
     /// Blocks until the event completes or `timeout` passes; `Ok(true)` if it completed.
     pub fn synchronize_timeout(&self, timeout: std::time::Duration) -> Result<bool> {
+        #[cfg(feature = "cuda")]
+        if self.inner.cuda.is_some() {
+            let deadline = std::time::Instant::now() + timeout;
+            loop {
+                if self.query() {
+                    return self.synchronize().map(|()| true);
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Ok(false);
+                }
+                thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
         let deadline = std::time::Instant::now() + timeout;
         let mut s = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             match &*s {
-                EventState::Done => return Ok(true),
+                EventState::Done => {
+                    drop(s);
+                    self.observed();
+                    return Ok(true);
+                }
                 EventState::Failed(m) => return Err(self.failed(m.clone())),
                 EventState::Pending => {
                     let now = std::time::Instant::now();

@@ -1,0 +1,204 @@
+//! The checked mode: a happens-before race detector for stream-ordered device memory.
+//!
+//! Every stream of a checked device keeps a *vector clock*: for each stream it is ordered after,
+//! the last position (job index) of that stream it has waited for. Events carry a snapshot of
+//! their stream's clock when they are reached, [`crate::Stream::wait_event`] merges it into the
+//! waiting stream's clock, and a host thread that observes an event as complete
+//! ([`crate::Event::synchronize`], a successful [`crate::Event::query`]) merges it into its own
+//! thread-local clock, which work it launches afterwards inherits. That is exactly the ordering
+//! CUDA gives: stream order, event waits, and host synchronization followed by a launch.
+//!
+//! Every read or write guard taken *inside launched work* of a checked stream is an access by
+//! (stream, position). Each segment remembers, per byte range, its last write and the reads since
+//! then. An access that conflicts with a remembered one (write/any or read/write) must be ordered
+//! after it: same stream, or a clock entry at least the remembered position. Otherwise it is an
+//! [`crate::AllocError::OrderingViolation`] naming the block, both streams and, when the two
+//! accesses belong to different allocations of the same memory, that the block was freed and
+//! reused. The violating stream is failed with that message, so the bug surfaces at its next
+//! synchronize even if the work ignored the error.
+//!
+//! Limits: accesses made by host threads outside launched work are neither checked nor
+//! remembered; synchronization that does not go through events (barriers, channels between
+//! threads) is invisible, so code that orders streams that way must not run in checked mode.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{AllocError, Result};
+use crate::stream::{Health, StreamId};
+
+/// A vector clock: for each stream, the last position known to have happened before.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Clock(HashMap<StreamId, u64>);
+
+impl Clock {
+    pub(crate) fn get(&self, s: StreamId) -> u64 {
+        self.0.get(&s).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn advance(&mut self, s: StreamId, pos: u64) {
+        let e = self.0.entry(s).or_insert(0);
+        *e = (*e).max(pos);
+    }
+
+    pub(crate) fn merge(&mut self, other: &Clock) {
+        for (&s, &p) in &other.0 {
+            self.advance(s, p);
+        }
+    }
+
+    fn covers(&self, other: &Clock) -> bool {
+        other.0.iter().all(|(&s, &p)| self.get(s) >= p)
+    }
+}
+
+/// What the guard of a running job needs to attribute and check an access.
+pub(crate) struct JobCtx {
+    pub(crate) stream: StreamId,
+    pub(crate) name: Arc<str>,
+    pub(crate) pos: u64,
+    pub(crate) clock: Arc<Clock>,
+    pub(crate) health: Arc<Health>,
+}
+
+thread_local! {
+    /// The checked job running on this thread, if any.
+    static CURRENT: RefCell<Option<Arc<JobCtx>>> = const { RefCell::new(None) };
+    /// What this host thread has observed as complete.
+    static HOST: RefCell<Option<Arc<Clock>>> = const { RefCell::new(None) };
+    /// The stream whose job this thread is running right now (checked or not).
+    static RUNNING_ON: Cell<Option<StreamId>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with `ctx` as the current checked job (restoring the previous one after).
+pub(crate) fn with_job<R>(ctx: Option<Arc<JobCtx>>, stream: StreamId, f: impl FnOnce() -> R) -> R {
+    let prev = CURRENT.with(|c| c.replace(ctx));
+    let prev_running = RUNNING_ON.with(|r| r.replace(Some(stream)));
+    struct Restore(Option<Arc<JobCtx>>, Option<StreamId>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let p = self.0.take();
+            CURRENT.with(|c| *c.borrow_mut() = p);
+            RUNNING_ON.with(|r| r.set(self.1));
+        }
+    }
+    let _restore = Restore(prev, prev_running);
+    f()
+}
+
+/// The stream whose launched work is running on this thread, if any (used to avoid a worker
+/// synchronizing its own stream, which would deadlock).
+pub(crate) fn running_on() -> Option<StreamId> {
+    RUNNING_ON.with(|r| r.get())
+}
+
+/// The calling host thread's clock (what it has observed complete), if non-empty.
+pub(crate) fn host_clock() -> Option<Arc<Clock>> {
+    HOST.with(|h| h.borrow().clone())
+}
+
+/// Records that the calling thread observed a point whose clock is `clock`.
+pub(crate) fn observe(clock: &Arc<Clock>) {
+    HOST.with(|h| {
+        let mut h = h.borrow_mut();
+        match h.as_mut() {
+            None => *h = Some(Arc::clone(clock)),
+            Some(cur) => {
+                if !cur.covers(clock) {
+                    Arc::make_mut(cur).merge(clock);
+                }
+            }
+        }
+    });
+}
+
+#[derive(Debug, Clone)]
+struct AccessRecord {
+    start: usize,
+    end: usize,
+    write: bool,
+    stream: StreamId,
+    name: Arc<str>,
+    pos: u64,
+    block: u64,
+}
+
+/// A segment's access history (empty unless checked streams touch it).
+#[derive(Debug, Default)]
+pub(crate) struct History(Mutex<Vec<AccessRecord>>);
+
+/// Checks and records an access to bytes `start..end` of segment `seg` by the current checked job,
+/// if any. `block` is the allocation id of the `BufferRef` used.
+pub(crate) fn on_access(
+    hist: &History,
+    seg: u64,
+    start: usize,
+    end: usize,
+    write: bool,
+    block: u64,
+) -> Result<()> {
+    let Some(ctx) = CURRENT.with(|c| c.borrow().clone()) else {
+        return Ok(());
+    };
+    if start >= end {
+        return Ok(());
+    }
+    let mut h = hist.0.lock().unwrap_or_else(|e| e.into_inner());
+    let ordered =
+        |r: &AccessRecord| r.stream == ctx.stream || ctx.clock.get(r.stream) >= r.pos;
+    if let Some(r) = h
+        .iter()
+        .find(|r| r.start < end && start < r.end && (write || r.write) && !ordered(r))
+    {
+        let this = if write { "writes" } else { "reads" };
+        let that = if r.write { "wrote" } else { "read" };
+        let msg = if r.block != block {
+            format!(
+                "block {block} (segment {seg} bytes {start}..{end}) is the memory of freed \
+                 allocation {old} reused: stream `{cur}` (job {pos}) {this} it while stream `{other}` \
+                 (job {opos}) {that} the old allocation with no ordering between them; call \
+                 Buffer::record_stream(`{other}`) before dropping the old buffer, or keep it alive \
+                 until an event recorded on `{other}` completes",
+                old = r.block,
+                cur = ctx.name,
+                pos = ctx.pos,
+                other = r.name,
+                opos = r.pos,
+            )
+        } else {
+            format!(
+                "block {block} (segment {seg} bytes {start}..{end}): stream `{cur}` (job {pos}) \
+                 {this} it but stream `{other}` {that} it at job {opos} and `{cur}` never waited \
+                 for that; record an event on `{other}` after its work and make `{cur}` \
+                 wait_event on it",
+                cur = ctx.name,
+                pos = ctx.pos,
+                other = r.name,
+                opos = r.pos,
+            )
+        };
+        drop(h);
+        ctx.health.fail(format!("stream-ordering violation: {msg}"));
+        return Err(AllocError::OrderingViolation(msg));
+    }
+    if write {
+        // Everything this write covers is ordered before it, hence before whatever is ordered
+        // after it: those records add nothing.
+        h.retain(|r| !(r.start >= start && r.end <= end));
+    } else {
+        h.retain(|r| {
+            !(r.stream == ctx.stream && !r.write && r.start >= start && r.end <= end)
+        });
+    }
+    h.push(AccessRecord {
+        start,
+        end,
+        write,
+        stream: ctx.stream,
+        name: Arc::clone(&ctx.name),
+        pos: ctx.pos,
+        block,
+    });
+    Ok(())
+}
