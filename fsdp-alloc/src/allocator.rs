@@ -20,8 +20,9 @@
 //!   `process_events`).
 //! - **Free-and-retry.** When a raw allocation fails (capacity exceeded or the host refuses),
 //!   the allocator waits for every pending free's events, synchronizes the streams it has served
-//!   (except the one whose work is calling it, which would deadlock), releases every cached
-//!   segment that is entirely free, and tries once more; each such attempt counts in
+//!   (except the one whose work is calling it, which would deadlock), tries the stream's free
+//!   list again (blocks whose events just completed), then releases every cached segment that is
+//!   entirely free and tries a raw allocation once more; each such attempt counts in
 //!   `num_alloc_retries`. If that fails too the result is [`AllocError::OutOfMemory`].
 //! - **Statistics** as in `torch.cuda.memory_stats()` ([`MemoryStats`], per pool [`PoolStats`]).
 //!
@@ -421,8 +422,15 @@ impl CachingAllocator {
             st = self.lock();
             st.stats.num_alloc_retries += 1;
             self.process_events(&mut st);
-            self.release_free_segments(&mut st);
-            granted = self.take_new(&mut st, pool, sid, size, nbytes);
+            if self.config.caching {
+                // Blocks whose events have now completed may fit (PyTorch would flush them and
+                // still fail when their segment is partly in use).
+                granted = self.take_free(&mut st, pool, sid, size, nbytes);
+            }
+            if granted.is_none() {
+                self.release_free_segments(&mut st);
+                granted = self.take_new(&mut st, pool, sid, size, nbytes);
+            }
         }
         let Some(g) = granted else {
             st.stats.num_ooms += 1;
