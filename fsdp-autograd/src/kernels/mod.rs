@@ -1,2 +1,70 @@
-//! Pure CPU kernels on slices (`kernels::cpu`): matmul through `gemm`, activations, norms,
-//! attention, losses and casts. Owned by the kernels helper; filled in separately.
+//! Compute kernels: pure functions on slices, with no tensors, streams or autograd in sight.
+//!
+//! The tensor layer launches these on a stream; they only see contiguous, row-major `f32` data
+//! (plus `i64` ids/targets and `f16`/`bf16` for casts). Every kernel checks that the slices it is
+//! given match the shape arguments and returns a [`KernelError`] naming the kernel, the argument
+//! and the sizes otherwise — kernels never panic on bad input.
+//!
+//! # Layout
+//! - [`cpu`]: the CPU implementations. Matrix products go through the [`gemm`] crate; everything
+//!   else is plain Rust that processes whole rows in a fixed order.
+//!
+//! # Determinism
+//! Every CPU kernel returns bit-identical results for bit-identical inputs, on every call and
+//! (for matrix products) under every parallelism setting and at every slice alignment; see
+//! [`cpu::matmul`] for how this was established for `gemm` and what it rests on.
+
+pub mod cpu;
+
+use thiserror::Error;
+
+/// A kernel was called with arguments that do not describe a valid computation.
+///
+/// Each variant names the kernel (`op`) and enough of the arguments to find the caller's mistake.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// A slice's length differs from what the shape arguments require.
+    #[error(
+        "kernel `{op}`: `{arg}` has {actual} elements but the shape arguments ({shape}) require \
+         {expected}; pass slices whose lengths match the shapes (contiguous, row-major)"
+    )]
+    LengthMismatch {
+        /// The kernel that rejected its arguments.
+        op: &'static str,
+        /// The argument whose length is wrong.
+        arg: &'static str,
+        /// The length the shape arguments require.
+        expected: usize,
+        /// The length that was passed.
+        actual: usize,
+        /// The shape arguments, rendered as `name=value` pairs.
+        shape: String,
+    },
+    /// The shape arguments themselves are unusable (zero columns for a row-wise kernel, a length
+    /// that is not a whole number of rows, or a product that overflows `usize`/`isize`).
+    #[error("kernel `{op}`: {reason}")]
+    InvalidShape {
+        /// The kernel that rejected its arguments.
+        op: &'static str,
+        /// What is wrong, with the offending sizes.
+        reason: String,
+    },
+    /// An id (embedding index or class target) lies outside `0..bound`.
+    #[error(
+        "kernel `{op}`: {what} {value} at position {position} is out of range 0..{bound}; \
+         every {what} must be non-negative and below {bound}"
+    )]
+    IndexOutOfRange {
+        /// The kernel that rejected its arguments.
+        op: &'static str,
+        /// What kind of index it is (`"id"`, `"target"`).
+        what: &'static str,
+        /// The offending value.
+        value: i64,
+        /// Its position in the index slice.
+        position: usize,
+        /// The exclusive upper bound (table rows, number of classes).
+        bound: usize,
+    },
+}

@@ -1,0 +1,377 @@
+//! Causal scaled-dot-product attention on `[batch, heads, t, d]`, built on `gemm`.
+
+use super::check;
+use super::matmul::{gemm_checked, matmul_parallelism};
+use super::norm::softmax_row_inplace;
+use crate::kernels::KernelError;
+
+/// Checks q/k/v-shaped and probs-shaped arguments; returns `(batch·heads, t·d, t·t)`.
+fn shapes(
+    op: &'static str,
+    qkv_like: &[(&'static str, usize)],
+    probs_like: &[(&'static str, usize)],
+    batch: usize,
+    heads: usize,
+    t: usize,
+    d: usize,
+) -> Result<(usize, usize, usize), KernelError> {
+    let bh = check::mul(op, batch, heads)?;
+    let td = check::mul(op, t, d)?;
+    let tt = check::mul(op, t, t)?;
+    let (n_qkv, n_probs) = (check::mul(op, bh, td)?, check::mul(op, bh, tt)?);
+    let shape = || format!("batch={batch}, heads={heads}, t={t}, d={d}");
+    for &(arg, len) in qkv_like {
+        check::len(op, arg, len, n_qkv, shape)?;
+    }
+    for &(arg, len) in probs_like {
+        check::len(op, arg, len, n_probs, shape)?;
+    }
+    Ok((bh, td, tt))
+}
+
+/// The softmax scale `1/√d` in f32.
+fn softmax_scale(d: usize) -> f32 {
+    (1.0 / (d as f64).sqrt()) as f32
+}
+
+/// Causal scaled-dot-product attention, per (batch, head):
+/// `probs = softmax(q·kᵀ/√d + causal mask)`, `out = probs·v`.
+///
+/// `q`, `k`, `v` and `out` are `[batch, heads, t, d]`, contiguous; `probs` is
+/// `[batch, heads, t, t]` and is saved for [`causal_attention_backward`] (row `i` holds the
+/// weights over positions `0..=i`; entries above the diagonal are exactly 0). Both products are
+/// `gemm` calls (the `1/√d` scale is folded into the first), with the current
+/// [`matmul_parallelism`](super::matmul_parallelism); the softmax is stable (max subtraction).
+/// For simplicity the full `t×t` score matrix is computed and the upper triangle discarded.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] if a slice does not match the shape; [`KernelError::InvalidShape`]
+/// on overflow. `d == 0` gives uniform causal weights and a zero-width output.
+///
+/// ```
+/// use fsdp_autograd::kernels::cpu::causal_attention;
+/// // One head, t = 2, d = 1: position 0 sees only itself.
+/// let (q, k, v) = ([1.0, 1.0], [0.0, 0.0], [3.0, 5.0]);
+/// let (mut out, mut probs) = ([0.0; 2], [0.0; 4]);
+/// causal_attention(&q, &k, &v, &mut out, &mut probs, 1, 1, 2, 1).unwrap();
+/// assert_eq!(probs, [1.0, 0.0, 0.5, 0.5]);
+/// assert_eq!(out, [3.0, 4.0]);
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    probs: &mut [f32],
+    batch: usize,
+    heads: usize,
+    t: usize,
+    d: usize,
+) -> Result<(), KernelError> {
+    let op = "causal_attention";
+    let (bh, td, tt) = shapes(
+        op,
+        &[
+            ("q", q.len()),
+            ("k", k.len()),
+            ("v", v.len()),
+            ("out", out.len()),
+        ],
+        &[("probs", probs.len())],
+        batch,
+        heads,
+        t,
+        d,
+    )?;
+    if tt == 0 {
+        return Ok(());
+    }
+    let scale = softmax_scale(d);
+    let par = matmul_parallelism();
+    for h in 0..bh {
+        let (qh, kh, vh) = (
+            &q[h * td..(h + 1) * td],
+            &k[h * td..(h + 1) * td],
+            &v[h * td..(h + 1) * td],
+        );
+        let ph = &mut probs[h * tt..(h + 1) * tt];
+        gemm_checked(op, qh, kh, ph, t, d, t, false, true, false, scale, par)?;
+        for (i, row) in ph.chunks_exact_mut(t).enumerate() {
+            let (visible, masked) = row.split_at_mut(i + 1);
+            softmax_row_inplace(visible);
+            masked.fill(0.0);
+        }
+        let oh = &mut out[h * td..(h + 1) * td];
+        gemm_checked(op, ph, vh, oh, t, t, d, false, false, false, 1.0, par)?;
+    }
+    Ok(())
+}
+
+/// Gradient of [`causal_attention`], from `q`, `k`, `v`, the saved `probs` and the upstream
+/// `dout`. Per (batch, head), with `P = probs`:
+/// `dv = Pᵀ·dout`, `dP = dout·vᵀ`, `dS = P ⊙ (dP − rowsum(P ⊙ dP))` (zero above the diagonal),
+/// `dq = dS·k/√d`, `dk = dSᵀ·q/√d`. `dq`, `dk` and `dv` are **overwritten**.
+///
+/// The four products are `gemm` calls; `dP`/`dS` live in one `t×t` scratch buffer allocated once
+/// per call (the only allocation in the attention kernels).
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] if a slice does not match the shape; [`KernelError::InvalidShape`]
+/// on overflow.
+///
+/// ```
+/// use fsdp_autograd::kernels::cpu::{causal_attention, causal_attention_backward};
+/// let (q, k, v) = ([1.0, 1.0], [0.0, 0.0], [3.0, 5.0]);
+/// let (mut out, mut probs) = ([0.0; 2], [0.0; 4]);
+/// causal_attention(&q, &k, &v, &mut out, &mut probs, 1, 1, 2, 1).unwrap();
+/// let (mut dq, mut dk, mut dv) = ([0.0; 2], [0.0; 2], [0.0; 2]);
+/// causal_attention_backward(&q, &k, &v, &probs, &[1.0, 1.0], &mut dq, &mut dk, &mut dv,
+///                           1, 1, 2, 1).unwrap();
+/// assert_eq!(dv, [1.5, 0.5]); // v₀ feeds out₀ fully and out₁ by half
+/// assert_eq!(dq[0], 0.0);     // a single visible position: scores do not matter
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    probs: &[f32],
+    dout: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    batch: usize,
+    heads: usize,
+    t: usize,
+    d: usize,
+) -> Result<(), KernelError> {
+    let op = "causal_attention_backward";
+    let (bh, td, tt) = shapes(
+        op,
+        &[
+            ("q", q.len()),
+            ("k", k.len()),
+            ("v", v.len()),
+            ("dout", dout.len()),
+            ("dq", dq.len()),
+            ("dk", dk.len()),
+            ("dv", dv.len()),
+        ],
+        &[("probs", probs.len())],
+        batch,
+        heads,
+        t,
+        d,
+    )?;
+    if tt == 0 || td == 0 {
+        return Ok(());
+    }
+    let scale = softmax_scale(d);
+    let par = matmul_parallelism();
+    let mut ds = vec![0.0f32; tt];
+    for h in 0..bh {
+        let r = h * td..(h + 1) * td;
+        let (qh, kh, vh, doh) = (
+            &q[r.clone()],
+            &k[r.clone()],
+            &v[r.clone()],
+            &dout[r.clone()],
+        );
+        let ph = &probs[h * tt..(h + 1) * tt];
+        // dv = Pᵀ · dout
+        gemm_checked(
+            op,
+            ph,
+            doh,
+            &mut dv[r.clone()],
+            t,
+            t,
+            d,
+            true,
+            false,
+            false,
+            1.0,
+            par,
+        )?;
+        // dP = dout · vᵀ
+        gemm_checked(op, doh, vh, &mut ds, t, d, t, false, true, false, 1.0, par)?;
+        for (i, (drow, prow)) in ds.chunks_exact_mut(t).zip(ph.chunks_exact(t)).enumerate() {
+            let (dvis, dmasked) = drow.split_at_mut(i + 1);
+            let pvis = &prow[..i + 1];
+            let dot = super::elementwise::dot_f64(pvis, dvis) as f32;
+            for (o, &p) in dvis.iter_mut().zip(pvis) {
+                *o = p * (*o - dot);
+            }
+            dmasked.fill(0.0);
+        }
+        // dq = dS · k / √d ; dk = dSᵀ · q / √d
+        gemm_checked(
+            op,
+            &ds,
+            kh,
+            &mut dq[r.clone()],
+            t,
+            t,
+            d,
+            false,
+            false,
+            false,
+            scale,
+            par,
+        )?;
+        gemm_checked(
+            op, &ds, qh, &mut dk[r], t, t, d, true, false, false, scale, par,
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::testutil::{assert_close, bits, dot, f64s, fd_grad, Rng};
+
+    /// f64 reference: returns (out, probs) for `p = q ‖ k ‖ v`.
+    fn attn_ref(p: &[f64], bh: usize, t: usize, d: usize) -> (Vec<f64>, Vec<f64>) {
+        let n = bh * t * d;
+        let (q, rest) = p.split_at(n);
+        let (k, v) = rest.split_at(n);
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut out = vec![0.0; n];
+        let mut probs = vec![0.0; bh * t * t];
+        for h in 0..bh {
+            let o = h * t * d;
+            for i in 0..t {
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|c| q[o + i * d + c] * k[o + j * d + c])
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - max).exp()).sum();
+                for (j, sj) in s.iter().enumerate() {
+                    let pj = (sj - max).exp() / z;
+                    probs[h * t * t + i * t + j] = pj;
+                    for c in 0..d {
+                        out[o + i * d + c] += pj * v[o + j * d + c];
+                    }
+                }
+            }
+        }
+        (out, probs)
+    }
+
+    #[test]
+    fn forward_and_backward_match_reference() {
+        let mut rng = Rng::new(50);
+        for (batch, heads, t, d) in [
+            (1, 1, 1, 1),
+            (1, 1, 1, 4),
+            (2, 1, 3, 1),
+            (1, 2, 5, 3),
+            (2, 2, 7, 4),
+        ] {
+            let n = batch * heads * t * d;
+            let q = rng.vec_scaled(n, 1.5);
+            let k = rng.vec_scaled(n, 1.5);
+            let v = rng.vec(n);
+            let (mut out, mut probs) = (vec![f32::NAN; n], vec![f32::NAN; batch * heads * t * t]);
+            causal_attention(&q, &k, &v, &mut out, &mut probs, batch, heads, t, d).unwrap();
+            let mut p = f64s(&q);
+            p.extend(f64s(&k));
+            p.extend(f64s(&v));
+            let bh = batch * heads;
+            let (want_out, want_probs) = attn_ref(&p, bh, t, d);
+            // Scores: a length-d f32 dot (≤ d·u relative to Σ|q||k| ≲ d·2.25) then softmax and
+            // a length-t dot with |v| ≤ 1: absolute 1e-5 covers these sizes with margin.
+            assert_close("probs", &probs, &want_probs, 1e-5, 1e-6);
+            assert_close("out", &out, &want_out, 1e-5, 1e-5);
+
+            let dout = rng.vec(n);
+            let (mut dq, mut dk, mut dv) =
+                (vec![f32::NAN; n], vec![f32::NAN; n], vec![f32::NAN; n]);
+            causal_attention_backward(
+                &q, &k, &v, &probs, &dout, &mut dq, &mut dk, &mut dv, batch, heads, t, d,
+            )
+            .unwrap();
+            let want = fd_grad(|x| dot(&attn_ref(x, bh, t, d).0, &dout), &p, 1e-6);
+            assert_close("dq", &dq, &want[..n], 1e-4, 2e-5);
+            assert_close("dk", &dk, &want[n..2 * n], 1e-4, 2e-5);
+            assert_close("dv", &dv, &want[2 * n..], 1e-4, 2e-5);
+        }
+    }
+
+    #[test]
+    fn t1_attends_to_itself_and_is_deterministic() {
+        let mut rng = Rng::new(51);
+        let (batch, heads, t, d) = (2, 3, 1, 5);
+        let n = batch * heads * t * d;
+        let (q, k, v) = (rng.vec(n), rng.vec(n), rng.vec(n));
+        let (mut out, mut probs) = (vec![0.0; n], vec![0.0; batch * heads]);
+        causal_attention(&q, &k, &v, &mut out, &mut probs, batch, heads, t, d).unwrap();
+        assert_eq!(probs, vec![1.0; batch * heads]);
+        assert_eq!(out, v);
+        let dout = rng.vec(n);
+        let (mut dq, mut dk, mut dv) = (vec![1.0; n], vec![1.0; n], vec![1.0; n]);
+        causal_attention_backward(
+            &q, &k, &v, &probs, &dout, &mut dq, &mut dk, &mut dv, batch, heads, t, d,
+        )
+        .unwrap();
+        assert_eq!(dv, dout);
+        assert_eq!(dq, vec![0.0; n]);
+        assert_eq!(dk, vec![0.0; n]);
+
+        // Bitwise repeatability on a shape large enough for gemm's threaded path.
+        let (batch, heads, t, d) = (1, 2, 128, 64);
+        let n = batch * heads * t * d;
+        let (q, k, v) = (rng.vec(n), rng.vec(n), rng.vec(n));
+        let run = || {
+            let (mut out, mut probs) = (vec![0.0; n], vec![0.0; batch * heads * t * t]);
+            causal_attention(&q, &k, &v, &mut out, &mut probs, batch, heads, t, d).unwrap();
+            let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            causal_attention_backward(
+                &q, &k, &v, &probs, &out, &mut dq, &mut dk, &mut dv, batch, heads, t, d,
+            )
+            .unwrap();
+            [bits(&out), bits(&probs), bits(&dq), bits(&dk), bits(&dv)]
+        };
+        assert_eq!(run(), run());
+    }
+
+    #[test]
+    fn shape_errors_name_the_argument() {
+        let x = [0.0; 8];
+        let (mut out, mut probs) = ([0.0; 8], [0.0; 8]);
+        assert!(causal_attention(&x, &x, &x, &mut out, &mut probs, 1, 2, 2, 2).is_ok());
+        let err = causal_attention(&x[..7], &x, &x, &mut out, &mut probs, 1, 2, 2, 2).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::LengthMismatch {
+                arg: "q",
+                expected: 8,
+                actual: 7,
+                ..
+            }
+        ));
+        assert!(
+            err.to_string().contains("batch=1, heads=2, t=2, d=2"),
+            "{err}"
+        );
+        let err = causal_attention(&x, &x, &x, &mut out, &mut probs[..4], 1, 2, 2, 2).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::LengthMismatch { arg: "probs", .. }
+        ));
+        let (mut dq, mut dk, mut dv) = ([0.0; 8], [0.0; 8], [0.0; 7]);
+        let err = causal_attention_backward(
+            &x, &x, &x, &probs, &x, &mut dq, &mut dk, &mut dv, 1, 2, 2, 2,
+        )
+        .unwrap_err();
+        assert!(matches!(err, KernelError::LengthMismatch { arg: "dv", .. }));
+        assert!(causal_attention(&x, &x, &x, &mut out, &mut probs, usize::MAX, 2, 2, 2).is_err());
+    }
+}

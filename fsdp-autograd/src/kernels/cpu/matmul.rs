@@ -1,0 +1,554 @@
+//! Matrix products through the `gemm` crate.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use gemm::Parallelism;
+
+use super::check;
+use crate::kernels::KernelError;
+
+/// `0` = every thread of rayon's global pool (gemm's `Parallelism::Rayon(0)`).
+static MATMUL_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets how many threads every later [`matmul`]/[`bmm`] call (process-wide) asks `gemm` for.
+///
+/// - `0` (the default): `gemm::Parallelism::Rayon(0)`, i.e. all threads of rayon's global pool
+///   (one per core unless `RAYON_NUM_THREADS` says otherwise);
+/// - `1`: `gemm::Parallelism::None` (run on the calling thread);
+/// - `n ≥ 2`: `gemm::Parallelism::Rayon(n)`.
+///
+/// The setting changes speed only, never results: the tests of this module check that `gemm`
+/// 0.19 gives bit-identical products under `None`, `Rayon(0)`, `Rayon(2)` and `Rayon(3)`
+/// (it splits work over rows and columns of the output, never over the shared dimension).
+///
+/// ```
+/// use fsdp_autograd::kernels::cpu::{matmul_parallelism, matmul_threads, set_matmul_threads};
+/// let before = matmul_threads();
+/// set_matmul_threads(1);
+/// assert!(matches!(matmul_parallelism(), gemm::Parallelism::None));
+/// set_matmul_threads(before);
+/// ```
+pub fn set_matmul_threads(threads: usize) {
+    MATMUL_THREADS.store(threads, Ordering::Relaxed);
+}
+
+/// The value last given to [`set_matmul_threads`] (`0` = rayon's whole pool, the default).
+pub fn matmul_threads() -> usize {
+    MATMUL_THREADS.load(Ordering::Relaxed)
+}
+
+/// The `gemm::Parallelism` that [`matmul`] and [`bmm`] currently pass to `gemm` (see
+/// [`set_matmul_threads`]). A benchmark calling `gemm::gemm` directly should pass this value to
+/// compare like with like.
+pub fn matmul_parallelism() -> Parallelism {
+    match matmul_threads() {
+        1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    }
+}
+
+/// Row/column strides of the operands of `C (m×n) = op(A) · op(B)` with row-major storage.
+///
+/// `A` is stored `m×k` (or `k×m` when `trans_a`), `B` `k×n` (or `n×k` when `trans_b`), `C` `m×n`.
+/// Returned as `(a_rs, a_cs, b_rs, b_cs, c_rs)`; `C`'s column stride is 1.
+#[inline]
+fn strides(
+    op: &'static str,
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+) -> Result<(isize, isize, isize, isize, isize), KernelError> {
+    let (a_rs, a_cs) = if trans_a { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if trans_b { (1, k) } else { (n, 1) };
+    Ok((
+        check::stride(op, a_rs)?,
+        check::stride(op, a_cs)?,
+        check::stride(op, b_rs)?,
+        check::stride(op, b_cs)?,
+        check::stride(op, n)?,
+    ))
+}
+
+/// The checked core of [`matmul`]: `C = scale · op(A) · op(B) (+ C if accumulate)` with an
+/// explicit parallelism. Shared by `matmul`, `bmm` and attention (which folds `1/√d` into the
+/// product).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(crate) fn gemm_checked(
+    op: &'static str,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+    scale: f32,
+    parallelism: Parallelism,
+) -> Result<(), KernelError> {
+    let shape = || format!("m={m}, k={k}, n={n}, trans_a={trans_a}, trans_b={trans_b}");
+    check::len(op, "a", a.len(), check::mul(op, m, k)?, shape)?;
+    check::len(op, "b", b.len(), check::mul(op, k, n)?, shape)?;
+    check::len(op, "c", c.len(), check::mul(op, m, n)?, shape)?;
+    let (a_rs, a_cs, b_rs, b_cs, c_rs) = strides(op, m, k, n, trans_a, trans_b)?;
+    // SAFETY: the lengths were checked above: `a` holds m·k elements and gemm reads A[i][p] at
+    // i·a_rs + p·a_cs ≤ m·k − 1 for i < m, p < k in both layouts (likewise `b` with k·n elements
+    // and `c` with m·n, written at i·n + j). `c` is a unique borrow, so it aliases neither input.
+    // gemm returns before touching memory when m or n is 0, and reads no input when k is 0.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            c_rs,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    Ok(())
+}
+
+/// `C (m×n) = op(A) · op(B)`, plus the old `C` if `accumulate`; all row-major `f32`.
+///
+/// `A` is stored `m×k`, or `k×m` when `trans_a` (then `op(A) = Aᵀ`); `B` is stored `k×n`, or
+/// `n×k` when `trans_b`. Transposes are expressed as strides handed to `gemm`, so nothing is
+/// copied, and the wrapper allocates nothing; its overhead over a direct `gemm::gemm` call is a
+/// few length checks. With `accumulate == false` the old contents of `c` are never read (NaNs
+/// there do not leak into the result). With `k == 0`, `C` is zeroed (or left as is when
+/// accumulating).
+///
+/// Threads: see [`set_matmul_threads`]. **Determinism**: the same inputs give the same bits on
+/// every call, under every parallelism setting, and wherever the slices sit in memory (checked
+/// by this module's tests against `gemm` 0.19 on x86-64). Different `trans_a`/`trans_b`
+/// combinations of mathematically equal products may round differently.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] if `a`, `b` or `c` do not hold `m·k`, `k·n` and `m·n`
+/// elements; [`KernelError::InvalidShape`] if a size product overflows.
+///
+/// # Calling `gemm` directly with the same semantics
+/// `gemm::gemm` computes `dst = alpha·dst + beta·lhs·rhs` (note: `alpha` scales the *old* `dst`)
+/// and takes each matrix as a pointer plus **column stride, then row stride**. This is exactly
+/// the call `matmul` makes, so a benchmark can time it side by side:
+///
+/// ```
+/// use fsdp_autograd::kernels::cpu::{matmul, matmul_parallelism};
+/// let (m, k, n) = (3, 4, 2);
+/// let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5).collect(); // m×k
+/// let b: Vec<f32> = (0..n * k).map(|i| 1.0 - i as f32).collect(); // stored n×k (trans_b)
+/// let mut ours = vec![0.0f32; m * n];
+/// matmul(&a, &b, &mut ours, m, k, n, false, true, false).unwrap();
+///
+/// let mut raw = vec![0.0f32; m * n];
+/// // Strides for row-major storage: A (not transposed) rs = k, cs = 1; A transposed: rs = 1,
+/// // cs = m. B (not transposed) rs = n, cs = 1; B transposed: rs = 1, cs = k. C: rs = n, cs = 1.
+/// // SAFETY: the three buffers hold m·k, n·k and m·n elements, matching the strides.
+/// unsafe {
+///     gemm::gemm(
+///         m, n, k,
+///         raw.as_mut_ptr(), 1, n as isize,    // dst, dst_cs, dst_rs
+///         false,                              // read_dst: true to accumulate into dst
+///         a.as_ptr(), 1, k as isize,          // lhs, lhs_cs, lhs_rs
+///         b.as_ptr(), k as isize, 1,          // rhs, rhs_cs, rhs_rs (transposed storage)
+///         1.0, 1.0,                           // alpha (old dst), beta (product)
+///         false, false, false,                // conj_dst, conj_lhs, conj_rhs
+///         matmul_parallelism(),
+///     );
+/// }
+/// assert_eq!(ours, raw); // bit-identical
+/// assert_eq!(ours[0], 0.0 * 1.0 + 0.5 * 0.0 + 1.0 * -1.0 + 1.5 * -2.0);
+/// ```
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn matmul(
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    gemm_checked(
+        "matmul",
+        a,
+        b,
+        c,
+        m,
+        k,
+        n,
+        trans_a,
+        trans_b,
+        accumulate,
+        1.0,
+        matmul_parallelism(),
+    )
+}
+
+/// `batch` independent [`matmul`]s on consecutive blocks: block `i` of `a` (`m·k` elements,
+/// stored `m×k` or `k×m` per `trans_a`), of `b` (`k·n`, per `trans_b`) and of `c` (`m·n`).
+///
+/// Each block is one `gemm` call with the current [`matmul_parallelism`]; blocks run in order.
+/// Same determinism guarantees as [`matmul`].
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] if the slices do not hold `batch` blocks of those sizes;
+/// [`KernelError::InvalidShape`] on overflow.
+///
+/// ```
+/// use fsdp_autograd::kernels::cpu::bmm;
+/// // Two 1×2 · 2×1 products.
+/// let a = [1.0, 2.0, 3.0, 4.0];
+/// let b = [5.0, 6.0, 7.0, 8.0];
+/// let mut c = [0.0; 2];
+/// bmm(&a, &b, &mut c, 2, 1, 2, 1, false, false, false).unwrap();
+/// assert_eq!(c, [1.0 * 5.0 + 2.0 * 6.0, 3.0 * 7.0 + 4.0 * 8.0]);
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn bmm(
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    bmm_scaled(
+        "bmm", a, b, c, batch, m, k, n, trans_a, trans_b, accumulate, 1.0,
+    )
+}
+
+/// [`bmm`] with the product scaled by `scale` inside `gemm`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bmm_scaled(
+    op: &'static str,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+    scale: f32,
+) -> Result<(), KernelError> {
+    let shape = || format!("batch={batch}, m={m}, k={k}, n={n}");
+    let (sa, sb, sc) = (
+        check::mul(op, m, k)?,
+        check::mul(op, k, n)?,
+        check::mul(op, m, n)?,
+    );
+    check::len(op, "a", a.len(), check::mul(op, batch, sa)?, shape)?;
+    check::len(op, "b", b.len(), check::mul(op, batch, sb)?, shape)?;
+    check::len(op, "c", c.len(), check::mul(op, batch, sc)?, shape)?;
+    if sc == 0 {
+        return Ok(());
+    }
+    let par = matmul_parallelism();
+    // `sc > 0`, so `chunks_exact_mut(sc)` yields exactly `batch` blocks; `sa`/`sb` may be 0
+    // (k == 0), which `chunks_exact` does not accept, hence the explicit ranges.
+    for (i, cb) in c.chunks_exact_mut(sc).enumerate() {
+        let ab = &a[i * sa..(i + 1) * sa];
+        let bb = &b[i * sb..(i + 1) * sb];
+        gemm_checked(
+            op, ab, bb, cb, m, k, n, trans_a, trans_b, accumulate, scale, par,
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::testutil::Rng;
+
+    /// f64 reference product, and the sum of |a_ip·b_pj| for the rounding bound.
+    fn reference(
+        a: &[f32],
+        b: &[f32],
+        c0: &[f32],
+        (m, k, n): (usize, usize, usize),
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let mut out = vec![0.0; m * n];
+        let mut mag = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let (mut s, mut g) = (0.0f64, 0.0f64);
+                for p in 0..k {
+                    let av = if trans_a { a[p * m + i] } else { a[i * k + p] } as f64;
+                    let bv = if trans_b { b[j * k + p] } else { b[p * n + j] } as f64;
+                    s += av * bv;
+                    g += (av * bv).abs();
+                }
+                if accumulate {
+                    s += c0[i * n + j] as f64;
+                    g += (c0[i * n + j] as f64).abs();
+                }
+                out[i * n + j] = s;
+                mag[i * n + j] = g;
+            }
+        }
+        (out, mag)
+    }
+
+    /// Standard forward-error bound of a length-k dot product in f32: |err| ≤ γ_{k+1}·Σ|a·b|,
+    /// γ_j = j·u/(1 − j·u), u = 2⁻²⁴; doubled for slack.
+    fn check_against_reference(got: &[f32], want: &[f64], mag: &[f64], k: usize) {
+        let u = f32::EPSILON as f64 / 2.0;
+        let j = (k + 2) as f64;
+        let gamma = j * u / (1.0 - j * u);
+        for (idx, ((&g, &w), &s)) in got.iter().zip(want).zip(mag).enumerate() {
+            let err = (g as f64 - w).abs();
+            assert!(
+                err <= 2.0 * gamma * s + 1e-30,
+                "element {idx}: got {g}, want {w}, err {err}, bound {}",
+                2.0 * gamma * s
+            );
+        }
+    }
+
+    #[test]
+    fn matches_reference_all_transposes_and_accumulate() {
+        let mut rng = Rng::new(1);
+        let shapes = [
+            (1, 1, 1),
+            (1, 7, 1),
+            (1, 5, 9),
+            (9, 5, 1),
+            (4, 1, 6),
+            (3, 2, 5),
+            (17, 33, 9),
+            (70, 65, 66),
+        ];
+        for &(m, k, n) in &shapes {
+            for trans_a in [false, true] {
+                for trans_b in [false, true] {
+                    for accumulate in [false, true] {
+                        let a = rng.vec(m * k);
+                        let b = rng.vec(k * n);
+                        let c0 = rng.vec(m * n);
+                        let mut c = c0.clone();
+                        matmul(&a, &b, &mut c, m, k, n, trans_a, trans_b, accumulate).unwrap();
+                        let (want, mag) =
+                            reference(&a, &b, &c0, (m, k, n), trans_a, trans_b, accumulate);
+                        check_against_reference(&c, &want, &mag, k);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn overwrite_ignores_nan_in_output_and_k_zero_zeroes() {
+        let mut rng = Rng::new(2);
+        let (m, k, n) = (5, 6, 7);
+        let a = rng.vec(m * k);
+        let b = rng.vec(k * n);
+        let mut c = vec![f32::NAN; m * n];
+        matmul(&a, &b, &mut c, m, k, n, false, false, false).unwrap();
+        assert!(c.iter().all(|v| v.is_finite()));
+
+        let mut z = vec![f32::NAN; 6];
+        matmul(&[], &[], &mut z, 2, 0, 3, false, false, false).unwrap();
+        assert_eq!(z, vec![0.0; 6]);
+        let mut keep = vec![1.5f32; 6];
+        matmul(&[], &[], &mut keep, 2, 0, 3, true, true, true).unwrap();
+        assert_eq!(keep, vec![1.5; 6]);
+        // Empty output: nothing to do, no error.
+        matmul(&a[..0], &[], &mut [], 0, 4, 0, false, false, false).unwrap();
+    }
+
+    #[test]
+    fn length_mismatches_are_errors_naming_the_argument() {
+        let a = vec![0.0; 6];
+        let b = vec![0.0; 12];
+        let mut c = vec![0.0; 8];
+        matmul(&a, &b, &mut c, 2, 3, 4, false, false, false).unwrap();
+        let err = matmul(&a[..5], &b, &mut c, 2, 3, 4, false, false, false).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::LengthMismatch {
+                arg: "a",
+                expected: 6,
+                actual: 5,
+                ..
+            }
+        ));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("matmul") && msg.contains("m=2, k=3, n=4"),
+            "{msg}"
+        );
+        let err = matmul(&a, &b[..11], &mut c, 2, 3, 4, false, false, false).unwrap_err();
+        assert!(matches!(err, KernelError::LengthMismatch { arg: "b", .. }));
+        let err = matmul(&a, &b, &mut c[..7], 2, 3, 4, false, false, false).unwrap_err();
+        assert!(matches!(err, KernelError::LengthMismatch { arg: "c", .. }));
+        let err = matmul(&a, &b, &mut c, usize::MAX, 2, 4, false, false, false).unwrap_err();
+        assert!(matches!(err, KernelError::InvalidShape { .. }));
+        let err = bmm(&a, &b, &mut c, 2, 2, 3, 4, false, false, false).unwrap_err();
+        assert!(matches!(
+            err,
+            KernelError::LengthMismatch {
+                op: "bmm",
+                arg: "a",
+                expected: 12,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn bmm_equals_per_block_matmul_bitwise() {
+        let mut rng = Rng::new(3);
+        let (batch, m, k, n) = (5, 7, 9, 4);
+        for trans_a in [false, true] {
+            for trans_b in [false, true] {
+                let a = rng.vec(batch * m * k);
+                let b = rng.vec(batch * k * n);
+                let c0 = rng.vec(batch * m * n);
+                let mut c = c0.clone();
+                bmm(&a, &b, &mut c, batch, m, k, n, trans_a, trans_b, true).unwrap();
+                for i in 0..batch {
+                    let mut ci = c0[i * m * n..(i + 1) * m * n].to_vec();
+                    matmul(
+                        &a[i * m * k..(i + 1) * m * k],
+                        &b[i * k * n..(i + 1) * k * n],
+                        &mut ci,
+                        m,
+                        k,
+                        n,
+                        trans_a,
+                        trans_b,
+                        true,
+                    )
+                    .unwrap();
+                    assert_eq!(bits(&ci), bits(&c[i * m * n..(i + 1) * m * n]));
+                }
+            }
+        }
+        // k == 0 batches zero the output.
+        let mut z = vec![f32::NAN; 2 * 3 * 4];
+        bmm(&[], &[], &mut z, 2, 3, 0, 4, false, false, false).unwrap();
+        assert!(z.iter().all(|&v| v == 0.0));
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Runs one product with an explicit parallelism, with the operands copied to `offset`
+    /// elements into fresh buffers (to vary their alignment).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        a: &[f32],
+        b: &[f32],
+        (m, k, n): (usize, usize, usize),
+        trans_a: bool,
+        trans_b: bool,
+        c0: &[f32],
+        par: Parallelism,
+        offset: usize,
+    ) -> Vec<u32> {
+        let place = |x: &[f32]| {
+            let mut buf = vec![0.0f32; x.len() + offset];
+            buf[offset..].copy_from_slice(x);
+            buf
+        };
+        let (pa, pb, mut pc) = (place(a), place(b), place(c0));
+        gemm_checked(
+            "matmul",
+            &pa[offset..],
+            &pb[offset..],
+            &mut pc[offset..],
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+            true,
+            1.0,
+            par,
+        )
+        .unwrap();
+        bits(&pc[offset..])
+    }
+
+    /// The determinism contract: bit-identical results across calls, parallelism settings and
+    /// operand alignments, including shapes large enough for gemm to actually use threads
+    /// (m·n·k above its 48·48·256 threading threshold) and the GPT-mini bench's shapes.
+    #[test]
+    fn bitwise_deterministic_across_calls_parallelism_and_alignment() {
+        let mut rng = Rng::new(4);
+        let shapes = [
+            (1, 64, 64),
+            (64, 64, 1),
+            (13, 17, 11),
+            (96, 200, 80),
+            (128, 64, 128),
+            (128, 128, 64),
+            (256, 256, 768),
+            (300, 257, 129),
+        ];
+        let pars = [
+            Parallelism::Rayon(2),
+            Parallelism::None,
+            Parallelism::Rayon(0),
+            Parallelism::Rayon(3),
+        ];
+        for &(m, k, n) in &shapes {
+            for (trans_a, trans_b) in [(false, false), (false, true), (true, false), (true, true)] {
+                let a = rng.vec(m * k);
+                let b = rng.vec(k * n);
+                let c0 = rng.vec(m * n);
+                let base = run(&a, &b, (m, k, n), trans_a, trans_b, &c0, pars[0], 0);
+                for &par in &pars {
+                    for offset in [0, 1, 3, 16] {
+                        let got = run(&a, &b, (m, k, n), trans_a, trans_b, &c0, par, offset);
+                        assert!(
+                            got == base,
+                            "m={m} k={k} n={n} ta={trans_a} tb={trans_b} {par:?} offset={offset}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn thread_knob_maps_to_parallelism() {
+        // Only reads the knob's mapping; other tests may run concurrently, so restore at once.
+        let before = matmul_threads();
+        set_matmul_threads(4);
+        let p = matmul_parallelism();
+        set_matmul_threads(before);
+        assert!(matches!(p, Parallelism::Rayon(4)));
+    }
+}
