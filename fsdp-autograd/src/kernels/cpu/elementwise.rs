@@ -1,6 +1,7 @@
 //! Elementwise kernels, reductions, row-bias broadcast and GELU.
 
 use super::check;
+use super::math::exp;
 use crate::kernels::KernelError;
 
 /// Number of interleaved accumulators in the fixed-order reductions below. Independent lanes let
@@ -25,6 +26,25 @@ pub(crate) fn sum_f64(x: &[f32]) -> f64 {
         }
     }
     combine(acc, tail)
+}
+
+/// Maximum of `x` (`-∞` for an empty slice; NaNs are skipped, as by `f32::max`), in 8 lanes so
+/// the loop vectorizes. The maximum is exact, so the lane order does not affect the result.
+#[inline]
+pub(crate) fn max_f32(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] = acc[l].max(c[l]);
+        }
+    }
+    acc.iter().copied().fold(tail, f32::max)
 }
 
 /// `Σ a·b` in f64 (products formed in f64), in the same fixed order as [`sum_f64`].
@@ -240,8 +260,24 @@ const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 /// The cubic coefficient of the GELU tanh approximation.
 const GELU_C: f32 = 0.044_715;
 
+/// `u(x) = √(2/π)·(x + 0.044715·x³)`, the argument of tanh in the GELU approximation.
+#[inline(always)]
+fn gelu_arg(x: f32) -> f32 {
+    SQRT_2_OVER_PI * (x + GELU_C * x * x * x)
+}
+
+/// `exp(−2u)`, with the argument capped at 88 so it stays finite (the capped value already makes
+/// the sigmoid below 1e-38, so nothing observable changes).
+#[inline(always)]
+fn exp_neg_2u(u: f32) -> f32 {
+    exp((-2.0 * u).min(88.0))
+}
+
 /// GELU, tanh approximation (GPT-2's, PyTorch's `approximate="tanh"`):
-/// `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+/// `y = ½·x·(1 + tanh(u))`, `u = √(2/π)·(x + 0.044715·x³)`.
+///
+/// Evaluated as the equal `x / (1 + exp(−2u))`, which has no cancellation for negative `x`, with
+/// this module's vectorizable `exp` (≤ 2 ulp), so the loop runs on SIMD lanes.
 ///
 /// # Errors
 /// [`KernelError::LengthMismatch`] unless `x` and `y` have the same length.
@@ -255,14 +291,14 @@ const GELU_C: f32 = 0.044_715;
 pub fn gelu(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     check::same_len("gelu", "y", y.len(), "x", x.len())?;
     for (o, &v) in y.iter_mut().zip(x) {
-        let u = SQRT_2_OVER_PI * (v + GELU_C * v * v * v);
-        *o = 0.5 * v * (1.0 + u.tanh());
+        *o = v / (1.0 + exp_neg_2u(gelu_arg(v)));
     }
     Ok(())
 }
 
-/// Gradient of [`gelu`]: `dx = dy · (½(1 + t) + ½·x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²))` with
-/// `t = tanh(√(2/π)·(x + 0.044715·x³))`. `x` is the forward input.
+/// Gradient of [`gelu`]: with `s = 1/(1 + exp(−2u))` (so `½(1 + tanh u) = s`),
+/// `dx = dy · (s + 2·x·s·(1 − s)·u′(x))`, `u′(x) = √(2/π)·(1 + 3·0.044715·x²)`, where
+/// `s·(1 − s)` is formed as `exp(−2u)·s²` to avoid cancellation. `x` is the forward input.
 ///
 /// # Errors
 /// [`KernelError::LengthMismatch`] unless `x`, `dy` and `dx` have the same length.
@@ -276,10 +312,10 @@ pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), Kernel
     check::same_len("gelu_backward", "dy", dy.len(), "x", x.len())?;
     check::same_len("gelu_backward", "dx", dx.len(), "x", x.len())?;
     for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-        let v2 = v * v;
-        let t = (SQRT_2_OVER_PI * (v + GELU_C * v2 * v)).tanh();
-        let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v2);
-        *o = g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du);
+        let e = exp_neg_2u(gelu_arg(v));
+        let s = 1.0 / (1.0 + e);
+        let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
+        *o = g * (s + 2.0 * v * (e * s * s) * du);
     }
     Ok(())
 }
@@ -374,6 +410,8 @@ mod tests {
             let y = rng.vec(len);
             let want: f64 = x.iter().zip(&y).map(|(&a, &b)| a as f64 * b as f64).sum();
             assert!((dot_f64(&x, &y) - want).abs() <= 1e-9 * (1.0 + want.abs()));
+            let want_max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max_f32(&x), want_max);
             if len > 0 {
                 let m = mean(&x).unwrap();
                 assert_close("mean", &[m], &[want_mean(&x)], 1e-6, 1e-9);

@@ -1,7 +1,9 @@
 //! Cross-entropy with integer class targets.
 
 use super::check;
+use super::elementwise::max_f32;
 use super::embedding::check_targets;
+use super::math::exp;
 use crate::kernels::KernelError;
 
 /// Shape checks shared by forward and backward; returns the number of rows.
@@ -55,17 +57,17 @@ pub fn cross_entropy(
     let rows = check_shapes("cross_entropy", logits, targets, lse, cols)?;
     let mut total = 0.0f64;
     for (r, row) in logits.chunks_exact(cols).enumerate() {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = max_f32(row);
         let mut acc = [0.0f64; 8];
         let chunks = row.chunks_exact(8);
         let tail: f64 = chunks
             .remainder()
             .iter()
-            .map(|&v| (v - max).exp() as f64)
+            .map(|&v| exp(v - max) as f64)
             .sum();
         for c in chunks {
             for l in 0..8 {
-                acc[l] += (c[l] - max).exp() as f64;
+                acc[l] += exp(c[l] - max) as f64;
             }
         }
         let s = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
@@ -114,10 +116,10 @@ pub fn cross_entropy_backward(
     {
         let l = lse[r];
         for (o, &v) in drow.iter_mut().zip(row) {
-            *o = g * (v - l).exp();
+            *o = g * exp(v - l);
         }
         let t = targets[r] as usize;
-        drow[t] = g * ((row[t] - l).exp() - 1.0);
+        drow[t] = g * (exp(row[t] - l) - 1.0);
     }
     Ok(())
 }

@@ -18,6 +18,7 @@ mod check;
 mod elementwise;
 mod embedding;
 mod loss;
+mod math;
 mod matmul;
 mod norm;
 

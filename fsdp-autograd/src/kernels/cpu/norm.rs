@@ -1,18 +1,20 @@
 //! Row softmax and layer norm, with their backward passes.
 
 use super::check;
-use super::elementwise::{dot_f64, sum_f64};
+use super::elementwise::{dot_f64, max_f32, sum_f64};
+use super::math::exp;
 use crate::kernels::KernelError;
 
 /// Softmax of one row in place: `row[j] ← exp(row[j] − max) / Σ exp(row − max)`.
 ///
-/// The exponentials are summed in f64 in a fixed order. A row whose maximum is not finite
+/// The exponentials (this module's vectorizable `exp`, ≤ 2 ulp) are summed in f64 in a fixed
+/// order. A row whose maximum is not finite
 /// (all `-inf`, or containing `+inf`/NaN) yields NaNs, as PyTorch does.
 #[inline]
 pub(crate) fn softmax_row_inplace(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = max_f32(row);
     for v in row.iter_mut() {
-        *v = (*v - max).exp();
+        *v = exp(*v - max);
     }
     let inv = (1.0 / sum_f64(row)) as f32;
     for v in row.iter_mut() {
