@@ -23,13 +23,7 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     // Clamp so the reduction below stays in range; the selects at the end restore the limits.
-    let xc = if x < EXP_LO {
-        EXP_LO
-    } else if x > EXP_HI {
-        EXP_HI
-    } else {
-        x
-    };
+    let xc = x.clamp(EXP_LO, EXP_HI);
     let n = (xc * LOG2_E + ROUND_MAGIC) - ROUND_MAGIC;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
     let mut p = 1.0 / 5040.0;
