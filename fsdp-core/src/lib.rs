@@ -1,4 +1,10 @@
-//! Fully Sharded Data Parallel for Rust: units, FlatParamHandle runtime, sharding strategies, prefetch, mixed precision, sharded optimizers and state dicts.
+//! # fsdp-core: Fully Sharded Data Parallel for Rust
 //!
-//! This crate is being built; see the project's issues for its contract.
+//! This crate is being built; what exists today is unit planning ([`wrap`]).
 #![deny(missing_docs)]
+
+pub mod error;
+pub mod wrap;
+
+pub use error::{FsdpError, Result};
+pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
