@@ -1,7 +1,60 @@
-//! Tensors, CPU kernels, a reverse-mode autograd engine with FSDP's hook points, and nn layers for fsdp-rs.
+//! # fsdp-autograd: tensors, kernels, reverse-mode autograd with FSDP's hook points, nn layers
 //!
-//! This crate is being built; see the project's issues for its contract.
+//! The compute layer of fsdp-rs. Every tensor's memory comes from its device's caching
+//! allocator ([`fsdp_alloc`]), every kernel is *launched* on a stream (the issuing thread returns
+//! at once and only waits when it reads data back), and the autograd engine exposes the three
+//! hook points FSDP is built on (see [`autograd`]).
+//!
+//! ```
+//! use fsdp_alloc::{DType, Device};
+//! use fsdp_autograd::{cross_entropy, nn::{Gpt, GptConfig, Module}, InitContext, Tensor};
+//!
+//! let dev = Device::cpu(0);
+//! let cfg = GptConfig { vocab: 16, d_model: 16, n_layers: 1, n_heads: 2, seq_len: 8, tied: false, checkpoint: false };
+//! let model = Gpt::new(&InitContext::eager(&dev, 0), &cfg)?;
+//! let ids = Tensor::from_vec((0..16).map(|i| i % 16).collect::<Vec<i64>>(), &[2, 8], &dev)?;
+//! let logits = model.call(&ids)?; // [2, 8, 16]
+//! let loss = cross_entropy(&logits, &ids)?;
+//! loss.backward()?;
+//! assert!(loss.item()? > 0.0);
+//! # Ok::<(), fsdp_autograd::AutogradError>(())
+//! ```
+//!
+//! # Crate layout
+//! - [`Tensor`], [`Storage`]: layout, storage release/attach (FSDP's `resize_(0)`), version
+//!   counters, constructors and readback.
+//! - [`with_stream`], [`no_grad`]: the thread's current stream and grad mode.
+//! - tensor operations (methods on [`Tensor`] plus [`linear`], [`layer_norm`], [`embedding`],
+//!   [`causal_attention`], [`cross_entropy`]), each with its backward.
+//! - [`autograd`]: the engine, hooks, [`queue_callback`], [`checkpoint`], [`custom_op`].
+//! - [`Parameter`], [`InitContext`]: named parameters with recorded [`init::InitOp`]s, created
+//!   eagerly on a device or on a fake device (recorded only).
+//! - [`nn`]: the `Module` trait with forward hooks, layers and a small GPT; [`optim::Sgd`].
+//! - [`kernels`]: the pure CPU kernels; [`init`]: init ops and the counter-based RNG.
+//! - [`profile`]: per-operation kernel timing.
 #![deny(missing_docs)]
 
+pub mod autograd;
+pub mod context;
+pub mod error;
 pub mod init;
 pub mod kernels;
+pub(crate) mod launch;
+pub mod nn;
+pub mod ops;
+pub mod optim;
+pub mod param;
+pub mod profile;
+pub mod storage;
+pub mod tensor;
+
+pub use autograd::{
+    backward, checkpoint, custom_op, in_backward, queue_callback, queue_callback_fallible,
+    HookHandle,
+};
+pub use context::{current_stream, enable_grad, is_grad_enabled, no_grad, with_stream, GradModeGuard};
+pub use error::{AutogradError, Result};
+pub use ops::{causal_attention, cross_entropy, embedding, layer_norm, linear};
+pub use param::{InitContext, Parameter};
+pub use storage::Storage;
+pub use tensor::{Element, Tensor};

@@ -1,0 +1,236 @@
+//! Launching kernels: what a kernel captures (memory handles, never tensors), typed access
+//! inside stream work (half dtypes are computed in `f32`), and the layout kernels this layer
+//! owns (strided copy).
+//!
+//! Errors *inside* stream work cannot be returned to the issuing thread (it has moved on); they
+//! fail the stream, exactly like an asynchronous CUDA error, and surface from the next
+//! synchronization (`to_vec`, `item`, `Stream::synchronize`) as an `AllocError::StreamFailed`
+//! naming the kernel. Everything that can be checked at launch time (shapes, dtypes, released
+//! storage) is checked there and returned as a typed error instead.
+
+use std::time::Instant;
+
+use bytemuck::Pod;
+use fsdp_alloc::{BufferRef, DType, Stream};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::profile;
+
+/// Launches `work` on `stream`, timed under `op` when the profiler is on.
+pub(crate) fn launch(stream: &Stream, op: &'static str, work: impl FnOnce() + Send + 'static) {
+    if profile::is_enabled() {
+        stream.launch(move || {
+            let t = Instant::now();
+            work();
+            profile::record(op, t.elapsed());
+        });
+    } else {
+        stream.launch(work);
+    }
+}
+
+/// Fails the current stream work (the stream reports `msg` at the next synchronization).
+#[cold]
+pub(crate) fn fail(op: &'static str, msg: impl std::fmt::Display) -> ! {
+    panic!("kernel `{op}` failed: {msg}")
+}
+
+/// A kernel argument: a tensor's elements as a memory range, captured at launch time.
+#[derive(Clone)]
+pub(crate) struct Arg {
+    pub buf: BufferRef,
+    pub dtype: DType,
+}
+
+impl Arg {
+    /// Reads the range as `f32` (converted from half dtypes into a temporary).
+    pub fn f32<R>(&self, op: &'static str, f: impl FnOnce(&[f32]) -> R) -> R {
+        match self.dtype {
+            DType::F32 => {
+                let g = self.buf.read::<f32>().unwrap_or_else(|e| fail(op, e));
+                f(&g)
+            }
+            DType::F16 => {
+                let g = self.buf.read::<f16>().unwrap_or_else(|e| fail(op, e));
+                let mut v = vec![0.0f32; g.len()];
+                g.convert_to_f32_slice(&mut v);
+                drop(g);
+                f(&v)
+            }
+            DType::BF16 => {
+                let g = self.buf.read::<bf16>().unwrap_or_else(|e| fail(op, e));
+                let mut v = vec![0.0f32; g.len()];
+                g.convert_to_f32_slice(&mut v);
+                drop(g);
+                f(&v)
+            }
+            d => fail(op, format!("dtype {d} is not a float type")),
+        }
+    }
+
+    /// Writes the range as `f32`. For half dtypes `f` works on an `f32` temporary that holds the
+    /// current values if `load` (for accumulating kernels) and is converted back afterwards.
+    pub fn f32_mut<R>(&self, op: &'static str, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        match self.dtype {
+            DType::F32 => {
+                let mut g = self.buf.write::<f32>().unwrap_or_else(|e| fail(op, e));
+                f(&mut g)
+            }
+            DType::F16 => {
+                let mut g = self.buf.write::<f16>().unwrap_or_else(|e| fail(op, e));
+                let mut v = vec![0.0f32; g.len()];
+                if load {
+                    g.convert_to_f32_slice(&mut v);
+                }
+                let r = f(&mut v);
+                g.convert_from_f32_slice(&v);
+                r
+            }
+            DType::BF16 => {
+                let mut g = self.buf.write::<bf16>().unwrap_or_else(|e| fail(op, e));
+                let mut v = vec![0.0f32; g.len()];
+                if load {
+                    g.convert_to_f32_slice(&mut v);
+                }
+                let r = f(&mut v);
+                g.convert_from_f32_slice(&v);
+                r
+            }
+            d => fail(op, format!("dtype {d} is not a float type")),
+        }
+    }
+
+    /// Reads the range as `T` (the caller checked the dtype at launch time).
+    pub fn typed<T: Pod, R>(&self, op: &'static str, f: impl FnOnce(&[T]) -> R) -> R {
+        let g = self.buf.read::<T>().unwrap_or_else(|e| fail(op, e));
+        f(&g)
+    }
+
+    /// Writes the range as `T` (the caller checked the dtype at launch time).
+    pub fn typed_mut<T: Pod, R>(&self, op: &'static str, f: impl FnOnce(&mut [T]) -> R) -> R {
+        let mut g = self.buf.write::<T>().unwrap_or_else(|e| fail(op, e));
+        f(&mut g)
+    }
+}
+
+/// Row-major (contiguous) strides of `shape`.
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![0; shape.len()];
+    let mut acc = 1usize;
+    for i in (0..shape.len()).rev() {
+        s[i] = acc;
+        acc *= shape[i];
+    }
+    s
+}
+
+/// Copies every element of an index space `shape`: `dst[dst_off + Σ i·dst_strides] =
+/// src[src_off + Σ i·src_strides]`, innermost dimension as a slice copy when both strides are 1.
+pub(crate) fn strided_copy<T: Copy>(
+    src: &[T],
+    src_off: usize,
+    src_strides: &[usize],
+    dst: &mut [T],
+    dst_off: usize,
+    dst_strides: &[usize],
+    shape: &[usize],
+) {
+    if shape.contains(&0) {
+        return;
+    }
+    let nd = shape.len();
+    if nd == 0 {
+        dst[dst_off] = src[src_off];
+        return;
+    }
+    let n = shape[nd - 1];
+    let (ss, ds) = (src_strides[nd - 1], dst_strides[nd - 1]);
+    let mut idx = vec![0usize; nd - 1];
+    let (mut so, mut d_o) = (src_off, dst_off);
+    loop {
+        if ss == 1 && ds == 1 {
+            dst[d_o..d_o + n].copy_from_slice(&src[so..so + n]);
+        } else {
+            for j in 0..n {
+                dst[d_o + j * ds] = src[so + j * ss];
+            }
+        }
+        // Advance the outer index (odometer), updating both offsets incrementally.
+        let mut d = nd - 1;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            so += src_strides[d];
+            d_o += dst_strides[d];
+            if idx[d] < shape[d] {
+                break;
+            }
+            so -= src_strides[d] * shape[d];
+            d_o -= dst_strides[d] * shape[d];
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Element-type dispatch of [`strided_copy`] on raw bytes of the same dtype.
+pub(crate) fn strided_copy_arg(
+    op: &'static str,
+    src: &Arg,
+    src_off: usize,
+    src_strides: &[usize],
+    dst: &Arg,
+    dst_off: usize,
+    dst_strides: &[usize],
+    shape: &[usize],
+) {
+    macro_rules! go {
+        ($t:ty) => {
+            src.typed::<$t, _>(op, |s| {
+                dst.typed_mut::<$t, _>(op, |d| {
+                    strided_copy(s, src_off, src_strides, d, dst_off, dst_strides, shape)
+                })
+            })
+        };
+    }
+    match src.dtype.size() {
+        1 => go!(u8),
+        2 => go!(u16),
+        4 => go!(u32),
+        8 => go!(u64),
+        _ => fail(op, "unsupported element size"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_copy_transposes_and_permutes() {
+        // 2x3 row-major -> its transpose 3x2.
+        let src: Vec<u32> = (0..6).collect();
+        let mut dst = vec![0u32; 6];
+        strided_copy(&src, 0, &[1, 3], &mut dst, 0, &[2, 1], &[3, 2]);
+        assert_eq!(dst, vec![0, 3, 1, 4, 2, 5]);
+        // 3-D permutation (2,0,1) of a 2x3x4 tensor against a naive reference.
+        let src: Vec<u32> = (0..24).collect();
+        let shape = [4, 2, 3]; // out[i,j,k] = in[j,k,i]
+        let mut dst = vec![0u32; 24];
+        strided_copy(&src, 0, &[1, 12, 4], &mut dst, 0, &contiguous_strides(&shape), &shape);
+        for i in 0..4 {
+            for j in 0..2 {
+                for k in 0..3 {
+                    assert_eq!(dst[i * 6 + j * 3 + k], src[j * 12 + k * 4 + i]);
+                }
+            }
+        }
+        // Offsets and a scalar.
+        let mut d = vec![9u32; 3];
+        strided_copy(&src, 5, &[], &mut d, 1, &[], &[]);
+        assert_eq!(d, vec![9, 5, 9]);
+    }
+}

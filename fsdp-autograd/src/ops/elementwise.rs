@@ -1,0 +1,389 @@
+//! Element-wise operations: add/sub/mul with broadcasting, scale, GELU, dtype casts, and the
+//! in-place updates (which bump the version counter).
+
+use fsdp_alloc::DType;
+
+use crate::autograd::{needs_grad, record1, SavedTensor};
+use crate::error::{shape_err, AutogradError, Result};
+use crate::launch::{fail, launch};
+use crate::ops::kern;
+use crate::ops::reduce::sum_to;
+use crate::ops::{check_pair, Ctx};
+use crate::tensor::{fill_arg, numel_of, Tensor};
+
+/// NumPy broadcasting of two shapes (aligned from the right; sizes equal or one of them 1).
+pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let nd = a.len().max(b.len());
+    let mut out = vec![0; nd];
+    for i in 0..nd {
+        let x = if i + a.len() >= nd { a[i + a.len() - nd] } else { 1 };
+        let y = if i + b.len() >= nd { b[i + b.len() - nd] } else { 1 };
+        out[i] = match (x, y) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => {
+                return Err(shape_err(
+                    op,
+                    format!("shapes {a:?} and {b:?} cannot be broadcast together"),
+                ))
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// True if `small` repeats over leading dimensions of `out` only (its shape, without leading
+/// ones, is a suffix of `out`): then `out` is `rows × small.numel()` with `small` on every row.
+fn is_row_broadcast(small: &[usize], out: &[usize]) -> bool {
+    let first = small.iter().position(|&n| n != 1).unwrap_or(small.len());
+    let s = &small[first..];
+    s.len() <= out.len() && out[out.len() - s.len()..] == *s
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Bin {
+    Add,
+    Mul,
+}
+
+impl Bin {
+    fn name(self) -> &'static str {
+        match self {
+            Bin::Add => "add",
+            Bin::Mul => "mul",
+        }
+    }
+    fn run(self, a: &[f32], b: &[f32], out: &mut [f32]) -> kern::KResult {
+        match self {
+            Bin::Add => kern::add(a, b, out),
+            Bin::Mul => kern::mul(a, b, out),
+        }
+    }
+}
+
+/// `a op b` with broadcasting, no autograd.
+fn binary_raw(op: Bin, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let name = op.name();
+    check_pair(name, a, b)?;
+    let out_shape = broadcast_shape(name, a.shape(), b.shape())?;
+    let ctx = Ctx::of(a);
+    // Put the full-size operand first (both ops are commutative).
+    let (full, small) = if a.shape() == out_shape.as_slice() {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    let (full, small) = if full.shape() == out_shape.as_slice()
+        && (small.shape() == out_shape.as_slice() || is_row_broadcast(small.shape(), &out_shape))
+    {
+        (full.contig()?, small.contig()?)
+    } else {
+        // General broadcast: materialize both operands at the output shape.
+        (
+            full.expand_raw(&out_shape)?.copy_raw(name)?,
+            small.expand_raw(&out_shape)?.copy_raw(name)?,
+        )
+    };
+    let out = ctx.empty(&out_shape, a.dtype())?;
+    let (fa, sa, oa) = (
+        full.arg(name, &ctx.stream)?,
+        small.arg(name, &ctx.stream)?,
+        out.arg(name, &ctx.stream)?,
+    );
+    let cols = small.numel();
+    launch(&ctx.stream, name, move || {
+        fa.f32(name, |f| {
+            sa.f32(name, |s| {
+                oa.f32_mut(name, false, |o| {
+                    let r = if cols == 0 || cols == f.len() {
+                        op.run(f, s, o)
+                    } else if op == Bin::Add {
+                        kern::add_bias(f, s, o)
+                    } else {
+                        f.chunks(cols)
+                            .zip(o.chunks_mut(cols))
+                            .try_for_each(|(fr, or)| op.run(fr, s, or))
+                    };
+                    r.unwrap_or_else(|e| fail(name, e))
+                })
+            })
+        })
+    });
+    Ok(out)
+}
+
+impl Tensor {
+    /// `self + other` with NumPy broadcasting (same dtype).
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary_raw(Bin::Add, self, other)?;
+        if !needs_grad(&[self, other]) {
+            return Ok(out);
+        }
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        let (na, nb) = (self.requires_grad(), other.requires_grad());
+        Ok(record1("add", &[self, other], out, move |g: Vec<Option<Tensor>>| {
+            let g = g.into_iter().next().flatten().expect("add: one gradient");
+            let ga = if na { Some(sum_to(&g, &sa)?) } else { None };
+            let gb = if nb { Some(sum_to(&g, &sb)?) } else { None };
+            Ok(vec![ga, gb])
+        }))
+    }
+
+    /// `self − other` with broadcasting.
+    pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        self.add(&other.scale(-1.0)?)
+    }
+
+    /// `self · other` element-wise with NumPy broadcasting (same dtype).
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary_raw(Bin::Mul, self, other)?;
+        if !needs_grad(&[self, other]) {
+            return Ok(out);
+        }
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        let (na, nb) = (self.requires_grad(), other.requires_grad());
+        let (a, b) = (SavedTensor::new(self), SavedTensor::new(other));
+        Ok(record1("mul", &[self, other], out, move |g: Vec<Option<Tensor>>| {
+            let g = g.into_iter().next().flatten().expect("mul: one gradient");
+            let (a, b) = (a.unpack("mul")?, b.unpack("mul")?);
+            let ga = if na { Some(sum_to(&g.mul(&b)?, &sa)?) } else { None };
+            let gb = if nb { Some(sum_to(&g.mul(&a)?, &sb)?) } else { None };
+            Ok(vec![ga, gb])
+        }))
+    }
+
+    /// `s · self`.
+    pub fn scale(&self, s: f32) -> Result<Tensor> {
+        self.check_float("scale")?;
+        let ctx = Ctx::of(self);
+        let x = self.contig()?;
+        let out = ctx.empty(self.shape(), self.dtype())?;
+        let (xa, oa) = (x.arg("scale", &ctx.stream)?, out.arg("scale", &ctx.stream)?);
+        launch(&ctx.stream, "scale", move || {
+            xa.f32("scale", |x| {
+                oa.f32_mut("scale", false, |o| {
+                    kern::scale(x, s, o).unwrap_or_else(|e| fail("scale", e))
+                })
+            })
+        });
+        if !needs_grad(&[self]) {
+            return Ok(out);
+        }
+        Ok(record1("scale", &[self], out, move |g: Vec<Option<Tensor>>| {
+            Ok(vec![g[0].as_ref().map(|g| g.scale(s)).transpose()?])
+        }))
+    }
+
+    /// GELU (tanh approximation, as GPT-2).
+    pub fn gelu(&self) -> Result<Tensor> {
+        self.check_float("gelu")?;
+        let ctx = Ctx::of(self);
+        let x = self.contig()?;
+        let out = ctx.empty(self.shape(), self.dtype())?;
+        let (xa, oa) = (x.arg("gelu", &ctx.stream)?, out.arg("gelu", &ctx.stream)?);
+        launch(&ctx.stream, "gelu", move || {
+            xa.f32("gelu", |x| {
+                oa.f32_mut("gelu", false, |o| {
+                    kern::gelu(x, o).unwrap_or_else(|e| fail("gelu", e))
+                })
+            })
+        });
+        if !needs_grad(&[self]) {
+            return Ok(out);
+        }
+        let saved = SavedTensor::new(&x);
+        Ok(record1("gelu", &[self], out, move |g: Vec<Option<Tensor>>| {
+            let g = g.into_iter().next().flatten().expect("gelu: one gradient");
+            let x = saved.unpack("gelu")?;
+            let g = g.contig()?;
+            let ctx = Ctx::of(&x);
+            let dx = ctx.empty(x.shape(), x.dtype())?;
+            let (xa, ga, da) = (
+                x.arg("gelu_backward", &ctx.stream)?,
+                g.arg("gelu_backward", &ctx.stream)?,
+                dx.arg("gelu_backward", &ctx.stream)?,
+            );
+            launch(&ctx.stream, "gelu_backward", move || {
+                xa.f32("gelu_backward", |x| {
+                    ga.f32("gelu_backward", |g| {
+                        da.f32_mut("gelu_backward", false, |d| {
+                            kern::gelu_backward(x, g, d)
+                                .unwrap_or_else(|e| fail("gelu_backward", e))
+                        })
+                    })
+                })
+            });
+            Ok(vec![Some(dx)])
+        }))
+    }
+
+    /// Converts between floating-point dtypes (`f32`, `f16`, `bf16`; round to nearest even).
+    /// Returns `self` when the dtype already matches. Backward casts the gradient back.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        self.check_float("to_dtype")?;
+        if !dtype.is_float() {
+            return Err(AutogradError::DType {
+                op: "to_dtype",
+                got: dtype,
+                expected: "a float target dtype (f32, f16 or bf16)".into(),
+            });
+        }
+        let ctx = Ctx::of(self);
+        let x = self.contig()?;
+        let out = ctx.empty(self.shape(), dtype)?;
+        let (xa, oa) = (x.arg("cast", &ctx.stream)?, out.arg("cast", &ctx.stream)?);
+        launch(&ctx.stream, "cast", move || {
+            xa.f32("cast", |x| oa.f32_mut("cast", false, |o| o.copy_from_slice(x)))
+        });
+        if !needs_grad(&[self]) {
+            return Ok(out);
+        }
+        let from = self.dtype();
+        Ok(record1("cast", &[self], out, move |g: Vec<Option<Tensor>>| {
+            Ok(vec![g[0].as_ref().map(|g| g.to_dtype(from)).transpose()?])
+        }))
+    }
+
+    // ------------------------------------------------------------------ in-place
+
+    /// `self += other` in place (`other` equal in shape or broadcast over leading dimensions;
+    /// same dtype). Bumps the version counter.
+    ///
+    /// # Errors
+    /// [`AutogradError::InPlaceOnGradTensor`] if `self` requires grad while grad mode is on;
+    /// shape/dtype/device errors; [`AutogradError::StorageReleased`].
+    pub fn add_(&self, other: &Tensor) -> Result<()> {
+        self.add_scaled_inner(other, 1.0, "add_")
+    }
+
+    /// `self += alpha · other` in place (same shape and dtype, or `other` broadcast over leading
+    /// dimensions). Bumps the version counter.
+    pub fn add_scaled_(&self, other: &Tensor, alpha: f32) -> Result<()> {
+        self.add_scaled_inner(other, alpha, "add_scaled_")
+    }
+
+    fn add_scaled_inner(&self, other: &Tensor, alpha: f32, op: &'static str) -> Result<()> {
+        self.check_inplace(op)?;
+        check_pair(op, self, other)?;
+        let dst = self.inplace_dst(op)?;
+        if other.shape() != self.shape() && !is_row_broadcast(other.shape(), self.shape()) {
+            return Err(shape_err(
+                op,
+                format!(
+                    "cannot add shape {:?} into shape {:?} in place",
+                    other.shape(),
+                    self.shape()
+                ),
+            ));
+        }
+        let ctx = Ctx::of(self);
+        let mut src = other.contig()?;
+        let mut sa = src.arg(op, &ctx.stream)?;
+        let da = dst.arg(op, &ctx.stream)?;
+        if sa.buf.overlaps(&da.buf) {
+            src = src.copy_raw(op)?;
+            sa = src.arg(op, &ctx.stream)?;
+        }
+        let cols = src.numel();
+        launch(&ctx.stream, "axpy", move || {
+            sa.f32(op, |s| {
+                da.f32_mut(op, true, |d| {
+                    if cols == 0 {
+                        return;
+                    }
+                    d.chunks_mut(cols)
+                        .try_for_each(|row| kern::axpy(alpha, s, row))
+                        .unwrap_or_else(|e| fail(op, e))
+                })
+            })
+        });
+        self.storage().bump_version();
+        Ok(())
+    }
+
+    /// `self *= s` in place. Bumps the version counter.
+    pub fn scale_(&self, s: f32) -> Result<()> {
+        self.check_inplace("scale_")?;
+        self.check_float("scale_")?;
+        let dst = self.inplace_dst("scale_")?;
+        let ctx = Ctx::of(self);
+        let da = dst.arg("scale_", &ctx.stream)?;
+        launch(&ctx.stream, "scale", move || {
+            da.f32_mut("scale_", true, |d| {
+                for v in d.iter_mut() {
+                    *v *= s;
+                }
+            })
+        });
+        self.storage().bump_version();
+        Ok(())
+    }
+
+    /// Sets every element to `value` in place. Bumps the version counter.
+    pub fn fill_(&self, value: f64) -> Result<()> {
+        self.check_inplace("fill_")?;
+        let dst = self.inplace_dst("fill_")?;
+        let ctx = Ctx::of(self);
+        let da = dst.arg("fill_", &ctx.stream)?;
+        launch(&ctx.stream, "fill", move || fill_arg("fill_", &da, value));
+        self.storage().bump_version();
+        Ok(())
+    }
+
+    /// Sets every element to zero in place. Bumps the version counter.
+    pub fn zero_(&self) -> Result<()> {
+        self.fill_(0.0)
+    }
+
+    /// Copies `src` (same shape; any layout; any float dtype, converted) into `self` in place.
+    /// Bumps the version counter.
+    pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        self.check_inplace("copy_")?;
+        self.check_same_device(src, "copy_")?;
+        if src.shape() != self.shape() {
+            return Err(shape_err(
+                "copy_",
+                format!("source shape {:?}, destination {:?}", src.shape(), self.shape()),
+            ));
+        }
+        let dst = self.inplace_dst("copy_")?;
+        let ctx = Ctx::of(self);
+        let src = if src.dtype() == self.dtype() {
+            src.clone()
+        } else {
+            src.to_dtype(self.dtype())?
+        };
+        let mut src = src.contig()?;
+        let mut sa = src.arg("copy_", &ctx.stream)?;
+        let da = dst.arg("copy_", &ctx.stream)?;
+        if sa.buf.overlaps(&da.buf) {
+            src = src.copy_raw("copy_")?;
+            sa = src.arg("copy_", &ctx.stream)?;
+        }
+        let n = numel_of(self.shape());
+        launch(&ctx.stream, "copy", move || {
+            crate::launch::strided_copy_arg("copy_", &sa, 0, &[1], &da, 0, &[1], &[n])
+        });
+        self.storage().bump_version();
+        Ok(())
+    }
+
+    /// In-place destinations must be contiguous (views of a contiguous range).
+    fn inplace_dst(&self, op: &'static str) -> Result<&Tensor> {
+        if !self.is_contiguous() {
+            return Err(shape_err(
+                op,
+                format!(
+                    "in-place ops need a contiguous destination (shape {:?}, strides {:?})",
+                    self.shape(),
+                    self.strides()
+                ),
+            ));
+        }
+        Ok(self)
+    }
+}

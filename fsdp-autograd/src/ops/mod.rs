@@ -1,0 +1,55 @@
+//! Differentiable tensor operations. Each launches `kernels::cpu` functions on the current
+//! stream (capturing memory handles, never tensors) and records a backward node when needed.
+//!
+//! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
+//! ([`linear`], [`layer_norm`], [`embedding`], [`causal_attention`], [`cross_entropy`]).
+//! Half-precision tensors are computed in `f32` and rounded on output; binary operations need
+//! equal dtypes.
+
+pub(crate) mod elementwise;
+pub(crate) mod kern;
+pub(crate) mod matmul;
+pub(crate) mod nn;
+pub(crate) mod reduce;
+pub(crate) mod shape;
+
+pub use matmul::linear;
+pub use nn::{causal_attention, cross_entropy, embedding, layer_norm};
+
+use fsdp_alloc::{Device, Stream};
+
+use crate::context::current_stream;
+use crate::error::{AutogradError, Result};
+use crate::tensor::Tensor;
+
+/// Device and current stream of an operation.
+pub(crate) struct Ctx {
+    pub device: Device,
+    pub stream: Stream,
+}
+
+impl Ctx {
+    pub(crate) fn of(t: &Tensor) -> Ctx {
+        let device = t.device().clone();
+        let stream = current_stream(&device);
+        Ctx { device, stream }
+    }
+
+    pub(crate) fn empty(&self, shape: &[usize], dtype: fsdp_alloc::DType) -> Result<Tensor> {
+        Tensor::empty_on(shape, dtype, &self.device, &self.stream)
+    }
+}
+
+/// Checks that two float tensors can be combined (same device, same dtype).
+pub(crate) fn check_pair(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    a.check_same_device(b, op)?;
+    a.check_float(op)?;
+    if a.dtype() != b.dtype() {
+        return Err(AutogradError::DType {
+            op,
+            got: b.dtype(),
+            expected: format!("{} (the dtype of the first operand)", a.dtype()),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,435 @@
+//! Neural-network operations: softmax, layer norm, embedding, causal scaled-dot-product
+//! attention and cross-entropy.
+
+use fsdp_alloc::DType;
+
+use crate::autograd::{needs_grad, record, record1, SavedTensor};
+use crate::error::{shape_err, AutogradError, Result};
+use crate::launch::{fail, launch};
+use crate::ops::{check_pair, kern, Ctx};
+use crate::tensor::Tensor;
+
+fn last_dim(t: &Tensor, op: &'static str) -> Result<usize> {
+    match t.shape().last() {
+        Some(&c) if c > 0 => Ok(c),
+        _ => Err(shape_err(
+            op,
+            format!("needs a non-empty last dimension, got shape {:?}", t.shape()),
+        )),
+    }
+}
+
+impl Tensor {
+    /// Softmax over the last dimension (numerically stable).
+    pub fn softmax(&self) -> Result<Tensor> {
+        self.check_float("softmax")?;
+        let cols = last_dim(self, "softmax")?;
+        let ctx = Ctx::of(self);
+        let x = self.contig()?;
+        let y = ctx.empty(self.shape(), self.dtype())?;
+        let (xa, ya) = (x.arg("softmax", &ctx.stream)?, y.arg("softmax", &ctx.stream)?);
+        launch(&ctx.stream, "softmax", move || {
+            xa.f32("softmax", |x| {
+                ya.f32_mut("softmax", false, |y| {
+                    kern::softmax_rows(x, y, cols).unwrap_or_else(|e| fail("softmax", e))
+                })
+            })
+        });
+        if !needs_grad(&[self]) {
+            return Ok(y);
+        }
+        let saved = SavedTensor::new(&y);
+        Ok(record1("softmax", &[self], y, move |g: Vec<Option<Tensor>>| {
+            let g = g.into_iter().next().flatten().expect("softmax: one gradient");
+            let g = g.contig()?;
+            let y = saved.unpack("softmax")?;
+            let ctx = Ctx::of(&g);
+            let dx = ctx.empty(y.shape(), y.dtype())?;
+            let op = "softmax_backward";
+            let (ya, ga, da) = (
+                y.arg(op, &ctx.stream)?,
+                g.arg(op, &ctx.stream)?,
+                dx.arg(op, &ctx.stream)?,
+            );
+            launch(&ctx.stream, op, move || {
+                ya.f32(op, |y| {
+                    ga.f32(op, |g| {
+                        da.f32_mut(op, false, |d| {
+                            kern::softmax_rows_backward(y, g, d, cols).unwrap_or_else(|e| fail(op, e))
+                        })
+                    })
+                })
+            });
+            Ok(vec![Some(dx)])
+        }))
+    }
+}
+
+/// Layer normalization over the last dimension: `(x − mean) / sqrt(var + eps) · gamma + beta`,
+/// `gamma` and `beta` of shape `[D]` (same dtype as `x`). Statistics are computed in `f32`.
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
+    check_pair("layer_norm", x, gamma)?;
+    check_pair("layer_norm", x, beta)?;
+    let cols = last_dim(x, "layer_norm")?;
+    if gamma.shape() != [cols] || beta.shape() != [cols] {
+        return Err(shape_err(
+            "layer_norm",
+            format!(
+                "gamma {:?} and beta {:?} must be [{cols}] for input {:?}",
+                gamma.shape(),
+                beta.shape(),
+                x.shape()
+            ),
+        ));
+    }
+    let rows = x.numel() / cols;
+    let ctx = Ctx::of(x);
+    let s = &ctx.stream;
+    let (xc, gc, bc) = (x.contig()?, gamma.contig()?, beta.contig()?);
+    let y = ctx.empty(x.shape(), x.dtype())?;
+    let mean = ctx.empty(&[rows], DType::F32)?;
+    let rstd = ctx.empty(&[rows], DType::F32)?;
+    let op = "layer_norm";
+    let (xa, ga, ba, ya, ma, ra) = (
+        xc.arg(op, s)?,
+        gc.arg(op, s)?,
+        bc.arg(op, s)?,
+        y.arg(op, s)?,
+        mean.arg(op, s)?,
+        rstd.arg(op, s)?,
+    );
+    launch(s, op, move || {
+        xa.f32(op, |x| {
+            ga.f32(op, |g| {
+                ba.f32(op, |b| {
+                    ya.f32_mut(op, false, |y| {
+                        ma.f32_mut(op, false, |m| {
+                            ra.f32_mut(op, false, |r| {
+                                kern::layer_norm(x, g, b, y, m, r, cols, eps)
+                                    .unwrap_or_else(|e| fail(op, e))
+                            })
+                        })
+                    })
+                })
+            })
+        })
+    });
+    if !needs_grad(&[x, gamma, beta]) {
+        return Ok(y);
+    }
+    let needs = [x.requires_grad(), gamma.requires_grad(), beta.requires_grad()];
+    let (sx, sg, sm, sr) = (
+        SavedTensor::new(&xc),
+        SavedTensor::new(&gc),
+        SavedTensor::new(&mean),
+        SavedTensor::new(&rstd),
+    );
+    Ok(record1(op, &[x, gamma, beta], y, move |g: Vec<Option<Tensor>>| {
+        let dy = g.into_iter().next().flatten().expect("layer_norm: one gradient");
+        let dy = dy.contig()?;
+        let op = "layer_norm_backward";
+        let (x, gamma, mean, rstd) = (
+            sx.unpack(op)?,
+            sg.unpack(op)?,
+            sm.unpack(op)?,
+            sr.unpack(op)?,
+        );
+        let ctx = Ctx::of(&dy);
+        let s = &ctx.stream;
+        let dx = ctx.empty(x.shape(), x.dtype())?;
+        let dg = ctx.empty(&[cols], x.dtype())?;
+        let db = ctx.empty(&[cols], x.dtype())?;
+        let (xa, ga, ma, ra, dya, dxa, dga, dba) = (
+            x.arg(op, s)?,
+            gamma.arg(op, s)?,
+            mean.arg(op, s)?,
+            rstd.arg(op, s)?,
+            dy.arg(op, s)?,
+            dx.arg(op, s)?,
+            dg.arg(op, s)?,
+            db.arg(op, s)?,
+        );
+        launch(s, op, move || {
+            xa.f32(op, |x| {
+                ga.f32(op, |g| {
+                    ma.f32(op, |m| {
+                        ra.f32(op, |r| {
+                            dya.f32(op, |dy| {
+                                dxa.f32_mut(op, false, |dx| {
+                                    dga.f32_mut(op, false, |dg| {
+                                        dba.f32_mut(op, false, |db| {
+                                            kern::layer_norm_backward(
+                                                x, g, m, r, dy, dx, dg, db, cols,
+                                            )
+                                            .unwrap_or_else(|e| fail(op, e))
+                                        })
+                                    })
+                                })
+                            })
+                        })
+                    })
+                })
+            })
+        });
+        Ok(vec![
+            needs[0].then_some(dx),
+            needs[1].then_some(dg),
+            needs[2].then_some(db),
+        ])
+    }))
+}
+
+/// Looks up rows of `table` (`[V, D]`, float) for `ids` (`i64`, any shape) → `[ids.., D]`.
+/// An id outside `0..V` fails the stream (reported at the next synchronization). Backward
+/// scatter-adds into a zero `[V, D]` gradient in a fixed order (deterministic).
+pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
+    ids.check_same_device(table, "embedding")?;
+    if ids.dtype() != DType::I64 {
+        return Err(AutogradError::DType {
+            op: "embedding",
+            got: ids.dtype(),
+            expected: "i64 ids".into(),
+        });
+    }
+    table.check_float("embedding")?;
+    if table.dim() != 2 {
+        return Err(shape_err(
+            "embedding",
+            format!("table must be [V, D], got {:?}", table.shape()),
+        ));
+    }
+    let dim = table.shape()[1];
+    let ctx = Ctx::of(table);
+    let s = &ctx.stream;
+    let (ic, tc) = (ids.contig()?, table.contig()?);
+    let mut out_shape = ids.shape().to_vec();
+    out_shape.push(dim);
+    let out = ctx.empty(&out_shape, table.dtype())?;
+    let op = "embedding";
+    let (ia, ta, oa) = (ic.arg(op, s)?, tc.arg(op, s)?, out.arg(op, s)?);
+    launch(s, op, move || {
+        ia.typed::<i64, _>(op, |i| {
+            ta.f32(op, |t| {
+                oa.f32_mut(op, false, |o| {
+                    kern::embedding(i, t, o, dim).unwrap_or_else(|e| fail(op, e))
+                })
+            })
+        })
+    });
+    if !needs_grad(&[table]) {
+        return Ok(out);
+    }
+    let si = SavedTensor::new(&ic);
+    let t_shape = table.shape().to_vec();
+    Ok(record1(op, &[table], out, move |g: Vec<Option<Tensor>>| {
+        let dy = g.into_iter().next().flatten().expect("embedding: one gradient");
+        let dy = dy.contig()?;
+        let op = "embedding_backward";
+        let ids = si.unpack(op)?;
+        let ctx = Ctx::of(&dy);
+        let s = &ctx.stream;
+        let dt = ctx.empty(&t_shape, dy.dtype())?;
+        let (ia, ga, da) = (ids.arg(op, s)?, dy.arg(op, s)?, dt.arg(op, s)?);
+        launch(s, op, move || {
+            ia.typed::<i64, _>(op, |i| {
+                ga.f32(op, |g| {
+                    da.f32_mut(op, false, |d| {
+                        kern::embedding_backward(i, g, d, dim).unwrap_or_else(|e| fail(op, e))
+                    })
+                })
+            })
+        });
+        Ok(vec![Some(dt)])
+    }))
+}
+
+/// Causal scaled-dot-product attention: `q`, `k`, `v` `[batch, heads, t, d]` →
+/// `softmax(q·kᵀ/√d + causal mask) · v`, same shape. Saves the probabilities
+/// (`[batch, heads, t, t]`, `f32`) for backward.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    check_pair("causal_attention", q, k)?;
+    check_pair("causal_attention", q, v)?;
+    if q.dim() != 4 || k.shape() != q.shape() || v.shape() != q.shape() {
+        return Err(shape_err(
+            "causal_attention",
+            format!(
+                "q, k, v must all be [batch, heads, t, d]; got {:?}, {:?}, {:?}",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            ),
+        ));
+    }
+    let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    let ctx = Ctx::of(q);
+    let s = &ctx.stream;
+    let (qc, kc, vc) = (q.contig()?, k.contig()?, v.contig()?);
+    let out = ctx.empty(q.shape(), q.dtype())?;
+    let probs = ctx.empty(&[b, h, t, t], DType::F32)?;
+    let op = "attention";
+    let (qa, ka, va, oa, pa) = (
+        qc.arg(op, s)?,
+        kc.arg(op, s)?,
+        vc.arg(op, s)?,
+        out.arg(op, s)?,
+        probs.arg(op, s)?,
+    );
+    launch(s, op, move || {
+        qa.f32(op, |q| {
+            ka.f32(op, |k| {
+                va.f32(op, |v| {
+                    oa.f32_mut(op, false, |o| {
+                        pa.f32_mut(op, false, |p| {
+                            kern::causal_attention(q, k, v, o, p, b, h, t, d)
+                                .unwrap_or_else(|e| fail(op, e))
+                        })
+                    })
+                })
+            })
+        })
+    });
+    if !needs_grad(&[q, k, v]) {
+        return Ok(out);
+    }
+    let needs = [q.requires_grad(), k.requires_grad(), v.requires_grad()];
+    let saved = [
+        SavedTensor::new(&qc),
+        SavedTensor::new(&kc),
+        SavedTensor::new(&vc),
+        SavedTensor::new(&probs),
+    ];
+    Ok(record1(op, &[q, k, v], out, move |g: Vec<Option<Tensor>>| {
+        let dout = g.into_iter().next().flatten().expect("attention: one gradient");
+        let dout = dout.contig()?;
+        let op = "attention_backward";
+        let [sq, sk, sv, sp] = saved;
+        let (q, k, v, p) = (sq.unpack(op)?, sk.unpack(op)?, sv.unpack(op)?, sp.unpack(op)?);
+        let ctx = Ctx::of(&dout);
+        let s = &ctx.stream;
+        let dq = ctx.empty(q.shape(), q.dtype())?;
+        let dk = ctx.empty(q.shape(), q.dtype())?;
+        let dv = ctx.empty(q.shape(), q.dtype())?;
+        let (qa, ka, va, pa, ga, dqa, dka, dva) = (
+            q.arg(op, s)?,
+            k.arg(op, s)?,
+            v.arg(op, s)?,
+            p.arg(op, s)?,
+            dout.arg(op, s)?,
+            dq.arg(op, s)?,
+            dk.arg(op, s)?,
+            dv.arg(op, s)?,
+        );
+        launch(s, op, move || {
+            qa.f32(op, |q| {
+                ka.f32(op, |k| {
+                    va.f32(op, |v| {
+                        pa.f32(op, |p| {
+                            ga.f32(op, |g| {
+                                dqa.f32_mut(op, false, |dq| {
+                                    dka.f32_mut(op, false, |dk| {
+                                        dva.f32_mut(op, false, |dv| {
+                                            kern::causal_attention_backward(
+                                                q, k, v, p, g, dq, dk, dv, b, h, t, d,
+                                            )
+                                            .unwrap_or_else(|e| fail(op, e))
+                                        })
+                                    })
+                                })
+                            })
+                        })
+                    })
+                })
+            })
+        });
+        Ok(vec![
+            needs[0].then_some(dq),
+            needs[1].then_some(dk),
+            needs[2].then_some(dv),
+        ])
+    }))
+}
+
+/// Mean cross-entropy of `logits` (`[.., C]`, float) against `targets` (`i64`, one per row,
+/// values in `0..C`) → a 0-dimensional tensor of the logits' dtype. A target out of range fails
+/// the stream (reported at the next synchronization).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    logits.check_same_device(targets, "cross_entropy")?;
+    logits.check_float("cross_entropy")?;
+    if targets.dtype() != DType::I64 {
+        return Err(AutogradError::DType {
+            op: "cross_entropy",
+            got: targets.dtype(),
+            expected: "i64 targets".into(),
+        });
+    }
+    let cols = last_dim(logits, "cross_entropy")?;
+    let rows = logits.numel() / cols;
+    if targets.numel() != rows || rows == 0 {
+        return Err(shape_err(
+            "cross_entropy",
+            format!(
+                "{} targets for logits {:?} ({rows} rows)",
+                targets.numel(),
+                logits.shape()
+            ),
+        ));
+    }
+    let ctx = Ctx::of(logits);
+    let s = &ctx.stream;
+    let (lc, tc) = (logits.contig()?, targets.contig()?);
+    let loss = ctx.empty(&[], logits.dtype())?;
+    let lse = ctx.empty(&[rows], DType::F32)?;
+    let op = "cross_entropy";
+    let (la, ta, oa, sa) = (
+        lc.arg(op, s)?,
+        tc.arg(op, s)?,
+        loss.arg(op, s)?,
+        lse.arg(op, s)?,
+    );
+    launch(s, op, move || {
+        la.f32(op, |l| {
+            ta.typed::<i64, _>(op, |t| {
+                let v = sa.f32_mut(op, false, |e| {
+                    kern::cross_entropy(l, t, cols, e).unwrap_or_else(|e| fail(op, e))
+                });
+                oa.f32_mut(op, false, |o| o[0] = v)
+            })
+        })
+    });
+    if !needs_grad(&[logits]) {
+        return Ok(loss);
+    }
+    let saved = (SavedTensor::new(&lc), SavedTensor::new(&tc), SavedTensor::new(&lse));
+    let l_shape = logits.shape().to_vec();
+    Ok(record(op, &[logits], &[loss], move |g: Vec<Option<Tensor>>| {
+        let dl = g.into_iter().next().flatten().expect("cross_entropy: one gradient");
+        let op = "cross_entropy_backward";
+        let (l, t, e) = (saved.0.unpack(op)?, saved.1.unpack(op)?, saved.2.unpack(op)?);
+        let ctx = Ctx::of(&l);
+        let s = &ctx.stream;
+        let dlogits = ctx.empty(&l_shape, l.dtype())?;
+        let (la, ta, ea, ga, da) = (
+            l.arg(op, s)?,
+            t.arg(op, s)?,
+            e.arg(op, s)?,
+            dl.contig()?.arg(op, s)?,
+            dlogits.arg(op, s)?,
+        );
+        launch(s, op, move || {
+            let dloss = ga.f32(op, |g| g[0]);
+            la.f32(op, |l| {
+                ta.typed::<i64, _>(op, |t| {
+                    ea.f32(op, |e| {
+                        da.f32_mut(op, false, |d| {
+                            kern::cross_entropy_backward(l, t, e, dloss, d, cols)
+                                .unwrap_or_else(|e| fail(op, e))
+                        })
+                    })
+                })
+            })
+        });
+        Ok(vec![Some(dlogits)])
+    })
+    .pop()
+    .expect("one output"))
+}

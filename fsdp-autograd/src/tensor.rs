@@ -1,0 +1,714 @@
+//! The [`Tensor`] handle: layout (shape, strides, offset), element type, storage, and the
+//! autograd state (grad function for op outputs; grad slot and hooks for leaves).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use bytemuck::Pod;
+use fsdp_alloc::{Buffer, DType, Device, Stream};
+use half::{bf16, f16};
+
+use crate::autograd::node::{Edge, Node, PostHookFn, TensorHookFn};
+use crate::context::{current_stream, is_grad_enabled};
+use crate::error::{arg_err, shape_err, AutogradError, Result};
+use crate::launch::{contiguous_strides, launch, strided_copy, Arg};
+use crate::storage::Storage;
+
+static NEXT_TENSOR_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Element types a tensor can be built from and read back as.
+pub trait Element: Pod + Send + Sync + 'static {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+}
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
+}
+
+/// Autograd state of a leaf.
+#[derive(Default)]
+pub(crate) struct LeafMeta {
+    pub grad: Option<Tensor>,
+    pub hooks: Vec<(u64, TensorHookFn)>,
+    pub post_hooks: Vec<(u64, PostHookFn)>,
+    /// The leaf's gradient accumulator node, alive while some graph references it.
+    pub accumulator: Weak<Node>,
+}
+
+pub(crate) struct TensorImpl {
+    id: u64,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+    dtype: DType,
+    storage: Storage,
+    grad_fn: Option<Edge>,
+    requires_grad: AtomicBool,
+    leaf: Mutex<LeafMeta>,
+}
+
+/// An n-dimensional array on a device: a cheap, clonable handle (`Arc`); clones are the same
+/// tensor (same grad, same hooks).
+///
+/// A tensor is a view (shape, strides, offset in elements) into a [`Storage`] shared with its
+/// other views. Operations launch their kernels on the thread's current stream
+/// ([`crate::with_stream`]) and return at once; only readback ([`Tensor::to_vec`],
+/// [`Tensor::item`]) waits. Supported element types: `f32`, `f16`, `bf16` (computed in `f32`),
+/// and `i64` for token ids and targets.
+///
+/// ```
+/// use fsdp_alloc::Device;
+/// use fsdp_autograd::Tensor;
+///
+/// let dev = Device::cpu(0);
+/// let w = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2], &dev)?;
+/// w.set_requires_grad(true)?;
+/// let x = Tensor::from_vec(vec![1.0f32, -1.0], &[1, 2], &dev)?;
+/// let loss = x.matmul(&w)?.sum()?; // (1·1 − 1·3) + (1·2 − 1·4) = −4
+/// assert_eq!(loss.item()?, -4.0);
+/// loss.backward()?;
+/// assert_eq!(w.grad().unwrap().to_vec::<f32>()?, vec![1.0, 1.0, -1.0, -1.0]);
+/// # Ok::<(), fsdp_autograd::AutogradError>(())
+/// ```
+#[derive(Clone)]
+pub struct Tensor {
+    pub(crate) inner: Arc<TensorImpl>,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Tensor");
+        d.field("id", &self.inner.id)
+            .field("shape", &self.inner.shape)
+            .field("dtype", &self.inner.dtype)
+            .field("device", &self.device().id());
+        if !self.is_contiguous() || self.inner.offset != 0 {
+            d.field("strides", &self.inner.strides)
+                .field("offset", &self.inner.offset);
+        }
+        d.field("requires_grad", &self.requires_grad());
+        if let Some(e) = &self.inner.grad_fn {
+            d.field("grad_fn", &e.node.name);
+        }
+        d.finish()
+    }
+}
+
+pub(crate) fn numel_of(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl Tensor {
+    // ------------------------------------------------------------------ construction
+
+    /// A tensor viewing `storage` with the given layout (no autograd history).
+    ///
+    /// # Errors
+    /// [`AutogradError::Shape`] if the view reaches past the end of the storage or the shape and
+    /// strides differ in length.
+    pub fn from_storage(
+        storage: Storage,
+        shape: &[usize],
+        strides: &[usize],
+        offset: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if shape.len() != strides.len() {
+            return Err(shape_err(
+                "from_storage",
+                format!("shape {shape:?} and strides {strides:?} differ in length"),
+            ));
+        }
+        let span = span_of(shape, strides);
+        let need = (offset + span) * dtype.size();
+        if span > 0 && need > storage.nbytes() {
+            return Err(shape_err(
+                "from_storage",
+                format!(
+                    "a {dtype} view with shape {shape:?}, strides {strides:?} and offset {offset} \
+                     needs {need} bytes but the storage has {}",
+                    storage.nbytes()
+                ),
+            ));
+        }
+        Ok(Tensor::from_parts(
+            storage,
+            shape.to_vec(),
+            strides.to_vec(),
+            offset,
+            dtype,
+        ))
+    }
+
+    pub(crate) fn from_parts(
+        storage: Storage,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+        offset: usize,
+        dtype: DType,
+    ) -> Tensor {
+        Tensor {
+            inner: Arc::new(TensorImpl {
+                id: NEXT_TENSOR_ID.fetch_add(1, Ordering::Relaxed),
+                shape,
+                strides,
+                offset,
+                dtype,
+                storage,
+                grad_fn: None,
+                requires_grad: AtomicBool::new(false),
+                leaf: Mutex::new(LeafMeta::default()),
+            }),
+        }
+    }
+
+    /// Wraps an existing allocation of `device` (e.g. an all-gathered flat parameter) as a
+    /// contiguous tensor of `shape` and `dtype`.
+    ///
+    /// # Errors
+    /// [`AutogradError::Shape`] if the buffer is smaller than the tensor;
+    /// [`AutogradError::Attach`] if it belongs to another device.
+    pub fn from_buffer(
+        buffer: Buffer,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let storage = Storage::new(buffer, device)?;
+        Tensor::from_storage(storage, shape, &contiguous_strides(shape), 0, dtype)
+    }
+
+    /// An uninitialized contiguous tensor allocated on `stream`.
+    pub(crate) fn empty_on(
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+        stream: &Stream,
+    ) -> Result<Tensor> {
+        let numel = numel_of(shape);
+        let buffer = device.alloc(numel * dtype.size(), stream)?;
+        let storage = Storage::new(buffer, device)?;
+        Ok(Tensor::from_parts(
+            storage,
+            shape.to_vec(),
+            contiguous_strides(shape),
+            0,
+            dtype,
+        ))
+    }
+
+    /// A contiguous tensor with unspecified contents (reused allocator memory), allocated on the
+    /// current stream. Use it as the destination of a kernel that overwrites every element.
+    pub fn empty(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::empty_on(shape, dtype, device, &current_stream(device))
+    }
+
+    /// A tensor filled with `value` (converted to `dtype`; floats and integer types).
+    pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+        let stream = current_stream(device);
+        let t = Tensor::empty_on(shape, dtype, device, &stream)?;
+        let a = t.arg("full", &stream)?;
+        launch(&stream, "fill", move || fill_arg("full", &a, value));
+        Ok(t)
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full(shape, 0.0, dtype, device)
+    }
+
+    /// A tensor of ones.
+    pub fn ones(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, dtype, device)
+    }
+
+    /// A 0-dimensional `f32` tensor.
+    pub fn scalar(value: f32, device: &Device) -> Result<Tensor> {
+        Tensor::full(&[], value as f64, DType::F32, device)
+    }
+
+    /// The `i64` tensor `[0, 1, …, n-1]`.
+    pub fn arange(n: usize, device: &Device) -> Result<Tensor> {
+        let stream = current_stream(device);
+        let t = Tensor::empty_on(&[n], DType::I64, device, &stream)?;
+        let a = t.arg("arange", &stream)?;
+        launch(&stream, "arange", move || {
+            a.typed_mut::<i64, _>("arange", |d| {
+                for (i, x) in d.iter_mut().enumerate() {
+                    *x = i as i64;
+                }
+            })
+        });
+        Ok(t)
+    }
+
+    /// A contiguous tensor holding `data` (moved to the device by a kernel on the current stream).
+    ///
+    /// # Errors
+    /// [`AutogradError::Shape`] if `data.len()` is not the number of elements of `shape`.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize], device: &Device) -> Result<Tensor> {
+        if data.len() != numel_of(shape) {
+            return Err(shape_err(
+                "from_vec",
+                format!(
+                    "{} values do not fill shape {shape:?} ({} elements)",
+                    data.len(),
+                    numel_of(shape)
+                ),
+            ));
+        }
+        let stream = current_stream(device);
+        let t = Tensor::empty_on(shape, T::DTYPE, device, &stream)?;
+        let a = t.arg("from_vec", &stream)?;
+        launch(&stream, "from_vec", move || {
+            a.typed_mut::<T, _>("from_vec", |d| d.copy_from_slice(&data))
+        });
+        Ok(t)
+    }
+
+    /// Like [`Tensor::from_vec`], copying from a slice.
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize], device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape, device)
+    }
+
+    // ------------------------------------------------------------------ layout accessors
+
+    /// Process-unique id of this tensor handle (views and op outputs get new ids).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.inner.shape
+    }
+
+    /// Number of dimensions.
+    pub fn dim(&self) -> usize {
+        self.inner.shape.len()
+    }
+
+    /// Strides in elements.
+    pub fn strides(&self) -> &[usize] {
+        &self.inner.strides
+    }
+
+    /// Offset of the first element in the storage, in elements.
+    pub fn offset(&self) -> usize {
+        self.inner.offset
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.inner.dtype
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        self.inner.storage.device()
+    }
+
+    /// The storage (shared with every view of it).
+    pub fn storage(&self) -> &Storage {
+        &self.inner.storage
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        numel_of(&self.inner.shape)
+    }
+
+    /// The storage's version counter (bumped by in-place operations on any view of it).
+    pub fn version(&self) -> u64 {
+        self.inner.storage.version()
+    }
+
+    /// True if the elements are laid out row-major without gaps (dimensions of size 1 may have
+    /// any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1usize;
+        for (&n, &s) in self.inner.shape.iter().zip(&self.inner.strides).rev() {
+            if n != 1 && s != expected {
+                return false;
+            }
+            expected *= n;
+        }
+        true
+    }
+
+    /// True if both handles are the same tensor.
+    pub fn ptr_eq(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Size of dimension `d`.
+    pub fn size(&self, d: usize) -> Result<usize> {
+        self.inner.shape.get(d).copied().ok_or_else(|| {
+            arg_err(
+                "size",
+                format!("dimension {d} of a {}-d tensor", self.dim()),
+            )
+        })
+    }
+
+    // ------------------------------------------------------------------ autograd state
+
+    /// True if gradients flow to this tensor (a leaf marked with [`Tensor::set_requires_grad`],
+    /// or the output of a recorded operation).
+    pub fn requires_grad(&self) -> bool {
+        self.inner.grad_fn.is_some() || self.inner.requires_grad.load(Ordering::Acquire)
+    }
+
+    /// True unless this tensor is the recorded output of an operation.
+    pub fn is_leaf(&self) -> bool {
+        self.inner.grad_fn.is_none()
+    }
+
+    /// Name of the operation that produced this tensor (`None` for leaves).
+    pub fn grad_fn_name(&self) -> Option<&'static str> {
+        self.inner.grad_fn.as_ref().map(|e| e.node.name)
+    }
+
+    /// Marks a leaf as requiring (or not) gradients.
+    ///
+    /// # Errors
+    /// [`AutogradError::RequiresGrad`] on non-leaves and on integer tensors.
+    pub fn set_requires_grad(&self, requires: bool) -> Result<()> {
+        if !self.is_leaf() {
+            return Err(AutogradError::RequiresGrad(format!(
+                "only leaves can change requires_grad; this tensor is the output of `{}` (use \
+                 `.detach()` to get a leaf)",
+                self.grad_fn_name().unwrap_or("?")
+            )));
+        }
+        if requires && !self.dtype().is_float() {
+            return Err(AutogradError::RequiresGrad(format!(
+                "only floating-point tensors can require gradients, this one is {}",
+                self.dtype()
+            )));
+        }
+        self.inner.requires_grad.store(requires, Ordering::Release);
+        Ok(())
+    }
+
+    /// [`Tensor::set_requires_grad`], returning the tensor for chaining.
+    pub fn requires_grad_(self, requires: bool) -> Result<Tensor> {
+        self.set_requires_grad(requires)?;
+        Ok(self)
+    }
+
+    pub(crate) fn leaf_meta(&self) -> MutexGuard<'_, LeafMeta> {
+        self.inner.leaf.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The accumulated gradient (leaves), `None` before the first backward or after zeroing.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.leaf_meta().grad.clone()
+    }
+
+    /// Replaces the gradient (`None` clears it, like `zero_grad(set_to_none=True)`).
+    ///
+    /// # Errors
+    /// [`AutogradError::Shape`] / [`AutogradError::DType`] if the new gradient's shape or dtype
+    /// differs from the tensor's.
+    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
+        if let Some(g) = &grad {
+            if g.shape() != self.shape() {
+                return Err(shape_err(
+                    "set_grad",
+                    format!(
+                        "gradient shape {:?} differs from the tensor's {:?}",
+                        g.shape(),
+                        self.shape()
+                    ),
+                ));
+            }
+            if g.dtype() != self.dtype() {
+                return Err(AutogradError::DType {
+                    op: "set_grad",
+                    got: g.dtype(),
+                    expected: self.dtype().to_string(),
+                });
+            }
+        }
+        self.leaf_meta().grad = grad;
+        Ok(())
+    }
+
+    /// Clears the gradient (sets it to `None`).
+    pub fn zero_grad(&self) {
+        self.leaf_meta().grad = None;
+    }
+
+    /// A new leaf sharing this tensor's storage (and version counter), without history and
+    /// not requiring grad.
+    pub fn detach(&self) -> Tensor {
+        Tensor::from_parts(
+            self.inner.storage.clone(),
+            self.inner.shape.clone(),
+            self.inner.strides.clone(),
+            self.inner.offset,
+            self.inner.dtype,
+        )
+    }
+
+    pub(crate) fn grad_fn(&self) -> Option<&Edge> {
+        self.inner.grad_fn.as_ref()
+    }
+
+    /// Where this tensor's gradient goes in the graph: its grad function, its leaf accumulator
+    /// (created on first use), or nowhere.
+    pub(crate) fn grad_edge(&self) -> Option<Edge> {
+        if let Some(e) = &self.inner.grad_fn {
+            return Some(e.clone());
+        }
+        if !self.inner.requires_grad.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut m = self.leaf_meta();
+        if let Some(node) = m.accumulator.upgrade() {
+            return Some(Edge { node, slot: 0 });
+        }
+        let node = Arc::new(Node::accumulate(self.clone()));
+        m.accumulator = Arc::downgrade(&node);
+        Some(Edge { node, slot: 0 })
+    }
+
+    /// The same tensor (layout, storage) as the output `edge` of a recorded operation.
+    pub(crate) fn with_grad_fn(&self, edge: Edge) -> Tensor {
+        Tensor {
+            inner: Arc::new(TensorImpl {
+                id: NEXT_TENSOR_ID.fetch_add(1, Ordering::Relaxed),
+                shape: self.inner.shape.clone(),
+                strides: self.inner.strides.clone(),
+                offset: self.inner.offset,
+                dtype: self.inner.dtype,
+                storage: self.inner.storage.clone(),
+                grad_fn: Some(edge),
+                requires_grad: AtomicBool::new(false),
+                leaf: Mutex::new(LeafMeta::default()),
+            }),
+        }
+    }
+
+    /// A raw view of the same storage with another layout (no autograd history).
+    pub(crate) fn view_raw(&self, shape: Vec<usize>, strides: Vec<usize>, offset: usize) -> Tensor {
+        Tensor::from_parts(
+            self.inner.storage.clone(),
+            shape,
+            strides,
+            offset,
+            self.inner.dtype,
+        )
+    }
+
+    pub(crate) fn weak(&self) -> Weak<TensorImpl> {
+        Arc::downgrade(&self.inner)
+    }
+
+    pub(crate) fn from_weak(w: &Weak<TensorImpl>) -> Option<Tensor> {
+        w.upgrade().map(|inner| Tensor { inner })
+    }
+
+    /// True if nothing but this handle refers to the tensor or its storage, and it covers its
+    /// whole storage contiguously: then its memory may be adopted (e.g. as a leaf's `.grad`).
+    pub(crate) fn is_exclusive(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1
+            && self.inner.storage.handle_count() == 1
+            && self.inner.offset == 0
+            && self.is_contiguous()
+            && self.numel() * self.dtype().size() == self.inner.storage.nbytes()
+    }
+
+    // ------------------------------------------------------------------ kernel arguments
+
+    /// The tensor's elements for a kernel on `stream` (contiguous tensors only).
+    pub(crate) fn arg(&self, op: &'static str, stream: &Stream) -> Result<Arg> {
+        if !self.is_contiguous() {
+            return Err(shape_err(
+                op,
+                format!(
+                    "internal: kernel argument with shape {:?} and strides {:?} is not contiguous",
+                    self.shape(),
+                    self.strides()
+                ),
+            ));
+        }
+        let buf = self.inner.storage.use_on(stream, op)?;
+        let sz = self.dtype().size();
+        let buf = buf.slice(self.inner.offset * sz, self.numel() * sz)?;
+        Ok(Arg {
+            buf,
+            dtype: self.dtype(),
+        })
+    }
+
+    /// The memory spanned by this (possibly strided) view, starting at its first element; the
+    /// element at index `i` sits at `Σ i·strides` in it.
+    pub(crate) fn span_arg(&self, op: &'static str, stream: &Stream) -> Result<Arg> {
+        let buf = self.inner.storage.use_on(stream, op)?;
+        let sz = self.dtype().size();
+        let span = span_of(self.shape(), self.strides());
+        let buf = buf.slice(self.inner.offset * sz, span * sz)?;
+        Ok(Arg {
+            buf,
+            dtype: self.dtype(),
+        })
+    }
+
+    pub(crate) fn check_same_device(&self, other: &Tensor, op: &'static str) -> Result<()> {
+        if self.device() != other.device() {
+            return Err(AutogradError::Device {
+                op,
+                a: self.device().id().to_string(),
+                b: other.device().id().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_float(&self, op: &'static str) -> Result<()> {
+        if !self.dtype().is_float() {
+            return Err(AutogradError::DType {
+                op,
+                got: self.dtype(),
+                expected: "f32, f16 or bf16".into(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_inplace(&self, op: &'static str) -> Result<()> {
+        if is_grad_enabled() && self.requires_grad() {
+            return Err(AutogradError::InPlaceOnGradTensor { op });
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ readback
+
+    /// Copies the elements (row-major) to the host, waiting for the work that produces them.
+    ///
+    /// # Errors
+    /// [`AutogradError::DType`] if `T` is not the tensor's dtype; the stream's failure
+    /// ([`fsdp_alloc::AllocError::StreamFailed`]) if an earlier kernel failed;
+    /// [`AutogradError::StorageReleased`] if the storage is released.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if self.dtype() != T::DTYPE {
+            return Err(AutogradError::DType {
+                op: "to_vec",
+                got: self.dtype(),
+                expected: format!("{} (the element type requested)", T::DTYPE),
+            });
+        }
+        let stream = current_stream(self.device());
+        let src = self.span_arg("to_vec", &stream)?;
+        let shape = self.shape().to_vec();
+        let strides = self.strides().to_vec();
+        let contiguous = self.is_contiguous();
+        let (tx, rx) = mpsc::channel();
+        launch(&stream, "to_vec", move || {
+            src.typed::<T, _>("to_vec", |s| {
+                let out = if contiguous {
+                    s.to_vec()
+                } else {
+                    let mut out = vec![T::zeroed(); numel_of(&shape)];
+                    let cs = contiguous_strides(&shape);
+                    strided_copy(s, 0, &strides, &mut out, 0, &cs, &shape);
+                    out
+                };
+                let _ = tx.send(out);
+            })
+        });
+        recv(rx, &stream)
+    }
+
+    /// Copies the elements to the host as `f32` (converting `f16`/`bf16`), waiting for them.
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        match self.dtype() {
+            DType::F32 => self.to_vec::<f32>(),
+            DType::F16 => Ok(self.to_vec::<f16>()?.into_iter().map(f32::from).collect()),
+            DType::BF16 => Ok(self.to_vec::<bf16>()?.into_iter().map(f32::from).collect()),
+            d => Err(AutogradError::DType {
+                op: "to_vec_f32",
+                got: d,
+                expected: "f32, f16 or bf16".into(),
+            }),
+        }
+    }
+
+    /// The value of a one-element float tensor, as `f32` (waits for it).
+    pub fn item(&self) -> Result<f32> {
+        if self.numel() != 1 {
+            return Err(shape_err(
+                "item",
+                format!(
+                    "item() needs exactly one element, the shape is {:?}",
+                    self.shape()
+                ),
+            ));
+        }
+        Ok(self.to_vec_f32()?[0])
+    }
+}
+
+fn recv<T>(rx: mpsc::Receiver<T>, stream: &Stream) -> Result<T> {
+    match rx.recv() {
+        Ok(v) => Ok(v),
+        Err(_) => {
+            // The work was skipped or failed: the stream knows why.
+            stream.synchronize()?;
+            Err(AutogradError::Backward(
+                "internal: readback work vanished without a stream failure".into(),
+            ))
+        }
+    }
+}
+
+/// Number of storage elements a view spans (0 for an empty view).
+pub(crate) fn span_of(shape: &[usize], strides: &[usize]) -> usize {
+    if shape.contains(&0) {
+        return 0;
+    }
+    1 + shape
+        .iter()
+        .zip(strides)
+        .map(|(&n, &s)| (n - 1) * s)
+        .sum::<usize>()
+}
+
+/// Fills a kernel argument with `value` converted to its dtype.
+pub(crate) fn fill_arg(op: &'static str, a: &Arg, value: f64) {
+    match a.dtype {
+        DType::F32 => a.typed_mut::<f32, _>(op, |d| d.fill(value as f32)),
+        DType::F16 => a.typed_mut::<f16, _>(op, |d| d.fill(f16::from_f64(value))),
+        DType::BF16 => a.typed_mut::<bf16, _>(op, |d| d.fill(bf16::from_f64(value))),
+        DType::I64 => a.typed_mut::<i64, _>(op, |d| d.fill(value as i64)),
+        DType::I32 => a.typed_mut::<i32, _>(op, |d| d.fill(value as i32)),
+        DType::U8 => a.typed_mut::<u8, _>(op, |d| d.fill(value as u8)),
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<Tensor>();
+    is::<Storage>();
+}
