@@ -1,4 +1,87 @@
-//! Even-sized collectives (all-gather, reduce-scatter, all-reduce, broadcast) for fsdp-rs: in-process thread backend, NCCL backend, device mesh, TCP rendezvous.
+//! # fsdp-collectives: even-sized collectives for fsdp-rs
 //!
-//! This crate is being built; see the project's issues for its contract.
+//! The communication layer of FSDP: all-gather, reduce-scatter, all-reduce and broadcast over
+//! one contiguous input and one contiguous output whose lengths obey the *even-size rule*
+//! (output = world × input for all-gather, the reverse for reduce-scatter), issued
+//! asynchronously on `fsdp-alloc` streams, plus the device mesh of hybrid sharding and a TCP
+//! rendezvous store.
+//!
+//! ## How to use
+//! Create a group, give each rank thread its handle, and issue collectives on a stream; each
+//! returns a [`Work`] to wait on (host) or to order another stream after ([`Work::event`]).
+//!
+//! ```
+//! use fsdp_alloc::{DType, Device};
+//! use fsdp_collectives::{DeviceSlice, ProcessGroup, ThreadGroup};
+//!
+//! let ranks = ThreadGroup::new(2);
+//! let gathered: Vec<Vec<f32>> = std::thread::scope(|s| {
+//!     let threads: Vec<_> = ranks
+//!         .into_iter()
+//!         .map(|pg| {
+//!             s.spawn(move || {
+//!                 let rank = pg.rank();
+//!                 let dev = Device::cpu(rank);
+//!                 let comm = dev.new_stream("comm");
+//!                 // Each rank holds a shard of 3 elements and gathers 2 × 3.
+//!                 let shard = dev.alloc(3 * 4, &comm).unwrap();
+//!                 shard.data().write::<f32>().unwrap().fill(rank as f32 + 1.0);
+//!                 let full = dev.alloc(6 * 4, &comm).unwrap();
+//!                 let input = DeviceSlice::from_buffer(&shard, DType::F32).unwrap();
+//!                 let output = DeviceSlice::from_buffer(&full, DType::F32).unwrap();
+//!                 let work = pg.all_gather_into(&input, &output, &comm); // returns at once
+//!                 work.wait().unwrap();
+//!                 let v = full.data().read::<f32>().unwrap().to_vec();
+//!                 v
+//!             })
+//!         })
+//!         .collect();
+//!     threads.into_iter().map(|t| t.join().unwrap()).collect()
+//! });
+//! assert_eq!(gathered[0], [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]);
+//! assert_eq!(gathered[1], gathered[0]);
+//! ```
+//!
+//! ## Crate layout
+//! - [`ProcessGroup`] ([`group`]): the backend-independent trait; [`Work`], [`DeviceSlice`],
+//!   [`ReduceOp`] ([`types`]).
+//! - [`ThreadGroup`] ([`thread`]): the embedded backend, W ranks as W threads; data moves
+//!   directly between ranks' buffers, reductions fold in rank order (bitwise deterministic),
+//!   dropped or failed ranks and timeouts become errors, optional [`LinkModel`].
+//! - [`DeviceMesh`] ([`mesh`]): shard groups and replicate groups for hybrid sharding.
+//! - [`TcpStore`] ([`store`]): rendezvous through `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+//!   `MASTER_PORT`.
+//! - `NcclGroup` (`nccl`, with the `cuda` feature): the same trait over NCCL.
+//!
+//! ## Reduction precision, per backend
+//! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
+//!   exactly as stated: f32 accumulation rounds f16/bf16 once at the end; own-dtype
+//!   accumulation rounds after every addition; ranks are folded in order 0..W.
+//! - NCCL backend: with the accumulation dtype equal to the buffer dtype, NCCL reduces natively
+//!   (its own order and internal precision); with f32 accumulation of f16/bf16 buffers the data
+//!   is widened to f32 on the host staging path and reduced in f32 by NCCL, then rounded once.
+//!
+//! ## Errors
+//! One enum, [`CollectiveError`]. Argument errors are detected from the descriptors of *all*
+//! ranks, so every rank of a bad collective reports the same error instead of hanging.
 #![deny(missing_docs)]
+
+mod desc;
+pub mod error;
+pub mod group;
+mod kernels;
+pub mod mesh;
+#[cfg(feature = "cuda")]
+pub mod nccl;
+pub mod store;
+pub mod thread;
+pub mod types;
+
+pub use error::{CollectiveError, Result};
+pub use group::ProcessGroup;
+pub use mesh::DeviceMesh;
+#[cfg(feature = "cuda")]
+pub use nccl::NcclGroup;
+pub use store::{RendezvousEnv, StoreServer, TcpStore};
+pub use thread::{GroupConfig, LinkModel, ThreadGroup};
+pub use types::{default_accum, DeviceSlice, OpKind, ReduceOp, Work};

@@ -1,0 +1,235 @@
+//! Host kernels of the thread backend: copies and rank-ordered reductions over device buffers,
+//! read and written only through `fsdp-alloc`'s guards.
+
+use fsdp_alloc::{AllocError, BufferRef, DType};
+use half::{bf16, f16};
+
+use crate::types::ReduceOp;
+
+/// Elements per block of a reduction: the accumulator block (≤ 64 KiB for f32) stays in cache
+/// while every rank's block is folded into it.
+const BLOCK: usize = 16 * 1024;
+
+/// Copies all bytes of `src` into `dst` (same length).
+pub(crate) fn copy(src: &BufferRef, dst: &BufferRef) -> Result<(), AllocError> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    let s = src.read::<u8>()?;
+    let mut d = dst.write::<u8>()?;
+    if d.len() != s.len() {
+        return Err(AllocError::BadAccess(format!(
+            "copy of {} bytes into a {}-byte range",
+            s.len(),
+            d.len()
+        )));
+    }
+    d.copy_from_slice(&s);
+    Ok(())
+}
+
+/// An accumulator for elements of `T`.
+pub(crate) trait Accum<T>: Copy {
+    fn load(x: T) -> Self;
+    fn add(self, x: T) -> Self;
+    fn max(self, x: T) -> Self;
+    fn min(self, x: T) -> Self;
+    fn div(self, n: usize) -> Self;
+    fn store(self) -> T;
+}
+
+impl Accum<f32> for f32 {
+    #[inline(always)]
+    fn load(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    fn add(self, x: f32) -> f32 {
+        self + x
+    }
+    #[inline(always)]
+    fn max(self, x: f32) -> f32 {
+        f32::max(self, x)
+    }
+    #[inline(always)]
+    fn min(self, x: f32) -> f32 {
+        f32::min(self, x)
+    }
+    #[inline(always)]
+    fn div(self, n: usize) -> f32 {
+        self / n as f32
+    }
+    #[inline(always)]
+    fn store(self) -> f32 {
+        self
+    }
+}
+
+macro_rules! half_accums {
+    ($t:ty) => {
+        /// Widened: accumulate in f32, round once at the end.
+        impl Accum<$t> for f32 {
+            #[inline(always)]
+            fn load(x: $t) -> f32 {
+                x.to_f32()
+            }
+            #[inline(always)]
+            fn add(self, x: $t) -> f32 {
+                self + x.to_f32()
+            }
+            #[inline(always)]
+            fn max(self, x: $t) -> f32 {
+                f32::max(self, x.to_f32())
+            }
+            #[inline(always)]
+            fn min(self, x: $t) -> f32 {
+                f32::min(self, x.to_f32())
+            }
+            #[inline(always)]
+            fn div(self, n: usize) -> f32 {
+                self / n as f32
+            }
+            #[inline(always)]
+            fn store(self) -> $t {
+                <$t>::from_f32(self)
+            }
+        }
+        /// Own precision: round to the half type after every step.
+        impl Accum<$t> for $t {
+            #[inline(always)]
+            fn load(x: $t) -> $t {
+                x
+            }
+            #[inline(always)]
+            fn add(self, x: $t) -> $t {
+                <$t>::from_f32(self.to_f32() + x.to_f32())
+            }
+            #[inline(always)]
+            fn max(self, x: $t) -> $t {
+                <$t>::from_f32(f32::max(self.to_f32(), x.to_f32()))
+            }
+            #[inline(always)]
+            fn min(self, x: $t) -> $t {
+                <$t>::from_f32(f32::min(self.to_f32(), x.to_f32()))
+            }
+            #[inline(always)]
+            fn div(self, n: usize) -> $t {
+                <$t>::from_f32(self.to_f32() / n as f32)
+            }
+            #[inline(always)]
+            fn store(self) -> $t {
+                self
+            }
+        }
+    };
+}
+half_accums!(f16);
+half_accums!(bf16);
+
+macro_rules! int_accum {
+    ($t:ty) => {
+        impl Accum<$t> for $t {
+            #[inline(always)]
+            fn load(x: $t) -> $t {
+                x
+            }
+            #[inline(always)]
+            fn add(self, x: $t) -> $t {
+                self.wrapping_add(x)
+            }
+            #[inline(always)]
+            fn max(self, x: $t) -> $t {
+                Ord::max(self, x)
+            }
+            #[inline(always)]
+            fn min(self, x: $t) -> $t {
+                Ord::min(self, x)
+            }
+            #[inline(always)]
+            fn div(self, n: usize) -> $t {
+                // n ≥ 1 (a group size); a group larger than the type's range divides to 0.
+                <$t>::try_from(n).map_or(0, |n| self.wrapping_div(n))
+            }
+            #[inline(always)]
+            fn store(self) -> $t {
+                self
+            }
+        }
+    };
+}
+int_accum!(i32);
+int_accum!(i64);
+
+/// `dst[i] = op(srcs[0][i], srcs[1][i], …)` folded strictly in the order of `srcs` (rank order),
+/// accumulating in `A`. `dst` may be one of `srcs` (each block is read completely before it is
+/// written).
+fn reduce_typed<T: bytemuck::Pod, A: Accum<T>>(
+    srcs: &[BufferRef],
+    dst: &BufferRef,
+    op: ReduceOp,
+    world: usize,
+) -> Result<(), AllocError> {
+    let sz = std::mem::size_of::<T>();
+    let count = dst.len() / sz;
+    let mut acc: Vec<A> = Vec::with_capacity(BLOCK.min(count));
+    let mut start = 0;
+    while start < count {
+        let n = BLOCK.min(count - start);
+        let range = |b: &BufferRef| b.slice(start * sz, n * sz);
+        acc.clear();
+        {
+            let first = range(&srcs[0])?;
+            let g = first.read::<T>()?;
+            acc.extend(g.iter().map(|&x| A::load(x)));
+        }
+        for src in &srcs[1..] {
+            let sub = range(src)?;
+            let g = sub.read::<T>()?;
+            let pairs = acc.iter_mut().zip(g.iter());
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, &x)| *a = a.add(x)),
+                ReduceOp::Max => pairs.for_each(|(a, &x)| *a = a.max(x)),
+                ReduceOp::Min => pairs.for_each(|(a, &x)| *a = a.min(x)),
+            }
+        }
+        let out = range(dst)?;
+        let mut w = out.write::<T>()?;
+        if op == ReduceOp::Avg {
+            w.iter_mut()
+                .zip(&acc)
+                .for_each(|(d, &a)| *d = a.div(world).store());
+        } else {
+            w.iter_mut().zip(&acc).for_each(|(d, &a)| *d = a.store());
+        }
+        start += n;
+    }
+    Ok(())
+}
+
+/// Reduces `srcs` (one range per rank, in rank order, each as long as `dst`) into `dst`.
+/// The (dtype, accum) pair must have passed [`crate::desc::check_reduce`].
+pub(crate) fn reduce(
+    dtype: DType,
+    accum: DType,
+    srcs: &[BufferRef],
+    dst: &BufferRef,
+    op: ReduceOp,
+    world: usize,
+) -> Result<(), AllocError> {
+    if srcs.is_empty() || dst.is_empty() {
+        return Ok(());
+    }
+    use DType::*;
+    match (dtype, accum) {
+        (F32, F32) => reduce_typed::<f32, f32>(srcs, dst, op, world),
+        (F16, F32) => reduce_typed::<f16, f32>(srcs, dst, op, world),
+        (F16, F16) => reduce_typed::<f16, f16>(srcs, dst, op, world),
+        (BF16, F32) => reduce_typed::<bf16, f32>(srcs, dst, op, world),
+        (BF16, BF16) => reduce_typed::<bf16, bf16>(srcs, dst, op, world),
+        (I32, I32) => reduce_typed::<i32, i32>(srcs, dst, op, world),
+        (I64, I64) => reduce_typed::<i64, i64>(srcs, dst, op, world),
+        _ => Err(AllocError::BadAccess(format!(
+            "no reduction kernel for {dtype} buffers with {accum} accumulation"
+        ))),
+    }
+}

@@ -1,0 +1,778 @@
+//! The embedded backend: W ranks as W threads of one process.
+//!
+//! ## How a collective runs
+//! Issuing a collective (on the rank's own thread) assigns it the next *sequence number* of the
+//! rank, posts a descriptor (lengths, dtypes, op, root and the [`BufferRef`]s) into the group's
+//! slot for that number, and launches the collective's work on the given stream. When the stream
+//! reaches it, the work meets the other ranks' work in three steps:
+//!
+//! 1. **Arrival.** Wait until every rank's work has arrived (so every rank's buffers are ready on
+//!    its own stream). Meanwhile, as soon as all descriptors are posted they are validated — the
+//!    same deterministic check on every rank — so a bad call fails on *every* rank at once, even
+//!    while the offending rank's stream is still busy. A rank that dropped its handle without
+//!    posting, or whose stream failed before reaching the collective, makes the others fail at
+//!    once; a rank that is merely absent makes them fail after [`GroupConfig::timeout`].
+//! 2. **Data movement.** Each rank reads its peers' buffers directly through `fsdp-alloc` read
+//!    guards and writes only its *own* output (no staging copies, no channels of data), so the W
+//!    stream threads work in parallel: in reduce-scatter rank r reduces only chunk r; all-reduce
+//!    is a reduce-scatter in place followed (after a middle rendezvous) by an all-gather in place.
+//!    Reductions fold ranks in order 0, 1, …, W−1, so results are bitwise reproducible and equal
+//!    on every rank.
+//! 3. **Departure.** Wait until every rank is done reading, so no rank's later stream work can
+//!    overwrite an input a peer is still reading; then report: if any rank failed during data
+//!    movement, every rank returns an error.
+//!
+//! Waiting uses one mutex and condition variable per group with timed waits (never spinning).
+//! The optional [`LinkModel`] delays each rank's completion with a sleep, emulating a network
+//! without burning CPU.
+//!
+//! Limitation: the rendezvous is synchronization `fsdp-alloc`'s checked (race-detecting) stream
+//! mode cannot see (it orders streams through events only), so collectives of this backend must
+//! not be issued on checked streams.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fsdp_alloc::{AllocError, BufferRef, DType, Stream};
+
+use crate::desc::{validate, OpDesc};
+use crate::error::{CollectiveError, Result};
+use crate::group::{locate_in_partition, ProcessGroup};
+use crate::kernels;
+use crate::types::{DeviceSlice, OpKind, Outcome, ReduceOp, Work};
+
+static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
+
+/// Emulated link: each collective completes no earlier than `latency + bytes / bytes_per_sec`
+/// after all ranks arrived, where `bytes` is what one rank receives in a ring algorithm
+/// (all-gather and reduce-scatter: (W−1)/W of the large buffer; all-reduce: twice that;
+/// broadcast: the whole buffer). The delay is a sleep: it costs no CPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkModel {
+    /// Fixed cost per collective.
+    pub latency: Duration,
+    /// Bandwidth per rank.
+    pub bytes_per_sec: f64,
+}
+
+impl LinkModel {
+    /// Modelled time to receive `bytes`.
+    pub fn transfer_time(&self, bytes: usize) -> Duration {
+        let secs = if self.bytes_per_sec > 0.0 && self.bytes_per_sec.is_finite() {
+            bytes as f64 / self.bytes_per_sec
+        } else {
+            0.0
+        };
+        self.latency + Duration::from_secs_f64(secs.min(1e9))
+    }
+}
+
+/// Configuration of a [`ThreadGroup`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupConfig {
+    /// How long a rank waits for the others at a rendezvous before failing with
+    /// [`CollectiveError::Timeout`] (default 120 s). Dropped handles are detected at once.
+    pub timeout: Duration,
+    /// Optional link emulation (off by default).
+    pub link: Option<LinkModel>,
+}
+
+impl Default for GroupConfig {
+    fn default() -> Self {
+        GroupConfig {
+            timeout: Duration::from_secs(120),
+            link: None,
+        }
+    }
+}
+
+impl GroupConfig {
+    /// This configuration with `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// This configuration with link emulation.
+    pub fn with_link(mut self, link: LinkModel) -> Self {
+        self.link = Some(link);
+        self
+    }
+}
+
+/// What one rank posted for one collective.
+struct Posted {
+    desc: OpDesc,
+    input: Option<BufferRef>,
+    output: Option<BufferRef>,
+}
+
+const MID: usize = 0;
+const DEPART: usize = 1;
+
+struct Slot {
+    posted: Vec<Option<Arc<Posted>>>,
+    arrived: Vec<bool>,
+    n_arrived: usize,
+    /// Per phase (MID, DEPART): who reached it.
+    reached: [Vec<bool>; 2],
+    n_reached: [usize; 2],
+    n_left: usize,
+    abandoned: Option<(usize, String)>,
+    failure: Option<CollectiveError>,
+    errors: Vec<Option<String>>,
+}
+
+impl Slot {
+    fn new(world: usize) -> Slot {
+        Slot {
+            posted: vec![None; world],
+            arrived: vec![false; world],
+            n_arrived: 0,
+            reached: [vec![false; world], vec![false; world]],
+            n_reached: [0, 0],
+            n_left: 0,
+            abandoned: None,
+            failure: None,
+            errors: vec![None; world],
+        }
+    }
+}
+
+struct SplitEntry {
+    parts: Vec<Vec<usize>>,
+    groups: Vec<Arc<Shared>>,
+    taken: usize,
+}
+
+struct State {
+    alive: Vec<bool>,
+    next_seq: Vec<u64>,
+    slots: HashMap<u64, Slot>,
+    next_split: Vec<u64>,
+    splits: HashMap<u64, SplitEntry>,
+}
+
+struct Shared {
+    name: String,
+    world: usize,
+    config: GroupConfig,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+fn vanished(op: OpKind, group: &str, seq: u64, rank: usize) -> CollectiveError {
+    CollectiveError::PeerFailed {
+        op,
+        group: group.to_string(),
+        seq,
+        rank,
+        peer: rank,
+        message: "the collective's rendezvous state is gone (internal error)".into(),
+    }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic with a non-string payload".into())
+}
+
+impl Shared {
+    fn new(name: String, world: usize, config: GroupConfig) -> Arc<Shared> {
+        Arc::new(Shared {
+            name,
+            world,
+            config,
+            state: Mutex::new(State {
+                alive: vec![true; world],
+                next_seq: vec![0; world],
+                slots: HashMap::new(),
+                next_split: vec![0; world],
+                splits: HashMap::new(),
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn post(&self, rank: usize, posted: Posted) -> u64 {
+        let mut st = self.lock();
+        let seq = st.next_seq[rank];
+        st.next_seq[rank] += 1;
+        let world = self.world;
+        st.slots
+            .entry(seq)
+            .or_insert_with(|| Slot::new(world))
+            .posted[rank] = Some(Arc::new(posted));
+        drop(st);
+        self.cv.notify_all();
+        seq
+    }
+
+    fn leave(&self, st: &mut State, seq: u64) {
+        if let Some(slot) = st.slots.get_mut(&seq) {
+            slot.n_left += 1;
+            if slot.n_left >= self.world {
+                st.slots.remove(&seq);
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// The collective's work was dropped without running (its stream had failed).
+    fn abandon(&self, rank: usize, seq: u64, why: String) {
+        let mut st = self.lock();
+        if let Some(slot) = st.slots.get_mut(&seq) {
+            slot.abandoned.get_or_insert((rank, why));
+        }
+        self.leave(&mut st, seq);
+    }
+
+    /// Step 1: wait for every rank's work to arrive; validate all descriptors.
+    fn arrive(&self, rank: usize, seq: u64) -> Result<Vec<Arc<Posted>>> {
+        let world = self.world;
+        let started = Instant::now();
+        let deadline = started + self.config.timeout;
+        let mut st = self.lock();
+        let own = {
+            let Some(slot) = st.slots.get_mut(&seq) else {
+                return Err(vanished(OpKind::Barrier, &self.name, seq, rank));
+            };
+            slot.arrived[rank] = true;
+            slot.n_arrived += 1;
+            match &slot.posted[rank] {
+                Some(p) => p.desc,
+                None => return Err(vanished(OpKind::Barrier, &self.name, seq, rank)),
+            }
+        };
+        self.cv.notify_all();
+        let op = own.kind;
+        // An error caused by a peer; a rank whose own arguments are bad reports those instead.
+        let prefer_local = |e: CollectiveError| match own.local_check(rank, world) {
+            Err(local) => local,
+            Ok(()) => e,
+        };
+        loop {
+            let State { alive, slots, .. } = &mut *st;
+            let Some(slot) = slots.get_mut(&seq) else {
+                return Err(vanished(op, &self.name, seq, rank));
+            };
+            let verdict = if let Some(f) = &slot.failure {
+                Some(Err(f.clone()))
+            } else if let Some((peer, msg)) = &slot.abandoned {
+                Some(Err(prefer_local(CollectiveError::PeerFailed {
+                    op,
+                    group: self.name.clone(),
+                    seq,
+                    rank,
+                    peer: *peer,
+                    message: msg.clone(),
+                })))
+            } else if slot.posted.iter().all(Option::is_some) {
+                let descs: Vec<OpDesc> = slot.posted.iter().flatten().map(|p| p.desc).collect();
+                match validate(&self.name, seq, &descs) {
+                    Err(e) => Some(Err(e)),
+                    Ok(()) if slot.n_arrived == world => {
+                        Some(Ok(slot.posted.iter().flatten().cloned().collect()))
+                    }
+                    Ok(()) => None,
+                }
+            } else {
+                (0..world)
+                    .find(|&p| slot.posted[p].is_none() && !alive[p])
+                    .map(|peer| {
+                        Err(prefer_local(CollectiveError::PeerGone {
+                            op,
+                            group: self.name.clone(),
+                            seq,
+                            rank,
+                            peer,
+                        }))
+                    })
+            };
+            match verdict {
+                Some(Ok(posted)) => return Ok(posted),
+                Some(Err(e)) => {
+                    self.leave(&mut st, seq);
+                    return Err(e);
+                }
+                None => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing = (0..world).filter(|&p| !slot.arrived[p]).collect();
+                let e = CollectiveError::Timeout {
+                    op,
+                    group: self.name.clone(),
+                    seq,
+                    rank,
+                    waited: now - started,
+                    missing,
+                };
+                slot.failure = Some(e.clone());
+                self.leave(&mut st, seq);
+                return Err(prefer_local(e));
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// A rendezvous after arrival (middle of all-reduce, or departure). Records this rank's
+    /// failure so far; returns the failure of the collective if the phase itself failed.
+    fn reach(
+        &self,
+        rank: usize,
+        seq: u64,
+        op: OpKind,
+        phase: usize,
+        local: &Result<()>,
+    ) -> Result<()> {
+        let world = self.world;
+        let started = Instant::now();
+        let deadline = started + self.config.timeout;
+        let mut st = self.lock();
+        {
+            let Some(slot) = st.slots.get_mut(&seq) else {
+                return Err(vanished(op, &self.name, seq, rank));
+            };
+            slot.reached[phase][rank] = true;
+            slot.n_reached[phase] += 1;
+            if let Err(e) = local {
+                slot.errors[rank].get_or_insert_with(|| e.to_string());
+            }
+        }
+        self.cv.notify_all();
+        loop {
+            let Some(slot) = st.slots.get_mut(&seq) else {
+                return Err(vanished(op, &self.name, seq, rank));
+            };
+            if slot.n_reached[phase] == world {
+                return Ok(());
+            }
+            if let Some(f) = &slot.failure {
+                return Err(f.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing = (0..world).filter(|&p| !slot.reached[phase][p]).collect();
+                let e = CollectiveError::Timeout {
+                    op,
+                    group: self.name.clone(),
+                    seq,
+                    rank,
+                    waited: now - started,
+                    missing,
+                };
+                slot.failure = Some(e.clone());
+                self.cv.notify_all();
+                return Err(e);
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Step 3: wait until every rank is done with every buffer; the collective's final result.
+    fn depart(&self, rank: usize, seq: u64, op: OpKind, local: Result<()>) -> Result<()> {
+        let phase = self.reach(rank, seq, op, DEPART, &local);
+        let mut st = self.lock();
+        let peer_error = st.slots.get(&seq).and_then(|slot| {
+            slot.errors
+                .iter()
+                .enumerate()
+                .find_map(|(p, e)| e.clone().map(|m| (p, m)))
+        });
+        self.leave(&mut st, seq);
+        drop(st);
+        local?;
+        phase?;
+        match peer_error {
+            Some((peer, message)) => Err(CollectiveError::PeerFailed {
+                op,
+                group: self.name.clone(),
+                seq,
+                rank,
+                peer,
+                message,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Step 2 for `rank`.
+    fn move_data(&self, rank: usize, seq: u64, posted: &[Arc<Posted>]) -> Result<()> {
+        let world = self.world;
+        let me = &posted[rank];
+        let d = me.desc;
+        let op = d.kind;
+        let sz = d.in_dtype.size();
+        let buf_err = |source: AllocError| CollectiveError::Buffer { op, rank, source };
+        let guarded = |f: &dyn Fn() -> std::result::Result<(), AllocError>| -> Result<()> {
+            match catch_unwind(AssertUnwindSafe(f)) {
+                Ok(r) => r.map_err(buf_err),
+                Err(p) => Err(CollectiveError::InvalidBuffer {
+                    op,
+                    rank,
+                    detail: format!("the copy kernel panicked: {}", panic_text(p.as_ref())),
+                }),
+            }
+        };
+        let missing = || AllocError::BadAccess("descriptor without its buffer".into());
+        match op {
+            OpKind::Barrier => Ok(()),
+            OpKind::AllGather => guarded(&|| {
+                let n = d.in_len * sz;
+                let out = me.output.as_ref().ok_or_else(missing)?;
+                // Own chunk last; start with the next rank so the W readers spread over peers.
+                for k in 1..=world {
+                    let s = (rank + k) % world;
+                    let src = posted[s].input.as_ref().ok_or_else(missing)?;
+                    let dst = out.slice(s * n, n)?;
+                    if s == rank && src.location() == dst.location() {
+                        continue; // in place
+                    }
+                    kernels::copy(src, &dst)?;
+                }
+                Ok(())
+            }),
+            OpKind::ReduceScatter => guarded(&|| {
+                let n = d.out_len * sz;
+                let srcs = posted
+                    .iter()
+                    .map(|p| p.input.as_ref().ok_or_else(missing)?.slice(rank * n, n))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                let out = me.output.as_ref().ok_or_else(missing)?;
+                let (red, accum) = reduce_args(&d);
+                kernels::reduce(d.in_dtype, accum, &srcs, out, red, world)
+            }),
+            OpKind::AllReduce => {
+                let len = d.in_len;
+                let bounds = |i: usize| (i * len / world) * sz..((i + 1) * len / world) * sz;
+                let chunk = |p: &Posted, i: usize| {
+                    let r = bounds(i);
+                    p.output
+                        .as_ref()
+                        .ok_or_else(missing)?
+                        .slice(r.start, r.len())
+                };
+                // Phase A: reduce chunk `rank` of every rank's buffer into our own, in place.
+                let a = guarded(&|| {
+                    let srcs = posted
+                        .iter()
+                        .map(|p| chunk(p, rank))
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    let (red, accum) = reduce_args(&d);
+                    kernels::reduce(d.in_dtype, accum, &srcs, &srcs[rank], red, world)
+                });
+                self.reach(rank, seq, op, MID, &a)?;
+                a?;
+                // Phase B: gather every other rank's reduced chunk into our buffer.
+                guarded(&|| {
+                    for k in 1..world {
+                        let s = (rank + k) % world;
+                        kernels::copy(&chunk(&posted[s], s)?, &chunk(me, s)?)?;
+                    }
+                    Ok(())
+                })
+            }
+            OpKind::Broadcast => guarded(&|| {
+                let root = d.root.unwrap_or(0);
+                if rank == root {
+                    return Ok(());
+                }
+                let src = posted[root].output.as_ref().ok_or_else(missing)?;
+                let dst = me.output.as_ref().ok_or_else(missing)?;
+                kernels::copy(src, dst)
+            }),
+        }
+    }
+
+    /// Bytes one rank receives in a ring implementation (for the link model).
+    fn wire_bytes(&self, d: &OpDesc) -> usize {
+        let w = self.world;
+        let sz = d.in_dtype.size();
+        match d.kind {
+            OpKind::AllGather => (w - 1) * d.in_len * sz,
+            OpKind::ReduceScatter => (w - 1) * d.out_len * sz,
+            OpKind::AllReduce => 2 * (w - 1) * d.in_len * sz / w,
+            OpKind::Broadcast => d.in_len * sz,
+            OpKind::Barrier => 0,
+        }
+    }
+
+    fn link_delay(&self, since: Instant, d: &OpDesc) {
+        if let Some(link) = &self.config.link {
+            if self.world > 1 {
+                let until = since + link.transfer_time(self.wire_bytes(d));
+                let now = Instant::now();
+                if until > now {
+                    std::thread::sleep(until - now);
+                }
+            }
+        }
+    }
+
+    /// The whole collective for `rank`, run by its stream work.
+    fn run(&self, rank: usize, seq: u64) -> Result<()> {
+        let posted = self.arrive(rank, seq)?;
+        let t0 = Instant::now();
+        let d = posted[rank].desc;
+        let local = self.move_data(rank, seq, &posted);
+        self.link_delay(t0, &d);
+        self.depart(rank, seq, d.kind, local)
+    }
+}
+
+fn reduce_args(d: &OpDesc) -> (ReduceOp, DType) {
+    (d.op.unwrap_or(ReduceOp::Sum), d.accum.unwrap_or(d.in_dtype))
+}
+
+/// Dropping the launched work without running it (its stream had failed) tells the peers.
+struct Ticket {
+    shared: Arc<Shared>,
+    rank: usize,
+    seq: u64,
+    stream: String,
+    armed: bool,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.abandon(
+                self.rank,
+                self.seq,
+                format!(
+                    "its stream `{}` had failed before reaching the collective, so it never ran",
+                    self.stream
+                ),
+            );
+        }
+    }
+}
+
+/// One rank's handle to an in-process group of threads (the embedded default backend).
+///
+/// `ThreadGroup::new(W)` returns W handles; hand one to each rank thread. Dropping a handle
+/// tells the other ranks that this rank is gone: collectives it has not issued fail on the
+/// others at once with [`CollectiveError::PeerGone`] (collectives it already issued still run).
+/// A rank thread that panics drops its handle while unwinding, so the same applies.
+pub struct ThreadGroup {
+    shared: Arc<Shared>,
+    rank: usize,
+}
+
+impl std::fmt::Debug for ThreadGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadGroup")
+            .field("name", &self.shared.name)
+            .field("rank", &self.rank)
+            .field("size", &self.shared.world)
+            .finish()
+    }
+}
+
+impl Drop for ThreadGroup {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        st.alive[self.rank] = false;
+        drop(st);
+        self.shared.cv.notify_all();
+    }
+}
+
+impl ThreadGroup {
+    /// A group of `world_size` ranks with the default configuration: one handle per rank, in
+    /// rank order.
+    pub fn new(world_size: usize) -> Vec<ThreadGroup> {
+        ThreadGroup::with_config(world_size, GroupConfig::default())
+    }
+
+    /// A group of `world_size` ranks with `config`.
+    pub fn with_config(world_size: usize, config: GroupConfig) -> Vec<ThreadGroup> {
+        let name = format!("threads#{}", NEXT_GROUP.fetch_add(1, Ordering::Relaxed));
+        let shared = Shared::new(name, world_size, config);
+        (0..world_size)
+            .map(|rank| ThreadGroup {
+                shared: Arc::clone(&shared),
+                rank,
+            })
+            .collect()
+    }
+
+    /// The group's configuration.
+    pub fn config(&self) -> &GroupConfig {
+        &self.shared.config
+    }
+
+    /// Like [`ProcessGroup::split`], giving the subgroups `config` (e.g. a slower
+    /// [`LinkModel`] for inter-node replicate groups). It does not block: the first rank to
+    /// call creates all subgroups and the others pick theirs up. Ranks must call their splits in
+    /// the same order with the same partition (and config: the first caller's is used).
+    pub fn split_with_config(
+        &self,
+        parts: &[Vec<usize>],
+        config: GroupConfig,
+    ) -> Result<ThreadGroup> {
+        let world = self.shared.world;
+        let invalid = |detail: String| CollectiveError::InvalidGroup {
+            group: self.shared.name.clone(),
+            rank: self.rank,
+            detail,
+        };
+        let (part, local) = locate_in_partition(parts, world, self.rank).map_err(invalid)?;
+        let mut st = self.shared.lock();
+        let k = st.next_split[self.rank];
+        st.next_split[self.rank] += 1;
+        let name = &self.shared.name;
+        let entry = st.splits.entry(k).or_insert_with(|| SplitEntry {
+            parts: parts.to_vec(),
+            groups: parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| Shared::new(format!("{name}/split{k}.{i}"), p.len(), config.clone()))
+                .collect(),
+            taken: 0,
+        });
+        if entry.parts != parts {
+            return Err(invalid(format!(
+                "split #{k} of this rank asks for the partition {parts:?}, but another rank \
+                 asked for {:?}; every rank must split with the same partition",
+                entry.parts
+            )));
+        }
+        entry.taken += 1;
+        let shared = Arc::clone(&entry.groups[part]);
+        if entry.taken == world {
+            st.splits.remove(&k);
+        }
+        Ok(ThreadGroup {
+            shared,
+            rank: local,
+        })
+    }
+
+    fn issue(
+        &self,
+        desc: OpDesc,
+        input: Option<&DeviceSlice>,
+        output: Option<&DeviceSlice>,
+        stream: &Stream,
+    ) -> Work {
+        let seq = self.shared.post(
+            self.rank,
+            Posted {
+                desc,
+                input: input.map(|s| s.data().clone()),
+                output: output.map(|s| s.data().clone()),
+            },
+        );
+        let outcome: Outcome = Arc::new(Mutex::new(None));
+        let ticket = Ticket {
+            shared: Arc::clone(&self.shared),
+            rank: self.rank,
+            seq,
+            stream: stream.name().to_string(),
+            armed: true,
+        };
+        let slot = Arc::clone(&outcome);
+        stream.launch(move || {
+            let mut ticket = ticket;
+            ticket.armed = false;
+            let r = ticket.shared.run(ticket.rank, ticket.seq);
+            let failed = r.as_ref().err().map(ToString::to_string);
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            if let Some(message) = failed {
+                // Fail the stream (like an asynchronous device error) without the panic hook's
+                // noise: later work on it is skipped instead of consuming a bad output.
+                std::panic::resume_unwind(Box::new(message));
+            }
+        });
+        Work::new(desc.kind, self.rank, seq, stream.record_event(), outcome)
+    }
+}
+
+impl ProcessGroup for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn name(&self) -> String {
+        self.shared.name.clone()
+    }
+
+    fn all_gather_into(&self, input: &DeviceSlice, output: &DeviceSlice, stream: &Stream) -> Work {
+        let desc = OpDesc::all_gather(input, output, self.rank);
+        self.issue(desc, Some(input), Some(output), stream)
+    }
+
+    fn reduce_scatter_with(
+        &self,
+        input: &DeviceSlice,
+        output: &DeviceSlice,
+        op: ReduceOp,
+        accum: DType,
+        stream: &Stream,
+    ) -> Work {
+        let desc = OpDesc::reduce_scatter(input, output, op, accum, self.rank);
+        self.issue(desc, Some(input), Some(output), stream)
+    }
+
+    fn all_reduce_with(
+        &self,
+        buf: &DeviceSlice,
+        op: ReduceOp,
+        accum: DType,
+        stream: &Stream,
+    ) -> Work {
+        self.issue(OpDesc::all_reduce(buf, op, accum), None, Some(buf), stream)
+    }
+
+    fn broadcast(&self, buf: &DeviceSlice, root: usize, stream: &Stream) -> Work {
+        self.issue(OpDesc::broadcast(buf, root), None, Some(buf), stream)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let desc = OpDesc::barrier();
+        let seq = self.shared.post(
+            self.rank,
+            Posted {
+                desc,
+                input: None,
+                output: None,
+            },
+        );
+        self.shared.arrive(self.rank, seq)?;
+        let t0 = Instant::now();
+        let mut st = self.shared.lock();
+        self.shared.leave(&mut st, seq);
+        drop(st);
+        self.shared.link_delay(t0, &desc);
+        Ok(())
+    }
+
+    fn split(&self, parts: &[Vec<usize>]) -> Result<Arc<dyn ProcessGroup>> {
+        Ok(Arc::new(
+            self.split_with_config(parts, self.shared.config.clone())?,
+        ))
+    }
+}
