@@ -34,4 +34,6 @@ pub use matmul::{bmm, matmul, matmul_parallelism, matmul_threads, set_matmul_thr
 pub use norm::{layer_norm, layer_norm_backward, softmax_rows, softmax_rows_backward};
 
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod testutil;
