@@ -17,6 +17,7 @@ mod cast;
 mod check;
 mod elementwise;
 mod embedding;
+mod layout;
 mod loss;
 mod math;
 mod matmul;
@@ -29,6 +30,7 @@ pub use elementwise::{
     scale, scale_inplace, sum,
 };
 pub use embedding::{embedding, embedding_backward};
+pub use layout::{strided_add_assign, strided_copy};
 pub use loss::{cross_entropy, cross_entropy_backward};
 pub use matmul::{bmm, matmul, matmul_parallelism, matmul_threads, set_matmul_threads};
 pub use norm::{layer_norm, layer_norm_backward, softmax_rows, softmax_rows_backward};
