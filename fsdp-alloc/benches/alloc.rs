@@ -62,7 +62,9 @@ fn training_iteration(
         let w = full.data().slice(0, 4096).expect("slice");
         comm.launch(move || w.write::<u8>().expect("w").fill(1));
         compute.wait_event(&comm.record_event());
-        let act = dev.alloc((2 + u % 3) * MIB + 512 * (u % 5), compute).expect("act");
+        let act = dev
+            .alloc((2 + u % 3) * MIB + 512 * (u % 5), compute)
+            .expect("act");
         let tmp = dev.alloc(96 * KIB * (1 + u % 4), compute).expect("tmp");
         let (r, a) = (full.data().clone(), act.data().clone());
         compute.launch(move || {

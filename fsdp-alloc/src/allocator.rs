@@ -352,7 +352,11 @@ impl CachingAllocator {
         config: AllocatorConfig,
         ctx: Arc<cudarc::driver::CudaContext>,
     ) -> Arc<CachingAllocator> {
-        Arc::new(CachingAllocator::build(device, config, RawBackend::Cuda(ctx)))
+        Arc::new(CachingAllocator::build(
+            device,
+            config,
+            RawBackend::Cuda(ctx),
+        ))
     }
 
     fn build(device: DeviceId, config: AllocatorConfig, backend: RawBackend) -> CachingAllocator {
@@ -403,9 +407,7 @@ impl CachingAllocator {
         let pool = Pool::for_size(size);
         let sid = stream.id();
         let mut st = self.lock();
-        st.streams
-            .entry(sid)
-            .or_insert_with(|| stream.downgrade());
+        st.streams.entry(sid).or_insert_with(|| stream.downgrade());
         self.process_events(&mut st);
         let mut granted = if self.config.caching {
             self.take_free(&mut st, pool, sid, size, nbytes)
@@ -904,7 +906,9 @@ impl CachingAllocator {
             ));
         }
         let s = &st.stats;
-        if s.allocated_bytes != allocated || s.active_bytes != active || s.reserved_bytes != reserved
+        if s.allocated_bytes != allocated
+            || s.active_bytes != active
+            || s.reserved_bytes != reserved
         {
             return Err(format!(
                 "stats say allocated/active/reserved = {}/{}/{}, blocks say {allocated}/{active}/{reserved}",

@@ -145,8 +145,7 @@ pub(crate) fn on_access(
         return Ok(());
     }
     let mut h = hist.0.lock().unwrap_or_else(|e| e.into_inner());
-    let ordered =
-        |r: &AccessRecord| r.stream == ctx.stream || ctx.clock.get(r.stream) >= r.pos;
+    let ordered = |r: &AccessRecord| r.stream == ctx.stream || ctx.clock.get(r.stream) >= r.pos;
     if let Some(r) = h
         .iter()
         .find(|r| r.start < end && start < r.end && (write || r.write) && !ordered(r))
@@ -187,9 +186,7 @@ pub(crate) fn on_access(
         // after it: those records add nothing.
         h.retain(|r| !(r.start >= start && r.end <= end));
     } else {
-        h.retain(|r| {
-            !(r.stream == ctx.stream && !r.write && r.start >= start && r.end <= end)
-        });
+        h.retain(|r| !(r.stream == ctx.stream && !r.write && r.start >= start && r.end <= end));
     }
     h.push(AccessRecord {
         start,

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::allocator::{AllocatorConfig, Buffer, CachingAllocator, MemoryStats};
-use crate::error::{AllocError, Capacity, Result};
+use crate::error::{Capacity, Result};
 use crate::stream::{Stream, StreamMode};
 
 /// Which device: a CPU device (one per rank thread) or a CUDA device (with the `cuda` feature).
@@ -128,7 +128,8 @@ impl Device {
     /// A CPU device with the given configuration.
     pub fn cpu_with(index: usize, config: DeviceConfig) -> Device {
         let id = DeviceId::Cpu(index);
-        let default_stream = Stream::with_checking(id, "default", config.stream_mode, config.checked);
+        let default_stream =
+            Stream::with_checking(id, "default", config.stream_mode, config.checked);
         Device {
             inner: Arc::new(DeviceInner {
                 id,
@@ -143,7 +144,7 @@ impl Device {
     }
 
     /// A CUDA device with the default configuration. Without the `cuda` feature, or without a
-    /// CUDA driver and GPU, this is an [`AllocError::CudaUnavailable`] error saying which.
+    /// CUDA driver and GPU, this is an [`crate::AllocError::CudaUnavailable`] error saying which.
     pub fn cuda(ordinal: usize) -> Result<Device> {
         Device::cuda_with(ordinal, DeviceConfig::default())
     }
@@ -176,7 +177,7 @@ impl Device {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = config;
-            Err(AllocError::CudaUnavailable(format!(
+            Err(crate::AllocError::CudaUnavailable(format!(
                 "cuda:{ordinal}: this build of fsdp-alloc has no CUDA support; rebuild with \
                  `--features cuda`"
             )))

@@ -4,6 +4,17 @@
 //! of a device's memory — the layer that lets FSDP's stream choreography and memory behaviour be
 //! reproduced (and tested) on a CPU exactly as on a GPU.
 //!
+//! ## How to use
+//!
+//! Make a [`Device`] per rank (`Device::cpu(rank)`, or [`Device::cpu_with`] a [`DeviceConfig`]
+//! to cap its memory like an 80 GB GPU, turn on the checked mode or turn off caching). Allocate
+//! with [`Device::alloc`]`(bytes, &stream)`: the [`Buffer`] is an RAII handle owned by that
+//! stream; launched work captures its [`BufferRef`] and reads or writes through
+//! [`BufferRef::read`] / [`BufferRef::write`] guards. Order streams with
+//! [`Stream::record_event`] + [`Stream::wait_event`]. Before dropping a buffer another stream
+//! used, call [`Buffer::record_stream`] on that stream (or keep the buffer alive until that
+//! stream's event, e.g. with [`RateLimiter::release_buffer`]).
+//!
 //! ```
 //! use fsdp_alloc::{Device, Event};
 //!
@@ -12,7 +23,7 @@
 //! let comm = dev.new_stream("comm");
 //!
 //! // Fill a buffer on the comm stream, then read it on the compute stream after an event.
-//! let buf = dev.alloc(4 * 1024, &comm).unwrap();
+//! let mut buf = dev.alloc(4 * 1024, &comm).unwrap();
 //! let data = buf.data().clone();
 //! comm.launch(move || data.write::<f32>().unwrap().fill(1.5));
 //! let filled: Event = comm.record_event();
@@ -21,7 +32,57 @@
 //! let data = buf.data().clone();
 //! compute.launch(move || tx.send(data.read::<f32>().unwrap().iter().sum::<f32>()).unwrap());
 //! assert_eq!(rx.recv().unwrap(), 1536.0);
+//!
+//! // Compute used it: the block goes back to comm's free list once compute's event completes.
+//! buf.record_stream(&compute);
+//! drop(buf);
+//! dev.synchronize().unwrap();
+//! let stats = dev.memory_stats();
+//! assert_eq!(stats.allocated_bytes, 0);
+//! assert_eq!(stats.reserved_bytes, 2 << 20); // one cached 2 MiB small-pool segment
 //! ```
+//!
+//! ## Crate layout
+//!
+//! - [`device`]: [`Device`] (CPU index or CUDA ordinal), its [`DeviceConfig`], its streams and
+//!   its allocator.
+//! - [`stream`]: [`Stream`] (an in-order asynchronous queue; on CPU a worker thread, on CUDA a
+//!   CUDA stream), [`Event`], panic propagation along event dependencies.
+//! - [`allocator`]: [`CachingAllocator`] — PyTorch CUDA caching-allocator semantics (512 B
+//!   rounding, small/large pools, per-stream best fit, split and coalesce, `record_stream`
+//!   deferred frees, free-cache-and-retry, `empty_cache`), [`MemoryStats`] with per-pool
+//!   [`PoolStats`], [`CachingAllocator::snapshot`] and [`CachingAllocator::validate`].
+//! - [`memory`]: raw segments and the guarded [`BufferRef`]; with the CUDA module, the only
+//!   `unsafe` code, its invariants written at the top.
+//! - [`rate_limiter`]: [`RateLimiter`], the all-gather rate limiter (FSDP1 release events and
+//!   FSDP2 explicit buffer lifetime).
+//! - [`dtype`], [`error`]: the element-type vocabulary and [`AllocError`].
+//! - `checked` (private): the checked mode's vector clocks and access histories.
+//! - `cuda` (private, feature `cuda`): cudarc contexts, streams, events, host functions and
+//!   `cuMemAlloc`/`cuMemFree`. Compile-checked only on machines without a GPU.
+//!
+//! ## Checked mode
+//!
+//! With `DeviceConfig { checked: true, .. }` every stream keeps a vector clock (which positions
+//! of which streams it is ordered after, through `wait_event`, and through host threads that
+//! observed an event complete before launching). Each guard taken inside launched work is an
+//! access by (stream, job position); each segment remembers the last write and the reads since
+//! then of each byte range. A read not ordered after the last write, or a write not ordered
+//! after earlier reads and writes, fails with [`AllocError::OrderingViolation`] naming the block
+//! and both streams — and fails the stream, so the bug surfaces at the next synchronize. A
+//! block freed without `record_stream` and reused on its stream while another stream still
+//! used it is reported as such ("freed allocation ... reused"). Host accesses outside launched
+//! work are not checked, and ordering established without events (thread barriers, channels)
+//! is invisible, so keep such code out of checked devices. The cost is a clock copy per
+//! launched job and a lock per guard, which is why it is off by default.
+//!
+//! ## CUDA
+//!
+//! With the `cuda` feature, [`Device::cuda`] opens a GPU through cudarc (and returns
+//! [`AllocError::CudaUnavailable`] when the driver library is absent); the public API is the
+//! same with and without the feature. See the `cuda` module notes in the source for what
+//! `launch` means there (a host function) and what is not available (checked mode, host access
+//! to device memory).
 #![deny(missing_docs)]
 
 pub mod allocator;
@@ -36,12 +97,12 @@ pub mod rate_limiter;
 pub mod stream;
 
 pub use allocator::{
-    AllocatorConfig, BlockInfo, BlockState, Buffer, CachingAllocator, MemoryStats, Pool,
-    PoolStats, SegmentInfo,
+    AllocatorConfig, BlockInfo, BlockState, Buffer, CachingAllocator, MemoryStats, Pool, PoolStats,
+    SegmentInfo,
 };
-pub use rate_limiter::{RateLimiter, RateLimiterStats};
 pub use device::{Device, DeviceConfig, DeviceId};
 pub use dtype::DType;
 pub use error::{AllocError, Capacity, Result};
 pub use memory::{BufferRef, ReadGuard, WriteGuard};
+pub use rate_limiter::{RateLimiter, RateLimiterStats};
 pub use stream::{Event, Stream, StreamId, StreamMode};

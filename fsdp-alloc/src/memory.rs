@@ -349,9 +349,8 @@ impl BufferRef {
         // number of `T` (check_typed), initialized (zeroed at allocation; Pod has no invalid bit
         // patterns), and no overlapping write guard exists (register), so no `&mut` aliases it
         // for the guard's lifetime.
-        let slice = unsafe {
-            std::slice::from_raw_parts(base.as_ptr().add(self.offset) as *const T, n)
-        };
+        let slice =
+            unsafe { std::slice::from_raw_parts(base.as_ptr().add(self.offset) as *const T, n) };
         Ok(ReadGuard {
             r: self,
             slice,
@@ -381,9 +380,8 @@ impl BufferRef {
             })?;
         // SAFETY: as in `read`, and `register` refused if any overlapping guard (read or write)
         // is live, so this `&mut` is the only reference to these bytes while the guard lives.
-        let slice = unsafe {
-            std::slice::from_raw_parts_mut(base.as_ptr().add(self.offset) as *mut T, n)
-        };
+        let slice =
+            unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(self.offset) as *mut T, n) };
         Ok(WriteGuard {
             r: self,
             slice,

@@ -280,7 +280,11 @@ impl Stream {
 
     /// A stream over a CUDA stream (no worker thread: the CUDA driver runs it).
     #[cfg(feature = "cuda")]
-    pub(crate) fn new_cuda(device: DeviceId, name: &str, backend: crate::cuda::StreamBackend) -> Stream {
+    pub(crate) fn new_cuda(
+        device: DeviceId,
+        name: &str,
+        backend: crate::cuda::StreamBackend,
+    ) -> Stream {
         let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
         Stream {
             inner: Arc::new(StreamInner {
@@ -301,6 +305,12 @@ impl Stream {
     #[cfg(feature = "cuda")]
     pub fn cuda_stream(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
         self.inner.cuda.as_ref().map(|b| b.stream())
+    }
+
+    /// Marks the stream failed with `message` (reported by `check`/`synchronize`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fail(&self, message: String) {
+        self.inner.health.fail(message);
     }
 
     pub(crate) fn downgrade(&self) -> WeakStream {
@@ -371,7 +381,8 @@ impl Stream {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.inner.cuda {
             let pos = self.inner.launched.fetch_add(1, Ordering::AcqRel) + 1;
-            if let Err(e) = crate::cuda::launch_host(cuda, Box::new(work), pos, &self.inner.health) {
+            if let Err(e) = crate::cuda::launch_host(cuda, Box::new(work), pos, &self.inner.health)
+            {
                 self.inner.health.fail(e);
             }
             return;
@@ -394,7 +405,13 @@ impl Stream {
         if let Some(cuda) = &self.inner.cuda {
             let pos = self.inner.launched.fetch_add(1, Ordering::AcqRel) + 1;
             return match crate::cuda::record(cuda) {
-                Ok(ev) => Event::cuda(self.inner.id, self.inner.device, pos, ev, &self.inner.health),
+                Ok(ev) => Event::cuda(
+                    self.inner.id,
+                    self.inner.device,
+                    pos,
+                    ev,
+                    &self.inner.health,
+                ),
                 Err(e) => {
                     self.inner.health.fail(e.clone());
                     let ev = Event::pending(self.inner.id, self.inner.device, pos);
@@ -419,7 +436,7 @@ impl Stream {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.inner.cuda {
             self.inner.launched.fetch_add(1, Ordering::AcqRel);
-            if let Err(e) = crate::cuda::wait(cuda, event) {
+            if let Err(e) = crate::cuda::wait(cuda, event, &self.inner.health) {
                 self.inner.health.fail(e);
             }
             return;

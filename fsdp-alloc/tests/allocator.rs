@@ -11,7 +11,10 @@ const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 
 fn capped(bytes: usize) -> Device {
-    Device::cpu_with(0, DeviceConfig::default().with_capacity(Capacity::Bytes(bytes)))
+    Device::cpu_with(
+        0,
+        DeviceConfig::default().with_capacity(Capacity::Bytes(bytes)),
+    )
 }
 
 /// A gate: work launched with `blocker()` holds its stream until `open()`.
@@ -65,7 +68,11 @@ fn sizes_round_to_512_and_pick_pools() {
     assert_eq!(st.allocated_bytes, 0);
     assert_eq!(st.num_allocations, 0);
     assert_eq!(st.requested_bytes, 0);
-    assert_eq!(st.reserved_bytes, SMALL_BUFFER + LARGE_BUFFER + 22 * MIB, "cached");
+    assert_eq!(
+        st.reserved_bytes,
+        SMALL_BUFFER + LARGE_BUFFER + 22 * MIB,
+        "cached"
+    );
 }
 
 #[test]
@@ -94,13 +101,20 @@ fn blocks_split_and_coalesce() {
     assert_eq!(c.data().location().1, 8 * KIB);
     let snap = dev.allocator().snapshot();
     assert_eq!(snap.len(), 1);
-    assert_eq!(snap[0].blocks.len(), 4, "three allocated + the free remainder");
+    assert_eq!(
+        snap[0].blocks.len(),
+        4,
+        "three allocated + the free remainder"
+    );
     drop(b);
     drop(a); // coalesces with b
     let snap = dev.allocator().snapshot();
     let blocks = &snap[0].blocks;
     assert_eq!(blocks.len(), 3, "{blocks:?}");
-    assert_eq!((blocks[0].size, blocks[0].state), (8 * KIB, BlockState::Free));
+    assert_eq!(
+        (blocks[0].size, blocks[0].state),
+        (8 * KIB, BlockState::Free)
+    );
     assert_eq!(blocks[1].state, BlockState::Allocated);
     dev.allocator().validate().unwrap();
     drop(c); // coalesces both sides: one free block = the whole segment
@@ -152,7 +166,11 @@ fn blocks_belong_to_their_stream() {
     let loc = a.data().location();
     drop(a);
     let b = dev.alloc(4 * KIB, &s2).unwrap();
-    assert_ne!(b.data().location().0, loc.0, "another stream gets another segment");
+    assert_ne!(
+        b.data().location().0,
+        loc.0,
+        "another stream gets another segment"
+    );
     assert_eq!(dev.memory_stats().num_raw_mallocs, 2);
     let snap = dev.allocator().snapshot();
     assert_eq!(snap[0].stream, s1.id());
@@ -175,7 +193,11 @@ fn record_stream_defers_reuse_until_the_event_completes() {
     assert_eq!(st.active_bytes, 64 * KIB, "waiting for compute's event");
     assert_eq!(st.num_pending_frees, 1);
     let b = dev.alloc(64 * KIB, &comm).unwrap();
-    assert_ne!(b.data().location(), loc, "not reused while compute may still use it");
+    assert_ne!(
+        b.data().location(),
+        loc,
+        "not reused while compute may still use it"
+    );
     drop(b);
     gate.open();
     compute.synchronize().unwrap();
@@ -190,7 +212,11 @@ fn record_stream_defers_reuse_until_the_event_completes() {
 #[test]
 fn retry_releases_other_streams_cached_segments() {
     let dev = capped(2 * SMALL_BUFFER);
-    let (a, b, c) = (dev.new_stream("a"), dev.new_stream("b"), dev.new_stream("c"));
+    let (a, b, c) = (
+        dev.new_stream("a"),
+        dev.new_stream("b"),
+        dev.new_stream("c"),
+    );
     drop(dev.alloc(MIB, &a).unwrap()); // a's segment, now cached and free
     let _keep = dev.alloc(MIB, &b).unwrap();
     let _x = dev.alloc(512 * KIB, &c).unwrap(); // needs a third segment: flush a's, retry
@@ -240,7 +266,10 @@ fn oom_is_typed_and_counted() {
         }
         e => panic!("expected OutOfMemory, got {e}"),
     }
-    assert!(err.to_string().contains("tried to allocate 100 bytes"), "{err}");
+    assert!(
+        err.to_string().contains("tried to allocate 100 bytes"),
+        "{err}"
+    );
     let st = dev.memory_stats();
     assert_eq!((st.num_ooms, st.num_alloc_retries), (1, 1));
     // An absurd request is an error too, not a panic.
@@ -326,4 +355,22 @@ fn concurrent_allocation_from_threads() {
     dev.allocator().validate().unwrap();
     assert_eq!(dev.memory_stats().allocated_bytes, 0);
     assert_eq!(dev.memory_stats().num_raw_mallocs, 4);
+}
+
+#[test]
+fn cuda_is_a_typed_error_when_unavailable() {
+    match Device::cuda(0) {
+        Err(AllocError::CudaUnavailable(msg)) => assert!(msg.contains("cuda:0"), "{msg}"),
+        Err(e) => panic!("expected CudaUnavailable, got {e}"),
+        // Only possible with the feature on a machine with a GPU.
+        Ok(dev) => assert!(cfg!(feature = "cuda") && dev.id() == fsdp_alloc::DeviceId::Cuda(0)),
+    }
+}
+
+#[test]
+fn device_memory_is_not_host_accessible_but_host_memory_is() {
+    let dev = Device::cpu(0);
+    let b = dev.alloc(64, dev.default_stream()).unwrap();
+    assert_eq!(b.data().device_ptr(), None);
+    assert!(b.data().read::<f32>().is_ok());
 }

@@ -119,7 +119,11 @@ fn record_stream_makes_the_same_pattern_correct() {
     g.record_stream(&compute);
     drop(g);
     let early = dev.alloc(4096, &comm).unwrap();
-    assert_ne!(early.data().location(), loc, "not reused before compute's event");
+    assert_ne!(
+        early.data().location(),
+        loc,
+        "not reused before compute's event"
+    );
     fill(&comm, early.data(), 3.0);
     compute.synchronize().unwrap();
     let reuse = dev.alloc(4096, &comm).unwrap();

@@ -8,9 +8,18 @@ use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Alloc { stream: usize, size: usize },
-    Free { idx: usize },
-    FreeAfterUse { idx: usize, user: usize, sleep_us: u64 },
+    Alloc {
+        stream: usize,
+        size: usize,
+    },
+    Free {
+        idx: usize,
+    },
+    FreeAfterUse {
+        idx: usize,
+        user: usize,
+        sleep_us: u64,
+    },
     EmptyCache,
 }
 
@@ -44,7 +53,9 @@ fn run(ops: Vec<Op>, capped: bool) -> Result<(), TestCaseError> {
     };
     let dev = Device::cpu_with(
         0,
-        DeviceConfig::default().with_checked(true).with_capacity(cap),
+        DeviceConfig::default()
+            .with_checked(true)
+            .with_capacity(cap),
     );
     let streams = [
         dev.default_stream().clone(),
@@ -113,9 +124,7 @@ fn run(ops: Vec<Op>, capped: bool) -> Result<(), TestCaseError> {
             }
             Op::EmptyCache => dev.empty_cache(),
         }
-        dev.allocator()
-            .validate()
-            .map_err(|e| TestCaseError::fail(e))?;
+        dev.allocator().validate().map_err(TestCaseError::fail)?;
         let st = dev.memory_stats();
         let live_bytes: usize = live.iter().map(|(b, _)| b.allocated_size()).sum();
         prop_assert_eq!(st.allocated_bytes, live_bytes);
@@ -134,9 +143,7 @@ fn run(ops: Vec<Op>, capped: bool) -> Result<(), TestCaseError> {
     prop_assert_eq!(st.active_bytes, 0);
     prop_assert_eq!(st.num_pending_frees, 0);
     prop_assert_eq!(st.requested_bytes, 0);
-    dev.allocator()
-        .validate()
-        .map_err(|e| TestCaseError::fail(e))?;
+    dev.allocator().validate().map_err(TestCaseError::fail)?;
     dev.empty_cache();
     let st = dev.memory_stats();
     prop_assert_eq!(st.reserved_bytes, 0);

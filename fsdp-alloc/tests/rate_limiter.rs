@@ -70,7 +70,11 @@ fn explicit_lifetime_holds_the_buffer_until_the_consumer_event() {
     let r = g.data().clone();
     compute.launch(move || assert_eq!(r.read::<f32>().unwrap()[7], 1.0));
     limiter.release_buffer(g, compute.record_event()); // no record_stream
-    assert_eq!(dev.memory_stats().allocated_bytes, 64 << 10, "held by the limiter");
+    assert_eq!(
+        dev.memory_stats().allocated_bytes,
+        64 << 10,
+        "held by the limiter"
+    );
     let other = dev.alloc(64 << 10, &comm).unwrap();
     assert_ne!(other.data().location(), loc);
     drop(other);
@@ -78,7 +82,11 @@ fn explicit_lifetime_holds_the_buffer_until_the_consumer_event() {
     limiter.synchronize().unwrap();
     assert_eq!(limiter.outstanding(), 0);
     assert_eq!(dev.memory_stats().allocated_bytes, 0);
-    assert_eq!(dev.memory_stats().num_pending_frees, 0, "never a deferred free");
+    assert_eq!(
+        dev.memory_stats().num_pending_frees,
+        0,
+        "never a deferred free"
+    );
     let reuse = dev.alloc(64 << 10, &comm).unwrap();
     assert_eq!(reuse.data().location(), loc, "back on comm's free list");
     let w = reuse.data().clone();
