@@ -749,10 +749,18 @@ impl CachingAllocator {
             .filter(|s| *s != stream)
             .map(Stream::record_event)
             .collect();
+        // Checked mode: whoever reuses the block must be ordered after what the freeing thread
+        // (or the job it runs) has seen — that is the point after which the free happened.
+        let point = if stream.is_checked() {
+            crate::checked::free_point().map(Event::observed_at)
+        } else {
+            None
+        };
         let mut st = self.lock();
-        let Some(b) = st.blocks.get(&key) else {
+        let Some(b) = st.blocks.get_mut(&key) else {
             return;
         };
+        b.after.extend(point);
         let (pool, size) = (b.pool, b.size);
         st.stats.allocated_bytes -= size;
         st.stats.requested_bytes -= requested;

@@ -98,6 +98,22 @@ pub(crate) fn host_clock() -> Option<Arc<Clock>> {
     HOST.with(|h| h.borrow().clone())
 }
 
+/// What the calling thread knows has happened right now: its host clock, joined with the clock
+/// of the launched job it is running (if any). A block freed here is reused by work ordered
+/// after this point.
+pub(crate) fn free_point() -> Option<Arc<Clock>> {
+    let job = CURRENT.with(|c| c.borrow().as_ref().map(|j| Arc::clone(&j.clock)));
+    match (job, host_clock()) {
+        (None, h) => h,
+        (Some(j), None) => Some(j),
+        (Some(j), Some(h)) => {
+            let mut c = (*j).clone();
+            c.merge(&h);
+            Some(Arc::new(c))
+        }
+    }
+}
+
 /// Records that the calling thread observed a point whose clock is `clock`.
 pub(crate) fn observe(clock: &Arc<Clock>) {
     HOST.with(|h| {

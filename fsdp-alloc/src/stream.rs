@@ -571,6 +571,16 @@ impl Event {
         self.inner.cuda.as_ref().map(|(e, _)| e)
     }
 
+    /// A complete event standing for a point whose clock is `clock` (checked mode: ordering
+    /// after it orders after everything that clock covers).
+    pub(crate) fn observed_at(clock: Arc<Clock>) -> Event {
+        let inner = Event::make(None, None, 0, EventState::Done);
+        let _ = inner.clock.set(clock);
+        Event {
+            inner: Arc::new(inner),
+        }
+    }
+
     /// An event that is already complete (like a CUDA event that was never recorded).
     pub fn completed() -> Event {
         Event {

@@ -181,3 +181,31 @@ fn unchecked_devices_do_not_check() {
         .unwrap();
     dev.synchronize().unwrap();
 }
+
+#[test]
+fn free_on_one_thread_after_sync_and_reuse_on_another_is_ordered() {
+    // FSDP2 style across threads: thread A waits for compute, then frees without record_stream;
+    // thread B reuses the block on comm. Correct, and must not be reported.
+    let (dev, compute, comm) = checked_device();
+    let g = dev.alloc(4096, &comm).unwrap();
+    let loc = g.data().location();
+    fill(&comm, g.data(), 1.0);
+    compute.wait_event(&comm.record_event());
+    read_later(&compute, g.data(), 10);
+    let done = compute.record_event();
+    std::thread::spawn(move || {
+        done.synchronize().unwrap();
+        drop(g);
+    })
+    .join()
+    .unwrap();
+    let (d2, c2) = (dev.clone(), comm.clone());
+    std::thread::spawn(move || {
+        let reuse = d2.alloc(4096, &c2).unwrap();
+        assert_eq!(reuse.data().location(), loc);
+        fill(&c2, reuse.data(), 2.0);
+    })
+    .join()
+    .unwrap();
+    dev.synchronize().unwrap();
+}
