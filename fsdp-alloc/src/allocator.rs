@@ -407,7 +407,16 @@ impl CachingAllocator {
         let pool = Pool::for_size(size);
         let sid = stream.id();
         let mut st = self.lock();
-        st.streams.entry(sid).or_insert_with(|| stream.downgrade());
+        if !st.streams.contains_key(&sid) {
+            if st.streams.len() >= 64 {
+                // Forget streams that are gone and own no segment any more.
+                let owners: std::collections::HashSet<StreamId> =
+                    st.segs.values().map(|e| e.stream).collect();
+                st.streams
+                    .retain(|id, w| owners.contains(id) || w.upgrade().is_some());
+            }
+            st.streams.insert(sid, stream.downgrade());
+        }
         self.process_events(&mut st);
         let mut granted = if self.config.caching {
             self.take_free(&mut st, pool, sid, size, nbytes)
