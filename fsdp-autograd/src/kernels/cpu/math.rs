@@ -24,7 +24,11 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 pub(crate) fn exp(x: f32) -> f32 {
     // Clamp so the reduction below stays in range; the selects at the end restore the limits.
     let xc = x.clamp(EXP_LO, EXP_HI);
-    let n = (xc * LOG2_E + ROUND_MAGIC) - ROUND_MAGIC;
+    // `t` is an integer-valued float in [2²³, 2²⁴): its low mantissa bits hold n (offset by
+    // the magic constant's bits), which gives n as an integer without a float→int conversion
+    // (Rust's saturating `as i32` does not vectorize on baseline x86-64).
+    let t = xc * LOG2_E + ROUND_MAGIC;
+    let n = t - ROUND_MAGIC;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
     let mut p = 1.0 / 5040.0;
     p = p * r + 1.0 / 720.0;
@@ -35,10 +39,12 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 1.0;
     p = p * r + 1.0;
     // n ∈ [-126, 128]: split 2ⁿ into two normal factors so n = 128 (x near EXP_HI) works.
-    let ni = n as i32;
+    // For a NaN input `t` is NaN and these bits are meaningless (the result is replaced below);
+    // wrapping arithmetic makes it evident that no input can cause an overflow panic.
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND_MAGIC.to_bits() as i32);
     let h = ni >> 1;
-    let s1 = f32::from_bits(((h + 127) as u32) << 23);
-    let s2 = f32::from_bits(((ni - h + 127) as u32) << 23);
+    let s1 = f32::from_bits((h.wrapping_add(127) as u32) << 23);
+    let s2 = f32::from_bits((ni.wrapping_sub(h).wrapping_add(127) as u32) << 23);
     let y = p * s1 * s2;
     if x < EXP_LO {
         0.0
@@ -97,6 +103,9 @@ mod tests {
         assert_eq!(exp(f32::INFINITY), f32::INFINITY);
         assert_eq!(exp(89.0), f32::INFINITY);
         assert!(exp(f32::NAN).is_nan());
+        // NaNs of either sign and any payload.
+        assert!(exp(-f32::NAN).is_nan());
+        assert!(exp(f32::from_bits(0xFFFF_FFFF)).is_nan());
         assert!(exp(88.72).is_finite() && exp(-87.336).is_normal());
     }
 }
