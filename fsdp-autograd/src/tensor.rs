@@ -575,11 +575,13 @@ impl Tensor {
 
     pub(crate) fn check_same_device(&self, other: &Tensor, op: &'static str) -> Result<()> {
         if self.device() != other.device() {
-            return Err(AutogradError::Device {
-                op,
-                a: self.device().id().to_string(),
-                b: other.device().id().to_string(),
-            });
+            let (a, b) = (self.device().id(), other.device().id());
+            let (a, b) = if a == b {
+                (format!("{a} (one Device object)"), format!("{b} (another Device object)"))
+            } else {
+                (a.to_string(), b.to_string())
+            };
+            return Err(AutogradError::Device { op, a, b });
         }
         Ok(())
     }

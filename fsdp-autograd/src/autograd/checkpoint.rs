@@ -124,36 +124,38 @@ enum SavedInner {
     Deferred { frame: Arc<Frame>, index: usize },
 }
 
-/// A tensor saved for backward, with the version it had when saved.
-pub(crate) struct SavedTensor(SavedInner);
+/// A tensor saved for backward, with the version it had when saved (`None` once used).
+pub(crate) struct SavedTensor(Option<SavedInner>);
 
 impl SavedTensor {
     /// Saves `t` (inside a checkpoint region: a placeholder filled by recomputation).
     pub(crate) fn new(t: &Tensor) -> SavedTensor {
         FRAMES.with(|f| match f.borrow().last() {
-            Some(FrameCtx::Record(frame)) => SavedTensor(SavedInner::Deferred {
+            Some(FrameCtx::Record(frame)) => SavedTensor(Some(SavedInner::Deferred {
                 frame: Arc::clone(frame),
                 index: frame.recorded.fetch_add(1, Ordering::AcqRel),
-            }),
+            })),
             Some(FrameCtx::Recompute(store)) => {
                 store.borrow_mut().push((t.clone(), t.version()));
-                SavedTensor(SavedInner::Plain {
+                SavedTensor(Some(SavedInner::Plain {
                     tensor: t.clone(),
                     version: t.version(),
-                })
+                }))
             }
-            None => SavedTensor(SavedInner::Plain {
+            None => SavedTensor(Some(SavedInner::Plain {
                 tensor: t.clone(),
                 version: t.version(),
-            }),
+            })),
         })
     }
 
-    /// The saved tensor, checking that it was not modified in place since it was saved.
-    pub(crate) fn unpack(self, op: &'static str) -> Result<Tensor> {
-        let (tensor, version) = match self.0 {
-            SavedInner::Plain { tensor, version } => (tensor, version),
-            SavedInner::Deferred { frame, index } => frame.take(index, op)?,
+    /// Takes the saved tensor out (it is freed when the caller drops it), checking that it was
+    /// not modified in place since it was saved.
+    pub(crate) fn unpack(&mut self, op: &'static str) -> Result<Tensor> {
+        let (tensor, version) = match self.0.take() {
+            Some(SavedInner::Plain { tensor, version }) => (tensor, version),
+            Some(SavedInner::Deferred { frame, index }) => frame.take(index, op)?,
+            None => return Err(AutogradError::GraphConsumed { op }),
         };
         if tensor.version() != version {
             return Err(AutogradError::SavedTensorModified {

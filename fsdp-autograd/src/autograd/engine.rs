@@ -251,13 +251,10 @@ pub fn backward(roots: &[Tensor], grads: &[Option<Tensor>]) -> Result<()> {
                 }
             }
             NodeKind::Function(f) => {
-                let f = f.lock().unwrap_or_else(|e| e.into_inner()).take();
                 let outputs = if grads.iter().all(Option::is_none) {
-                    drop(f);
                     vec![None; node.next.len()]
                 } else {
-                    let f = f.ok_or(AutogradError::GraphConsumed { op: node.name })?;
-                    let out = f.run(grads)?;
+                    let out = f.lock().unwrap_or_else(|e| e.into_inner()).run(grads)?;
                     if out.len() != node.next.len() {
                         return Err(AutogradError::Backward(format!(
                             "internal: `{}` returned {} gradients for {} inputs",

@@ -123,7 +123,13 @@ where
         )));
     }
     let raw: Vec<Tensor> = outputs.iter().map(Tensor::detach).collect();
-    Ok(record(name, inputs, &raw, backward))
+    let mut backward = Some(backward);
+    Ok(record(name, inputs, &raw, move |g: Vec<Option<Tensor>>| {
+        match backward.take() {
+            Some(f) => f(g),
+            None => Err(AutogradError::GraphConsumed { op: name }),
+        }
+    }))
 }
 
 enum HookTarget {

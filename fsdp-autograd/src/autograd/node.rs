@@ -28,24 +28,25 @@ pub(crate) struct GradMeta {
 }
 
 /// The backward computation of one operation: gradients w.r.t. its outputs (`None` where no
-/// gradient arrived) in, gradients w.r.t. its inputs (`None` where not needed) out. Consumed by
-/// the call, which frees the saved tensors.
+/// gradient arrived) in, gradients w.r.t. its inputs (`None` where not needed) out. Saved tensors
+/// are taken out (freed) when used, so running a node with saved tensors a second time fails
+/// with `GraphConsumed`; nodes without saved tensors (views, adds, …) can run again.
 pub(crate) trait BackwardFn: Send {
-    fn run(self: Box<Self>, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>>;
+    fn run(&mut self, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>>;
 }
 
 impl<F> BackwardFn for F
 where
-    F: FnOnce(Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> + Send,
+    F: FnMut(Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> + Send,
 {
-    fn run(self: Box<Self>, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
-        (*self)(grads)
+    fn run(&mut self, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        self(grads)
     }
 }
 
 pub(crate) enum NodeKind {
-    /// An operation's backward (taken on execution).
-    Function(Mutex<Option<Box<dyn BackwardFn>>>),
+    /// An operation's backward.
+    Function(Mutex<Box<dyn BackwardFn>>),
     /// Accumulates into a leaf's `.grad` (holds the leaf; the leaf holds this node weakly).
     Accumulate(Tensor),
 }
@@ -74,7 +75,7 @@ impl Node {
         Node {
             seq: NEXT_SEQ.fetch_add(1, Ordering::Relaxed),
             name,
-            kind: NodeKind::Function(Mutex::new(Some(f))),
+            kind: NodeKind::Function(Mutex::new(f)),
             next,
             meta,
             hooks: Mutex::new(Vec::new()),

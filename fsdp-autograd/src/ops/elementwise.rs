@@ -143,7 +143,7 @@ impl Tensor {
         }
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         let (na, nb) = (self.requires_grad(), other.requires_grad());
-        let (a, b) = (SavedTensor::new(self), SavedTensor::new(other));
+        let (mut a, mut b) = (SavedTensor::new(self), SavedTensor::new(other));
         Ok(record1("mul", &[self, other], out, move |g: Vec<Option<Tensor>>| {
             let g = g.into_iter().next().flatten().expect("mul: one gradient");
             let (a, b) = (a.unpack("mul")?, b.unpack("mul")?);
@@ -192,7 +192,7 @@ impl Tensor {
         if !needs_grad(&[self]) {
             return Ok(out);
         }
-        let saved = SavedTensor::new(&x);
+        let mut saved = SavedTensor::new(&x);
         Ok(record1("gelu", &[self], out, move |g: Vec<Option<Tensor>>| {
             let g = g.into_iter().next().flatten().expect("gelu: one gradient");
             let x = saved.unpack("gelu")?;

@@ -136,7 +136,7 @@ impl Tensor {
             return Ok(out);
         }
         let (ga_needed, gb_needed) = (a.requires_grad(), b.requires_grad());
-        let (sa, sb) = (SavedTensor::new(&pa), SavedTensor::new(&pb));
+        let (mut sa, mut sb) = (SavedTensor::new(&pa), SavedTensor::new(&pb));
         let (a_shape, b_shape) = (a.shape().to_vec(), b.shape().to_vec());
         Ok(record1("matmul", &[a, b], out, move |g: Vec<Option<Tensor>>| {
             let g = g.into_iter().next().flatten().expect("matmul: one gradient");
@@ -273,7 +273,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         return Ok(out);
     }
     let needs: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
-    let (sx, sw) = (SavedTensor::new(&xc), SavedTensor::new(&pw));
+    let (mut sx, mut sw) = (SavedTensor::new(&xc), SavedTensor::new(&pw));
     let (x_shape, w_shape) = (x.shape().to_vec(), weight.shape().to_vec());
     let has_bias = bias.is_some();
     Ok(record1("linear", &inputs, out, move |g: Vec<Option<Tensor>>| {

@@ -38,7 +38,7 @@ impl Tensor {
         if !needs_grad(&[self]) {
             return Ok(y);
         }
-        let saved = SavedTensor::new(&y);
+        let mut saved = SavedTensor::new(&y);
         Ok(record1("softmax", &[self], y, move |g: Vec<Option<Tensor>>| {
             let g = g.into_iter().next().flatten().expect("softmax: one gradient");
             let g = g.contig()?;
@@ -118,7 +118,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
         return Ok(y);
     }
     let needs = [x.requires_grad(), gamma.requires_grad(), beta.requires_grad()];
-    let (sx, sg, sm, sr) = (
+    let (mut sx, mut sg, mut sm, mut sr) = (
         SavedTensor::new(&xc),
         SavedTensor::new(&gc),
         SavedTensor::new(&mean),
@@ -219,7 +219,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     if !needs_grad(&[table]) {
         return Ok(out);
     }
-    let si = SavedTensor::new(&ic);
+    let mut si = SavedTensor::new(&ic);
     let t_shape = table.shape().to_vec();
     Ok(record1(op, &[table], out, move |g: Vec<Option<Tensor>>| {
         let dy = g.into_iter().next().flatten().expect("embedding: one gradient");
@@ -292,7 +292,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         return Ok(out);
     }
     let needs = [q.requires_grad(), k.requires_grad(), v.requires_grad()];
-    let saved = [
+    let mut saved = [
         SavedTensor::new(&qc),
         SavedTensor::new(&kc),
         SavedTensor::new(&vc),
@@ -302,7 +302,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let dout = g.into_iter().next().flatten().expect("attention: one gradient");
         let dout = dout.contig()?;
         let op = "attention_backward";
-        let [sq, sk, sv, sp] = saved;
+        let [sq, sk, sv, sp] = &mut saved;
         let (q, k, v, p) = (sq.unpack(op)?, sk.unpack(op)?, sv.unpack(op)?, sp.unpack(op)?);
         let ctx = Ctx::of(&dout);
         let s = &ctx.stream;
@@ -399,7 +399,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if !needs_grad(&[logits]) {
         return Ok(loss);
     }
-    let saved = (SavedTensor::new(&lc), SavedTensor::new(&tc), SavedTensor::new(&lse));
+    let mut saved = (SavedTensor::new(&lc), SavedTensor::new(&tc), SavedTensor::new(&lse));
     let l_shape = logits.shape().to_vec();
     Ok(record(op, &[logits], &[loss], move |g: Vec<Option<Tensor>>| {
         let dl = g.into_iter().next().flatten().expect("cross_entropy: one gradient");
