@@ -1,14 +1,53 @@
 //! The crate's error type.
 
+use fsdp_alloc::AllocError;
+use fsdp_autograd::AutogradError;
+use fsdp_collectives::CollectiveError;
+use fsdp_flatparam::LayoutError;
+
 /// Everything that can go wrong in FSDP.
 #[derive(Debug, thiserror::Error)]
 pub enum FsdpError {
     /// Unit planning failed (bad policy, bad module tree).
     #[error("wrapping: {0}")]
     Wrap(String),
-    /// A configuration that cannot work (e.g. a shard size that does not divide the world).
+    /// A configuration that cannot work (e.g. a strategy without the process groups it needs).
     #[error("configuration: {0}")]
     Config(String),
+    /// A parameter FSDP needs to read has no values.
+    #[error(
+        "parameter `{name}` has no values (built on the fake device?); materialize it first, or \
+         build the model with an eager InitContext"
+    )]
+    NotMaterialized {
+        /// Its fully-qualified name.
+        name: String,
+    },
+    /// A device-runtime error (out of memory, a failed stream).
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    /// A tensor or autograd error.
+    #[error(transparent)]
+    Autograd(#[from] AutogradError),
+    /// A collective failed (a peer died, sizes disagreed, a timeout).
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// A flat-parameter layout error.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+impl From<FsdpError> for AutogradError {
+    /// FSDP errors raised inside module or autograd hooks travel through autograd as hook errors.
+    fn from(e: FsdpError) -> AutogradError {
+        match e {
+            FsdpError::Autograd(a) => a,
+            other => AutogradError::Hook {
+                what: "FSDP".into(),
+                detail: other.to_string(),
+            },
+        }
+    }
 }
 
 /// Shorthand for results of this crate.

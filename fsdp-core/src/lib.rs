@@ -1,10 +1,24 @@
 //! # fsdp-core: Fully Sharded Data Parallel for Rust
 //!
-//! This crate is being built; what exists today is unit planning ([`wrap`]).
+//! Wrap a model built from [`fsdp_autograd::nn`] modules with [`Fsdp::wrap`] on every rank; each
+//! FSDP *unit* (chosen by a [`WrapPolicy`]) is flattened with the flatten-concat-chunk layout of
+//! [`fsdp_flatparam`], sharded over the ranks of a [`fsdp_collectives::ProcessGroup`], gathered
+//! just before it computes and freed right after, and its gradient is reduce-scattered as soon as
+//! it is final — communication on its own streams, overlapping compute.
+//!
+//! # Crate layout
+//! - [`wrap`]: unit planning (policies, the paper's assignment rule, shared parameters).
+//! - [`config`]: strategies, prefetch modes, buffer lifetime.
+//! - [`Fsdp`]: the runtime (hooks, unshard / reshard / reduce, SGD on shards, full parameters).
 #![deny(missing_docs)]
 
+pub mod config;
 pub mod error;
+mod fsdp;
+mod handle;
 pub mod wrap;
 
+pub use config::{BackwardPrefetch, BufferLifetime, FsdpConfig, ShardingStrategy};
 pub use error::{FsdpError, Result};
+pub use fsdp::{Comm, CommStats, Fsdp};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};

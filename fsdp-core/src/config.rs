@@ -1,0 +1,142 @@
+//! FSDP configuration.
+
+use std::str::FromStr;
+
+use crate::wrap::WrapPolicy;
+
+/// How parameters, gradients and optimizer state are sharded (the paper's §3.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShardingStrategy {
+    /// Shard parameters, gradients and optimizer state over all ranks; free unsharded
+    /// parameters after forward and after backward (ZeRO-3).
+    #[default]
+    FullShard,
+    /// Like `FullShard` but keep unsharded parameters between forward and backward (no second
+    /// all-gather in backward; more memory).
+    ShardGradOp,
+    /// No sharding: every rank keeps the full parameters and all-reduces gradients (DDP).
+    NoShard,
+    /// Shard within groups of `F` ranks, replicate across the `W/F` groups: reduce-scatter inside
+    /// the shard group, then all-reduce across the replicate group. `F` comes from the
+    /// [`fsdp_collectives::DeviceMesh`] passed to [`crate::Fsdp::wrap`].
+    HybridShard,
+}
+
+impl ShardingStrategy {
+    /// True if unsharded parameters are freed right after a unit's forward (except the root's).
+    pub fn reshard_after_forward(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+        )
+    }
+
+    /// True if parameters are sharded at all.
+    pub fn is_sharded(self) -> bool {
+        !matches!(self, ShardingStrategy::NoShard)
+    }
+}
+
+impl FromStr for ShardingStrategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+            "fullshard" | "full" => Ok(ShardingStrategy::FullShard),
+            "shardgradop" | "grad" => Ok(ShardingStrategy::ShardGradOp),
+            "noshard" | "ddp" | "none" => Ok(ShardingStrategy::NoShard),
+            "hybridshard" | "hybrid" => Ok(ShardingStrategy::HybridShard),
+            _ => Err(format!(
+                "unknown sharding strategy `{s}` (expected full-shard, shard-grad-op, no-shard or hybrid-shard)"
+            )),
+        }
+    }
+}
+
+/// When to issue the next unit's all-gather during backward (the paper's §4.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackwardPrefetch {
+    /// No prefetch: a unit is all-gathered when its backward starts.
+    None,
+    /// Issue the next unit's all-gather when the current unit's backward *starts*, i.e. before
+    /// the current reduce-scatter (more overlap, one more unsharded unit in memory).
+    #[default]
+    BackwardPre,
+    /// Issue the next unit's all-gather after the current unit's reduce-scatter is issued.
+    BackwardPost,
+}
+
+impl FromStr for BackwardPrefetch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+            "none" | "off" => Ok(BackwardPrefetch::None),
+            "pre" | "backwardpre" => Ok(BackwardPrefetch::BackwardPre),
+            "post" | "backwardpost" => Ok(BackwardPrefetch::BackwardPost),
+            _ => Err(format!(
+                "unknown backward prefetch `{s}` (expected none, pre or post)"
+            )),
+        }
+    }
+}
+
+/// How the lifetime of an all-gathered buffer that another stream used is managed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BufferLifetime {
+    /// FSDP1: `record_stream` on the consuming stream; the allocator defers reuse.
+    #[default]
+    RecordStream,
+    /// FSDP2: keep the buffer alive until the consumer's event completes (no `record_stream`).
+    Explicit,
+}
+
+/// Everything [`crate::Fsdp::wrap`] needs to know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsdpConfig {
+    /// The sharding strategy.
+    pub strategy: ShardingStrategy,
+    /// Which modules become units (the root always is one).
+    pub wrap_policy: WrapPolicy,
+    /// Backward prefetch mode.
+    pub backward_prefetch: BackwardPrefetch,
+    /// Issue the next unit's all-gather before the current unit's forward compute (static graphs).
+    pub forward_prefetch: bool,
+    /// Bound in-flight all-gathers with the rate limiter.
+    pub limit_all_gathers: bool,
+    /// The limit when `limit_all_gathers` is on.
+    pub max_inflight_all_gathers: usize,
+    /// Lifetime management of gathered buffers.
+    pub buffer_lifetime: BufferLifetime,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            strategy: ShardingStrategy::FullShard,
+            wrap_policy: WrapPolicy::RootOnly,
+            backward_prefetch: BackwardPrefetch::BackwardPre,
+            forward_prefetch: false,
+            limit_all_gathers: true,
+            max_inflight_all_gathers: 2,
+            buffer_lifetime: BufferLifetime::RecordStream,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategies_parse() {
+        assert_eq!("full-shard".parse(), Ok(ShardingStrategy::FullShard));
+        assert_eq!("SHARD_GRAD_OP".parse(), Ok(ShardingStrategy::ShardGradOp));
+        assert_eq!("ddp".parse(), Ok(ShardingStrategy::NoShard));
+        assert_eq!("hybrid".parse(), Ok(ShardingStrategy::HybridShard));
+        assert!("zero4"
+            .parse::<ShardingStrategy>()
+            .unwrap_err()
+            .contains("zero4"));
+        assert_eq!("post".parse(), Ok(BackwardPrefetch::BackwardPost));
+        assert!("sideways".parse::<BackwardPrefetch>().is_err());
+    }
+}

@@ -1,0 +1,772 @@
+//! The FSDP runtime: wrapping a model, the unshard / reshard / reduce choreography driven by
+//! module and autograd hooks, prefetching, rate limiting, and the sharded optimizer step.
+//!
+//! ## One iteration, per unit (the paper's §4)
+//! - **pre-forward** (module pre-hook): all-gather the unit's shards into a buffer on the
+//!   *unshard* stream (through the rate limiter), make the compute stream wait on it, and point the
+//!   original parameters at autograd views of the gathered flat parameter. With forward prefetch,
+//!   also issue the next unit's all-gather (from the previous iteration's order).
+//! - **post-forward** (module post-hook): reshard (free the gathered buffer) unless the strategy
+//!   keeps it (`ShardGradOp`, `NoShard`) or the unit is the root; register a gradient hook on the
+//!   unit's output — the **pre-backward** point.
+//! - **pre-backward** (tensor hook on the output): unshard again; with `BackwardPre`, issue the
+//!   next unit's all-gather (reverse forward order) before this unit's reduce-scatter.
+//! - **post-backward** (post-accumulate-grad hook on the unit's flat leaf, fired once its gradient
+//!   is final): reduce-scatter the flat gradient on the *reduce* stream into the sharded gradient
+//!   (accumulating), all-reduce across replicas for `HybridShard`, free the unsharded gradient,
+//!   reshard; with `BackwardPost`, prefetch the next unit after issuing the reduction.
+//! - **end of backward** (queued callback): the compute stream waits for every pending reduction;
+//!   units still unsharded are resharded; the forward order is kept for the next iteration.
+
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use fsdp_alloc::{Buffer, DType, Device, Event, RateLimiter, Stream};
+use fsdp_autograd::nn::Module;
+use fsdp_autograd::{
+    in_backward, no_grad, queue_callback_fallible, with_stream, Parameter, Storage, Tensor,
+};
+use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Work};
+use fsdp_flatparam::FlatParamLayout;
+
+use crate::config::{BackwardPrefetch, BufferLifetime, FsdpConfig, ShardingStrategy};
+use crate::error::{FsdpError, Result};
+use crate::handle::FlatParamHandle;
+use crate::wrap::{plan_units, ModuleInfo};
+
+/// The process groups FSDP communicates over.
+#[derive(Debug, Clone)]
+pub enum Comm {
+    /// One group of all ranks (FullShard, ShardGradOp, NoShard).
+    Group(Arc<dyn ProcessGroup>),
+    /// A 2-D mesh of shard and replicate groups (HybridShard; the other strategies use its world).
+    Mesh(DeviceMesh),
+}
+
+impl From<Arc<dyn ProcessGroup>> for Comm {
+    fn from(g: Arc<dyn ProcessGroup>) -> Comm {
+        Comm::Group(g)
+    }
+}
+
+impl From<DeviceMesh> for Comm {
+    fn from(m: DeviceMesh) -> Comm {
+        Comm::Mesh(m)
+    }
+}
+
+/// Bytes moved by this rank's collectives since wrapping (or the last reset).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommStats {
+    /// Bytes written into this rank's all-gather outputs.
+    pub all_gather_bytes: u64,
+    /// Bytes of this rank's reduce-scatter inputs.
+    pub reduce_scatter_bytes: u64,
+    /// Bytes of this rank's all-reduce buffers.
+    pub all_reduce_bytes: u64,
+    /// Number of all-gathers issued.
+    pub num_all_gathers: u64,
+}
+
+#[derive(Default)]
+struct IterState {
+    /// A forward has started and its backward has not finished.
+    open: bool,
+    /// Units in the order their forward started this iteration.
+    order: Vec<usize>,
+    /// The previous iteration's order (drives forward prefetch).
+    prev_order: Vec<usize>,
+    /// The end-of-backward callback is queued.
+    callback_queued: bool,
+    /// Completion events of reductions the compute stream has not waited on yet.
+    pending_reductions: Vec<Event>,
+}
+
+struct State {
+    units: Vec<FlatParamHandle>,
+    iter: IterState,
+    /// Collectives whose errors have not been checked yet.
+    works: Vec<Work>,
+    /// Explicit-lifetime buffers waiting for their consumer's event (no rate limiter).
+    deferred: Vec<(Buffer, Event)>,
+    /// The shards are up to date once this event (after the optimizer step) completes.
+    params_ready: Event,
+    stats: CommStats,
+}
+
+pub(crate) struct Inner {
+    device: Device,
+    compute: Stream,
+    unshard_stream: Stream,
+    reduce_stream: Stream,
+    group: Arc<dyn ProcessGroup>,
+    replicate: Option<Arc<dyn ProcessGroup>>,
+    config: FsdpConfig,
+    limiter: Option<RateLimiter>,
+    state: Mutex<State>,
+}
+
+/// A model wrapped with Fully Sharded Data Parallel.
+///
+/// Built by [`Fsdp::wrap`] on every rank with the same model (same seed, same structure).
+/// Call [`Fsdp::forward`] (not the model's `call`) so the root unit's hooks run, then `backward`
+/// on the loss as usual, then [`Fsdp::sgd_step`] and [`Fsdp::zero_grad`].
+pub struct Fsdp<M: Module> {
+    model: M,
+    inner: Arc<Inner>,
+}
+
+impl<M: Module> std::fmt::Debug for Fsdp<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fsdp")
+            .field("device", &self.inner.device.id())
+            .field("group", &self.inner.group.name())
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+/// Walks the module tree in pre-order, collecting what wrapping needs.
+fn describe(model: &dyn Module) -> (Vec<ModuleInfo>, Vec<Parameter>) {
+    fn walk(
+        m: &dyn Module,
+        path: String,
+        infos: &mut Vec<ModuleInfo>,
+        params: &mut Vec<Parameter>,
+    ) {
+        let mut direct = Vec::new();
+        m.visit_params(&mut |name, p| {
+            let id = match params.iter().position(|q| q.ptr_eq(p)) {
+                Some(i) => i,
+                None => {
+                    params.push(p.clone());
+                    params.len() - 1
+                }
+            };
+            direct.push((name.to_string(), id, p.numel()));
+        });
+        infos.push(ModuleInfo {
+            path: path.clone(),
+            type_name: m.type_name().to_string(),
+            params: direct,
+        });
+        m.visit_children(&mut |name, c| {
+            let p = if path.is_empty() {
+                name.to_string()
+            } else {
+                format!("{path}.{name}")
+            };
+            walk(c, p, infos, params);
+        });
+    }
+    let mut infos = Vec::new();
+    let mut params = Vec::new();
+    walk(model, String::new(), &mut infos, &mut params);
+    (infos, params)
+}
+
+/// Visits every module with its path (pre-order).
+fn for_each_module<'a>(m: &'a dyn Module, path: &str, f: &mut dyn FnMut(&str, &'a dyn Module)) {
+    f(path, m);
+    m.visit_children(&mut |name, c| {
+        let p = if path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{path}.{name}")
+        };
+        for_each_module(c, &p, f);
+    });
+}
+
+fn slice_of(t: &Tensor) -> Result<DeviceSlice> {
+    let r = t.storage().buffer_ref().ok_or_else(|| {
+        FsdpError::Config("a tensor FSDP communicates has no memory attached".into())
+    })?;
+    let r = r.slice_elems::<f32>(t.offset(), t.numel())?;
+    Ok(DeviceSlice::new(r, DType::F32)?)
+}
+
+impl<M: Module + 'static> Fsdp<M> {
+    /// Wraps `model` (already built, with the same values, on every rank) for training on
+    /// `device` over `comm`. Each unit's parameters are flattened and this rank keeps only its
+    /// shard; the original parameter tensors are freed.
+    ///
+    /// # Errors
+    /// A policy naming a missing module, `HybridShard` without a mesh, a parameter that is not
+    /// f32 or not materialized, or device/collective errors.
+    pub fn wrap(
+        model: M,
+        device: &Device,
+        comm: impl Into<Comm>,
+        config: FsdpConfig,
+    ) -> Result<Self> {
+        let comm = comm.into();
+        let (group, replicate) = match (&comm, config.strategy) {
+            (Comm::Mesh(m), ShardingStrategy::HybridShard) => (
+                Arc::clone(m.shard_group()),
+                Some(Arc::clone(m.replicate_group())),
+            ),
+            (Comm::Group(_), ShardingStrategy::HybridShard) => {
+                return Err(FsdpError::Config(
+                    "HybridShard needs a DeviceMesh (shard and replicate groups); pass \
+                     Comm::Mesh(DeviceMesh::new(world, shard_size)?)"
+                        .into(),
+                ))
+            }
+            (Comm::Mesh(m), _) => (Arc::clone(m.world()), None),
+            (Comm::Group(g), _) => (Arc::clone(g), None),
+        };
+        let factor = if config.strategy.is_sharded() {
+            group.size()
+        } else {
+            1
+        };
+        let rank = if config.strategy.is_sharded() {
+            group.rank()
+        } else {
+            0
+        };
+
+        let (infos, all_params) = describe(&model);
+        let plans = plan_units(&infos, &config.wrap_policy)?;
+        let compute = fsdp_autograd::current_stream(device);
+        let unshard_stream = device.new_stream("fsdp-unshard");
+        let reduce_stream = device.new_stream("fsdp-reduce");
+
+        let mut units = Vec::with_capacity(plans.len());
+        for plan in &plans {
+            let params: Vec<Parameter> = plan
+                .params
+                .iter()
+                .map(|(_, id, _)| all_params[*id].clone())
+                .collect();
+            let names: Vec<String> = plan.params.iter().map(|(n, _, _)| n.clone()).collect();
+            let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.shape().to_vec()).collect();
+            let layout = FlatParamLayout::new(&shapes, factor)?;
+            let mut values = Vec::with_capacity(params.len());
+            for (p, n) in params.iter().zip(&names) {
+                if p.dtype() != DType::F32 {
+                    return Err(FsdpError::Config(format!(
+                        "parameter `{n}` is {}; FSDP keeps f32 parameters (low precision comes \
+                         from mixed precision, not from the stored dtype)",
+                        p.dtype()
+                    )));
+                }
+                let t = p
+                    .try_get()
+                    .ok_or_else(|| FsdpError::NotMaterialized { name: n.clone() })?;
+                values.push(t.to_vec::<f32>()?);
+            }
+            let mut shard_vals = vec![0f32; layout.chunk_numel()];
+            layout.flatten_shard_into(&values, rank, &mut shard_vals)?;
+            drop(values);
+            let shard = with_stream(&compute, || {
+                Tensor::from_vec(shard_vals, &[layout.chunk_numel()], device)
+            })?;
+            let storage = if config.strategy.is_sharded() {
+                let buf = device.alloc(layout.padded_numel() * 4, &unshard_stream)?;
+                let s = Storage::new(buf, device)?;
+                drop(s.release());
+                s
+            } else {
+                shard.storage().clone()
+            };
+            // Free the original parameter tensors: from now on the parameters are views.
+            for p in &params {
+                drop(p.take());
+            }
+            units.push(FlatParamHandle {
+                path: plan.path.clone(),
+                layout,
+                params,
+                names,
+                shard,
+                shard_grad: None,
+                storage,
+                flat: None,
+                unsharded: false,
+                pending_unshard: None,
+                post_backward_done: false,
+            });
+        }
+        let params_ready = compute.record_event();
+        let limiter = (config.limit_all_gathers && config.strategy.is_sharded())
+            .then(|| RateLimiter::new(config.max_inflight_all_gathers));
+        let inner = Arc::new(Inner {
+            device: device.clone(),
+            compute,
+            unshard_stream,
+            reduce_stream,
+            group,
+            replicate,
+            config,
+            limiter,
+            state: Mutex::new(State {
+                units,
+                iter: IterState::default(),
+                works: Vec::new(),
+                deferred: Vec::new(),
+                params_ready,
+                stats: CommStats::default(),
+            }),
+        });
+
+        // Install the unit hooks on the unit modules.
+        let unit_paths: Vec<String> = plans.iter().map(|p| p.path.clone()).collect();
+        for_each_module(&model, "", &mut |path, m| {
+            if let Some(u) = unit_paths.iter().position(|p| p == path) {
+                let w = Arc::downgrade(&inner);
+                m.hooks().register_forward_pre_hook(move |_x| {
+                    Inner::upgrade(&w)?.pre_forward(u)?;
+                    Ok(None)
+                });
+                let w = Arc::downgrade(&inner);
+                m.hooks().register_forward_hook(move |_x, y| {
+                    Inner::upgrade(&w)?.post_forward(u, y)?;
+                    Ok(None)
+                });
+            }
+        });
+        Ok(Fsdp { model, inner })
+    }
+
+    /// The wrapped model.
+    pub fn module(&self) -> &M {
+        &self.model
+    }
+
+    /// Runs the model's forward through its hooks (the root unit's included).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.inner.check_works()?;
+        Ok(self.model.call(x)?)
+    }
+
+    /// Plain SGD on the sharded parameters: `shard -= lr * shard_grad` for every unit with a
+    /// gradient, on the compute stream (the same elementwise operation as
+    /// `Tensor::add_scaled_(grad, -lr)` on unsharded parameters).
+    pub fn sgd_step(&self, lr: f32) -> Result<()> {
+        self.inner.check_works()?;
+        let inner = &self.inner;
+        let mut st = inner.lock();
+        with_stream(&inner.compute, || {
+            no_grad(|| -> Result<()> {
+                for h in &st.units {
+                    if let Some(g) = &h.shard_grad {
+                        h.shard.add_scaled_(g, -lr)?;
+                        // The gradient came from the reduce stream; it is read here.
+                        g.storage().with_buffer(|b| b.record_stream(&inner.compute));
+                    }
+                }
+                Ok(())
+            })
+        })?;
+        st.params_ready = inner.compute.record_event();
+        Ok(())
+    }
+
+    /// Drops the sharded gradients.
+    pub fn zero_grad(&self) {
+        for h in &mut self.inner.lock().units {
+            h.shard_grad = None;
+        }
+    }
+
+    /// Waits for all work of this rank and reports the first collective or stream error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.device.synchronize()?;
+        let works = std::mem::take(&mut self.inner.lock().works);
+        for w in works {
+            w.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Bytes communicated since wrapping.
+    pub fn comm_stats(&self) -> CommStats {
+        self.inner.lock().stats
+    }
+
+    /// Number of units (the root included).
+    pub fn num_units(&self) -> usize {
+        self.inner.lock().units.len()
+    }
+
+    /// For each unit: (module path, parameter names, total numel, shard numel).
+    pub fn units(&self) -> Vec<(String, Vec<String>, usize, usize)> {
+        self.inner
+            .lock()
+            .units
+            .iter()
+            .map(|h| {
+                (
+                    h.path.clone(),
+                    h.names.clone(),
+                    h.layout.total_numel(),
+                    h.layout.chunk_numel(),
+                )
+            })
+            .collect()
+    }
+
+    /// Bytes of f32 parameters in the largest unit (ψ_max) and in all units (Ψ).
+    pub fn param_bytes(&self) -> (usize, usize) {
+        let st = self.inner.lock();
+        let max = st
+            .units
+            .iter()
+            .map(|h| h.unsharded_bytes())
+            .max()
+            .unwrap_or(0);
+        let total = st.units.iter().map(|h| h.unsharded_bytes()).sum();
+        (max, total)
+    }
+
+    /// This rank's shard of every unit (host copies), in unit order.
+    pub fn local_shards(&self) -> Result<Vec<Vec<f32>>> {
+        let shards: Vec<Tensor> = self
+            .inner
+            .lock()
+            .units
+            .iter()
+            .map(|h| h.shard.clone())
+            .collect();
+        shards.iter().map(|s| Ok(s.to_vec::<f32>()?)).collect()
+    }
+
+    /// The full (unsharded) value of every parameter, gathered from all ranks: a collective, so
+    /// every rank must call it. Returns (fully-qualified name, shape, values) in unit order.
+    pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+        self.synchronize()?;
+        let inner = &self.inner;
+        let (shards, layouts, names) = {
+            let st = inner.lock();
+            (
+                st.units.iter().map(|h| h.shard.clone()).collect::<Vec<_>>(),
+                st.units
+                    .iter()
+                    .map(|h| h.layout.clone())
+                    .collect::<Vec<_>>(),
+                st.units.iter().map(|h| h.names.clone()).collect::<Vec<_>>(),
+            )
+        };
+        let mut out = Vec::new();
+        for ((shard, layout), names) in shards.iter().zip(&layouts).zip(&names) {
+            let flat: Vec<f32> = if inner.config.strategy.is_sharded() {
+                let full = with_stream(&inner.compute, || {
+                    Tensor::zeros(&[layout.padded_numel()], DType::F32, &inner.device)
+                })?;
+                let work = inner.group.all_gather_into(
+                    &slice_of(shard)?,
+                    &slice_of(&full)?,
+                    &inner.compute,
+                );
+                work.wait()?;
+                full.to_vec::<f32>()?
+            } else {
+                shard.to_vec::<f32>()?
+            };
+            for ((v, name), info) in layout
+                .unflatten(&flat)?
+                .into_iter()
+                .zip(names)
+                .zip(layout.params())
+            {
+                out.push((name.clone(), info.shape().to_vec(), v.to_vec()));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Inner {
+    fn upgrade(w: &Weak<Inner>) -> fsdp_autograd::Result<Arc<Inner>> {
+        w.upgrade()
+            .ok_or_else(|| fsdp_autograd::AutogradError::Hook {
+                what: "FSDP".into(),
+                detail: "the Fsdp wrapper was dropped while its model is still in use".into(),
+            })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Returns the first error among completed collectives; keeps the running ones.
+    fn check_works(&self) -> Result<()> {
+        let mut st = self.lock();
+        let mut keep = Vec::with_capacity(st.works.len());
+        let mut first = Ok(());
+        for w in std::mem::take(&mut st.works) {
+            if w.is_completed() {
+                if let (Err(e), true) = (w.wait(), first.is_ok()) {
+                    first = Err(e.into());
+                }
+            } else {
+                keep.push(w);
+            }
+        }
+        st.works = keep;
+        first
+    }
+
+    fn pre_forward(self: &Arc<Self>, u: usize) -> Result<()> {
+        let mut st = self.lock();
+        if in_backward() {
+            // Recomputation (activation checkpointing) inside backward: just make sure the
+            // parameters are there.
+            self.unshard(&mut st, u)?;
+            self.wait_unshard(&mut st, u);
+            return Ok(());
+        }
+        if !st.iter.open {
+            st.iter.open = true;
+            st.iter.order.clear();
+            st.iter.callback_queued = false;
+            for h in &mut st.units {
+                h.flat = None;
+                h.post_backward_done = false;
+            }
+        }
+        if !st.iter.order.contains(&u) {
+            st.iter.order.push(u);
+        }
+        self.unshard(&mut st, u)?;
+        self.wait_unshard(&mut st, u);
+        if self.config.forward_prefetch {
+            let prev = &st.iter.prev_order;
+            if let Some(next) = prev
+                .iter()
+                .position(|&x| x == u)
+                .and_then(|i| prev.get(i + 1).copied())
+            {
+                self.unshard(&mut st, next)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post_forward(self: &Arc<Self>, u: usize, output: &Tensor) -> Result<()> {
+        if in_backward() {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        if self.config.strategy.reshard_after_forward() && u != 0 {
+            self.reshard(&mut st, u);
+        }
+        drop(st);
+        if output.requires_grad() {
+            let w = Arc::downgrade(self);
+            output.register_hook_fallible(move |_g| {
+                Inner::upgrade(&w)?.pre_backward(u)?;
+                Ok(None)
+            })?;
+        }
+        Ok(())
+    }
+
+    fn pre_backward(self: &Arc<Self>, u: usize) -> Result<()> {
+        let mut st = self.lock();
+        if !st.iter.callback_queued {
+            st.iter.callback_queued = true;
+            let w = Arc::downgrade(self);
+            queue_callback_fallible(move || Ok(Inner::upgrade(&w)?.finish_backward()?))?;
+        }
+        if st.units[u].post_backward_done {
+            return Ok(());
+        }
+        self.unshard(&mut st, u)?;
+        self.wait_unshard(&mut st, u);
+        if self.config.backward_prefetch == BackwardPrefetch::BackwardPre {
+            if let Some(next) = Self::next_backward(&st, u) {
+                self.unshard(&mut st, next)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The unit whose backward comes after `u`'s: the one before it in forward order.
+    fn next_backward(st: &State, u: usize) -> Option<usize> {
+        let order = &st.iter.order;
+        let i = order.iter().position(|&x| x == u)?;
+        order[..i]
+            .iter()
+            .rev()
+            .copied()
+            .find(|&x| !st.units[x].post_backward_done)
+    }
+
+    fn post_backward(self: &Arc<Self>, u: usize) -> Result<()> {
+        let mut st = self.lock();
+        let flat = match st.units[u].flat.clone() {
+            Some(f) => f,
+            None => return Ok(()),
+        };
+        let Some(grad) = flat.grad() else {
+            return Ok(());
+        };
+        flat.set_grad(None)?;
+        let ready = self.compute.record_event();
+        self.reduce_stream.wait_event(&ready);
+        let sharded = self.config.strategy.is_sharded();
+        let new_grad = if sharded {
+            let chunk = st.units[u].layout.chunk_numel();
+            let out = with_stream(&self.reduce_stream, || {
+                Tensor::empty(&[chunk], DType::F32, &self.device)
+            })?;
+            let w = self.group.reduce_scatter(
+                &slice_of(&grad)?,
+                &slice_of(&out)?,
+                ReduceOp::Sum,
+                &self.reduce_stream,
+            );
+            st.stats.reduce_scatter_bytes += (grad.numel() * 4) as u64;
+            st.works.push(w);
+            if let Some(rep) = &self.replicate {
+                let w = rep.all_reduce(&slice_of(&out)?, ReduceOp::Sum, &self.reduce_stream);
+                st.stats.all_reduce_bytes += (out.numel() * 4) as u64;
+                st.works.push(w);
+            }
+            out
+        } else {
+            let w = self
+                .group
+                .all_reduce(&slice_of(&grad)?, ReduceOp::Sum, &self.reduce_stream);
+            st.stats.all_reduce_bytes += (grad.numel() * 4) as u64;
+            st.works.push(w);
+            grad.clone()
+        };
+        // The unsharded gradient was produced on the compute stream and is read on the reduce
+        // stream: its memory must not be reused by compute work before the reduction ran.
+        grad.storage()
+            .with_buffer(|b| b.record_stream(&self.reduce_stream));
+        drop(grad);
+        let h = &mut st.units[u];
+        match &h.shard_grad {
+            Some(acc) => with_stream(&self.reduce_stream, || no_grad(|| acc.add_(&new_grad)))?,
+            None => h.shard_grad = Some(new_grad),
+        }
+        let done = self.reduce_stream.record_event();
+        st.iter.pending_reductions.push(done);
+        st.units[u].post_backward_done = true;
+        if self.config.backward_prefetch == BackwardPrefetch::BackwardPost {
+            if let Some(next) = Self::next_backward(&st, u) {
+                self.unshard(&mut st, next)?;
+            }
+        }
+        self.reshard(&mut st, u);
+        Ok(())
+    }
+
+    fn finish_backward(self: &Arc<Self>) -> Result<()> {
+        let mut st = self.lock();
+        for ev in std::mem::take(&mut st.iter.pending_reductions) {
+            self.compute.wait_event(&ev);
+        }
+        for u in 0..st.units.len() {
+            self.reshard(&mut st, u);
+            st.units[u].flat = None;
+        }
+        st.iter.prev_order = std::mem::take(&mut st.iter.order);
+        st.iter.open = false;
+        st.iter.callback_queued = false;
+        Ok(())
+    }
+
+    /// Issues the all-gather of unit `u` (if it is not unsharded already) and points its
+    /// parameters at views of the gathered flat parameter. The compute stream does not wait yet
+    /// (see [`Inner::wait_unshard`]), so a prefetched gather overlaps the current compute.
+    fn unshard(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
+        if st.units[u].unsharded {
+            return self.ensure_views(st, u);
+        }
+        if self.config.strategy.is_sharded() {
+            if let Some(l) = &self.limiter {
+                l.acquire()?;
+            }
+            st.deferred.retain(|(_, ev)| !ev.query());
+            self.unshard_stream.wait_event(&st.params_ready);
+            let h = &st.units[u];
+            let buf = self
+                .device
+                .alloc(h.unsharded_bytes(), &self.unshard_stream)?;
+            let out = DeviceSlice::new(buf.data().clone(), DType::F32)?;
+            let work = self
+                .group
+                .all_gather_into(&slice_of(&h.shard)?, &out, &self.unshard_stream);
+            h.storage.attach(buf)?;
+            let bytes = h.unsharded_bytes() as u64;
+            let ev = work.event().clone();
+            st.works.push(work);
+            st.stats.all_gather_bytes += bytes;
+            st.stats.num_all_gathers += 1;
+            st.units[u].pending_unshard = Some(ev);
+        }
+        st.units[u].unsharded = true;
+        self.ensure_views(st, u)
+    }
+
+    /// Makes the compute stream wait for unit `u`'s all-gather, if it has not yet.
+    fn wait_unshard(&self, st: &mut State, u: usize) {
+        if let Some(ev) = st.units[u].pending_unshard.take() {
+            self.compute.wait_event(&ev);
+        }
+    }
+
+    /// Creates this iteration's flat leaf and the parameter views, once per iteration.
+    fn ensure_views(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
+        let h = &mut st.units[u];
+        if h.flat.is_some() {
+            return Ok(());
+        }
+        let padded = h.layout.padded_numel();
+        let total = h.layout.total_numel();
+        let numels: Vec<usize> = h.layout.params().iter().map(|p| p.numel()).collect();
+        let any_trainable = h.params.iter().any(|p| p.requires_grad());
+        let flat = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, DType::F32)?;
+        if any_trainable {
+            flat.set_requires_grad(true)?;
+            let w = Arc::downgrade(self);
+            flat.register_post_accumulate_grad_hook_fallible(move |_| {
+                Ok(Inner::upgrade(&w)?.post_backward(u)?)
+            })?;
+        }
+        // Frozen parameters view a second, gradient-free alias of the same storage.
+        let frozen = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, DType::F32)?;
+        let trainable_views = flat.narrow(0, 0, total)?.split(&numels)?;
+        let frozen_views = frozen.narrow(0, 0, total)?.split(&numels)?;
+        for ((p, tv), fv) in h.params.iter().zip(trainable_views).zip(frozen_views) {
+            let v = if p.requires_grad() { tv } else { fv };
+            p.set(v.view(p.shape())?)?;
+        }
+        h.flat = Some(flat);
+        Ok(())
+    }
+
+    /// Frees unit `u`'s gathered buffer (keeping views and graph valid for the next unshard).
+    fn reshard(&self, st: &mut State, u: usize) {
+        if !st.units[u].unsharded || !self.config.strategy.is_sharded() {
+            return;
+        }
+        let h = &mut st.units[u];
+        h.unsharded = false;
+        h.pending_unshard = None;
+        let Some(mut buf) = h.storage.release() else {
+            return;
+        };
+        // The compute stream read the buffer; it is free once the compute work launched so far
+        // has run.
+        let consumed = self.compute.record_event();
+        match self.config.buffer_lifetime {
+            BufferLifetime::RecordStream => {
+                buf.record_stream(&self.compute);
+                drop(buf);
+                if let Some(l) = &self.limiter {
+                    l.release(consumed);
+                }
+            }
+            BufferLifetime::Explicit => match &self.limiter {
+                Some(l) => l.release_buffer(buf, consumed),
+                None => st.deferred.push((buf, consumed)),
+            },
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! `FlatParamHandle`: the runtime state of one FSDP unit.
+//!
+//! A unit's parameters live as one flat parameter laid out by [`FlatParamLayout`]. Between uses
+//! each rank holds only its *shard* (`chunk_numel` elements, f32). To compute, the unit is
+//! *unsharded*: the shards are all-gathered into a buffer from the device allocator, the buffer is
+//! attached to the unit's flat [`Storage`], and the original parameters become autograd-visible
+//! views into it. *Resharding* releases the buffer again (PyTorch's `storage.resize_(0)`), while
+//! the views — and the autograd graph that saved them — stay valid for the next unshard.
+
+use fsdp_alloc::{DType, Event};
+use fsdp_autograd::{Parameter, Storage, Tensor};
+use fsdp_flatparam::FlatParamLayout;
+
+/// One unit's runtime state.
+pub(crate) struct FlatParamHandle {
+    /// Module path of the unit ("" for the root).
+    pub path: String,
+    /// Layout of the flat parameter over the shard group.
+    pub layout: FlatParamLayout,
+    /// The original parameters, in layout order.
+    pub params: Vec<Parameter>,
+    /// Fully-qualified name of each parameter (first use).
+    pub names: Vec<String>,
+    /// This rank's shard (f32, `chunk_numel`); for `NoShard`, the whole padded flat parameter.
+    pub shard: Tensor,
+    /// The reduced gradient of the shard (f32), once a backward has produced one.
+    pub shard_grad: Option<Tensor>,
+    /// Storage of the unsharded flat parameter (`padded_numel` f32); allocated only while
+    /// unsharded. For `NoShard` it is the shard's own storage and is never released.
+    pub storage: Storage,
+    /// This iteration's flat leaf (created at the first unshard of an iteration).
+    pub flat: Option<Tensor>,
+    /// True while the storage holds the gathered parameters.
+    pub unsharded: bool,
+    /// Completion of the all-gather the compute stream has not waited on yet.
+    pub pending_unshard: Option<Event>,
+    /// The post-backward reduction has run for this iteration.
+    pub post_backward_done: bool,
+}
+
+impl FlatParamHandle {
+    /// Bytes of the unsharded flat parameter.
+    pub fn unsharded_bytes(&self) -> usize {
+        self.layout.padded_numel() * DType::F32.size()
+    }
+}
