@@ -1,16 +1,39 @@
 //! CPU kernels: pure functions on contiguous row-major slices.
 //!
-//! Matrix products ([`matmul`], [`bmm`]) call the `gemm` crate; everything else is plain Rust
-//! over whole rows in a fixed order. All kernels check their slice lengths against the shape
-//! arguments and return [`KernelError`](crate::kernels::KernelError) instead of panicking.
+//! | group | functions |
+//! | --- | --- |
+//! | matrix products (`gemm`) | [`matmul`], [`bmm`], [`set_matmul_threads`], [`matmul_threads`], [`matmul_parallelism`] |
+//! | elementwise | [`add`], [`mul`], [`scale`], [`scale_inplace`], [`add_scaled`] (axpy), [`gelu`], [`gelu_backward`] |
+//! | reductions / broadcasts | [`sum`], [`mean`], [`add_row_bias`], [`add_row_bias_inplace`], [`col_sums`] |
+//! | row-wise | [`softmax_rows`], [`softmax_rows_backward`], [`layer_norm`], [`layer_norm_backward`] |
+//! | lookup / loss | [`embedding`], [`embedding_backward`], [`cross_entropy`], [`cross_entropy_backward`] |
+//! | attention | [`causal_attention`], [`causal_attention_backward`] |
+//! | layout (views) | [`strided_copy`], [`strided_add_assign`] |
+//! | casts (`half`) | [`cast_f32_to_f16`], [`cast_f16_to_f32`], [`cast_f32_to_bf16`], [`cast_bf16_to_f32`] |
 //!
 //! Conventions:
-//! - "rows" kernels take `cols` and derive `rows = len / cols`; `cols` must be positive and the
-//!   length a whole number of rows.
-//! - Outputs are `&mut` slices that are **overwritten** unless a function says it accumulates.
-//! - Backward kernels take what the forward saved (e.g. softmax outputs, layer-norm mean/rstd,
+//! - Every kernel checks its slice lengths against the shape arguments and returns
+//!   [`KernelError`](crate::kernels::KernelError) instead of panicking; nothing is written when
+//!   a check fails.
+//! - "Rows" kernels take `cols` and derive `rows = len / cols`; `cols` must be positive and the
+//!   length a whole number of rows (skip empty tensors before calling).
+//! - Outputs are `&mut` slices that are **overwritten** unless a function says it accumulates
+//!   ([`matmul`]/[`bmm`] with `accumulate`, [`add_scaled`], [`add_row_bias_inplace`],
+//!   [`strided_add_assign`]).
+//! - Backward kernels take what the forward saved (softmax outputs, layer-norm mean/rstd,
 //!   attention probabilities, cross-entropy log-sum-exp) and return input gradients.
-//! - Results are bit-for-bit reproducible: the same inputs give the same bits on every call.
+//! - **Determinism**: the same inputs give the same bits on every call. Matrix products are
+//!   also independent of the thread setting and of slice alignment (tested, see [`matmul`]);
+//!   all other kernels run on the calling thread in a fixed order, with reductions in f64 over
+//!   fixed lanes. No fused multiply-adds are formed outside `gemm`, so results do not depend on
+//!   the CPU model beyond `gemm`'s own (runtime-dispatched) microkernels.
+//! - `exp` inside GELU, softmax, attention and cross-entropy is a vectorizable polynomial
+//!   (≤ 2 ulp from the exact value for normal results, subnormal results flushed to 0) rather
+//!   than libm's; `ln` (once per row in cross-entropy) is libm's, in f64.
+//!
+//! Performance notes (2-core VM, thread CPU time, GPT-mini shapes): [`matmul`] runs within
+//! measurement noise of a direct `gemm::gemm` call (time ratios 0.98–1.03 on six shapes);
+//! element-wise kernels are single-threaded and vectorized for baseline x86-64 (SSE2).
 
 mod attention;
 mod cast;
