@@ -54,6 +54,9 @@ impl From<DeviceMesh> for Comm {
     }
 }
 
+/// One gathered parameter: (fully-qualified name, shape, values).
+pub type FullParameter = (String, Vec<usize>, Vec<f32>);
+
 /// Bytes moved by this rank's collectives since wrapping (or the last reset).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CommStats {
@@ -434,7 +437,7 @@ impl<M: Module + 'static> Fsdp<M> {
 
     /// The full (unsharded) value of every parameter, gathered from all ranks: a collective, so
     /// every rank must call it. Returns (fully-qualified name, shape, values) in unit order.
-    pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    pub fn full_parameters(&self) -> Result<Vec<FullParameter>> {
         self.synchronize()?;
         let inner = &self.inner;
         let (shards, layouts, names) = {

@@ -79,7 +79,7 @@ fn fqn(module: &str, local: &str) -> String {
 fn policy_selects(policy: &WrapPolicy, m: &ModuleInfo, paths: &[String]) -> bool {
     match policy {
         WrapPolicy::RootOnly | WrapPolicy::MinParams(_) => false,
-        WrapPolicy::ModuleTypes(types) => types.iter().any(|t| *t == m.type_name),
+        WrapPolicy::ModuleTypes(types) => types.contains(&m.type_name),
         WrapPolicy::Paths(_) => paths.contains(&m.path),
         WrapPolicy::Any(ps) => ps.iter().any(|p| policy_selects(p, m, paths)),
     }
