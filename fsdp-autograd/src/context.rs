@@ -55,7 +55,13 @@ pub fn with_stream<R>(stream: &Stream, f: impl FnOnce() -> R) -> R {
 pub fn current_stream(device: &Device) -> Stream {
     let id = device.id();
     STREAMS
-        .with(|s| s.borrow().iter().rev().find(|st| st.device() == id).cloned())
+        .with(|s| {
+            s.borrow()
+                .iter()
+                .rev()
+                .find(|st| st.device() == id)
+                .cloned()
+        })
         .unwrap_or_else(|| device.default_stream().clone())
 }
 

@@ -40,7 +40,9 @@ pub enum AutogradError {
         expected: String,
     },
     /// Tensors on different devices were combined.
-    #[error("`{op}`: tensors live on different devices ({a} and {b}); move them to one device first")]
+    #[error(
+        "`{op}`: tensors live on different devices ({a} and {b}); move them to one device first"
+    )]
     Device {
         /// The operation.
         op: &'static str,

@@ -127,6 +127,11 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 
 /// Copies every element of an index space `shape`: `dst[dst_off + Σ i·dst_strides] =
 /// src[src_off + Σ i·src_strides]`, innermost dimension as a slice copy when both strides are 1.
+///
+/// The tensor layer's own layout copy (strided source *and* destination, any element type, bit
+/// exact): used for `contiguous`, readback, in-place `copy_` and the scatter of view gradients in
+/// the `split`/`narrow` backward. `kernels::cpu::strided_copy` covers only contiguous
+/// destinations of one type.
 pub(crate) fn strided_copy<T: Copy>(
     src: &[T],
     src_off: usize,
@@ -177,6 +182,7 @@ pub(crate) fn strided_copy<T: Copy>(
 }
 
 /// Element-type dispatch of [`strided_copy`] on raw bytes of the same dtype.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn strided_copy_arg(
     op: &'static str,
     src: &Arg,
@@ -220,7 +226,15 @@ mod tests {
         let src: Vec<u32> = (0..24).collect();
         let shape = [4, 2, 3]; // out[i,j,k] = in[j,k,i]
         let mut dst = vec![0u32; 24];
-        strided_copy(&src, 0, &[1, 12, 4], &mut dst, 0, &contiguous_strides(&shape), &shape);
+        strided_copy(
+            &src,
+            0,
+            &[1, 12, 4],
+            &mut dst,
+            0,
+            &contiguous_strides(&shape),
+            &shape,
+        );
         for i in 0..4 {
             for j in 0..2 {
                 for k in 0..3 {

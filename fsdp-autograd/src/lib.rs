@@ -52,7 +52,9 @@ pub use autograd::{
     backward, checkpoint, custom_op, in_backward, queue_callback, queue_callback_fallible,
     HookHandle,
 };
-pub use context::{current_stream, enable_grad, is_grad_enabled, no_grad, with_stream, GradModeGuard};
+pub use context::{
+    current_stream, enable_grad, is_grad_enabled, no_grad, with_stream, GradModeGuard,
+};
 pub use error::{AutogradError, Result};
 pub use ops::{causal_attention, cross_entropy, embedding, layer_norm, linear};
 pub use param::{InitContext, Parameter};

@@ -577,7 +577,10 @@ impl Tensor {
         if self.device() != other.device() {
             let (a, b) = (self.device().id(), other.device().id());
             let (a, b) = if a == b {
-                (format!("{a} (one Device object)"), format!("{b} (another Device object)"))
+                (
+                    format!("{a} (one Device object)"),
+                    format!("{b} (another Device object)"),
+                )
             } else {
                 (a.to_string(), b.to_string())
             };

@@ -26,7 +26,14 @@ fn grads_bits(m: &Gpt) -> Vec<(String, Vec<u32>)> {
         .into_iter()
         .map(|(n, p)| {
             let g = p.grad().unwrap_or_else(|| panic!("{n} has no grad"));
-            (n, g.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+            (
+                n,
+                g.to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect(),
+            )
         })
         .collect()
 }
@@ -44,7 +51,12 @@ fn checkpointed_gpt_is_bitwise_equal_to_plain() {
             let loss = cross_entropy(&m.call(&ids).unwrap(), &tg).unwrap();
             loss.backward().unwrap();
         }
-        let loss = no_grad(|| cross_entropy(&m.call(&ids).unwrap(), &tg).unwrap().item().unwrap());
+        let loss = no_grad(|| {
+            cross_entropy(&m.call(&ids).unwrap(), &tg)
+                .unwrap()
+                .item()
+                .unwrap()
+        });
         results.push((loss.to_bits(), grads_bits(&m)));
     }
     assert_eq!(results[0].0, results[1].0);
@@ -62,7 +74,9 @@ fn hooks_fire_once_with_checkpointing() {
     // Module hooks on every block and every linear: count forwards, and register a tensor hook
     // on each output (FSDP's pre-backward hook).
     for (name, module) in named_modules(&m) {
-        if name.starts_with("blocks.") && (module.type_name() == "Block" || module.type_name() == "Linear") {
+        if name.starts_with("blocks.")
+            && (module.type_name() == "Block" || module.type_name() == "Linear")
+        {
             let c = pre_forward.clone();
             module.hooks().register_forward_pre_hook(move |_| {
                 c.fetch_add(1, Ordering::SeqCst);
@@ -98,7 +112,7 @@ fn hooks_fire_once_with_checkpointing() {
     loss.backward().unwrap();
     // Forward hooks run again during recomputation (as in PyTorch)...
     assert_eq!(pre_forward.load(Ordering::SeqCst), 2 * modules_hooked - 2); // blocks are not re-called
-    // ...but tensor hooks and post-accumulate hooks fire exactly once each.
+                                                                            // ...but tensor hooks and post-accumulate hooks fire exactly once each.
     assert_eq!(tensor_hooks.load(Ordering::SeqCst), modules_hooked);
     assert_eq!(post_acc.load(Ordering::SeqCst), n_params);
 }
@@ -118,22 +132,37 @@ fn checkpointing_holds_less_memory_between_forward_and_backward() {
         held.push(d.memory_stats().allocated_bytes - before);
         loss.backward().unwrap();
     }
-    assert!(held[1] * 2 < held[0], "checkpointed {} vs plain {}", held[1], held[0]);
+    assert!(
+        held[1] * 2 < held[0],
+        "checkpointed {} vs plain {}",
+        held[1],
+        held[0]
+    );
 }
 
 #[test]
 fn nesting_and_modified_inputs_are_errors() {
-    let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &dev()).unwrap().requires_grad_(true).unwrap();
+    let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &dev())
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
     let err = checkpoint(
         |xs: &[Tensor]| checkpoint(|ys: &[Tensor]| Ok(vec![ys[0].gelu()?]), xs),
-        &[x.clone()],
+        std::slice::from_ref(&x),
     )
     .unwrap_err();
     assert!(matches!(err, AutogradError::Checkpoint(_)), "{err:?}");
 
     let c = Tensor::from_vec(vec![3.0f32, 4.0], &[2], &dev()).unwrap();
-    let y = checkpoint(|xs: &[Tensor]| Ok(vec![xs[0].mul(&xs[1])?]), &[x.clone(), c.clone()]).unwrap();
+    let y = checkpoint(
+        |xs: &[Tensor]| Ok(vec![xs[0].mul(&xs[1])?]),
+        &[x.clone(), c.clone()],
+    )
+    .unwrap();
     c.scale_(2.0).unwrap();
     let err = y[0].sum().unwrap().backward().unwrap_err();
-    assert!(matches!(err, AutogradError::SavedTensorModified { .. }), "{err:?}");
+    assert!(
+        matches!(err, AutogradError::SavedTensorModified { .. }),
+        "{err:?}"
+    );
 }

@@ -40,13 +40,17 @@ fn entries(l: &Log) -> Vec<String> {
 #[test]
 #[should_panic(expected = "analytic")]
 fn gradcheck_detects_a_wrong_backward() {
-    gradcheck("deliberately wrong", &[(vec![0.5, -1.0, 2.0], vec![3])], |x| {
-        let y = no_grad(|| x[0].scale(2.0))?;
-        let mut y = custom_op("wrong", &[&x[0]], vec![y], |g| {
-            Ok(vec![Some(g[0].as_ref().unwrap().scale(3.0)?)]) // should be 2
-        })?;
-        Ok(y.pop().unwrap())
-    });
+    gradcheck(
+        "deliberately wrong",
+        &[(vec![0.5, -1.0, 2.0], vec![3])],
+        |x| {
+            let y = no_grad(|| x[0].scale(2.0))?;
+            let mut y = custom_op("wrong", &[&x[0]], vec![y], |g| {
+                Ok(vec![Some(g[0].as_ref().unwrap().scale(3.0)?)]) // should be 2
+            })?;
+            Ok(y.pop().unwrap())
+        },
+    );
 }
 
 #[test]
@@ -100,7 +104,14 @@ fn modifying_a_saved_tensor_in_place_is_a_clear_error() {
     assert_eq!(x.version(), 1);
     let err = y.backward().unwrap_err();
     assert!(
-        matches!(err, AutogradError::SavedTensorModified { op: "mul", saved: 0, current: 1 }),
+        matches!(
+            err,
+            AutogradError::SavedTensorModified {
+                op: "mul",
+                saved: 0,
+                current: 1
+            }
+        ),
         "{err:?}"
     );
     let msg = err.to_string();
@@ -109,14 +120,20 @@ fn modifying_a_saved_tensor_in_place_is_a_clear_error() {
     let v = x.narrow(0, 0, 1).unwrap();
     let z = w.narrow(0, 0, 1).unwrap().mul(&v).unwrap().sum().unwrap();
     x.fill_(0.0).unwrap();
-    assert!(matches!(z.backward(), Err(AutogradError::SavedTensorModified { .. })));
+    assert!(matches!(
+        z.backward(),
+        Err(AutogradError::SavedTensorModified { .. })
+    ));
 }
 
 #[test]
 fn in_place_on_a_tensor_requiring_grad_needs_no_grad() {
     let w = leaf(&[1.0, 2.0], &[2]);
     let err = w.add_(&t(&[1.0, 1.0], &[2])).unwrap_err();
-    assert!(matches!(err, AutogradError::InPlaceOnGradTensor { op: "add_" }), "{err:?}");
+    assert!(
+        matches!(err, AutogradError::InPlaceOnGradTensor { op: "add_" }),
+        "{err:?}"
+    );
     assert_eq!(w.version(), 0);
     no_grad(|| w.add_(&t(&[1.0, 1.0], &[2]))).unwrap();
     assert_eq!(w.version(), 1);
@@ -129,7 +146,10 @@ fn backward_through_saved_tensors_twice_is_an_error() {
     let y = w.mul(&w).unwrap().sum().unwrap(); // mul saves its inputs; the first backward frees them
     y.backward().unwrap();
     let err = y.backward().unwrap_err();
-    assert!(matches!(err, AutogradError::GraphConsumed { op: "mul" }), "{err:?}");
+    assert!(
+        matches!(err, AutogradError::GraphConsumed { op: "mul" }),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("second time"));
     // Nodes that saved nothing (views, scale, sum) may run again, as in PyTorch.
     let z = w.scale(2.0).unwrap().sum().unwrap();
@@ -144,7 +164,10 @@ fn grad_mode_and_bad_roots() {
     let w = leaf(&[1.0, 2.0], &[2]);
     let y = no_grad(|| w.scale(2.0)).unwrap();
     assert!(!y.requires_grad() && y.is_leaf());
-    assert!(matches!(y.sum().unwrap().backward(), Err(AutogradError::Backward(_))));
+    assert!(matches!(
+        y.sum().unwrap().backward(),
+        Err(AutogradError::Backward(_))
+    ));
     let z = w.scale(2.0).unwrap();
     assert!(matches!(z.backward(), Err(AutogradError::Backward(_)))); // non-scalar, no seed
     z.backward_with_grad(&t(&[1.0, 10.0], &[2])).unwrap();
@@ -183,13 +206,22 @@ fn hook_firing_order_is_pinned() {
         let (l1, l2) = (l.clone(), l.clone());
         let n1 = name.to_string();
         w.register_hook(move |g| {
-            push(&l1, format!("tensor-hook {n1} (grad is final: {})", g.numel() > 0));
+            push(
+                &l1,
+                format!("tensor-hook {n1} (grad is final: {})", g.numel() > 0),
+            );
             None
         })
         .unwrap();
         let n2 = name.to_string();
         w.register_post_accumulate_grad_hook(move |leaf| {
-            push(&l2, format!("post-accumulate {n2} grad={:?}", leaf.grad().unwrap().to_vec::<f32>().unwrap()));
+            push(
+                &l2,
+                format!(
+                    "post-accumulate {n2} grad={:?}",
+                    leaf.grad().unwrap().to_vec::<f32>().unwrap()
+                ),
+            );
             let l3 = l2.clone();
             let n3 = n2.clone();
             queue_callback(move || push(&l3, format!("callback from {n3}"))).unwrap();
@@ -240,7 +272,13 @@ fn hook_firing_order_is_pinned() {
         None
     })
     .unwrap();
-    let loss = h.matmul(&w2).unwrap().sum().unwrap().add(&w1.sum().unwrap()).unwrap();
+    let loss = h
+        .matmul(&w2)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .add(&w1.sum().unwrap())
+        .unwrap();
     loss.backward().unwrap();
     assert_eq!(entries(&l), want);
 }
@@ -254,28 +292,44 @@ fn leaf_tensor_hooks_run_before_accumulation_post_hooks_after() {
     let wc = w.clone();
     // Hooks hold a clone of the leaf here only to read `.grad()`; fine for a test.
     w.register_hook(move |g| {
-        push(&l1, format!("pre: incoming {} stored {}", g.item().unwrap(), wc.grad().unwrap().item().unwrap()));
+        push(
+            &l1,
+            format!(
+                "pre: incoming {} stored {}",
+                g.item().unwrap(),
+                wc.grad().unwrap().item().unwrap()
+            ),
+        );
         None
     })
     .unwrap();
     let l2 = l.clone();
     w.register_post_accumulate_grad_hook(move |leaf| {
-        push(&l2, format!("post: stored {}", leaf.grad().unwrap().item().unwrap()));
+        push(
+            &l2,
+            format!("post: stored {}", leaf.grad().unwrap().item().unwrap()),
+        );
     })
     .unwrap();
     w.scale(3.0).unwrap().sum().unwrap().backward().unwrap();
-    assert_eq!(entries(&l), vec!["pre: incoming 3 stored 100", "post: stored 103"]);
+    assert_eq!(
+        entries(&l),
+        vec!["pre: incoming 3 stored 100", "post: stored 103"]
+    );
 }
 
 #[test]
 fn post_accumulate_hooks_fire_in_reverse_order_of_use_once_per_backward() {
     // A chain of 4 "layers": post-accumulate hooks (FSDP's reduce-scatter points) fire from
     // the last layer to the first, each exactly once per backward.
-    let ws: Vec<Tensor> = (0..4).map(|_| leaf(&[0.5, 0.25, -0.5, 1.0], &[2, 2])).collect();
+    let ws: Vec<Tensor> = (0..4)
+        .map(|_| leaf(&[0.5, 0.25, -0.5, 1.0], &[2, 2]))
+        .collect();
     let l = log();
     for (i, w) in ws.iter().enumerate() {
         let l = l.clone();
-        w.register_post_accumulate_grad_hook(move |_| push(&l, format!("w{i}"))).unwrap();
+        w.register_post_accumulate_grad_hook(move |_| push(&l, format!("w{i}")))
+            .unwrap();
     }
     let mut x = t(&[1.0, -1.0], &[1, 2]);
     for w in &ws {
@@ -287,7 +341,10 @@ fn post_accumulate_hooks_fire_in_reverse_order_of_use_once_per_backward() {
 
 #[test]
 fn callbacks_can_queue_callbacks_and_only_exist_inside_backward() {
-    assert!(matches!(queue_callback(|| {}), Err(AutogradError::NotInBackward)));
+    assert!(matches!(
+        queue_callback(|| {}),
+        Err(AutogradError::NotInBackward)
+    ));
     let w = leaf(&[1.0], &[1]);
     let l = log();
     let l1 = l.clone();
@@ -329,7 +386,13 @@ fn hook_errors_abort_backward_and_drop_callbacks() {
         None
     })
     .unwrap();
-    assert!(v.sum().unwrap().backward().unwrap_err().to_string().contains("late"));
+    assert!(v
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap_err()
+        .to_string()
+        .contains("late"));
 }
 
 #[test]
@@ -337,13 +400,16 @@ fn hooks_can_be_removed() {
     let w = leaf(&[1.0], &[1]);
     let l = log();
     let l1 = l.clone();
-    let h = w.register_hook(move |_| {
-        push(&l1, "hook");
-        None
-    })
-    .unwrap();
+    let h = w
+        .register_hook(move |_| {
+            push(&l1, "hook");
+            None
+        })
+        .unwrap();
     let l2 = l.clone();
-    let p = w.register_post_accumulate_grad_hook(move |_| push(&l2, "post")).unwrap();
+    let p = w
+        .register_post_accumulate_grad_hook(move |_| push(&l2, "post"))
+        .unwrap();
     assert!(h.remove());
     assert!(!h.remove());
     w.sum().unwrap().backward().unwrap();
@@ -357,7 +423,8 @@ fn hooks_can_be_removed() {
 fn replacement_gradient_of_the_wrong_shape_is_refused() {
     let w = leaf(&[1.0, 2.0], &[2]);
     let y = w.scale(2.0).unwrap();
-    y.register_hook(|g| Some(g.narrow(0, 0, 1).unwrap())).unwrap();
+    y.register_hook(|g| Some(g.narrow(0, 0, 1).unwrap()))
+        .unwrap();
     let err = y.sum().unwrap().backward().unwrap_err();
     assert!(err.to_string().contains("replacement gradient"), "{err}");
 }
@@ -369,13 +436,20 @@ fn gradients_are_bitwise_reproducible() {
         let w = leaf(&r.vec(64), &[8, 8]);
         let x = t(&r.vec(32), &[4, 8]);
         let h = x.matmul(&w).unwrap().gelu().unwrap();
-        let h = h.add(&x.matmul(&w.t().unwrap()).unwrap()).unwrap().softmax().unwrap();
+        let h = h
+            .add(&x.matmul(&w.t().unwrap()).unwrap())
+            .unwrap()
+            .softmax()
+            .unwrap();
         h.mul(&h).unwrap().mean().unwrap().backward().unwrap();
         grad(&w)
     };
     let a = run();
     let b = run();
-    assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    assert_eq!(
+        a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
 }
 
 #[test]

@@ -5,7 +5,9 @@ mod common;
 
 use common::{dev, Rng};
 use fsdp_alloc::{DType, Device};
-use fsdp_autograd::nn::{named_parameters, named_parameters_with_duplicates, parameters, Gpt, GptConfig, Module};
+use fsdp_autograd::nn::{
+    named_parameters, named_parameters_with_duplicates, parameters, Gpt, GptConfig, Module,
+};
 use fsdp_autograd::optim::Sgd;
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
 
@@ -37,16 +39,31 @@ fn parameter_names_are_stable_and_fake_matches_eager() {
     let (e, f) = (names(&eager), names(&fake));
     assert_eq!(e, f);
     let just: Vec<&str> = e.iter().map(|x| x.0.as_str()).collect();
-    assert_eq!(&just[..4], ["tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight", "blocks.0.ln1.bias"]);
+    assert_eq!(
+        &just[..4],
+        [
+            "tok_emb.weight",
+            "pos_emb.weight",
+            "blocks.0.ln1.weight",
+            "blocks.0.ln1.bias"
+        ]
+    );
     assert!(just.contains(&"blocks.1.attn.qkv.weight"));
     assert!(just.contains(&"blocks.1.mlp.proj.bias"));
     assert_eq!(just.last(), Some(&"head.weight"));
     // The name a parameter was created with is its fully-qualified name.
     assert!(e.iter().all(|x| x.0 == x.2));
-    assert!(e.iter().find(|x| x.0 == "blocks.0.attn.proj.weight").unwrap().3.contains("scale("));
+    assert!(e
+        .iter()
+        .find(|x| x.0 == "blocks.0.attn.proj.weight")
+        .unwrap()
+        .3
+        .contains("scale("));
     // The fake model allocated nothing and has no tensors.
     assert!(parameters(&fake).iter().all(|p| !p.is_materialized()));
-    assert!(fake.call(&Tensor::zeros(&[1, 4], DType::I64, &dev()).unwrap()).is_err());
+    assert!(fake
+        .call(&Tensor::zeros(&[1, 4], DType::I64, &dev()).unwrap())
+        .is_err());
 }
 
 #[test]
@@ -75,7 +92,14 @@ fn check_gpt_loss_gradient(cfg: GptConfig) {
     let (ids, tg) = random_batch(&cfg, 2, 9, &d);
     let loss = cross_entropy(&m.call(&ids).unwrap(), &tg).unwrap();
     loss.backward().unwrap();
-    let eval = || no_grad(|| cross_entropy(&m.call(&ids).unwrap(), &tg).unwrap().item().unwrap() as f64);
+    let eval = || {
+        no_grad(|| {
+            cross_entropy(&m.call(&ids).unwrap(), &tg)
+                .unwrap()
+                .item()
+                .unwrap() as f64
+        })
+    };
     let mut pick = Rng::new(1);
     let eps = 2e-3f32;
     for (name, p) in named_parameters(&m) {
@@ -96,7 +120,11 @@ fn check_gpt_loss_gradient(cfg: GptConfig) {
             set(vals[j]);
             let num = ((lp - lm) / (2.0 * eps as f64)) as f32;
             let tol = 2e-3 + 5e-2 * g[j].abs().max(num.abs());
-            assert!((g[j] - num).abs() <= tol, "{name}[{j}]: analytic {} numeric {num}", g[j]);
+            assert!(
+                (g[j] - num).abs() <= tol,
+                "{name}[{j}]: analytic {} numeric {num}",
+                g[j]
+            );
         }
     }
 }
@@ -145,7 +173,13 @@ fn after_a_step_only_parameters_and_gradients_remain_allocated() {
 
 /// A learnable task: every sequence walks a fixed random permutation of the vocabulary, so the
 /// next token is a function of the current one.
-fn successor_batch(perm: &[usize], b: usize, t: usize, r: &mut Rng, d: &Device) -> (Tensor, Tensor) {
+fn successor_batch(
+    perm: &[usize],
+    b: usize,
+    t: usize,
+    r: &mut Rng,
+    d: &Device,
+) -> (Tensor, Tensor) {
     let mut ids = Vec::with_capacity(b * t);
     let mut tg = Vec::with_capacity(b * t);
     for _ in 0..b {
@@ -184,6 +218,12 @@ fn gpt_mini_loss_falls_on_a_learnable_task() {
     }
     let first = losses[0];
     let last: f32 = losses[190..].iter().sum::<f32>() / 10.0;
-    assert!((first - (cfg.vocab as f32).ln()).abs() < 0.3, "initial loss {first}");
-    assert!(last < 0.5, "loss after 200 steps {last} (from {first}); {losses:?}");
+    assert!(
+        (first - (cfg.vocab as f32).ln()).abs() < 0.3,
+        "initial loss {first}"
+    );
+    assert!(
+        last < 0.5,
+        "loss after 200 steps {last} (from {first}); {losses:?}"
+    );
 }

@@ -14,18 +14,46 @@ fn inp(rng: &mut Rng, shape: &[usize]) -> (Vec<f32>, Vec<usize>) {
 #[test]
 fn add_mul_sub_scale_with_broadcasting() {
     let mut r = Rng::new(1);
-    gradcheck("add same", &[inp(&mut r, &[2, 3]), inp(&mut r, &[2, 3])], |x| x[0].add(&x[1]));
-    gradcheck("add row", &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[3, 4])], |x| x[0].add(&x[1]));
-    gradcheck("add row (small first)", &[inp(&mut r, &[4]), inp(&mut r, &[2, 4])], |x| {
-        x[0].add(&x[1])
+    gradcheck(
+        "add same",
+        &[inp(&mut r, &[2, 3]), inp(&mut r, &[2, 3])],
+        |x| x[0].add(&x[1]),
+    );
+    gradcheck(
+        "add row",
+        &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[3, 4])],
+        |x| x[0].add(&x[1]),
+    );
+    gradcheck(
+        "add row (small first)",
+        &[inp(&mut r, &[4]), inp(&mut r, &[2, 4])],
+        |x| x[0].add(&x[1]),
+    );
+    gradcheck(
+        "add general",
+        &[inp(&mut r, &[3, 1]), inp(&mut r, &[1, 4])],
+        |x| x[0].add(&x[1]),
+    );
+    gradcheck("add same input twice", &[inp(&mut r, &[5])], |x| {
+        x[0].add(&x[0])
     });
-    gradcheck("add general", &[inp(&mut r, &[3, 1]), inp(&mut r, &[1, 4])], |x| x[0].add(&x[1]));
-    gradcheck("add same input twice", &[inp(&mut r, &[5])], |x| x[0].add(&x[0]));
-    gradcheck("mul same", &[inp(&mut r, &[2, 3]), inp(&mut r, &[2, 3])], |x| x[0].mul(&x[1]));
-    gradcheck("mul row", &[inp(&mut r, &[2, 3]), inp(&mut r, &[3])], |x| x[0].mul(&x[1]));
-    gradcheck("mul col", &[inp(&mut r, &[2, 3]), inp(&mut r, &[2, 1])], |x| x[0].mul(&x[1]));
+    gradcheck(
+        "mul same",
+        &[inp(&mut r, &[2, 3]), inp(&mut r, &[2, 3])],
+        |x| x[0].mul(&x[1]),
+    );
+    gradcheck("mul row", &[inp(&mut r, &[2, 3]), inp(&mut r, &[3])], |x| {
+        x[0].mul(&x[1])
+    });
+    gradcheck(
+        "mul col",
+        &[inp(&mut r, &[2, 3]), inp(&mut r, &[2, 1])],
+        |x| x[0].mul(&x[1]),
+    );
     gradcheck("mul square", &[inp(&mut r, &[4])], |x| x[0].mul(&x[0]));
-    gradcheck("sub", &[inp(&mut r, &[2, 3]), inp(&mut r, &[3])], |x| x[0].sub(&x[1]));
+    gradcheck("sub", &[inp(&mut r, &[2, 3]), inp(&mut r, &[3])], |x| {
+        x[0].sub(&x[1])
+    });
     gradcheck("scale", &[inp(&mut r, &[2, 3])], |x| x[0].scale(-1.5));
 }
 
@@ -36,33 +64,51 @@ fn unary_and_reductions() {
     gradcheck("softmax", &[inp(&mut r, &[3, 5])], |x| x[0].softmax());
     gradcheck("sum", &[inp(&mut r, &[3, 4])], |x| x[0].sum());
     gradcheck("mean", &[inp(&mut r, &[3, 4])], |x| x[0].mean());
-    gradcheck("mean of product", &[inp(&mut r, &[6]), inp(&mut r, &[6])], |x| {
-        x[0].mul(&x[1])?.mean()
-    });
+    gradcheck(
+        "mean of product",
+        &[inp(&mut r, &[6]), inp(&mut r, &[6])],
+        |x| x[0].mul(&x[1])?.mean(),
+    );
 }
 
 #[test]
 fn matmul_variants() {
     let mut r = Rng::new(3);
-    gradcheck("matmul 2d", &[inp(&mut r, &[3, 4]), inp(&mut r, &[4, 2])], |x| x[0].matmul(&x[1]));
-    gradcheck("matmul a transposed view", &[inp(&mut r, &[4, 3]), inp(&mut r, &[4, 2])], |x| {
-        x[0].t()?.matmul(&x[1])
-    });
-    gradcheck("matmul b transposed view", &[inp(&mut r, &[3, 4]), inp(&mut r, &[2, 4])], |x| {
-        x[0].matmul(&x[1].t()?)
-    });
-    gradcheck("matmul batched", &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[2, 4, 2])], |x| {
-        x[0].matmul(&x[1])
-    });
-    gradcheck("matmul batched transposed", &[inp(&mut r, &[2, 4, 3]), inp(&mut r, &[2, 2, 4])], |x| {
-        x[0].transpose(1, 2)?.matmul(&x[1].transpose(1, 2)?)
-    });
-    gradcheck("matmul batched x 2d (folded)", &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[4, 5])], |x| {
-        x[0].matmul(&x[1])
-    });
-    gradcheck("matmul strided (non-contiguous) operand", &[inp(&mut r, &[3, 8]), inp(&mut r, &[4, 2])], |x| {
-        x[0].narrow(1, 2, 4)?.matmul(&x[1])
-    });
+    gradcheck(
+        "matmul 2d",
+        &[inp(&mut r, &[3, 4]), inp(&mut r, &[4, 2])],
+        |x| x[0].matmul(&x[1]),
+    );
+    gradcheck(
+        "matmul a transposed view",
+        &[inp(&mut r, &[4, 3]), inp(&mut r, &[4, 2])],
+        |x| x[0].t()?.matmul(&x[1]),
+    );
+    gradcheck(
+        "matmul b transposed view",
+        &[inp(&mut r, &[3, 4]), inp(&mut r, &[2, 4])],
+        |x| x[0].matmul(&x[1].t()?),
+    );
+    gradcheck(
+        "matmul batched",
+        &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[2, 4, 2])],
+        |x| x[0].matmul(&x[1]),
+    );
+    gradcheck(
+        "matmul batched transposed",
+        &[inp(&mut r, &[2, 4, 3]), inp(&mut r, &[2, 2, 4])],
+        |x| x[0].transpose(1, 2)?.matmul(&x[1].transpose(1, 2)?),
+    );
+    gradcheck(
+        "matmul batched x 2d (folded)",
+        &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[4, 5])],
+        |x| x[0].matmul(&x[1]),
+    );
+    gradcheck(
+        "matmul strided (non-contiguous) operand",
+        &[inp(&mut r, &[3, 8]), inp(&mut r, &[4, 2])],
+        |x| x[0].narrow(1, 2, 4)?.matmul(&x[1]),
+    );
 }
 
 #[test]
@@ -70,15 +116,23 @@ fn linear_variants() {
     let mut r = Rng::new(4);
     gradcheck(
         "linear bias",
-        &[inp(&mut r, &[3, 4]), inp(&mut r, &[5, 4]), inp(&mut r, &[5])],
+        &[
+            inp(&mut r, &[3, 4]),
+            inp(&mut r, &[5, 4]),
+            inp(&mut r, &[5]),
+        ],
         |x| linear(&x[0], &x[1], Some(&x[2])),
     );
-    gradcheck("linear no bias 3d", &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[5, 4])], |x| {
-        linear(&x[0], &x[1], None)
-    });
-    gradcheck("linear transposed weight", &[inp(&mut r, &[3, 4]), inp(&mut r, &[4, 5])], |x| {
-        linear(&x[0], &x[1].t()?, None)
-    });
+    gradcheck(
+        "linear no bias 3d",
+        &[inp(&mut r, &[2, 3, 4]), inp(&mut r, &[5, 4])],
+        |x| linear(&x[0], &x[1], None),
+    );
+    gradcheck(
+        "linear transposed weight",
+        &[inp(&mut r, &[3, 4]), inp(&mut r, &[4, 5])],
+        |x| linear(&x[0], &x[1].t()?, None),
+    );
 }
 
 #[test]
@@ -100,7 +154,11 @@ fn layer_norm_embedding_attention_cross_entropy() {
     });
     gradcheck(
         "causal_attention",
-        &[inp(&mut r, &[1, 2, 3, 4]), inp(&mut r, &[1, 2, 3, 4]), inp(&mut r, &[1, 2, 3, 4])],
+        &[
+            inp(&mut r, &[1, 2, 3, 4]),
+            inp(&mut r, &[1, 2, 3, 4]),
+            inp(&mut r, &[1, 2, 3, 4]),
+        ],
         |x| causal_attention(&x[0], &x[1], &x[2]),
     );
     gradcheck("cross_entropy", &[inp(&mut r, &[2, 3, 5])], |x| {
@@ -112,14 +170,22 @@ fn layer_norm_embedding_attention_cross_entropy() {
 #[test]
 fn views() {
     let mut r = Rng::new(6);
-    gradcheck("reshape", &[inp(&mut r, &[2, 6])], |x| x[0].reshape(&[3, 4])?.gelu());
+    gradcheck("reshape", &[inp(&mut r, &[2, 6])], |x| {
+        x[0].reshape(&[3, 4])?.gelu()
+    });
     gradcheck("transpose+contiguous", &[inp(&mut r, &[2, 3])], |x| {
         x[0].transpose(0, 1)?.contiguous()?.view(&[6])
     });
-    gradcheck("permute", &[inp(&mut r, &[2, 3, 4])], |x| x[0].permute(&[2, 0, 1])?.gelu());
-    gradcheck("reshape of non-contiguous", &[inp(&mut r, &[2, 3])], |x| x[0].t()?.reshape(&[6]));
+    gradcheck("permute", &[inp(&mut r, &[2, 3, 4])], |x| {
+        x[0].permute(&[2, 0, 1])?.gelu()
+    });
+    gradcheck("reshape of non-contiguous", &[inp(&mut r, &[2, 3])], |x| {
+        x[0].t()?.reshape(&[6])
+    });
     gradcheck("narrow", &[inp(&mut r, &[4, 3])], |x| x[0].narrow(0, 1, 2));
-    gradcheck("narrow dim 1", &[inp(&mut r, &[4, 3])], |x| x[0].narrow(1, 1, 2)?.gelu());
+    gradcheck("narrow dim 1", &[inp(&mut r, &[4, 3])], |x| {
+        x[0].narrow(1, 1, 2)?.gelu()
+    });
     gradcheck("split dim 0", &[inp(&mut r, &[7])], |x| {
         let p = x[0].split(&[2, 4, 1])?;
         p[0].sum()?.add(&p[1].mul(&p[1])?.sum()?) // piece 2 unused
@@ -128,8 +194,12 @@ fn views() {
         let p = x[0].split_dim(&[2, 3], 1)?;
         p[1].gelu()
     });
-    gradcheck("expand", &[inp(&mut r, &[3, 1])], |x| x[0].expand(&[2, 3, 4])?.gelu());
-    gradcheck("unsqueeze", &[inp(&mut r, &[3])], |x| x[0].unsqueeze(0)?.gelu());
+    gradcheck("expand", &[inp(&mut r, &[3, 1])], |x| {
+        x[0].expand(&[2, 3, 4])?.gelu()
+    });
+    gradcheck("unsqueeze", &[inp(&mut r, &[3])], |x| {
+        x[0].unsqueeze(0)?.gelu()
+    });
 }
 
 #[test]
@@ -142,7 +212,14 @@ fn cast_backward_casts_the_gradient_back() {
     let w = Tensor::from_vec(vec![0.1f32, 0.2, 0.3], &[3], &dev).unwrap();
     let y = x.to_dtype(DType::BF16).unwrap();
     assert_eq!(y.dtype(), DType::BF16);
-    y.to_dtype(DType::F32).unwrap().mul(&w).unwrap().sum().unwrap().backward().unwrap();
+    y.to_dtype(DType::F32)
+        .unwrap()
+        .mul(&w)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
     let g = x.grad().unwrap();
     assert_eq!(g.dtype(), DType::F32);
     let expect: Vec<f32> = [0.1f32, 0.2, 0.3]
@@ -158,8 +235,14 @@ fn half_precision_ops_compute_in_f32() {
     let mut r = Rng::new(9);
     let (a, b) = (r.vec(12), r.vec(8));
     for dt in [DType::F16, DType::BF16] {
-        let ta = Tensor::from_vec(a.clone(), &[3, 4], &dev).unwrap().to_dtype(dt).unwrap();
-        let tb = Tensor::from_vec(b.clone(), &[4, 2], &dev).unwrap().to_dtype(dt).unwrap();
+        let ta = Tensor::from_vec(a.clone(), &[3, 4], &dev)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let tb = Tensor::from_vec(b.clone(), &[4, 2], &dev)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
         ta.set_requires_grad(false).unwrap();
         let leaf_a = ta.detach().requires_grad_(true).unwrap();
         let c = leaf_a.matmul(&tb).unwrap().gelu().unwrap();
@@ -167,7 +250,13 @@ fn half_precision_ops_compute_in_f32() {
         // Reference: the same rounded inputs in f32, rounded on output.
         let fa = ta.to_dtype(DType::F32).unwrap();
         let fb = tb.to_dtype(DType::F32).unwrap();
-        let reference = fa.matmul(&fb).unwrap().gelu().unwrap().to_dtype(dt).unwrap();
+        let reference = fa
+            .matmul(&fb)
+            .unwrap()
+            .gelu()
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
         let got = c.to_vec_f32().unwrap();
         let want = reference.to_vec_f32().unwrap();
         for (g, w) in got.iter().zip(&want) {

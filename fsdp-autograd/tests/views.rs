@@ -55,7 +55,10 @@ fn split_views_of_a_flat_leaf_write_one_flat_gradient() {
     expected.extend([0.0; 3]); // the padding gets a zero gradient
 
     // Flat leaf, one split, views.
-    let flat = Tensor::from_vec(values, &[total], &d).unwrap().requires_grad_(true).unwrap();
+    let flat = Tensor::from_vec(values, &[total], &d)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
     let fired = Arc::new(AtomicUsize::new(0));
     let f = fired.clone();
     flat.register_post_accumulate_grad_hook(move |_| {
@@ -65,13 +68,21 @@ fn split_views_of_a_flat_leaf_write_one_flat_gradient() {
     let mut split_sizes = sizes.clone();
     split_sizes.push(3);
     let pieces = flat.split(&split_sizes).unwrap();
-    let views: Vec<Tensor> = pieces.iter().zip(SHAPES).map(|(p, s)| p.view(s).unwrap()).collect();
+    let views: Vec<Tensor> = pieces
+        .iter()
+        .zip(SHAPES)
+        .map(|(p, s)| p.view(s).unwrap())
+        .collect();
     assert!(views.iter().all(|v| v.storage().ptr_eq(flat.storage())));
     forward(&x, &views).backward().unwrap();
     let g = flat.grad().unwrap();
     assert_eq!(g.shape(), &[total]);
     assert_eq!(bits(&g.to_vec::<f32>().unwrap()), bits(&expected));
-    assert_eq!(fired.load(Ordering::SeqCst), 1, "post-accumulate hook fires once");
+    assert_eq!(
+        fired.load(Ordering::SeqCst),
+        1,
+        "post-accumulate hook fires once"
+    );
     // Views are not leaves: no per-view gradients are kept.
     assert!(views.iter().all(|v| v.grad().is_none()));
 
@@ -93,7 +104,14 @@ fn narrow_views_of_a_flat_leaf() {
         .unwrap();
     let a = flat.narrow(0, 2, 3).unwrap();
     let b = flat.narrow(0, 6, 2).unwrap().view(&[2, 1]).unwrap();
-    a.scale(2.0).unwrap().sum().unwrap().add(&b.mul(&b).unwrap().sum().unwrap()).unwrap().backward().unwrap();
+    a.scale(2.0)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .add(&b.mul(&b).unwrap().sum().unwrap())
+        .unwrap()
+        .backward()
+        .unwrap();
     assert_eq!(
         flat.grad().unwrap().to_vec::<f32>().unwrap(),
         vec![0.0, 0.0, 2.0, 2.0, 2.0, 0.0, 12.0, 14.0, 0.0, 0.0]
@@ -110,7 +128,10 @@ fn flat_storage_released_after_forward_and_reattached_by_a_pre_backward_hook() {
     let x = Tensor::from_vec(r.vec(5 * 3), &[5, 3], &d).unwrap();
 
     let run = |reshard: bool| -> Vec<f32> {
-        let flat = Tensor::from_vec(values.clone(), &[total], &d).unwrap().requires_grad_(true).unwrap();
+        let flat = Tensor::from_vec(values.clone(), &[total], &d)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
         let views: Vec<Tensor> = flat
             .split(&sizes)
             .unwrap()
@@ -126,7 +147,10 @@ fn flat_storage_released_after_forward_and_reattached_by_a_pre_backward_hook() {
             drop(buf);
             assert!(!views[0].storage().is_allocated());
             let err = views[0].scale(1.0).unwrap_err();
-            assert!(matches!(err, AutogradError::StorageReleased { .. }), "{err:?}");
+            assert!(
+                matches!(err, AutogradError::StorageReleased { .. }),
+                "{err:?}"
+            );
             // "Unshard" in the pre-backward hook on the output.
             let storage = flat.storage().clone();
             let dev2 = d.clone();
@@ -135,7 +159,9 @@ fn flat_storage_released_after_forward_and_reattached_by_a_pre_backward_hook() {
                 let buf = dev2.alloc(storage.nbytes(), dev2.default_stream()).unwrap();
                 let staging = Tensor::from_buffer(buf, &[total], DType::F32, &dev2).unwrap();
                 staging.copy_(&saved).unwrap();
-                storage.attach(staging.storage().release().unwrap()).unwrap();
+                storage
+                    .attach(staging.storage().release().unwrap())
+                    .unwrap();
                 None
             })
             .unwrap();
@@ -156,12 +182,18 @@ fn parameters_can_be_swapped_for_views_of_a_flat_tensor() {
         .iter()
         .flat_map(|(_, p)| p.get().unwrap().to_vec::<f32>().unwrap())
         .collect();
-    let flat = Tensor::from_vec(vals, &[8], &d).unwrap().requires_grad_(true).unwrap();
+    let flat = Tensor::from_vec(vals, &[8], &d)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
     let pieces = flat.split(&[6, 2]).unwrap();
     for ((_, p), piece) in params.iter().zip(&pieces) {
         p.set(piece.view(p.shape()).unwrap()).unwrap();
     }
-    assert!(params[0].1.set(pieces[1].clone()).is_err(), "shape is checked");
+    assert!(
+        params[0].1.set(pieces[1].clone()).is_err(),
+        "shape is checked"
+    );
     let x = Tensor::ones(&[4, 3], DType::F32, &d).unwrap();
     fc.call(&x).unwrap().sum().unwrap().backward().unwrap();
     let g = flat.grad().unwrap().to_vec::<f32>().unwrap();

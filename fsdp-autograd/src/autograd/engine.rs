@@ -322,7 +322,10 @@ fn run_tensor_hooks(node: &Node, mut grads: Vec<Option<Tensor>>) -> Result<Vec<O
         };
         if let Some(new) = h(g)? {
             check_meta(&new, &node.meta[slot], || {
-                format!("a tensor hook's replacement gradient (output of `{}`)", node.name)
+                format!(
+                    "a tensor hook's replacement gradient (output of `{}`)",
+                    node.name
+                )
             })?;
             grads[slot] = Some(new);
         }

@@ -35,9 +35,9 @@ use crate::error::{AutogradError, Result};
 use crate::tensor::{Tensor, TensorImpl};
 use node::{next_hook_id, BackwardFn, Edge, GradMeta, Node, PostHookFn, TensorHookFn};
 
+pub(crate) use checkpoint::SavedTensor;
 pub use checkpoint::{checkpoint, checkpoint_arc, CheckpointFn};
 pub use engine::{backward, in_backward, queue_callback, queue_callback_fallible};
-pub(crate) use checkpoint::SavedTensor;
 
 /// True if an operation on `inputs` must be recorded.
 pub(crate) fn needs_grad(inputs: &[&Tensor]) -> bool {
@@ -124,12 +124,15 @@ where
     }
     let raw: Vec<Tensor> = outputs.iter().map(Tensor::detach).collect();
     let mut backward = Some(backward);
-    Ok(record(name, inputs, &raw, move |g: Vec<Option<Tensor>>| {
-        match backward.take() {
+    Ok(record(
+        name,
+        inputs,
+        &raw,
+        move |g: Vec<Option<Tensor>>| match backward.take() {
             Some(f) => f(g),
             None => Err(AutogradError::GraphConsumed { op: name }),
-        }
-    }))
+        },
+    ))
 }
 
 enum HookTarget {

@@ -115,6 +115,10 @@ pub(crate) struct Edge {
 
 impl std::fmt::Debug for Edge {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Edge({}#{}, slot {})", self.node.name, self.node.seq, self.slot)
+        write!(
+            f,
+            "Edge({}#{}, slot {})",
+            self.node.name, self.node.seq, self.slot
+        )
     }
 }

@@ -52,7 +52,13 @@ pub struct GptConfig {
 
 impl GptConfig {
     /// A configuration without tying or checkpointing.
-    pub fn new(vocab: usize, d_model: usize, n_layers: usize, n_heads: usize, seq_len: usize) -> GptConfig {
+    pub fn new(
+        vocab: usize,
+        d_model: usize,
+        n_layers: usize,
+        n_heads: usize,
+        seq_len: usize,
+    ) -> GptConfig {
         GptConfig {
             vocab,
             d_model,
@@ -122,8 +128,24 @@ impl CausalSelfAttention {
         let mut proj_init = normal();
         proj_init.push(InitOp::Scale(proj_scale));
         Ok(CausalSelfAttention {
-            qkv: Linear::with_init(&ctx.child("qkv"), d, 3 * d, true, DType::F32, normal(), zeros())?,
-            proj: Linear::with_init(&ctx.child("proj"), d, d, true, DType::F32, proj_init, zeros())?,
+            qkv: Linear::with_init(
+                &ctx.child("qkv"),
+                d,
+                3 * d,
+                true,
+                DType::F32,
+                normal(),
+                zeros(),
+            )?,
+            proj: Linear::with_init(
+                &ctx.child("proj"),
+                d,
+                d,
+                true,
+                DType::F32,
+                proj_init,
+                zeros(),
+            )?,
             n_heads,
             hooks: ModuleHooks::new(),
         })
@@ -183,8 +205,24 @@ impl Mlp {
         let mut proj_init = normal();
         proj_init.push(InitOp::Scale(proj_scale));
         Ok(Mlp {
-            fc: Linear::with_init(&ctx.child("fc"), d, 4 * d, true, DType::F32, normal(), zeros())?,
-            proj: Linear::with_init(&ctx.child("proj"), 4 * d, d, true, DType::F32, proj_init, zeros())?,
+            fc: Linear::with_init(
+                &ctx.child("fc"),
+                d,
+                4 * d,
+                true,
+                DType::F32,
+                normal(),
+                zeros(),
+            )?,
+            proj: Linear::with_init(
+                &ctx.child("proj"),
+                4 * d,
+                d,
+                true,
+                DType::F32,
+                proj_init,
+                zeros(),
+            )?,
             hooks: ModuleHooks::new(),
         })
     }
@@ -234,7 +272,13 @@ pub struct Block {
 
 impl Block {
     /// A block of width `d` with `n_heads` heads in a model of `n_layers` blocks.
-    pub fn new(ctx: &InitContext, d: usize, n_heads: usize, n_layers: usize, checkpoint: bool) -> Result<Block> {
+    pub fn new(
+        ctx: &InitContext,
+        d: usize,
+        n_heads: usize,
+        n_layers: usize,
+        checkpoint: bool,
+    ) -> Result<Block> {
         let proj_scale = 1.0 / (2.0 * n_layers.max(1) as f32).sqrt();
         Ok(Block {
             layers: Arc::new(BlockLayers {
@@ -258,7 +302,10 @@ impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.checkpoint {
             let layers = Arc::clone(&self.layers);
-            let mut out = checkpoint(move |xs: &[Tensor]| Ok(vec![layers.run(&xs[0])?]), std::slice::from_ref(x))?;
+            let mut out = checkpoint(
+                move |xs: &[Tensor]| Ok(vec![layers.run(&xs[0])?]),
+                std::slice::from_ref(x),
+            )?;
             Ok(out.pop().expect("one output"))
         } else {
             self.layers.run(x)
@@ -306,8 +353,15 @@ impl Gpt {
     pub fn new(ctx: &InitContext, config: &GptConfig) -> Result<Gpt> {
         config.validate()?;
         let d = config.d_model;
-        let tok_emb = Embedding::with_init(&ctx.child("tok_emb"), config.vocab, d, DType::F32, normal())?;
-        let pos_emb = Embedding::with_init(&ctx.child("pos_emb"), config.seq_len, d, DType::F32, normal())?;
+        let tok_emb =
+            Embedding::with_init(&ctx.child("tok_emb"), config.vocab, d, DType::F32, normal())?;
+        let pos_emb = Embedding::with_init(
+            &ctx.child("pos_emb"),
+            config.seq_len,
+            d,
+            DType::F32,
+            normal(),
+        )?;
         let blocks_ctx = ctx.child("blocks");
         let mut blocks: Vec<Box<dyn Module>> = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
@@ -323,7 +377,15 @@ impl Gpt {
         let head = if config.tied {
             Linear::from_params(tok_emb.weight.clone(), None)?
         } else {
-            Linear::with_init(&ctx.child("head"), d, config.vocab, false, DType::F32, normal(), vec![])?
+            Linear::with_init(
+                &ctx.child("head"),
+                d,
+                config.vocab,
+                false,
+                DType::F32,
+                normal(),
+                vec![],
+            )?
         };
         Ok(Gpt {
             tok_emb,
@@ -351,7 +413,10 @@ impl Module for Gpt {
         }
         let t = ids.shape()[1];
         let positions = Tensor::arange(t, ids.device())?;
-        let x = self.tok_emb.call(ids)?.add(&self.pos_emb.call(&positions)?)?;
+        let x = self
+            .tok_emb
+            .call(ids)?
+            .add(&self.pos_emb.call(&positions)?)?;
         let x = self.blocks.call(&x)?;
         let x = self.ln_f.call(&x)?;
         self.head.call(&x)

@@ -22,7 +22,12 @@ pub struct Linear {
 impl Linear {
     /// PyTorch's default init: weight Kaiming-uniform (`a = √5`, i.e. uniform ±1/√in), bias
     /// uniform ±1/√in. `f32`.
-    pub fn new(ctx: &InitContext, in_features: usize, out_features: usize, bias: bool) -> Result<Linear> {
+    pub fn new(
+        ctx: &InitContext,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+    ) -> Result<Linear> {
         let bound = if in_features > 0 {
             1.0 / (in_features as f32).sqrt()
         } else {
@@ -137,7 +142,10 @@ impl Embedding {
             num,
             dim,
             DType::F32,
-            vec![InitOp::Normal { mean: 0.0, std: 1.0 }],
+            vec![InitOp::Normal {
+                mean: 0.0,
+                std: 1.0,
+            }],
         )
     }
 

@@ -191,12 +191,7 @@ fn join(prefix: &str, name: &str) -> String {
     }
 }
 
-fn collect_params(
-    m: &dyn Module,
-    prefix: &str,
-    out: &mut Vec<(String, Parameter)>,
-    dedup: bool,
-) {
+fn collect_params(m: &dyn Module, prefix: &str, out: &mut Vec<(String, Parameter)>, dedup: bool) {
     m.visit_params(&mut |name, p| {
         if !(dedup && out.iter().any(|(_, q)| q.ptr_eq(p))) {
             out.push((join(prefix, name), p.clone()));

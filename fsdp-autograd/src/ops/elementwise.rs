@@ -16,8 +16,16 @@ pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Res
     let nd = a.len().max(b.len());
     let mut out = vec![0; nd];
     for i in 0..nd {
-        let x = if i + a.len() >= nd { a[i + a.len() - nd] } else { 1 };
-        let y = if i + b.len() >= nd { b[i + b.len() - nd] } else { 1 };
+        let x = if i + a.len() >= nd {
+            a[i + a.len() - nd]
+        } else {
+            1
+        };
+        let y = if i + b.len() >= nd {
+            b[i + b.len() - nd]
+        } else {
+            1
+        };
         out[i] = match (x, y) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -122,12 +130,17 @@ impl Tensor {
         }
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         let (na, nb) = (self.requires_grad(), other.requires_grad());
-        Ok(record1("add", &[self, other], out, move |g: Vec<Option<Tensor>>| {
-            let g = g.into_iter().next().flatten().expect("add: one gradient");
-            let ga = if na { Some(sum_to(&g, &sa)?) } else { None };
-            let gb = if nb { Some(sum_to(&g, &sb)?) } else { None };
-            Ok(vec![ga, gb])
-        }))
+        Ok(record1(
+            "add",
+            &[self, other],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                let g = g.into_iter().next().flatten().expect("add: one gradient");
+                let ga = if na { Some(sum_to(&g, &sa)?) } else { None };
+                let gb = if nb { Some(sum_to(&g, &sb)?) } else { None };
+                Ok(vec![ga, gb])
+            },
+        ))
     }
 
     /// `self − other` with broadcasting.
@@ -144,13 +157,26 @@ impl Tensor {
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         let (na, nb) = (self.requires_grad(), other.requires_grad());
         let (mut a, mut b) = (SavedTensor::new(self), SavedTensor::new(other));
-        Ok(record1("mul", &[self, other], out, move |g: Vec<Option<Tensor>>| {
-            let g = g.into_iter().next().flatten().expect("mul: one gradient");
-            let (a, b) = (a.unpack("mul")?, b.unpack("mul")?);
-            let ga = if na { Some(sum_to(&g.mul(&b)?, &sa)?) } else { None };
-            let gb = if nb { Some(sum_to(&g.mul(&a)?, &sb)?) } else { None };
-            Ok(vec![ga, gb])
-        }))
+        Ok(record1(
+            "mul",
+            &[self, other],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                let g = g.into_iter().next().flatten().expect("mul: one gradient");
+                let (a, b) = (a.unpack("mul")?, b.unpack("mul")?);
+                let ga = if na {
+                    Some(sum_to(&g.mul(&b)?, &sa)?)
+                } else {
+                    None
+                };
+                let gb = if nb {
+                    Some(sum_to(&g.mul(&a)?, &sb)?)
+                } else {
+                    None
+                };
+                Ok(vec![ga, gb])
+            },
+        ))
     }
 
     /// `s · self`.
@@ -170,9 +196,14 @@ impl Tensor {
         if !needs_grad(&[self]) {
             return Ok(out);
         }
-        Ok(record1("scale", &[self], out, move |g: Vec<Option<Tensor>>| {
-            Ok(vec![g[0].as_ref().map(|g| g.scale(s)).transpose()?])
-        }))
+        Ok(record1(
+            "scale",
+            &[self],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                Ok(vec![g[0].as_ref().map(|g| g.scale(s)).transpose()?])
+            },
+        ))
     }
 
     /// GELU (tanh approximation, as GPT-2).
@@ -193,29 +224,34 @@ impl Tensor {
             return Ok(out);
         }
         let mut saved = SavedTensor::new(&x);
-        Ok(record1("gelu", &[self], out, move |g: Vec<Option<Tensor>>| {
-            let g = g.into_iter().next().flatten().expect("gelu: one gradient");
-            let x = saved.unpack("gelu")?;
-            let g = g.contig()?;
-            let ctx = Ctx::of(&x);
-            let dx = ctx.empty(x.shape(), x.dtype())?;
-            let (xa, ga, da) = (
-                x.arg("gelu_backward", &ctx.stream)?,
-                g.arg("gelu_backward", &ctx.stream)?,
-                dx.arg("gelu_backward", &ctx.stream)?,
-            );
-            launch(&ctx.stream, "gelu_backward", move || {
-                xa.f32("gelu_backward", |x| {
-                    ga.f32("gelu_backward", |g| {
-                        da.f32_mut("gelu_backward", false, |d| {
-                            kern::gelu_backward(x, g, d)
-                                .unwrap_or_else(|e| fail("gelu_backward", e))
+        Ok(record1(
+            "gelu",
+            &[self],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                let g = g.into_iter().next().flatten().expect("gelu: one gradient");
+                let x = saved.unpack("gelu")?;
+                let g = g.contig()?;
+                let ctx = Ctx::of(&x);
+                let dx = ctx.empty(x.shape(), x.dtype())?;
+                let (xa, ga, da) = (
+                    x.arg("gelu_backward", &ctx.stream)?,
+                    g.arg("gelu_backward", &ctx.stream)?,
+                    dx.arg("gelu_backward", &ctx.stream)?,
+                );
+                launch(&ctx.stream, "gelu_backward", move || {
+                    xa.f32("gelu_backward", |x| {
+                        ga.f32("gelu_backward", |g| {
+                            da.f32_mut("gelu_backward", false, |d| {
+                                kern::gelu_backward(x, g, d)
+                                    .unwrap_or_else(|e| fail("gelu_backward", e))
+                            })
                         })
                     })
-                })
-            });
-            Ok(vec![Some(dx)])
-        }))
+                });
+                Ok(vec![Some(dx)])
+            },
+        ))
     }
 
     /// Converts between floating-point dtypes (`f32`, `f16`, `bf16`; round to nearest even).
@@ -237,15 +273,22 @@ impl Tensor {
         let out = ctx.empty(self.shape(), dtype)?;
         let (xa, oa) = (x.arg("cast", &ctx.stream)?, out.arg("cast", &ctx.stream)?);
         launch(&ctx.stream, "cast", move || {
-            xa.f32("cast", |x| oa.f32_mut("cast", false, |o| o.copy_from_slice(x)))
+            xa.f32("cast", |x| {
+                oa.f32_mut("cast", false, |o| o.copy_from_slice(x))
+            })
         });
         if !needs_grad(&[self]) {
             return Ok(out);
         }
         let from = self.dtype();
-        Ok(record1("cast", &[self], out, move |g: Vec<Option<Tensor>>| {
-            Ok(vec![g[0].as_ref().map(|g| g.to_dtype(from)).transpose()?])
-        }))
+        Ok(record1(
+            "cast",
+            &[self],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                Ok(vec![g[0].as_ref().map(|g| g.to_dtype(from)).transpose()?])
+            },
+        ))
     }
 
     // ------------------------------------------------------------------ in-place
@@ -347,7 +390,11 @@ impl Tensor {
         if src.shape() != self.shape() {
             return Err(shape_err(
                 "copy_",
-                format!("source shape {:?}, destination {:?}", src.shape(), self.shape()),
+                format!(
+                    "source shape {:?}, destination {:?}",
+                    src.shape(),
+                    self.shape()
+                ),
             ));
         }
         let dst = self.inplace_dst("copy_")?;

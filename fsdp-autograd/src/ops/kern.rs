@@ -118,7 +118,12 @@ pub(crate) fn embedding(ids: &[i64], table: &[f32], out: &mut [f32], dim: usize)
 }
 
 /// Overwrites `dtable` with the gradient of the table.
-pub(crate) fn embedding_backward(ids: &[i64], dy: &[f32], dtable: &mut [f32], dim: usize) -> KResult {
+pub(crate) fn embedding_backward(
+    ids: &[i64],
+    dy: &[f32],
+    dtable: &mut [f32],
+    dim: usize,
+) -> KResult {
     cpu::embedding_backward(ids, dy, dtable, dim)
 }
 
@@ -155,7 +160,12 @@ pub(crate) fn causal_attention_backward(
     cpu::causal_attention_backward(q, k, v, probs, dout, dq, dk, dv, b, h, t, d)
 }
 
-pub(crate) fn cross_entropy(logits: &[f32], targets: &[i64], cols: usize, lse: &mut [f32]) -> KResult<f32> {
+pub(crate) fn cross_entropy(
+    logits: &[f32],
+    targets: &[i64],
+    cols: usize,
+    lse: &mut [f32],
+) -> KResult<f32> {
     cpu::cross_entropy(logits, targets, cols, lse)
 }
 

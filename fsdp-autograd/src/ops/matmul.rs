@@ -138,53 +138,62 @@ impl Tensor {
         let (ga_needed, gb_needed) = (a.requires_grad(), b.requires_grad());
         let (mut sa, mut sb) = (SavedTensor::new(&pa), SavedTensor::new(&pb));
         let (a_shape, b_shape) = (a.shape().to_vec(), b.shape().to_vec());
-        Ok(record1("matmul", &[a, b], out, move |g: Vec<Option<Tensor>>| {
-            let g = g.into_iter().next().flatten().expect("matmul: one gradient");
-            let g = g.contig()?;
-            let (pa, pb) = (sa.unpack("matmul")?, sb.unpack("matmul")?);
-            let ctx = Ctx::of(&g);
-            let s = &ctx.stream;
-            let bs = kb.max(1);
-            let da = if ga_needed {
-                // dA = dC · Bᵀ  (per block: km×n · n×k)
-                let da = ctx.empty(&a_shape, g.dtype())?;
-                launch_mm(
-                    &ctx,
-                    g.arg("matmul", s)?,
-                    false,
-                    pb.span_arg("matmul", s)?,
-                    !tb,
-                    da.arg("matmul", s)?,
-                    if fold { 1 } else { bs },
-                    km,
-                    n,
-                    k,
-                );
-                Some(da)
-            } else {
-                None
-            };
-            let db = if gb_needed {
-                // dB = Aᵀ · dC  (per block: k×km · km×n); folded: summed over the batch.
-                let db = ctx.empty(&b_shape, g.dtype())?;
-                launch_mm(
-                    &ctx,
-                    pa.span_arg("matmul", s)?,
-                    !ta,
-                    g.arg("matmul", s)?,
-                    false,
-                    db.arg("matmul", s)?,
-                    if fold { 1 } else { bs },
-                    k,
-                    km,
-                    n,
-                );
-                Some(db)
-            } else {
-                None
-            };
-            Ok(vec![da, db])
-        }))
+        Ok(record1(
+            "matmul",
+            &[a, b],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                let g = g
+                    .into_iter()
+                    .next()
+                    .flatten()
+                    .expect("matmul: one gradient");
+                let g = g.contig()?;
+                let (pa, pb) = (sa.unpack("matmul")?, sb.unpack("matmul")?);
+                let ctx = Ctx::of(&g);
+                let s = &ctx.stream;
+                let bs = kb.max(1);
+                let da = if ga_needed {
+                    // dA = dC · Bᵀ  (per block: km×n · n×k)
+                    let da = ctx.empty(&a_shape, g.dtype())?;
+                    launch_mm(
+                        &ctx,
+                        g.arg("matmul", s)?,
+                        false,
+                        pb.span_arg("matmul", s)?,
+                        !tb,
+                        da.arg("matmul", s)?,
+                        if fold { 1 } else { bs },
+                        km,
+                        n,
+                        k,
+                    );
+                    Some(da)
+                } else {
+                    None
+                };
+                let db = if gb_needed {
+                    // dB = Aᵀ · dC  (per block: k×km · km×n); folded: summed over the batch.
+                    let db = ctx.empty(&b_shape, g.dtype())?;
+                    launch_mm(
+                        &ctx,
+                        pa.span_arg("matmul", s)?,
+                        !ta,
+                        g.arg("matmul", s)?,
+                        false,
+                        db.arg("matmul", s)?,
+                        if fold { 1 } else { bs },
+                        k,
+                        km,
+                        n,
+                    );
+                    Some(db)
+                } else {
+                    None
+                };
+                Ok(vec![da, db])
+            },
+        ))
     }
 }
 
@@ -230,7 +239,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
     let ctx = Ctx::of(x);
     let xc = x.contig()?;
-    let rows = if in_f == 0 { 0 } else { x.numel() / in_f };
+    let rows = x.numel().checked_div(in_f).unwrap_or(0);
     // W stored as [out, in] (contiguous) → trans_b; stored as [in, out] (w = v.t()) → no trans.
     let (pw, w_t) = prep(weight)?;
     let w_rows_out = !w_t;
@@ -276,58 +285,67 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let (mut sx, mut sw) = (SavedTensor::new(&xc), SavedTensor::new(&pw));
     let (x_shape, w_shape) = (x.shape().to_vec(), weight.shape().to_vec());
     let has_bias = bias.is_some();
-    Ok(record1("linear", &inputs, out, move |g: Vec<Option<Tensor>>| {
-        let g = g.into_iter().next().flatten().expect("linear: one gradient");
-        let g = g.contig()?;
-        let (xc, pw) = (sx.unpack("linear")?, sw.unpack("linear")?);
-        let ctx = Ctx::of(&g);
-        let s = &ctx.stream;
-        let mut grads = Vec::with_capacity(3);
-        grads.push(if needs[0] {
-            // dx [rows, in] = dy [rows, out] · W [out, in]
-            let dx = ctx.empty(&x_shape, g.dtype())?;
-            launch_mm(
-                &ctx,
-                g.arg("linear", s)?,
-                false,
-                pw.span_arg("linear", s)?,
-                !w_rows_out,
-                dx.arg("linear", s)?,
-                1,
-                rows,
-                out_f,
-                in_f,
-            );
-            Some(dx)
-        } else {
-            None
-        });
-        grads.push(if needs[1] {
-            // dW [out, in] = dyᵀ [out, rows] · x [rows, in]
-            let dw = ctx.empty(&w_shape, g.dtype())?;
-            launch_mm(
-                &ctx,
-                g.arg("linear", s)?,
-                true,
-                xc.arg("linear", s)?,
-                false,
-                dw.arg("linear", s)?,
-                1,
-                out_f,
-                rows,
-                in_f,
-            );
-            Some(dw)
-        } else {
-            None
-        });
-        if has_bias {
-            grads.push(if needs[2] {
-                Some(crate::ops::reduce::sum_to(&g, &[out_f])?)
+    Ok(record1(
+        "linear",
+        &inputs,
+        out,
+        move |g: Vec<Option<Tensor>>| {
+            let g = g
+                .into_iter()
+                .next()
+                .flatten()
+                .expect("linear: one gradient");
+            let g = g.contig()?;
+            let (xc, pw) = (sx.unpack("linear")?, sw.unpack("linear")?);
+            let ctx = Ctx::of(&g);
+            let s = &ctx.stream;
+            let mut grads = Vec::with_capacity(3);
+            grads.push(if needs[0] {
+                // dx [rows, in] = dy [rows, out] · W [out, in]
+                let dx = ctx.empty(&x_shape, g.dtype())?;
+                launch_mm(
+                    &ctx,
+                    g.arg("linear", s)?,
+                    false,
+                    pw.span_arg("linear", s)?,
+                    !w_rows_out,
+                    dx.arg("linear", s)?,
+                    1,
+                    rows,
+                    out_f,
+                    in_f,
+                );
+                Some(dx)
             } else {
                 None
             });
-        }
-        Ok(grads)
-    }))
+            grads.push(if needs[1] {
+                // dW [out, in] = dyᵀ [out, rows] · x [rows, in]
+                let dw = ctx.empty(&w_shape, g.dtype())?;
+                launch_mm(
+                    &ctx,
+                    g.arg("linear", s)?,
+                    true,
+                    xc.arg("linear", s)?,
+                    false,
+                    dw.arg("linear", s)?,
+                    1,
+                    out_f,
+                    rows,
+                    in_f,
+                );
+                Some(dw)
+            } else {
+                None
+            });
+            if has_bias {
+                grads.push(if needs[2] {
+                    Some(crate::ops::reduce::sum_to(&g, &[out_f])?)
+                } else {
+                    None
+                });
+            }
+            Ok(grads)
+        },
+    ))
 }

@@ -14,7 +14,10 @@ fn last_dim(t: &Tensor, op: &'static str) -> Result<usize> {
         Some(&c) if c > 0 => Ok(c),
         _ => Err(shape_err(
             op,
-            format!("needs a non-empty last dimension, got shape {:?}", t.shape()),
+            format!(
+                "needs a non-empty last dimension, got shape {:?}",
+                t.shape()
+            ),
         )),
     }
 }
@@ -27,7 +30,10 @@ impl Tensor {
         let ctx = Ctx::of(self);
         let x = self.contig()?;
         let y = ctx.empty(self.shape(), self.dtype())?;
-        let (xa, ya) = (x.arg("softmax", &ctx.stream)?, y.arg("softmax", &ctx.stream)?);
+        let (xa, ya) = (
+            x.arg("softmax", &ctx.stream)?,
+            y.arg("softmax", &ctx.stream)?,
+        );
         launch(&ctx.stream, "softmax", move || {
             xa.f32("softmax", |x| {
                 ya.f32_mut("softmax", false, |y| {
@@ -39,29 +45,39 @@ impl Tensor {
             return Ok(y);
         }
         let mut saved = SavedTensor::new(&y);
-        Ok(record1("softmax", &[self], y, move |g: Vec<Option<Tensor>>| {
-            let g = g.into_iter().next().flatten().expect("softmax: one gradient");
-            let g = g.contig()?;
-            let y = saved.unpack("softmax")?;
-            let ctx = Ctx::of(&g);
-            let dx = ctx.empty(y.shape(), y.dtype())?;
-            let op = "softmax_backward";
-            let (ya, ga, da) = (
-                y.arg(op, &ctx.stream)?,
-                g.arg(op, &ctx.stream)?,
-                dx.arg(op, &ctx.stream)?,
-            );
-            launch(&ctx.stream, op, move || {
-                ya.f32(op, |y| {
-                    ga.f32(op, |g| {
-                        da.f32_mut(op, false, |d| {
-                            kern::softmax_rows_backward(y, g, d, cols).unwrap_or_else(|e| fail(op, e))
+        Ok(record1(
+            "softmax",
+            &[self],
+            y,
+            move |g: Vec<Option<Tensor>>| {
+                let g = g
+                    .into_iter()
+                    .next()
+                    .flatten()
+                    .expect("softmax: one gradient");
+                let g = g.contig()?;
+                let y = saved.unpack("softmax")?;
+                let ctx = Ctx::of(&g);
+                let dx = ctx.empty(y.shape(), y.dtype())?;
+                let op = "softmax_backward";
+                let (ya, ga, da) = (
+                    y.arg(op, &ctx.stream)?,
+                    g.arg(op, &ctx.stream)?,
+                    dx.arg(op, &ctx.stream)?,
+                );
+                launch(&ctx.stream, op, move || {
+                    ya.f32(op, |y| {
+                        ga.f32(op, |g| {
+                            da.f32_mut(op, false, |d| {
+                                kern::softmax_rows_backward(y, g, d, cols)
+                                    .unwrap_or_else(|e| fail(op, e))
+                            })
                         })
                     })
-                })
-            });
-            Ok(vec![Some(dx)])
-        }))
+                });
+                Ok(vec![Some(dx)])
+            },
+        ))
     }
 }
 
@@ -117,51 +133,64 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
     if !needs_grad(&[x, gamma, beta]) {
         return Ok(y);
     }
-    let needs = [x.requires_grad(), gamma.requires_grad(), beta.requires_grad()];
+    let needs = [
+        x.requires_grad(),
+        gamma.requires_grad(),
+        beta.requires_grad(),
+    ];
     let (mut sx, mut sg, mut sm, mut sr) = (
         SavedTensor::new(&xc),
         SavedTensor::new(&gc),
         SavedTensor::new(&mean),
         SavedTensor::new(&rstd),
     );
-    Ok(record1(op, &[x, gamma, beta], y, move |g: Vec<Option<Tensor>>| {
-        let dy = g.into_iter().next().flatten().expect("layer_norm: one gradient");
-        let dy = dy.contig()?;
-        let op = "layer_norm_backward";
-        let (x, gamma, mean, rstd) = (
-            sx.unpack(op)?,
-            sg.unpack(op)?,
-            sm.unpack(op)?,
-            sr.unpack(op)?,
-        );
-        let ctx = Ctx::of(&dy);
-        let s = &ctx.stream;
-        let dx = ctx.empty(x.shape(), x.dtype())?;
-        let dg = ctx.empty(&[cols], x.dtype())?;
-        let db = ctx.empty(&[cols], x.dtype())?;
-        let (xa, ga, ma, ra, dya, dxa, dga, dba) = (
-            x.arg(op, s)?,
-            gamma.arg(op, s)?,
-            mean.arg(op, s)?,
-            rstd.arg(op, s)?,
-            dy.arg(op, s)?,
-            dx.arg(op, s)?,
-            dg.arg(op, s)?,
-            db.arg(op, s)?,
-        );
-        launch(s, op, move || {
-            xa.f32(op, |x| {
-                ga.f32(op, |g| {
-                    ma.f32(op, |m| {
-                        ra.f32(op, |r| {
-                            dya.f32(op, |dy| {
-                                dxa.f32_mut(op, false, |dx| {
-                                    dga.f32_mut(op, false, |dg| {
-                                        dba.f32_mut(op, false, |db| {
-                                            kern::layer_norm_backward(
-                                                x, g, m, r, dy, dx, dg, db, cols,
-                                            )
-                                            .unwrap_or_else(|e| fail(op, e))
+    Ok(record1(
+        op,
+        &[x, gamma, beta],
+        y,
+        move |g: Vec<Option<Tensor>>| {
+            let dy = g
+                .into_iter()
+                .next()
+                .flatten()
+                .expect("layer_norm: one gradient");
+            let dy = dy.contig()?;
+            let op = "layer_norm_backward";
+            let (x, gamma, mean, rstd) = (
+                sx.unpack(op)?,
+                sg.unpack(op)?,
+                sm.unpack(op)?,
+                sr.unpack(op)?,
+            );
+            let ctx = Ctx::of(&dy);
+            let s = &ctx.stream;
+            let dx = ctx.empty(x.shape(), x.dtype())?;
+            let dg = ctx.empty(&[cols], x.dtype())?;
+            let db = ctx.empty(&[cols], x.dtype())?;
+            let (xa, ga, ma, ra, dya, dxa, dga, dba) = (
+                x.arg(op, s)?,
+                gamma.arg(op, s)?,
+                mean.arg(op, s)?,
+                rstd.arg(op, s)?,
+                dy.arg(op, s)?,
+                dx.arg(op, s)?,
+                dg.arg(op, s)?,
+                db.arg(op, s)?,
+            );
+            launch(s, op, move || {
+                xa.f32(op, |x| {
+                    ga.f32(op, |g| {
+                        ma.f32(op, |m| {
+                            ra.f32(op, |r| {
+                                dya.f32(op, |dy| {
+                                    dxa.f32_mut(op, false, |dx| {
+                                        dga.f32_mut(op, false, |dg| {
+                                            dba.f32_mut(op, false, |db| {
+                                                kern::layer_norm_backward(
+                                                    x, g, m, r, dy, dx, dg, db, cols,
+                                                )
+                                                .unwrap_or_else(|e| fail(op, e))
+                                            })
                                         })
                                     })
                                 })
@@ -169,14 +198,14 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
                         })
                     })
                 })
-            })
-        });
-        Ok(vec![
-            needs[0].then_some(dx),
-            needs[1].then_some(dg),
-            needs[2].then_some(db),
-        ])
-    }))
+            });
+            Ok(vec![
+                needs[0].then_some(dx),
+                needs[1].then_some(dg),
+                needs[2].then_some(db),
+            ])
+        },
+    ))
 }
 
 /// Looks up rows of `table` (`[V, D]`, float) for `ids` (`i64`, any shape) → `[ids.., D]`.
@@ -222,7 +251,11 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     let mut si = SavedTensor::new(&ic);
     let t_shape = table.shape().to_vec();
     Ok(record1(op, &[table], out, move |g: Vec<Option<Tensor>>| {
-        let dy = g.into_iter().next().flatten().expect("embedding: one gradient");
+        let dy = g
+            .into_iter()
+            .next()
+            .flatten()
+            .expect("embedding: one gradient");
         let dy = dy.contig()?;
         let op = "embedding_backward";
         let ids = si.unpack(op)?;
@@ -298,40 +331,54 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         SavedTensor::new(&vc),
         SavedTensor::new(&probs),
     ];
-    Ok(record1(op, &[q, k, v], out, move |g: Vec<Option<Tensor>>| {
-        let dout = g.into_iter().next().flatten().expect("attention: one gradient");
-        let dout = dout.contig()?;
-        let op = "attention_backward";
-        let [sq, sk, sv, sp] = &mut saved;
-        let (q, k, v, p) = (sq.unpack(op)?, sk.unpack(op)?, sv.unpack(op)?, sp.unpack(op)?);
-        let ctx = Ctx::of(&dout);
-        let s = &ctx.stream;
-        let dq = ctx.empty(q.shape(), q.dtype())?;
-        let dk = ctx.empty(q.shape(), q.dtype())?;
-        let dv = ctx.empty(q.shape(), q.dtype())?;
-        let (qa, ka, va, pa, ga, dqa, dka, dva) = (
-            q.arg(op, s)?,
-            k.arg(op, s)?,
-            v.arg(op, s)?,
-            p.arg(op, s)?,
-            dout.arg(op, s)?,
-            dq.arg(op, s)?,
-            dk.arg(op, s)?,
-            dv.arg(op, s)?,
-        );
-        launch(s, op, move || {
-            qa.f32(op, |q| {
-                ka.f32(op, |k| {
-                    va.f32(op, |v| {
-                        pa.f32(op, |p| {
-                            ga.f32(op, |g| {
-                                dqa.f32_mut(op, false, |dq| {
-                                    dka.f32_mut(op, false, |dk| {
-                                        dva.f32_mut(op, false, |dv| {
-                                            kern::causal_attention_backward(
-                                                q, k, v, p, g, dq, dk, dv, b, h, t, d,
-                                            )
-                                            .unwrap_or_else(|e| fail(op, e))
+    Ok(record1(
+        op,
+        &[q, k, v],
+        out,
+        move |g: Vec<Option<Tensor>>| {
+            let dout = g
+                .into_iter()
+                .next()
+                .flatten()
+                .expect("attention: one gradient");
+            let dout = dout.contig()?;
+            let op = "attention_backward";
+            let [sq, sk, sv, sp] = &mut saved;
+            let (q, k, v, p) = (
+                sq.unpack(op)?,
+                sk.unpack(op)?,
+                sv.unpack(op)?,
+                sp.unpack(op)?,
+            );
+            let ctx = Ctx::of(&dout);
+            let s = &ctx.stream;
+            let dq = ctx.empty(q.shape(), q.dtype())?;
+            let dk = ctx.empty(q.shape(), q.dtype())?;
+            let dv = ctx.empty(q.shape(), q.dtype())?;
+            let (qa, ka, va, pa, ga, dqa, dka, dva) = (
+                q.arg(op, s)?,
+                k.arg(op, s)?,
+                v.arg(op, s)?,
+                p.arg(op, s)?,
+                dout.arg(op, s)?,
+                dq.arg(op, s)?,
+                dk.arg(op, s)?,
+                dv.arg(op, s)?,
+            );
+            launch(s, op, move || {
+                qa.f32(op, |q| {
+                    ka.f32(op, |k| {
+                        va.f32(op, |v| {
+                            pa.f32(op, |p| {
+                                ga.f32(op, |g| {
+                                    dqa.f32_mut(op, false, |dq| {
+                                        dka.f32_mut(op, false, |dk| {
+                                            dva.f32_mut(op, false, |dv| {
+                                                kern::causal_attention_backward(
+                                                    q, k, v, p, g, dq, dk, dv, b, h, t, d,
+                                                )
+                                                .unwrap_or_else(|e| fail(op, e))
+                                            })
                                         })
                                     })
                                 })
@@ -339,14 +386,14 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
                         })
                     })
                 })
-            })
-        });
-        Ok(vec![
-            needs[0].then_some(dq),
-            needs[1].then_some(dk),
-            needs[2].then_some(dv),
-        ])
-    }))
+            });
+            Ok(vec![
+                needs[0].then_some(dq),
+                needs[1].then_some(dk),
+                needs[2].then_some(dv),
+            ])
+        },
+    ))
 }
 
 /// Mean cross-entropy of `logits` (`[.., C]`, float) against `targets` (`i64`, one per row,
@@ -399,37 +446,51 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if !needs_grad(&[logits]) {
         return Ok(loss);
     }
-    let mut saved = (SavedTensor::new(&lc), SavedTensor::new(&tc), SavedTensor::new(&lse));
+    let mut saved = (
+        SavedTensor::new(&lc),
+        SavedTensor::new(&tc),
+        SavedTensor::new(&lse),
+    );
     let l_shape = logits.shape().to_vec();
-    Ok(record(op, &[logits], &[loss], move |g: Vec<Option<Tensor>>| {
-        let dl = g.into_iter().next().flatten().expect("cross_entropy: one gradient");
-        let op = "cross_entropy_backward";
-        let (l, t, e) = (saved.0.unpack(op)?, saved.1.unpack(op)?, saved.2.unpack(op)?);
-        let ctx = Ctx::of(&l);
-        let s = &ctx.stream;
-        let dlogits = ctx.empty(&l_shape, l.dtype())?;
-        let (la, ta, ea, ga, da) = (
-            l.arg(op, s)?,
-            t.arg(op, s)?,
-            e.arg(op, s)?,
-            dl.contig()?.arg(op, s)?,
-            dlogits.arg(op, s)?,
-        );
-        launch(s, op, move || {
-            let dloss = ga.f32(op, |g| g[0]);
-            la.f32(op, |l| {
-                ta.typed::<i64, _>(op, |t| {
-                    ea.f32(op, |e| {
-                        da.f32_mut(op, false, |d| {
-                            kern::cross_entropy_backward(l, t, e, dloss, d, cols)
-                                .unwrap_or_else(|e| fail(op, e))
+    Ok(
+        record(op, &[logits], &[loss], move |g: Vec<Option<Tensor>>| {
+            let dl = g
+                .into_iter()
+                .next()
+                .flatten()
+                .expect("cross_entropy: one gradient");
+            let op = "cross_entropy_backward";
+            let (l, t, e) = (
+                saved.0.unpack(op)?,
+                saved.1.unpack(op)?,
+                saved.2.unpack(op)?,
+            );
+            let ctx = Ctx::of(&l);
+            let s = &ctx.stream;
+            let dlogits = ctx.empty(&l_shape, l.dtype())?;
+            let (la, ta, ea, ga, da) = (
+                l.arg(op, s)?,
+                t.arg(op, s)?,
+                e.arg(op, s)?,
+                dl.contig()?.arg(op, s)?,
+                dlogits.arg(op, s)?,
+            );
+            launch(s, op, move || {
+                let dloss = ga.f32(op, |g| g[0]);
+                la.f32(op, |l| {
+                    ta.typed::<i64, _>(op, |t| {
+                        ea.f32(op, |e| {
+                            da.f32_mut(op, false, |d| {
+                                kern::cross_entropy_backward(l, t, e, dloss, d, cols)
+                                    .unwrap_or_else(|e| fail(op, e))
+                            })
                         })
                     })
                 })
-            })
-        });
-        Ok(vec![Some(dlogits)])
-    })
-    .pop()
-    .expect("one output"))
+            });
+            Ok(vec![Some(dlogits)])
+        })
+        .pop()
+        .expect("one output"),
+    )
 }

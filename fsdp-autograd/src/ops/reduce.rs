@@ -85,7 +85,10 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let ctx = Ctx::of(g);
     let x = g.contig()?;
     let out = ctx.empty(shape, g.dtype())?;
-    let (xa, oa) = (x.arg("sum_to", &ctx.stream)?, out.arg("sum_to", &ctx.stream)?);
+    let (xa, oa) = (
+        x.arg("sum_to", &ctx.stream)?,
+        out.arg("sum_to", &ctx.stream)?,
+    );
     // Row broadcast (the common case: bias and positional-embedding gradients): column sums.
     let first = shape.iter().position(|&n| n != 1).unwrap_or(shape.len());
     let suffix = &shape[first..];

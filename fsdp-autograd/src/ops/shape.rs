@@ -56,9 +56,17 @@ impl Tensor {
             return Ok(out);
         }
         let in_shape = self.shape().to_vec();
-        Ok(record1("view", &[self], out, move |g: Vec<Option<Tensor>>| {
-            Ok(vec![g[0].as_ref().map(|g| g.reshape(&in_shape)).transpose()?])
-        }))
+        Ok(record1(
+            "view",
+            &[self],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                Ok(vec![g[0]
+                    .as_ref()
+                    .map(|g| g.reshape(&in_shape))
+                    .transpose()?])
+            },
+        ))
     }
 
     /// Flattens all dimensions into one.
@@ -95,7 +103,11 @@ impl Tensor {
     pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
         let nd = self.dim();
         let mut seen = vec![false; nd];
-        if perm.len() != nd || perm.iter().any(|&p| p >= nd || std::mem::replace(&mut seen[p], true)) {
+        if perm.len() != nd
+            || perm
+                .iter()
+                .any(|&p| p >= nd || std::mem::replace(&mut seen[p], true))
+        {
             return Err(arg_err(
                 "permute",
                 format!("{perm:?} is not a permutation of the {nd} dimensions"),
@@ -111,9 +123,14 @@ impl Tensor {
         for (i, &p) in perm.iter().enumerate() {
             inv[p] = i;
         }
-        Ok(record1("permute", &[self], out, move |g: Vec<Option<Tensor>>| {
-            Ok(vec![g[0].as_ref().map(|g| g.permute(&inv)).transpose()?])
-        }))
+        Ok(record1(
+            "permute",
+            &[self],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                Ok(vec![g[0].as_ref().map(|g| g.permute(&inv)).transpose()?])
+            },
+        ))
     }
 
     /// A contiguous tensor with the same values: `self` if already contiguous, else a copy.
@@ -130,9 +147,12 @@ impl Tensor {
         if !needs_grad(&[self]) {
             return Ok(out);
         }
-        Ok(record1("contiguous", &[self], out, |g: Vec<Option<Tensor>>| {
-            Ok(g)
-        }))
+        Ok(record1(
+            "contiguous",
+            &[self],
+            out,
+            |g: Vec<Option<Tensor>>| Ok(g),
+        ))
     }
 
     /// `self` if contiguous, else a contiguous copy; never recorded (for kernel inputs).
@@ -180,17 +200,22 @@ impl Tensor {
             return Ok(out);
         }
         let in_shape = self.shape().to_vec();
-        Ok(record1("narrow", &[self], out, move |g: Vec<Option<Tensor>>| {
-            let g = g.into_iter().next().flatten();
-            let Some(g) = g else { return Ok(vec![None]) };
-            Ok(vec![Some(scatter_pieces(
-                &in_shape,
-                g.dtype(),
-                &g,
-                dim,
-                &[(start, len, Some(g.clone()))],
-            )?)])
-        }))
+        Ok(record1(
+            "narrow",
+            &[self],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                let g = g.into_iter().next().flatten();
+                let Some(g) = g else { return Ok(vec![None]) };
+                Ok(vec![Some(scatter_pieces(
+                    &in_shape,
+                    g.dtype(),
+                    &g,
+                    dim,
+                    &[(start, len, Some(g.clone()))],
+                )?)])
+            },
+        ))
     }
 
     /// Splits dimension 0 into consecutive pieces of the given sizes (views).
@@ -246,19 +271,26 @@ impl Tensor {
         let in_shape = self.shape().to_vec();
         let dtype = self.dtype();
         let sizes = sizes.to_vec();
-        Ok(record("split", &[self], &outs, move |g: Vec<Option<Tensor>>| {
-            let mut pieces = Vec::with_capacity(sizes.len());
-            let mut start = 0;
-            for (len, g) in sizes.iter().zip(g) {
-                pieces.push((start, *len, g));
-                start += len;
-            }
-            let any = pieces.iter().find_map(|p| p.2.clone());
-            let Some(any) = any else { return Ok(vec![None]) };
-            Ok(vec![Some(scatter_pieces(
-                &in_shape, dtype, &any, dim, &pieces,
-            )?)])
-        }))
+        Ok(record(
+            "split",
+            &[self],
+            &outs,
+            move |g: Vec<Option<Tensor>>| {
+                let mut pieces = Vec::with_capacity(sizes.len());
+                let mut start = 0;
+                for (len, g) in sizes.iter().zip(g) {
+                    pieces.push((start, *len, g));
+                    start += len;
+                }
+                let any = pieces.iter().find_map(|p| p.2.clone());
+                let Some(any) = any else {
+                    return Ok(vec![None]);
+                };
+                Ok(vec![Some(scatter_pieces(
+                    &in_shape, dtype, &any, dim, &pieces,
+                )?)])
+            },
+        ))
     }
 
     /// Broadcasts to `shape` (a view with zero strides on broadcast dimensions; dimensions are
@@ -269,12 +301,17 @@ impl Tensor {
             return Ok(out);
         }
         let in_shape = self.shape().to_vec();
-        Ok(record1("expand", &[self], out, move |g: Vec<Option<Tensor>>| {
-            Ok(vec![g[0]
-                .as_ref()
-                .map(|g| crate::ops::reduce::sum_to(g, &in_shape))
-                .transpose()?])
-        }))
+        Ok(record1(
+            "expand",
+            &[self],
+            out,
+            move |g: Vec<Option<Tensor>>| {
+                Ok(vec![g[0]
+                    .as_ref()
+                    .map(|g| crate::ops::reduce::sum_to(g, &in_shape))
+                    .transpose()?])
+            },
+        ))
     }
 
     /// [`Tensor::expand`] without autograd.
@@ -353,16 +390,7 @@ fn scatter_pieces(
             fill_arg("split_backward", &dst, 0.0);
         }
         for (src, sstrides, doff, pshape) in &copies {
-            strided_copy_arg(
-                "split_backward",
-                src,
-                0,
-                sstrides,
-                &dst,
-                *doff,
-                &cs,
-                pshape,
-            );
+            strided_copy_arg("split_backward", src, 0, sstrides, &dst, *doff, &cs, pshape);
         }
     });
     Ok(out)
