@@ -89,6 +89,31 @@ pub enum BufferLifetime {
     Explicit,
 }
 
+/// How [`crate::Fsdp::wrap`] builds shards of parameters that were created on the fake device
+/// (deferred init). Materialized parameters are always copied piece by piece.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeferredInit {
+    /// Generate only this rank's chunk of each unit, straight from the recorded position-wise
+    /// init ops (whole-tensor ops build just that parameter, temporarily).
+    #[default]
+    ShardOnly,
+    /// Build each unit whole on the device, take this rank's chunk, free the unit.
+    UnitByUnit,
+}
+
+impl FromStr for DeferredInit {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+            "shardonly" | "shard" => Ok(DeferredInit::ShardOnly),
+            "unitbyunit" | "unit" => Ok(DeferredInit::UnitByUnit),
+            _ => Err(format!(
+                "unknown deferred-init mode `{s}` (expected shard-only or unit-by-unit)"
+            )),
+        }
+    }
+}
+
 /// Everything [`crate::Fsdp::wrap`] needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FsdpConfig {
@@ -106,6 +131,8 @@ pub struct FsdpConfig {
     pub max_inflight_all_gathers: usize,
     /// Lifetime management of gathered buffers.
     pub buffer_lifetime: BufferLifetime,
+    /// How shards of fake-device (deferred-init) parameters are built.
+    pub deferred_init: DeferredInit,
 }
 
 impl Default for FsdpConfig {
@@ -118,6 +145,7 @@ impl Default for FsdpConfig {
             limit_all_gathers: true,
             max_inflight_all_gathers: 2,
             buffer_lifetime: BufferLifetime::RecordStream,
+            deferred_init: DeferredInit::ShardOnly,
         }
     }
 }

@@ -14,15 +14,6 @@ pub enum FsdpError {
     /// A configuration that cannot work (e.g. a strategy without the process groups it needs).
     #[error("configuration: {0}")]
     Config(String),
-    /// A parameter FSDP needs to read has no values.
-    #[error(
-        "parameter `{name}` has no values (built on the fake device?); materialize it first, or \
-         build the model with an eager InitContext"
-    )]
-    NotMaterialized {
-        /// Its fully-qualified name.
-        name: String,
-    },
     /// A device-runtime error (out of memory, a failed stream).
     #[error(transparent)]
     Alloc(#[from] AllocError),
@@ -32,6 +23,9 @@ pub enum FsdpError {
     /// A collective failed (a peer died, sizes disagreed, a timeout).
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// Building shards from recorded init ops or from existing parameters failed.
+    #[error(transparent)]
+    Init(#[from] fsdp_init::MaterializeError),
     /// A flat-parameter layout error.
     #[error(transparent)]
     Layout(#[from] LayoutError),

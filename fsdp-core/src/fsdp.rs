@@ -27,8 +27,9 @@ use fsdp_autograd::{
 };
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Work};
 use fsdp_flatparam::FlatParamLayout;
+use fsdp_init::InitPlan;
 
-use crate::config::{BackwardPrefetch, BufferLifetime, FsdpConfig, ShardingStrategy};
+use crate::config::{BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, ShardingStrategy};
 use crate::error::{FsdpError, Result};
 use crate::handle::FlatParamHandle;
 use crate::wrap::{plan_units, ModuleInfo};
@@ -230,6 +231,7 @@ impl<M: Module + 'static> Fsdp<M> {
         };
 
         let (infos, all_params) = describe(&model);
+        let init_plan = InitPlan::new(all_params.iter().cloned())?;
         let plans = plan_units(&infos, &config.wrap_policy)?;
         let compute = fsdp_autograd::current_stream(device);
         let unshard_stream = device.new_stream("fsdp-unshard");
@@ -245,7 +247,6 @@ impl<M: Module + 'static> Fsdp<M> {
             let names: Vec<String> = plan.params.iter().map(|(n, _, _)| n.clone()).collect();
             let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.shape().to_vec()).collect();
             let layout = FlatParamLayout::new(&shapes, factor)?;
-            let mut values = Vec::with_capacity(params.len());
             for (p, n) in params.iter().zip(&names) {
                 if p.dtype() != DType::F32 {
                     return Err(FsdpError::Config(format!(
@@ -254,16 +255,17 @@ impl<M: Module + 'static> Fsdp<M> {
                         p.dtype()
                     )));
                 }
-                let t = p
-                    .try_get()
-                    .ok_or_else(|| FsdpError::NotMaterialized { name: n.clone() })?;
-                values.push(t.to_vec::<f32>()?);
             }
-            let mut shard_vals = vec![0f32; layout.chunk_numel()];
-            layout.flatten_shard_into(&values, rank, &mut shard_vals)?;
-            drop(values);
-            let shard = with_stream(&compute, || {
-                Tensor::from_vec(shard_vals, &[layout.chunk_numel()], device)
+            // This rank's shard: copied from materialized parameters (an eager or streamed
+            // model), generated directly from the recorded init ops for parameters built on the
+            // fake device (deferred init) — bit for bit what eager init would have produced.
+            let shard = with_stream(&compute, || match config.deferred_init {
+                DeferredInit::ShardOnly => {
+                    init_plan.materialize_shard(&params, &layout, rank, device)
+                }
+                DeferredInit::UnitByUnit => {
+                    init_plan.materialize_unit_sharded(&params, &layout, rank, device)
+                }
             })?;
             let storage = if config.strategy.is_sharded() {
                 let buf = device.alloc(layout.padded_numel() * 4, &unshard_stream)?;

@@ -18,7 +18,7 @@ mod fsdp;
 mod handle;
 pub mod wrap;
 
-pub use config::{BackwardPrefetch, BufferLifetime, FsdpConfig, ShardingStrategy};
+pub use config::{BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, ShardingStrategy};
 pub use error::{FsdpError, Result};
 pub use fsdp::{Comm, CommStats, Fsdp, FullParameter};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};

@@ -9,7 +9,8 @@ use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
 use fsdp_collectives::{DeviceMesh, ProcessGroup};
 use fsdp_core::{
-    BackwardPrefetch, BufferLifetime, Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy,
+    BackwardPrefetch, BufferLifetime, Comm, DeferredInit, Fsdp, FsdpConfig, ShardingStrategy,
+    WrapPolicy,
 };
 use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, train_local};
 
@@ -50,10 +51,20 @@ fn local(world: usize, group: usize) -> (Vec<Vec<f32>>, Named) {
     })
 }
 
-fn fsdp(world: usize, shard: Option<usize>, config: FsdpConfig) -> (Vec<Vec<f32>>, Named) {
+fn fsdp_with(
+    world: usize,
+    shard: Option<usize>,
+    config: FsdpConfig,
+    deferred: bool,
+) -> (Vec<Vec<f32>>, Named) {
     let per_rank = run_ranks(world, move |rank, pg| {
         let dev = Device::cpu(rank);
-        let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+        let ctx = if deferred {
+            InitContext::fake(SEED)
+        } else {
+            InitContext::eager(&dev, SEED)
+        };
+        let model = Gpt::new(&ctx, &cfg()).unwrap();
         let comm: Comm = match shard {
             Some(f) => DeviceMesh::new(Arc::clone(&pg) as Arc<dyn ProcessGroup>, f)
                 .unwrap()
@@ -99,9 +110,13 @@ fn sorted(mut v: Named) -> Named {
 }
 
 fn check(world: usize, shard: Option<usize>, config: FsdpConfig) {
+    check_with(world, shard, config, false)
+}
+
+fn check_with(world: usize, shard: Option<usize>, config: FsdpConfig, deferred: bool) {
     let group = shard.unwrap_or(world);
     let (ll, lp) = local(world, group);
-    let (fl, fp) = fsdp(world, shard, config.clone());
+    let (fl, fp) = fsdp_with(world, shard, config.clone(), deferred);
     assert_eq!(
         ll.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>(),
         fl.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -195,5 +210,28 @@ fn wrap_policies_match_local() {
                 ..FsdpConfig::default()
             },
         );
+    }
+}
+
+#[test]
+fn deferred_init_on_the_fake_device_trains_exactly_like_eager() {
+    for mode in [DeferredInit::ShardOnly, DeferredInit::UnitByUnit] {
+        for (w, strategy) in [
+            (2, ShardingStrategy::FullShard),
+            (3, ShardingStrategy::ShardGradOp),
+            (4, ShardingStrategy::NoShard),
+        ] {
+            check_with(
+                w,
+                None,
+                FsdpConfig {
+                    strategy,
+                    wrap_policy: blocks(),
+                    deferred_init: mode,
+                    ..FsdpConfig::default()
+                },
+                true,
+            );
+        }
     }
 }
