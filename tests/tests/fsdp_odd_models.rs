@@ -85,7 +85,9 @@ fn batch(step: usize, rank: usize, world: usize, dev: &Device) -> (Tensor, Tenso
     let x: Vec<f32> = (0..BATCH * 3)
         .map(|i| (((k * 31 + i * 7) % 11) as f32 - 5.0) * 0.2)
         .collect();
-    let y: Vec<i64> = (0..BATCH).map(|b| ((k * 3 + b * 5) % VOCAB) as i64).collect();
+    let y: Vec<i64> = (0..BATCH)
+        .map(|b| ((k * 3 + b * 5) % VOCAB) as i64)
+        .collect();
     (
         Tensor::from_vec(x, &[BATCH, 3], dev).unwrap(),
         Tensor::from_vec(y, &[BATCH], dev).unwrap(),
