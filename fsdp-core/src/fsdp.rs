@@ -71,6 +71,28 @@ pub struct CommStats {
     pub num_all_gathers: u64,
 }
 
+/// One unit's sharded state on this rank, for optimizers, gradient clipping, scalers and state
+/// dicts. The tensors are handles to FSDP's own shards: in-place updates (launched on the compute
+/// stream, e.g. inside `with_stream(fsdp.compute_stream(), ..)`) change the parameters; call
+/// [`Fsdp::params_updated`] afterwards so the next all-gather waits for them.
+#[derive(Debug, Clone)]
+pub struct UnitShard {
+    /// Module path of the unit ("" for the root).
+    pub path: String,
+    /// Fully-qualified name of each parameter of the unit, in layout order.
+    pub names: Vec<String>,
+    /// The unit's flat-parameter layout (sharding factor = shard-group size; 1 for `NoShard`).
+    pub layout: FlatParamLayout,
+    /// Which chunk of the layout this rank holds.
+    pub rank: usize,
+    /// This rank's shard: f32, `layout.chunk_numel()` elements (padding at the tail is zero).
+    pub shard: Tensor,
+    /// The reduced (summed over ranks) gradient of the shard, if a backward produced one.
+    pub grad: Option<Tensor>,
+    /// Whether each parameter is trainable (frozen parameters' gradient pieces are zero).
+    pub requires_grad: Vec<bool>,
+}
+
 #[derive(Default)]
 struct IterState {
     /// A forward has started and its backward has not finished.
@@ -366,6 +388,83 @@ impl<M: Module + 'static> Fsdp<M> {
         })?;
         st.params_ready = inner.compute.record_event();
         Ok(())
+    }
+
+    /// Every unit's sharded state on this rank (cheap handles; see [`UnitShard`]).
+    pub fn shards(&self) -> Vec<UnitShard> {
+        let st = self.inner.lock();
+        let rank = if self.inner.config.strategy.is_sharded() {
+            self.inner.group.rank()
+        } else {
+            0
+        };
+        st.units
+            .iter()
+            .map(|h| UnitShard {
+                path: h.path.clone(),
+                names: h.names.clone(),
+                layout: h.layout.clone(),
+                rank,
+                shard: h.shard.clone(),
+                grad: h.shard_grad.clone(),
+                requires_grad: h.params.iter().map(|p| p.requires_grad()).collect(),
+            })
+            .collect()
+    }
+
+    /// Replaces unit `unit`'s sharded gradient (e.g. after unscaling into a new tensor);
+    /// `None` drops it.
+    pub fn set_shard_grad(&self, unit: usize, grad: Option<Tensor>) -> Result<()> {
+        let mut st = self.inner.lock();
+        let n = st.units.len();
+        let h = st.units.get_mut(unit).ok_or_else(|| {
+            FsdpError::Config(format!("unit {unit} does not exist (there are {n})"))
+        })?;
+        if let Some(g) = &grad {
+            if g.numel() != h.shard.numel() {
+                return Err(FsdpError::Config(format!(
+                    "a gradient of {} elements for unit `{}`, whose shard has {}",
+                    g.numel(),
+                    h.path,
+                    h.shard.numel()
+                )));
+            }
+        }
+        h.shard_grad = grad;
+        Ok(())
+    }
+
+    /// Tells FSDP the shards were updated on the compute stream (after an optimizer step or a
+    /// state-dict load): the next all-gather waits for everything launched there so far.
+    pub fn params_updated(&self) {
+        let ev = self.inner.compute.record_event();
+        self.inner.lock().params_ready = ev;
+    }
+
+    /// The group parameters are sharded over (all ranks for FullShard/ShardGradOp/NoShard, the
+    /// shard group for HybridShard).
+    pub fn shard_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.inner.group
+    }
+
+    /// For HybridShard, the group of ranks holding the same shard (replicas).
+    pub fn replicate_group(&self) -> Option<&Arc<dyn ProcessGroup>> {
+        self.inner.replicate.as_ref()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.inner.config
+    }
+
+    /// This rank's device.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// The compute stream (the device's current stream when wrapping).
+    pub fn compute_stream(&self) -> &Stream {
+        &self.inner.compute
     }
 
     /// Drops the sharded gradients.

@@ -20,5 +20,5 @@ pub mod wrap;
 
 pub use config::{BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, ShardingStrategy};
 pub use error::{FsdpError, Result};
-pub use fsdp::{Comm, CommStats, Fsdp, FullParameter};
+pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, UnitShard};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
