@@ -12,10 +12,14 @@
 //! - [`Fsdp`]: the runtime (hooks, unshard / reshard / reduce, SGD on shards, full parameters).
 #![deny(missing_docs)]
 
+pub mod clip;
 pub mod config;
 pub mod error;
 mod fsdp;
 mod handle;
+pub mod optim;
+pub mod scaler;
+pub mod state_dict;
 pub mod wrap;
 
 pub use config::{BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, ShardingStrategy};

@@ -1,0 +1,1 @@
+//! Gradient clipping across shards (being written).

@@ -1,0 +1,1 @@
+//! Sharded optimizers (being written).

@@ -1,0 +1,1 @@
+//! The sharded gradient scaler (being written).

@@ -1,0 +1,1 @@
+//! State dicts (being written).
