@@ -151,6 +151,30 @@ impl Parameter {
             .replace(tensor))
     }
 
+    /// Puts freshly initialized values in the slot (fsdp-init's materialization): `tensor` must
+    /// be a leaf of the declared shape and dtype; it is marked `requires_grad` as declared.
+    /// Returns the previous tensor.
+    ///
+    /// # Errors
+    /// [`AutogradError::Parameter`] if the shape or dtype differs or `tensor` is not a leaf.
+    pub fn materialize(&self, tensor: Tensor) -> Result<Option<Tensor>> {
+        if tensor.dtype() != self.inner.dtype || !tensor.is_leaf() {
+            return Err(AutogradError::Parameter {
+                name: self.inner.name.clone(),
+                detail: format!(
+                    "materialize needs a leaf of dtype {}, got a {} {}",
+                    self.inner.dtype,
+                    tensor.dtype(),
+                    if tensor.is_leaf() { "leaf" } else { "non-leaf" }
+                ),
+            });
+        }
+        if self.inner.requires_grad {
+            tensor.set_requires_grad(true)?;
+        }
+        self.set(tensor)
+    }
+
     /// Empties the slot, returning the tensor it held.
     pub fn take(&self) -> Option<Tensor> {
         self.inner
@@ -426,5 +450,115 @@ impl InitContext {
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_from_duplicates_and_materialize() {
+        let dev = Device::cpu(0);
+        let ctx = InitContext::eager(&dev, 3);
+        let a = ctx
+            .child("a")
+            .param(
+                "w",
+                &[2, 3],
+                DType::F32,
+                vec![InitOp::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                }],
+            )
+            .unwrap();
+        let b = ctx
+            .param(
+                "b",
+                &[6],
+                DType::F32,
+                vec![
+                    InitOp::CopyFrom {
+                        source: "a.w".into(),
+                    },
+                    InitOp::Scale(2.0),
+                ],
+            )
+            .unwrap();
+        let av = a.get().unwrap().to_vec::<f32>().unwrap();
+        let bv = b.get().unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(bv, av.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+        assert!(a.get().unwrap().requires_grad());
+        // Errors: duplicate name, unknown source, invalid op, integer dtype.
+        let dup = ctx.child("a").param("w", &[1], DType::F32, vec![]);
+        assert!(matches!(dup, Err(AutogradError::Parameter { .. })));
+        let unknown = ctx.param(
+            "c",
+            &[1],
+            DType::F32,
+            vec![InitOp::CopyFrom {
+                source: "nope".into(),
+            }],
+        );
+        assert!(unknown.unwrap_err().to_string().contains("nope"));
+        let bad = ctx.param(
+            "d",
+            &[2],
+            DType::F32,
+            vec![InitOp::Normal {
+                mean: 0.0,
+                std: -1.0,
+            }],
+        );
+        assert!(matches!(bad, Err(AutogradError::Init(_))), "{bad:?}");
+        assert!(ctx.param("e", &[2], DType::I64, vec![]).is_err());
+        assert_eq!(ctx.params().len(), 2);
+
+        // Materializing a fake parameter.
+        let fake = InitContext::fake(3)
+            .param("w", &[2], DType::F32, vec![InitOp::Fill(1.0)])
+            .unwrap();
+        assert!(matches!(fake.get(), Err(AutogradError::NoTensor { .. })));
+        assert!(fake
+            .materialize(Tensor::zeros(&[3], DType::F32, &dev).unwrap())
+            .is_err());
+        assert!(fake
+            .materialize(Tensor::zeros(&[2], DType::BF16, &dev).unwrap())
+            .is_err());
+        fake.materialize(Tensor::ones(&[2], DType::F32, &dev).unwrap())
+            .unwrap();
+        assert!(fake.get().unwrap().requires_grad());
+        assert_eq!(
+            fake.take().unwrap().to_vec::<f32>().unwrap(),
+            vec![1.0, 1.0]
+        );
+        assert!(!fake.is_materialized());
+    }
+
+    #[test]
+    fn eager_values_are_the_counter_based_init_of_the_name() {
+        let dev = Device::cpu(0);
+        let ctx = InitContext::eager(&dev, 11).child("blocks").child("0");
+        let ops = vec![
+            InitOp::Normal {
+                mean: 0.0,
+                std: 0.02,
+            },
+            InitOp::Scale(0.5),
+        ];
+        let p = ctx.param("w", &[4, 5], DType::F32, ops.clone()).unwrap();
+        let mut want = vec![0.0f32; 20];
+        init::fill_positionwise(&ops, 11, "blocks.0.w", &[4, 5], 0, &mut want).unwrap();
+        assert_eq!(p.get().unwrap().to_vec::<f32>().unwrap(), want);
+        // Half-precision parameters hold the rounded values.
+        let h = ctx.param("h", &[4, 5], DType::BF16, ops.clone()).unwrap();
+        let mut want = vec![0.0f32; 20];
+        init::fill_positionwise(&ops, 11, "blocks.0.h", &[4, 5], 0, &mut want).unwrap();
+        let want: Vec<f32> = want
+            .iter()
+            .map(|&v| f32::from(half::bf16::from_f32(v)))
+            .collect();
+        assert_eq!(h.get().unwrap().to_vec_f32().unwrap(), want);
     }
 }
