@@ -20,6 +20,10 @@ const STEPS: usize = 3;
 const LR: f32 = 0.05;
 
 fn cfg() -> GptConfig {
+    untied()
+}
+
+fn untied() -> GptConfig {
     GptConfig {
         vocab: 19,
         d_model: 12,
@@ -43,9 +47,9 @@ fn batch(
 
 type Named = Vec<(String, Vec<f32>)>;
 
-fn local(world: usize, group: usize) -> (Vec<Vec<f32>>, Named) {
+fn local(world: usize, group: usize, model_cfg: &GptConfig) -> (Vec<Vec<f32>>, Named) {
     let dev = Device::cpu(1000);
-    let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+    let model = Gpt::new(&InitContext::eager(&dev, SEED), model_cfg).unwrap();
     train_local(&model, &dev, world, group, STEPS, LR, &|s, r, d| {
         batch(s, r, world, d)
     })
@@ -56,7 +60,9 @@ fn fsdp_with(
     shard: Option<usize>,
     config: FsdpConfig,
     deferred: bool,
+    model_cfg: &GptConfig,
 ) -> (Vec<Vec<f32>>, Named) {
+    let model_cfg = model_cfg.clone();
     let per_rank = run_ranks(world, move |rank, pg| {
         let dev = Device::cpu(rank);
         let ctx = if deferred {
@@ -64,7 +70,7 @@ fn fsdp_with(
         } else {
             InitContext::eager(&dev, SEED)
         };
-        let model = Gpt::new(&ctx, &cfg()).unwrap();
+        let model = Gpt::new(&ctx, &model_cfg).unwrap();
         let comm: Comm = match shard {
             Some(f) => DeviceMesh::new(Arc::clone(&pg) as Arc<dyn ProcessGroup>, f)
                 .unwrap()
@@ -110,13 +116,19 @@ fn sorted(mut v: Named) -> Named {
 }
 
 fn check(world: usize, shard: Option<usize>, config: FsdpConfig) {
-    check_with(world, shard, config, false)
+    check_with(world, shard, config, false, &untied())
 }
 
-fn check_with(world: usize, shard: Option<usize>, config: FsdpConfig, deferred: bool) {
+fn check_with(
+    world: usize,
+    shard: Option<usize>,
+    config: FsdpConfig,
+    deferred: bool,
+    model_cfg: &GptConfig,
+) {
     let group = shard.unwrap_or(world);
-    let (ll, lp) = local(world, group);
-    let (fl, fp) = fsdp_with(world, shard, config.clone(), deferred);
+    let (ll, lp) = local(world, group, model_cfg);
+    let (fl, fp) = fsdp_with(world, shard, config.clone(), deferred, model_cfg);
     assert_eq!(
         ll.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>(),
         fl.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -231,7 +243,28 @@ fn deferred_init_on_the_fake_device_trains_exactly_like_eager() {
                     ..FsdpConfig::default()
                 },
                 true,
+                &untied(),
             );
+        }
+    }
+}
+
+#[test]
+fn tied_embedding_and_head_go_to_their_common_ancestor_and_train_like_local() {
+    // Make the embedding and the head separate units: the shared weight must still land in
+    // one unit (the root, their lowest common ancestor), be unsharded for both uses, and get
+    // one summed gradient.
+    let tied = untied().with_tied(true);
+    for policy in [
+        WrapPolicy::Paths(vec!["tok_emb".into(), "head".into()]),
+        WrapPolicy::ModuleTypes(vec!["Block".into(), "Embedding".into(), "Linear".into()]),
+    ] {
+        for w in [2, 3] {
+            let config = FsdpConfig {
+                wrap_policy: policy.clone(),
+                ..FsdpConfig::default()
+            };
+            check_with(w, None, config, false, &tied);
         }
     }
 }
