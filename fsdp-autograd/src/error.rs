@@ -80,6 +80,14 @@ pub enum AutogradError {
         /// Why not.
         detail: String,
     },
+    /// The operation is not available for this device or configuration.
+    #[error("`{op}`: not supported: {detail}")]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+        /// What is missing and what to do instead.
+        detail: String,
+    },
     /// A tensor saved for backward was modified in place after it was saved.
     #[error(
         "one of the tensors needed to compute the gradient of `{op}` was modified by an in-place \

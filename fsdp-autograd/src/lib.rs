@@ -32,6 +32,26 @@
 //! - [`nn`]: the `Module` trait with forward hooks, layers and a small GPT; [`optim::Sgd`].
 //! - [`kernels`]: the pure CPU kernels; [`init`]: init ops and the counter-based RNG.
 //! - [`profile`]: per-operation kernel timing.
+//!
+//! # Streams and memory
+//! Operations run on the issuing thread's current stream for the tensor's device (the default
+//! stream unless [`with_stream`] says otherwise) and allocate their outputs there. Launched work
+//! captures memory handles (`BufferRef`s), never tensors, so dropping a tensor frees its memory to
+//! the caching allocator at once, and stream order makes the reuse safe on the same stream. When a
+//! kernel uses a tensor allocated on *another* stream, the tensor layer calls
+//! `Buffer::record_stream` for that stream, so the block is not reused until the work completes
+//! (ordering the *producer* before the consumer is the caller's job: `Stream::wait_event`).
+//! Kernel errors that can only be seen while running (an embedding id out of range) fail the
+//! stream and surface at the next synchronization (`to_vec`, `item`, `synchronize`); everything
+//! checkable at launch is returned as an [`AutogradError`] at once.
+//!
+//! # Limitations
+//! - Kernels run on CPU devices only: the `cuda` feature compiles, but operations on a CUDA device
+//!   return [`AutogradError::Unsupported`].
+//! - `matmul` needs operands with at least two dimensions and equal batch dimensions (or a 2-D
+//!   right operand); there is no general batch broadcasting. Binary operations need equal dtypes.
+//! - See [`autograd`] for the engine's limitations (no `retain_graph`, no higher-order
+//!   gradients, no autograd through in-place ops, checkpoint regions do not nest).
 #![deny(missing_docs)]
 
 pub mod autograd;

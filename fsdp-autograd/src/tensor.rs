@@ -539,8 +539,23 @@ impl Tensor {
 
     // ------------------------------------------------------------------ kernel arguments
 
+    fn check_host_kernels(&self, op: &'static str) -> Result<()> {
+        if let fsdp_alloc::DeviceId::Cuda(_) = self.device().id() {
+            return Err(AutogradError::Unsupported {
+                op,
+                detail: format!(
+                    "tensor kernels run on CPU devices only; {} is a CUDA device (CUDA kernels \
+                     are not implemented in this crate yet)",
+                    self.device().id()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// The tensor's elements for a kernel on `stream` (contiguous tensors only).
     pub(crate) fn arg(&self, op: &'static str, stream: &Stream) -> Result<Arg> {
+        self.check_host_kernels(op)?;
         if !self.is_contiguous() {
             return Err(shape_err(
                 op,
@@ -563,6 +578,7 @@ impl Tensor {
     /// The memory spanned by this (possibly strided) view, starting at its first element; the
     /// element at index `i` sits at `Σ i·strides` in it.
     pub(crate) fn span_arg(&self, op: &'static str, stream: &Stream) -> Result<Arg> {
+        self.check_host_kernels(op)?;
         let buf = self.inner.storage.use_on(stream, op)?;
         let sz = self.dtype().size();
         let span = span_of(self.shape(), self.strides());

@@ -1,26 +1,4 @@
-//! The backward engine: dependency counting over the graph reachable from the roots, a ready
-//! queue in a deterministic order, hooks, leaf accumulation and end-of-backward callbacks.
-//!
-//! # Execution order (deterministic)
-//! A node runs once every node that sends it a gradient has run (its dependency count, the number
-//! of graph edges into it, drops to zero). Among ready nodes, leaf accumulators run first (so a
-//! leaf's post-accumulate-grad hook fires as soon as its gradient is final), then the node created
-//! *latest* in the forward. The order therefore depends only on the graph and the order the
-//! forward created it, never on timing, and gradients summed from several paths are always
-//! summed in the same order.
-//!
-//! # What happens at a node
-//! 1. Tensor hooks ([`Tensor::register_hook`]) of each output slot that received a gradient run in
-//!    registration order; each sees the (summed) gradient and may replace it.
-//! 2. Leaf accumulator: the gradient is added to the leaf's `.grad` (adopting the gradient's memory
-//!    when nothing else refers to it, otherwise `+=` into the existing `.grad` or a fresh copy),
-//!    then the leaf's post-accumulate-grad hooks run, in registration order.
-//! 3. Other nodes: the operation's backward runs (once; it frees its saved tensors) and its input
-//!    gradients are delivered along the edges (summed where several meet).
-//!
-//! After the last node, callbacks queued with [`queue_callback`] run in order (callbacks may queue
-//! more). On error, backward stops, queued callbacks are dropped without running, and the error is
-//! returned.
+//! The backward engine (documented on the public [`crate::autograd`] module).
 
 use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -143,7 +121,7 @@ fn add_into(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
 
 /// Computes the gradients of `roots` w.r.t. the leaves of their graph, accumulating them into
 /// the leaves' `.grad`. `grads[i]` is the gradient of `roots[i]` (`None`: ones, which requires a
-/// one-element root). See the [module docs](self) for the order and the hooks.
+/// one-element root). See the [`crate::autograd`] docs for the order and the hooks.
 ///
 /// # Errors
 /// [`AutogradError::Backward`] if a root does not require grad or a seed gradient does not fit;

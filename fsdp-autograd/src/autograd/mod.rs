@@ -20,9 +20,35 @@
 //! their kernels on that thread's current stream unless they open their own
 //! [`crate::with_stream`] scope.
 //!
-//! A graph can be backpropagated once (its saved tensors are freed as it goes). Limitations:
-//! no higher-order gradients (`create_graph`), no `retain_graph`, no autograd through in-place
-//! operations (they are refused on tensors that require grad while grad mode is on).
+//! # Execution order (deterministic)
+//! A node runs once every node that sends it a gradient has run (its dependency count, the number
+//! of graph edges into it, drops to zero). Among ready nodes, leaf accumulators run first (so a
+//! leaf's post-accumulate-grad hook fires as soon as its gradient is final), then the node created
+//! *latest* in the forward. The order therefore depends only on the graph and the order the
+//! forward created it, never on timing, and gradients summed from several paths are always
+//! summed in the same order.
+//!
+//! # What happens at a node
+//! 1. Tensor hooks ([`Tensor::register_hook`]) of each output slot that received a gradient run in
+//!    registration order; each sees the (summed) gradient and may replace it.
+//! 2. Leaf accumulator: the gradient is added to the leaf's `.grad` (adopting the gradient's memory
+//!    when nothing else refers to it, otherwise `+=` into the existing `.grad` or a fresh copy),
+//!    then the leaf's post-accumulate-grad hooks run, in registration order.
+//! 3. Other nodes: the operation's backward runs (it takes, and so frees, its saved tensors) and
+//!    its input gradients are delivered along the edges (summed where several meet). A node whose
+//!    slots all received no gradient is skipped (its inputs receive none from it).
+//!
+//! After the last node, callbacks queued with [`queue_callback`] run in order (callbacks may queue
+//! more). On error, backward stops, queued callbacks are dropped without running, and the error is
+//! returned.
+//!
+//! # Limitations
+//! A graph whose nodes saved tensors can be backpropagated once: its saved tensors are freed as
+//! it goes, and a second backward fails with [`crate::AutogradError::GraphConsumed`] (nodes that
+//! saved nothing — views, adds, scales — may run again, as in PyTorch). No higher-order gradients
+//! (`create_graph`), no `retain_graph`, no autograd through in-place operations (they are refused
+//! on tensors that require grad while grad mode is on). Activation checkpointing is
+//! non-reentrant and does not nest ([`checkpoint`]).
 
 pub(crate) mod checkpoint;
 pub(crate) mod engine;
