@@ -114,6 +114,8 @@ struct State {
     works: Vec<Work>,
     /// Explicit-lifetime buffers waiting for their consumer's event (no rate limiter).
     deferred: Vec<(Buffer, Event)>,
+    /// Reduce gradients in post-backward (off inside `no_sync`).
+    sync_grads: bool,
     /// The shards are up to date once this event (after the optimizer step) completes.
     params_ready: Event,
     stats: CommStats,
@@ -310,6 +312,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 shard_grad: None,
                 storage,
                 flat: None,
+                unsynced_grad: None,
                 unsharded: false,
                 pending_unshard: None,
                 post_backward_done: false,
@@ -332,6 +335,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 iter: IterState::default(),
                 works: Vec::new(),
                 deferred: Vec::new(),
+                sync_grads: true,
                 params_ready,
                 stats: CommStats::default(),
             }),
@@ -467,10 +471,33 @@ impl<M: Module + 'static> Fsdp<M> {
         &self.inner.compute
     }
 
-    /// Drops the sharded gradients.
+    /// Turns gradient synchronization off (`false`) or back on. While off, post-backward keeps
+    /// each unit's *unsharded* gradient on this rank and accumulates into it (no communication,
+    /// more memory: one full gradient per unit); the first backward with sync on adds the kept
+    /// gradient and reduces once. PyTorch's `set_requires_gradient_sync`.
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.inner.lock().sync_grads = sync;
+    }
+
+    /// Runs `f` (forward and backward of micro-batches) with gradient synchronization off; see
+    /// [`Fsdp::set_requires_gradient_sync`]. Sync is turned back on afterwards, also on error.
+    pub fn no_sync<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Restore<'a>(&'a Inner);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                self.0.lock().sync_grads = true;
+            }
+        }
+        self.set_requires_gradient_sync(false);
+        let _restore = Restore(&self.inner);
+        f()
+    }
+
+    /// Drops the sharded gradients (and unsharded ones kept by [`Fsdp::no_sync`]).
     pub fn zero_grad(&self) {
         for h in &mut self.inner.lock().units {
             h.shard_grad = None;
+            h.unsynced_grad = None;
         }
     }
 
@@ -708,6 +735,21 @@ impl Inner {
             return Ok(());
         };
         flat.set_grad(None)?;
+        // Gradients accumulated without communication (`no_sync`) join this one first.
+        let grad = match st.units[u].unsynced_grad.take() {
+            Some(acc) => {
+                with_stream(&self.compute, || no_grad(|| acc.add_(&grad)))?;
+                acc
+            }
+            None => grad,
+        };
+        if !st.sync_grads {
+            // Keep the unsharded gradient for the next micro-batch; no communication.
+            st.units[u].unsynced_grad = Some(grad);
+            st.units[u].post_backward_done = true;
+            self.reshard(&mut st, u);
+            return Ok(());
+        }
         let ready = self.compute.record_event();
         self.reduce_stream.wait_event(&ready);
         let sharded = self.config.strategy.is_sharded();

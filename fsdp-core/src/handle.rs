@@ -34,6 +34,8 @@ pub(crate) struct FlatParamHandle {
     pub unsharded: bool,
     /// Completion of the all-gather the compute stream has not waited on yet.
     pub pending_unshard: Option<Event>,
+    /// Unsharded gradient accumulated locally while gradient sync is off (`no_sync`).
+    pub unsynced_grad: Option<Tensor>,
     /// The post-backward reduction has run for this iteration.
     pub post_backward_done: bool,
 }
