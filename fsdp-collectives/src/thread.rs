@@ -12,10 +12,13 @@
 //!    while the offending rank's stream is still busy. A rank that dropped its handle without
 //!    posting, or whose stream failed before reaching the collective, makes the others fail at
 //!    once; a rank that is merely absent makes them fail after [`GroupConfig::timeout`].
-//! 2. **Data movement.** Each rank reads its peers' buffers directly through `fsdp-alloc` read
-//!    guards and writes only its *own* output (no staging copies, no channels of data), so the W
-//!    stream threads work in parallel: in reduce-scatter rank r reduces only chunk r; all-reduce
-//!    is a reduce-scatter in place followed (after a middle rendezvous) by an all-gather in place.
+//! 2. **Data movement.** Ranks read and write each other's buffers directly through `fsdp-alloc`
+//!    guards (no staging copies, no channels of data), and the W stream threads work in
+//!    parallel on disjoint ranges: in reduce-scatter rank r *pulls* chunk r of every input and
+//!    reduces it into its own output; in all-gather rank r *pushes* its input into chunk r of
+//!    every output, block by block, so each input is read from memory once for all W copies;
+//!    all-reduce is a reduce-scatter in place followed (after a middle rendezvous) by an
+//!    all-gather in place; in broadcast every other rank pulls the root's buffer.
 //!    Reductions fold ranks in order 0, 1, …, W−1, so results are bitwise reproducible and equal
 //!    on every rank.
 //! 3. **Departure.** Wait until every rank is done reading, so no rank's later stream work can
@@ -436,19 +439,16 @@ impl Shared {
         match op {
             OpKind::Barrier => Ok(()),
             OpKind::AllGather => guarded(&|| {
+                // Push: this rank writes its input into chunk `rank` of every rank's output,
+                // block by block, so the input is read from memory once for all W copies (and
+                // the W ranks push in parallel). In place, its own chunk is already there.
                 let n = d.in_len * sz;
-                let out = me.output.as_ref().ok_or_else(missing)?;
-                // Own chunk last; start with the next rank so the W readers spread over peers.
-                for k in 1..=world {
-                    let s = (rank + k) % world;
-                    let src = posted[s].input.as_ref().ok_or_else(missing)?;
-                    let dst = out.slice(s * n, n)?;
-                    if s == rank && src.location() == dst.location() {
-                        continue; // in place
-                    }
-                    kernels::copy(src, &dst)?;
-                }
-                Ok(())
+                let src = me.input.as_ref().ok_or_else(missing)?;
+                let dsts = posted
+                    .iter()
+                    .map(|p| p.output.as_ref().ok_or_else(missing)?.slice(rank * n, n))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                kernels::copy_to_all(src, &dsts)
             }),
             OpKind::ReduceScatter => guarded(&|| {
                 let n = d.out_len * sz;
@@ -481,13 +481,14 @@ impl Shared {
                 });
                 self.reach(rank, seq, op, MID, &a)?;
                 a?;
-                // Phase B: gather every other rank's reduced chunk into our buffer.
+                // Phase B: push our reduced chunk into every other rank's buffer (as in
+                // all-gather); the others' pushes fill the rest of ours.
                 guarded(&|| {
-                    for k in 1..world {
-                        let s = (rank + k) % world;
-                        kernels::copy(&chunk(&posted[s], s)?, &chunk(me, s)?)?;
-                    }
-                    Ok(())
+                    let dsts = posted
+                        .iter()
+                        .map(|p| chunk(p, rank))
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    kernels::copy_to_all(&chunk(me, rank)?, &dsts)
                 })
             }
             OpKind::Broadcast => guarded(&|| {

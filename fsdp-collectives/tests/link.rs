@@ -1,0 +1,109 @@
+//! Link emulation: collectives complete no earlier than the modelled time, the issuing thread
+//! never waits for it, compute on another stream overlaps it, and the waiting costs no CPU.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use fsdp_collectives::{GroupConfig, LinkModel, ProcessGroup, ReduceOp, ThreadGroup};
+
+fn linked(latency_ms: u64, bytes_per_sec: f64) -> GroupConfig {
+    GroupConfig::default()
+        .with_timeout(Duration::from_secs(30))
+        .with_link(LinkModel {
+            latency: Duration::from_millis(latency_ms),
+            bytes_per_sec,
+        })
+}
+
+#[test]
+fn transfer_time_is_latency_plus_bytes_over_bandwidth() {
+    let l = LinkModel {
+        latency: Duration::from_millis(5),
+        bytes_per_sec: 1e6,
+    };
+    assert_eq!(l.transfer_time(0), Duration::from_millis(5));
+    assert_eq!(l.transfer_time(2_000_000), Duration::from_millis(2005));
+}
+
+#[test]
+fn latency_delays_completion_but_not_issuing_and_compute_overlaps() {
+    let lat = Duration::from_millis(200);
+    let outs = run_ranks(ThreadGroup::with_config(2, linked(200, 1e12)), |r| {
+        let (_b, buf) = upload(&r.dev, &r.stream, &data::<f32>(1, r.rank, 16));
+        r.pg.barrier().unwrap(); // start together (the barrier itself also pays the latency)
+        let t0 = Instant::now();
+        let work = r.pg.all_reduce(&buf, ReduceOp::Sum, &r.stream);
+        let issued = t0.elapsed();
+        // "Compute" on the default stream while the collective is on the wire.
+        let compute = r.dev.default_stream().clone();
+        compute.launch(|| std::thread::sleep(Duration::from_millis(200)));
+        compute.synchronize().unwrap();
+        work.wait().unwrap();
+        (issued, t0.elapsed())
+    });
+    for (issued, total) in outs {
+        assert!(
+            issued < Duration::from_millis(20),
+            "issue blocked {issued:?}"
+        );
+        assert!(
+            total >= lat,
+            "completed before the modelled latency: {total:?}"
+        );
+        // Overlapped: well under latency + compute (400 ms).
+        assert!(total < Duration::from_millis(380), "no overlap: {total:?}");
+    }
+}
+
+#[test]
+fn bandwidth_delays_large_collectives() {
+    // W = 2 all-gather of 1 MiB per rank: each rank receives 1 MiB at 10 MB/s ≈ 105 ms.
+    let n = 256 * 1024;
+    let outs = run_ranks(ThreadGroup::with_config(2, linked(0, 10e6)), |r| {
+        let (_ib, input) = upload(&r.dev, &r.stream, &data::<f32>(2, r.rank, n));
+        let (_ob, output) = alloc_out::<f32>(&r.dev, &r.stream, 2 * n);
+        r.pg.barrier().unwrap();
+        let t0 = Instant::now();
+        r.pg.all_gather_into(&input, &output, &r.stream)
+            .wait()
+            .unwrap();
+        t0.elapsed()
+    });
+    for t in outs {
+        assert!(t >= Duration::from_millis(104), "{t:?}");
+        assert!(t < Duration::from_millis(1000), "{t:?}");
+    }
+}
+
+/// utime + stime of this process, in clock ticks (Linux).
+#[cfg(target_os = "linux")]
+fn cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    // Fields after the command name (which is in parentheses and may contain spaces).
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest[0] is field 3 (state); utime is field 14, stime field 15.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn waiting_on_the_link_burns_no_cpu() {
+    let before = cpu_ticks();
+    let t0 = Instant::now();
+    run_ranks(ThreadGroup::with_config(4, linked(600, 1e12)), |r| {
+        let (_b, buf) = upload(&r.dev, &r.stream, &data::<f32>(3, r.rank, 8));
+        r.pg.all_reduce(&buf, ReduceOp::Sum, &r.stream)
+            .wait()
+            .unwrap();
+    });
+    let wall = t0.elapsed();
+    let ticks = cpu_ticks() - before;
+    assert!(wall >= Duration::from_millis(600), "{wall:?}");
+    // 4 waiting rank threads + 4 sleeping stream threads for 600 ms would be ~240 ticks (at
+    // 100 Hz) if they spun; sleeping they cost next to nothing (other tests of this binary may
+    // run meanwhile, hence the generous bound).
+    assert!(ticks < 40, "{ticks} ticks of CPU in {wall:?}");
+}
