@@ -1,1 +1,203 @@
-fn main() {}
+//! `cargo xtask bench init`: eager vs deferred init of a ~100M-parameter GPT on W = 4 rank
+//! threads, each with its own CPU device.
+//!
+//! * `eager_ms`: building the model eagerly on one device (what every rank does without
+//!   deferred init, before sharding).
+//! * `deferred_unit_ms`: the fake model is built once; the 4 rank threads concurrently
+//!   materialize every unit whole on their device, copy their shard out and free the unit
+//!   ([`InitPlan::materialize_unit_sharded`]); wall time.
+//! * `deferred_shard_ms`: the 4 rank threads concurrently generate only their shards
+//!   ([`InitPlan::materialize_shard`]); wall time.
+//! * `bitwise_equal`: for every unit, the concatenated shards of both deferred paths equal the
+//!   eager unit's flat parameter, bit for bit (computed here).
+//! * sizes in bytes; `peak_bytes_*` are the largest per-rank `peak_allocated_bytes` of the rank
+//!   devices' allocators, against the expectations `shard + one chunk` (shard only) and
+//!   `shard + largest unit` (unit by unit).
+//!
+//! Units follow FSDP's post-order wrapping: one per block, then the root unit with everything
+//! else (embeddings, final layer norm, head), materialized last.
+
+use std::time::Instant;
+
+use fsdp_alloc::{DType, Device};
+use fsdp_autograd::nn::{named_parameters, Gpt, GptConfig, Module};
+use fsdp_autograd::{InitContext, Parameter, Tensor};
+use fsdp_flatparam::FlatParamLayout;
+use fsdp_init::InitPlan;
+
+const WORLD: usize = 4;
+const SEED: u64 = 2023;
+
+fn units_of(model: &dyn Module) -> Vec<Vec<Parameter>> {
+    let mut blocks: Vec<Vec<Parameter>> = Vec::new();
+    let mut root = Vec::new();
+    for (name, p) in named_parameters(model) {
+        match name
+            .strip_prefix("blocks.")
+            .and_then(|r| r.split('.').next())
+        {
+            Some(i) => {
+                let i: usize = i.parse().expect("block index");
+                if blocks.len() <= i {
+                    blocks.resize_with(i + 1, Vec::new);
+                }
+                blocks[i].push(p);
+            }
+            None => root.push(p),
+        }
+    }
+    blocks.push(root);
+    blocks
+}
+
+fn layout_of(unit: &[Parameter]) -> FlatParamLayout {
+    let shapes: Vec<Vec<usize>> = unit.iter().map(|p| p.shape().to_vec()).collect();
+    FlatParamLayout::new(&shapes, WORLD).expect("layout")
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_vec::<f32>()
+        .expect("readback")
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// Runs `f(rank, device)` on W threads, each with a fresh device; returns the wall time, the
+/// shards per rank and the per-rank peak allocated bytes.
+fn run_ranks(
+    units: &[Vec<Parameter>],
+    f: impl Fn(&[Parameter], &FlatParamLayout, usize, &Device) -> Tensor + Sync,
+    device_base: usize,
+) -> (f64, Vec<Vec<Tensor>>, Vec<usize>) {
+    let layouts: Vec<FlatParamLayout> = units.iter().map(|u| layout_of(u)).collect();
+    let t0 = Instant::now();
+    let results: Vec<(Vec<Tensor>, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..WORLD)
+            .map(|rank| {
+                let (f, layouts) = (&f, &layouts);
+                s.spawn(move || {
+                    let dev = Device::cpu(device_base + rank);
+                    let shards: Vec<Tensor> = units
+                        .iter()
+                        .zip(layouts)
+                        .map(|(u, l)| f(u, l, rank, &dev))
+                        .collect();
+                    dev.synchronize().expect("sync");
+                    (shards, dev.memory_stats().peak_allocated_bytes)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (shards, peaks) = results.into_iter().unzip();
+    (ms, shards, peaks)
+}
+
+fn main() {
+    // ~100M parameters: 12 blocks of d = 640 (59.1M) + 32000-token embedding and head (41.0M).
+    let cfg = GptConfig::new(32_000, 640, 12, 10, 1024);
+
+    // Eager on one device.
+    let eager_dev = Device::cpu(0);
+    let t0 = Instant::now();
+    let eager = Gpt::new(&InitContext::eager(&eager_dev, SEED), &cfg).expect("eager model");
+    eager_dev.synchronize().expect("sync");
+    let eager_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+    // Fake: nothing allocated.
+    let t0 = Instant::now();
+    let fake = Gpt::new(&InitContext::fake(SEED), &cfg).expect("fake model");
+    let fake_build_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let plan = InitPlan::from_module(&fake).expect("plan");
+    let units = units_of(&fake);
+    let eager_units = units_of(&eager);
+
+    let numel: usize = units.iter().flatten().map(Parameter::numel).sum();
+    let unit_bytes: Vec<usize> = units
+        .iter()
+        .map(|u| u.iter().map(|p| p.numel() * DType::F32.size()).sum())
+        .collect();
+    let chunk_bytes: Vec<usize> = units
+        .iter()
+        .map(|u| layout_of(u).chunk_numel() * DType::F32.size())
+        .collect();
+    let full_model_bytes: usize = unit_bytes.iter().sum();
+    let largest_unit_bytes = *unit_bytes.iter().max().expect("units");
+    let shard_bytes: usize = chunk_bytes.iter().sum();
+    let largest_chunk_bytes = *chunk_bytes.iter().max().expect("units");
+
+    let (deferred_unit_ms, unit_shards, unit_peaks) = run_ranks(
+        &units,
+        |u, l, r, d| {
+            plan.materialize_unit_sharded(u, l, r, d)
+                .expect("unit by unit")
+        },
+        10,
+    );
+    let (deferred_shard_ms, shard_shards, shard_peaks) = run_ranks(
+        &units,
+        |u, l, r, d| plan.materialize_shard(u, l, r, d).expect("shard only"),
+        20,
+    );
+
+    // Bitwise check against the eager flat parameters.
+    let mut bitwise_equal = true;
+    for (i, (eu, layout)) in eager_units
+        .iter()
+        .zip(units.iter().map(|u| layout_of(u)))
+        .enumerate()
+    {
+        let vals: Vec<Vec<u32>> = eu.iter().map(|p| bits(&p.get().expect("eager"))).collect();
+        let want = layout.flatten(&vals).expect("flatten");
+        for (path, shards) in [("unit", &unit_shards), ("shard", &shard_shards)] {
+            let got: Vec<u32> = (0..WORLD).flat_map(|r| bits(&shards[r][i])).collect();
+            if got != want {
+                eprintln!("unit {i}: {path} path differs from eager");
+                bitwise_equal = false;
+            }
+        }
+    }
+
+    let peak_bytes_unit_by_unit = *unit_peaks.iter().max().expect("ranks");
+    let peak_bytes_shard_only = *shard_peaks.iter().max().expect("ranks");
+    let expected_unit = shard_bytes + largest_unit_bytes;
+    let expected_shard = shard_bytes + largest_chunk_bytes;
+    let ratio_unit = peak_bytes_unit_by_unit as f64 / expected_unit as f64;
+    let ratio_shard = peak_bytes_shard_only as f64 / expected_shard as f64;
+    let ratio_shard_to_shard = peak_bytes_shard_only as f64 / shard_bytes as f64;
+
+    println!(
+        "model: {cfg:?}, {numel} parameters, {} units, W = {WORLD}",
+        units.len()
+    );
+    println!("eager (one device):              {eager_ms:9.1} ms");
+    println!("fake build:                      {fake_build_ms:9.1} ms");
+    println!("deferred unit by unit (4 ranks): {deferred_unit_ms:9.1} ms wall");
+    println!("deferred shard only (4 ranks):   {deferred_shard_ms:9.1} ms wall");
+    println!("per-rank peaks, unit by unit:    {unit_peaks:?}");
+    println!("per-rank peaks, shard only:      {shard_peaks:?}");
+    println!(
+        "peak unit-by-unit / (shard + largest unit) = {ratio_unit:.4}; peak shard-only / (shard + \
+         one chunk) = {ratio_shard:.4}; peak shard-only / shard = {ratio_shard_to_shard:.4}"
+    );
+    println!("bitwise equal to eager: {bitwise_equal}");
+    println!(
+        "{{\"bench\":\"init\",\"params\":{numel},\"world\":{WORLD},\"eager_ms\":{eager_ms:.1},\
+         \"fake_build_ms\":{fake_build_ms:.2},\"deferred_unit_ms\":{deferred_unit_ms:.1},\
+         \"deferred_shard_ms\":{deferred_shard_ms:.1},\"bitwise_equal\":{bitwise_equal},\
+         \"full_model_bytes\":{full_model_bytes},\"largest_unit_bytes\":{largest_unit_bytes},\
+         \"shard_bytes\":{shard_bytes},\"largest_chunk_bytes\":{largest_chunk_bytes},\
+         \"peak_bytes_unit_by_unit\":{peak_bytes_unit_by_unit},\
+         \"peak_bytes_shard_only\":{peak_bytes_shard_only},\
+         \"expected_peak_unit_by_unit\":{expected_unit},\
+         \"expected_peak_shard_only\":{expected_shard},\
+         \"peak_unit_by_unit_over_expected\":{ratio_unit:.4},\
+         \"peak_shard_only_over_expected\":{ratio_shard:.4},\
+         \"peak_shard_only_over_shard_bytes\":{ratio_shard_to_shard:.4}}}"
+    );
+}

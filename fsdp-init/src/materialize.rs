@@ -29,7 +29,12 @@ fn check_device(device: &Device) -> Result<()> {
 
 /// Allocates on `stream`, turning an out-of-memory into [`MaterializeError::OutOfMemory`] with
 /// context.
-fn alloc(device: &Device, stream: &Stream, nbytes: usize, what: impl FnOnce() -> String) -> Result<Buffer> {
+fn alloc(
+    device: &Device,
+    stream: &Stream,
+    nbytes: usize,
+    what: impl FnOnce() -> String,
+) -> Result<Buffer> {
     device.alloc(nbytes, stream).map_err(|e| match e {
         e @ AllocError::OutOfMemory { .. } => MaterializeError::OutOfMemory {
             device: device.id(),
@@ -143,7 +148,12 @@ fn describe_unit(unit: &[Parameter]) -> String {
     match unit {
         [] => "an empty unit".into(),
         [p] => format!("unit {{`{}`}}", p.name()),
-        [p, .., q] => format!("unit of {} parameters (`{}` … `{}`)", unit.len(), p.name(), q.name()),
+        [p, .., q] => format!(
+            "unit of {} parameters (`{}` … `{}`)",
+            unit.len(),
+            p.name(),
+            q.name()
+        ),
     }
 }
 
@@ -154,7 +164,7 @@ impl InitPlan {
     /// # Errors
     /// As [`InitPlan::materialize_unit`].
     pub fn materialize_all(&self, device: &Device) -> Result<()> {
-        self.materialize_unit(&self.params().to_vec(), device)
+        self.materialize_unit(self.params(), device)
     }
 
     /// Materializes the unmaterialized parameters of `unit` on `device`: each gets a tensor of
@@ -223,14 +233,70 @@ impl InitPlan {
     ) -> Result<Tensor> {
         check_device(device)?;
         check_layout(unit, layout)?;
+        unit_dtype(unit)?;
+        layout.rank_pieces(rank)?;
+        self.check_unit(unit)?;
+        let sources: Vec<Option<Tensor>> = unit.iter().map(Parameter::try_get).collect();
+        self.shard_from(unit, &sources, layout, rank, device)
+    }
+
+    /// The unit-by-unit path: builds the unit's unmaterialized parameters whole in temporary
+    /// tensors on `device`, copies rank `rank`'s shard out of them, and frees them. Peak device
+    /// memory: what was allocated before + the whole unit + one shard. Returns the same shard,
+    /// bit for bit, as [`InitPlan::materialize_shard`]. The parameters are not changed, so rank
+    /// threads may share one fake model.
+    ///
+    /// # Errors
+    /// As [`InitPlan::materialize_shard`].
+    pub fn materialize_unit_sharded(
+        &self,
+        unit: &[Parameter],
+        layout: &FlatParamLayout,
+        rank: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        check_device(device)?;
+        check_layout(unit, layout)?;
+        unit_dtype(unit)?;
+        layout.rank_pieces(rank)?;
+        self.check_unit(unit)?;
+        let stream = current_stream(device);
+        let mut built: Vec<Tensor> = Vec::with_capacity(unit.len());
+        for (i, p) in unit.iter().enumerate() {
+            let t = match (p.try_get(), unit[..i].iter().position(|q| q.ptr_eq(p))) {
+                (Some(t), _) => t,
+                (None, Some(j)) => built[j].clone(),
+                (None, None) => launch_whole(&self.recipe(p)?, device, &stream)?,
+            };
+            built.push(t);
+        }
+        let sources: Vec<Option<Tensor>> = built.into_iter().map(Some).collect();
+        let shard = self.shard_from(unit, &sources, layout, rank, device);
+        // The unit's temporaries are freed here (stream order makes reuse safe).
+        drop(sources);
+        shard
+    }
+
+    /// Rank `rank`'s shard: pieces of parameters with a tensor in `sources` are copied from it,
+    /// the others generated. The caller checked the unit and the layout.
+    fn shard_from(
+        &self,
+        unit: &[Parameter],
+        sources: &[Option<Tensor>],
+        layout: &FlatParamLayout,
+        rank: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
         let dtype = unit_dtype(unit)?;
         let pieces = layout.rank_pieces(rank)?;
         let padding = layout.shard(rank)?.padding_range_in_shard();
-        self.check_unit(unit)?;
         let stream = current_stream(device);
         let chunk = layout.chunk_numel();
         let shard = alloc(device, &stream, chunk * dtype.size(), || {
-            format!("rank {rank}'s shard ({chunk} elements of {dtype}) of {}", describe_unit(unit))
+            format!(
+                "rank {rank}'s shard ({chunk} elements of {dtype}) of {}",
+                describe_unit(unit)
+            )
         })?;
         let sref = shard.data().clone();
         // Padding: zeros (reused allocator memory holds stale bytes).
@@ -241,8 +307,16 @@ impl InitPlan {
         for piece in pieces {
             let p = &unit[piece.param_index];
             let dst = elems(&sref, dtype, piece.offset_in_shard, piece.len)?;
-            if let Some(t) = p.try_get() {
-                launch_copy_piece(p, &t, piece.offset_in_param, piece.len, dst, dtype, &stream)?;
+            if let Some(t) = &sources[piece.param_index] {
+                launch_copy_piece(
+                    p.name(),
+                    t,
+                    piece.offset_in_param,
+                    piece.len,
+                    dst,
+                    dtype,
+                    &stream,
+                )?;
                 continue;
             }
             let r = self.recipe(p)?;
@@ -272,7 +346,9 @@ impl InitPlan {
                         r.eval_whole(&mut g).unwrap_or_else(|e| fail(&r.name, e));
                     }
                     let g = tref.read::<f32>().unwrap_or_else(|e| fail(&r.name, e));
-                    write_f32(&dst, dtype, &r.name, |v| v.copy_from_slice(&g[start..start + len]));
+                    write_f32(&dst, dtype, &r.name, |v| {
+                        v.copy_from_slice(&g[start..start + len])
+                    });
                 });
                 // Freed now: later work on this stream may reuse it (stream order).
                 drop(tmp);
@@ -282,42 +358,16 @@ impl InitPlan {
         stream.synchronize()?;
         Ok(t)
     }
-
-    /// The unit-by-unit path: materializes the unit's unmaterialized parameters on `device`,
-    /// copies rank `rank`'s shard out of them ([`InitPlan::materialize_shard`]), and frees them
-    /// again (they end unmaterialized). Peak device memory: what was allocated before + the
-    /// whole unit + one shard. Returns the same shard, bit for bit, as `materialize_shard`.
-    ///
-    /// # Errors
-    /// As [`InitPlan::materialize_unit`] and [`InitPlan::materialize_shard`]; on error the
-    /// parameters this call materialized are freed again.
-    pub fn materialize_unit_sharded(
-        &self,
-        unit: &[Parameter],
-        layout: &FlatParamLayout,
-        rank: usize,
-        device: &Device,
-    ) -> Result<Tensor> {
-        check_device(device)?;
-        check_layout(unit, layout)?;
-        unit_dtype(unit)?;
-        layout.rank_pieces(rank)?;
-        let fresh: Vec<Parameter> = unit.iter().filter(|p| !p.is_materialized()).cloned().collect();
-        let r = self
-            .materialize_unit(&fresh, device)
-            .and_then(|()| self.materialize_shard(unit, layout, rank, device));
-        for p in &fresh {
-            p.take();
-        }
-        r
-    }
 }
 
 /// Allocates `r`'s tensor on `stream` and launches the computation of all its values.
 fn launch_whole(r: &Arc<Recipe>, device: &Device, stream: &Stream) -> Result<Tensor> {
     let nbytes = r.numel * r.dtype.size();
     let buf = alloc(device, stream, nbytes, || {
-        format!("parameter `{}` ({:?}, {}, {nbytes} bytes)", r.name, r.shape, r.dtype)
+        format!(
+            "parameter `{}` ({:?}, {}, {nbytes} bytes)",
+            r.name, r.shape, r.dtype
+        )
     })?;
     let dst = buf.data().clone();
     let r2 = Arc::clone(r);
@@ -333,7 +383,7 @@ fn launch_whole(r: &Arc<Recipe>, device: &Device, stream: &Stream) -> Result<Ten
 /// Launches the copy of elements `[start, start + len)` of a materialized parameter's tensor
 /// into `dst` (a range of the shard, `dtype`), ordered after the work that produced the tensor.
 fn launch_copy_piece(
-    p: &Parameter,
+    name: &str,
     t: &Tensor,
     start: usize,
     len: usize,
@@ -342,7 +392,7 @@ fn launch_copy_piece(
     stream: &Stream,
 ) -> Result<()> {
     let unreadable = |detail: String| MaterializeError::Unreadable {
-        param: p.name().to_string(),
+        param: name.to_string(),
         detail,
     };
     if !t.is_contiguous() {
@@ -352,12 +402,14 @@ fn launch_copy_piece(
     }
     if !t.dtype().is_float() {
         return Err(MaterializeError::UnsupportedDType {
-            param: p.name().to_string(),
+            param: name.to_string(),
             dtype: t.dtype(),
         });
     }
     let buf = t.storage().buffer_ref().ok_or_else(|| {
-        unreadable("its storage is released (an FSDP-resharded view?); unshard it or re-create it".into())
+        unreadable(
+            "its storage is released (an FSDP-resharded view?); unshard it or re-create it".into(),
+        )
     })?;
     let src_dtype = t.dtype();
     let src = elems(&buf, src_dtype, t.offset() + start, len)?;
@@ -365,7 +417,7 @@ fn launch_copy_piece(
     if src_stream.id() != stream.id() {
         stream.wait_event(&src_stream.record_event());
     }
-    let name = p.name().to_string();
+    let name = name.to_string();
     stream.launch(move || {
         if src_dtype == dtype {
             let s = src.read::<u8>().unwrap_or_else(|e| fail(&name, e));

@@ -5,9 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use fsdp_alloc::DType;
-use fsdp_autograd::init::{
-    apply_positionwise, fill_whole, last_overwrite, InitError, InitOp,
-};
+use fsdp_autograd::init::{apply_positionwise, fill_whole, last_overwrite, InitError, InitOp};
 use fsdp_autograd::nn::{parameters, Module};
 use fsdp_autograd::Parameter;
 use half::slice::HalfFloatSliceExt;
@@ -120,7 +118,15 @@ impl Recipe {
         }
         for i in self.from..self.ops.len() {
             if self.ops[i].is_positionwise() {
-                apply_positionwise(&self.ops[..=i], i, self.seed, &self.name, &self.shape, 0, &mut [])?;
+                apply_positionwise(
+                    &self.ops[..=i],
+                    i,
+                    self.seed,
+                    &self.name,
+                    &self.shape,
+                    0,
+                    &mut [],
+                )?;
             }
         }
         Ok(())
@@ -349,7 +355,9 @@ impl InitPlan {
         for p in unit.iter().filter(|p| !p.is_materialized()) {
             let mut r = self.recipe(p)?;
             while let Some(s) = r.source().cloned() {
-                if !members.contains(s.name.as_str()) && seen.insert((r.name.clone(), s.name.clone())) {
+                if !members.contains(s.name.as_str())
+                    && seen.insert((r.name.clone(), s.name.clone()))
+                {
                     out.push(CrossUnitDependency {
                         param: r.name.clone(),
                         source: s.name.clone(),
@@ -371,7 +379,11 @@ impl InitPlan {
     pub fn check_unit(&self, unit: &[Parameter]) -> Result<()> {
         for d in self.cross_unit_dependencies(unit)? {
             if !d.replayable {
-                let src = self.by_name.get(&d.source).map(|s| self.recipe(s)).transpose()?;
+                let src = self
+                    .by_name
+                    .get(&d.source)
+                    .map(|s| self.recipe(s))
+                    .transpose()?;
                 let what = src
                     .as_ref()
                     .and_then(|s| {

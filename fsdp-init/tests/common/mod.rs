@@ -11,9 +11,24 @@ use half::{bf16, f16};
 /// The raw bits of every element of a float tensor (f32 bits, or f16/bf16 bits widened).
 pub fn bits(t: &Tensor) -> Vec<u32> {
     match t.dtype() {
-        DType::F32 => t.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect(),
-        DType::F16 => t.to_vec::<f16>().unwrap().iter().map(|x| u32::from(x.to_bits())).collect(),
-        DType::BF16 => t.to_vec::<bf16>().unwrap().iter().map(|x| u32::from(x.to_bits())).collect(),
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        DType::F16 => t
+            .to_vec::<f16>()
+            .unwrap()
+            .iter()
+            .map(|x| u32::from(x.to_bits()))
+            .collect(),
+        DType::BF16 => t
+            .to_vec::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| u32::from(x.to_bits()))
+            .collect(),
         d => panic!("not a float dtype: {d}"),
     }
 }
@@ -89,57 +104,138 @@ pub fn every_op_specs(prefix: &str) -> Vec<(String, Vec<usize>, Vec<InitOp>)> {
         (n("zeros"), vec![7], vec![InitOp::Fill(0.0)]),
         (n("ones"), vec![3, 5], vec![InitOp::Fill(1.0)]),
         (n("fill"), vec![5], vec![InitOp::Fill(-0.75)]),
-        (n("uniform"), vec![17, 9], vec![InitOp::Uniform { low: -0.5, high: 2.0 }]),
-        (n("normal"), vec![33, 7], vec![InitOp::Normal { mean: 0.1, std: 0.02 }]),
+        (
+            n("uniform"),
+            vec![17, 9],
+            vec![InitOp::Uniform {
+                low: -0.5,
+                high: 2.0,
+            }],
+        ),
+        (
+            n("normal"),
+            vec![33, 7],
+            vec![InitOp::Normal {
+                mean: 0.1,
+                std: 0.02,
+            }],
+        ),
         (
             n("trunc"),
             vec![19, 4],
-            vec![InitOp::TruncatedNormal { mean: 0.0, std: 1.0, a: -2.0, b: 2.0 }],
+            vec![InitOp::TruncatedNormal {
+                mean: 0.0,
+                std: 1.0,
+                a: -2.0,
+                b: 2.0,
+            }],
         ),
         (
             n("kaiming_u"),
             vec![24, 6, 3],
-            vec![InitOp::KaimingUniform { mode: FanMode::FanIn, nonlinearity: Nonlinearity::LeakyRelu(5f32.sqrt()) }],
+            vec![InitOp::KaimingUniform {
+                mode: FanMode::FanIn,
+                nonlinearity: Nonlinearity::LeakyRelu(5f32.sqrt()),
+            }],
         ),
         (
             n("kaiming_n"),
             vec![11, 13],
-            vec![InitOp::KaimingNormal { mode: FanMode::FanOut, nonlinearity: Nonlinearity::Relu }],
+            vec![InitOp::KaimingNormal {
+                mode: FanMode::FanOut,
+                nonlinearity: Nonlinearity::Relu,
+            }],
         ),
-        (n("xavier_u"), vec![10, 20], vec![InitOp::XavierUniform { gain: 1.0 }]),
-        (n("xavier_n"), vec![20, 10], vec![InitOp::XavierNormal { gain: 5.0 / 3.0 }]),
+        (
+            n("xavier_u"),
+            vec![10, 20],
+            vec![InitOp::XavierUniform { gain: 1.0 }],
+        ),
+        (
+            n("xavier_n"),
+            vec![20, 10],
+            vec![InitOp::XavierNormal { gain: 5.0 / 3.0 }],
+        ),
         (
             n("scaled"),
             vec![16, 8],
-            vec![InitOp::Normal { mean: 0.0, std: 0.02 }, InitOp::Scale(0.125)],
+            vec![
+                InitOp::Normal {
+                    mean: 0.0,
+                    std: 0.02,
+                },
+                InitOp::Scale(0.125),
+            ],
         ),
-        (n("empty"), vec![0, 4], vec![InitOp::Normal { mean: 0.0, std: 1.0 }]),
-        (n("scalar"), vec![], vec![InitOp::Fill(3.0), InitOp::Scale(0.5)]),
+        (
+            n("empty"),
+            vec![0, 4],
+            vec![InitOp::Normal {
+                mean: 0.0,
+                std: 1.0,
+            }],
+        ),
+        (
+            n("scalar"),
+            vec![],
+            vec![InitOp::Fill(3.0), InitOp::Scale(0.5)],
+        ),
         // A copy of a position-wise parameter, scaled: position-wise itself.
         (
             n("copy"),
             vec![33, 7],
-            vec![InitOp::CopyFrom { source: n("normal") }, InitOp::Scale(0.3)],
+            vec![
+                InitOp::CopyFrom {
+                    source: n("normal"),
+                },
+                InitOp::Scale(0.3),
+            ],
         ),
         // A whole-tensor closure.
         (
             n("custom"),
             vec![12, 10],
-            vec![InitOp::Uniform { low: -1.0, high: 1.0 }, normalize_rows()],
+            vec![
+                InitOp::Uniform {
+                    low: -1.0,
+                    high: 1.0,
+                },
+                normalize_rows(),
+            ],
         ),
         // A copy of the closure's result: whole-tensor through its source.
-        (n("copy_custom"), vec![10, 12], vec![InitOp::CopyFrom { source: n("custom") }, InitOp::Scale(-1.0)]),
+        (
+            n("copy_custom"),
+            vec![10, 12],
+            vec![
+                InitOp::CopyFrom {
+                    source: n("custom"),
+                },
+                InitOp::Scale(-1.0),
+            ],
+        ),
         // Ops before the last overwrite do not matter.
         (
             n("overwritten"),
             vec![9],
-            vec![normalize_rows(), InitOp::CopyFrom { source: n("zeros") }, InitOp::Normal { mean: 1.0, std: 2.0 }],
+            vec![
+                normalize_rows(),
+                InitOp::CopyFrom { source: n("zeros") },
+                InitOp::Normal {
+                    mean: 1.0,
+                    std: 2.0,
+                },
+            ],
         ),
     ]
 }
 
 /// Builds the specs in `ctx` with `dtype`.
-pub fn build(ctx: &InitContext, specs: &[(String, Vec<usize>, Vec<InitOp>)], dtype: DType) -> Vec<Parameter> {
+pub fn build(
+    ctx: &InitContext,
+    specs: &[(String, Vec<usize>, Vec<InitOp>)],
+    dtype: DType,
+) -> Vec<Parameter> {
     specs
         .iter()
         .map(|(name, shape, ops)| ctx.param(name, shape, dtype, ops.clone()).unwrap())
