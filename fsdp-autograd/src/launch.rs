@@ -12,9 +12,9 @@ use std::time::Instant;
 
 use bytemuck::Pod;
 use fsdp_alloc::{BufferRef, DType, Stream};
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::kernels::cpu;
 use crate::profile;
 
 /// Launches `work` on `stream`, timed under `op` when the profiler is on.
@@ -54,14 +54,14 @@ impl Arg {
             DType::F16 => {
                 let g = self.buf.read::<f16>().unwrap_or_else(|e| fail(op, e));
                 let mut v = vec![0.0f32; g.len()];
-                g.convert_to_f32_slice(&mut v);
+                cpu::cast_f16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
                 drop(g);
                 f(&v)
             }
             DType::BF16 => {
                 let g = self.buf.read::<bf16>().unwrap_or_else(|e| fail(op, e));
                 let mut v = vec![0.0f32; g.len()];
-                g.convert_to_f32_slice(&mut v);
+                cpu::cast_bf16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
                 drop(g);
                 f(&v)
             }
@@ -81,20 +81,20 @@ impl Arg {
                 let mut g = self.buf.write::<f16>().unwrap_or_else(|e| fail(op, e));
                 let mut v = vec![0.0f32; g.len()];
                 if load {
-                    g.convert_to_f32_slice(&mut v);
+                    cpu::cast_f16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
                 }
                 let r = f(&mut v);
-                g.convert_from_f32_slice(&v);
+                cpu::cast_f32_to_f16(&v, &mut g).unwrap_or_else(|e| fail(op, e));
                 r
             }
             DType::BF16 => {
                 let mut g = self.buf.write::<bf16>().unwrap_or_else(|e| fail(op, e));
                 let mut v = vec![0.0f32; g.len()];
                 if load {
-                    g.convert_to_f32_slice(&mut v);
+                    cpu::cast_bf16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
                 }
                 let r = f(&mut v);
-                g.convert_from_f32_slice(&v);
+                cpu::cast_f32_to_bf16(&v, &mut g).unwrap_or_else(|e| fail(op, e));
                 r
             }
             d => fail(op, format!("dtype {d} is not a float type")),

@@ -272,6 +272,7 @@ impl Tensor {
         let x = self.contig()?;
         let out = ctx.empty(self.shape(), dtype)?;
         let (xa, oa) = (x.arg("cast", &ctx.stream)?, out.arg("cast", &ctx.stream)?);
+        // Through f32: the half → f32 and f32 → half conversions are `kernels::cpu::cast_*`.
         launch(&ctx.stream, "cast", move || {
             xa.f32("cast", |x| {
                 oa.f32_mut("cast", false, |o| o.copy_from_slice(x))
