@@ -2,6 +2,8 @@
 
 use std::str::FromStr;
 
+use fsdp_alloc::DType;
+
 use crate::wrap::WrapPolicy;
 
 /// How parameters, gradients and optimizer state are sharded (the paper's §3.2).
@@ -89,6 +91,31 @@ pub enum BufferLifetime {
     Explicit,
 }
 
+/// Mixed precision (the paper's §5.2): parameters are kept in f32 shards; each unshard casts the
+/// shard to `param_dtype` once and all-gathers in it, so forward and backward compute in
+/// `param_dtype` and the unsharded parameters take `param_dtype.size()` bytes per element;
+/// gradients are reduced in `reduce_dtype` (accumulating in f32 inside the collective) and the
+/// sharded gradient is kept in f32 for the optimizer.
+///
+/// fsdp-autograd modules have no non-parameter buffers, so there is no `buffer_dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MixedPrecision {
+    /// Dtype of the unsharded parameters (all-gather and compute): f32, bf16 or f16.
+    pub param_dtype: DType,
+    /// Dtype gradients are communicated in: f32, bf16 or f16.
+    pub reduce_dtype: DType,
+}
+
+impl MixedPrecision {
+    /// Parameters and reductions in `dtype`.
+    pub fn uniform(dtype: DType) -> MixedPrecision {
+        MixedPrecision {
+            param_dtype: dtype,
+            reduce_dtype: dtype,
+        }
+    }
+}
+
 /// How [`crate::Fsdp::wrap`] builds shards of parameters that were created on the fake device
 /// (deferred init). Materialized parameters are always copied piece by piece.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -133,6 +160,8 @@ pub struct FsdpConfig {
     pub buffer_lifetime: BufferLifetime,
     /// How shards of fake-device (deferred-init) parameters are built.
     pub deferred_init: DeferredInit,
+    /// Mixed precision; `None` computes and communicates in f32.
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl Default for FsdpConfig {
@@ -146,6 +175,7 @@ impl Default for FsdpConfig {
             max_inflight_all_gathers: 2,
             buffer_lifetime: BufferLifetime::RecordStream,
             deferred_init: DeferredInit::ShardOnly,
+            mixed_precision: None,
         }
     }
 }

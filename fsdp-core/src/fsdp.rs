@@ -209,8 +209,9 @@ fn slice_of(t: &Tensor) -> Result<DeviceSlice> {
     let r = t.storage().buffer_ref().ok_or_else(|| {
         FsdpError::Config("a tensor FSDP communicates has no memory attached".into())
     })?;
-    let r = r.slice_elems::<f32>(t.offset(), t.numel())?;
-    Ok(DeviceSlice::new(r, DType::F32)?)
+    let size = t.dtype().size();
+    let r = r.slice(t.offset() * size, t.numel() * size)?;
+    Ok(DeviceSlice::new(r, t.dtype())?)
 }
 
 impl<M: Module + 'static> Fsdp<M> {
@@ -243,6 +244,24 @@ impl<M: Module + 'static> Fsdp<M> {
             (Comm::Mesh(m), _) => (Arc::clone(m.world()), None),
             (Comm::Group(g), _) => (Arc::clone(g), None),
         };
+        let (param_dtype, reduce_dtype) = match config.mixed_precision {
+            None => (DType::F32, DType::F32),
+            Some(mp) => (mp.param_dtype, mp.reduce_dtype),
+        };
+        for (what, d) in [("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)] {
+            if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {
+                return Err(FsdpError::Config(format!(
+                    "mixed precision {what} must be f32, bf16 or f16, got {d}"
+                )));
+            }
+        }
+        if !config.strategy.is_sharded() && param_dtype != DType::F32 {
+            return Err(FsdpError::Config(
+                "NoShard keeps full f32 parameters in place; low-precision parameters need a \
+                 sharded strategy (use FullShard, ShardGradOp or HybridShard)"
+                    .into(),
+            ));
+        }
         let factor = if config.strategy.is_sharded() {
             group.size()
         } else {
@@ -292,7 +311,8 @@ impl<M: Module + 'static> Fsdp<M> {
                 }
             })?;
             let storage = if config.strategy.is_sharded() {
-                let buf = device.alloc(layout.padded_numel() * 4, &unshard_stream)?;
+                let buf =
+                    device.alloc(layout.padded_numel() * param_dtype.size(), &unshard_stream)?;
                 let s = Storage::new(buf, device)?;
                 drop(s.release());
                 s
@@ -310,6 +330,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 names,
                 shard,
                 shard_grad: None,
+                param_dtype,
                 storage,
                 flat: None,
                 unsynced_grad: None,
@@ -750,13 +771,23 @@ impl Inner {
             self.reshard(&mut st, u);
             return Ok(());
         }
+        // Mixed precision: communicate in the reduce dtype (cast on the compute stream).
+        let reduce_dtype = self
+            .config
+            .mixed_precision
+            .map_or(DType::F32, |mp| mp.reduce_dtype);
+        let grad = if grad.dtype() == reduce_dtype {
+            grad
+        } else {
+            with_stream(&self.compute, || no_grad(|| grad.to_dtype(reduce_dtype)))?
+        };
         let ready = self.compute.record_event();
         self.reduce_stream.wait_event(&ready);
         let sharded = self.config.strategy.is_sharded();
         let new_grad = if sharded {
             let chunk = st.units[u].layout.chunk_numel();
             let out = with_stream(&self.reduce_stream, || {
-                Tensor::empty(&[chunk], DType::F32, &self.device)
+                Tensor::empty(&[chunk], reduce_dtype, &self.device)
             })?;
             let w = self.group.reduce_scatter(
                 &slice_of(&grad)?,
@@ -785,6 +816,14 @@ impl Inner {
         grad.storage()
             .with_buffer(|b| b.record_stream(&self.reduce_stream));
         drop(grad);
+        // The sharded gradient is kept in f32 for the optimizer.
+        let new_grad = if new_grad.dtype() == DType::F32 {
+            new_grad
+        } else {
+            with_stream(&self.reduce_stream, || {
+                no_grad(|| new_grad.to_dtype(DType::F32))
+            })?
+        };
         let h = &mut st.units[u];
         match &h.shard_grad {
             Some(acc) => with_stream(&self.reduce_stream, || no_grad(|| acc.add_(&new_grad)))?,
@@ -834,10 +873,18 @@ impl Inner {
             let buf = self
                 .device
                 .alloc(h.unsharded_bytes(), &self.unshard_stream)?;
-            let out = DeviceSlice::new(buf.data().clone(), DType::F32)?;
+            let out = DeviceSlice::new(buf.data().clone(), h.param_dtype)?;
+            // Mixed precision: cast the f32 shard once per unshard, gather in low precision.
+            let input = if h.param_dtype == DType::F32 {
+                h.shard.clone()
+            } else {
+                with_stream(&self.unshard_stream, || {
+                    no_grad(|| h.shard.to_dtype(h.param_dtype))
+                })?
+            };
             let work = self
                 .group
-                .all_gather_into(&slice_of(&h.shard)?, &out, &self.unshard_stream);
+                .all_gather_into(&slice_of(&input)?, &out, &self.unshard_stream);
             h.storage.attach(buf)?;
             let bytes = h.unsharded_bytes() as u64;
             let ev = work.event().clone();
@@ -867,7 +914,8 @@ impl Inner {
         let total = h.layout.total_numel();
         let numels: Vec<usize> = h.layout.params().iter().map(|p| p.numel()).collect();
         let any_trainable = h.params.iter().any(|p| p.requires_grad());
-        let flat = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, DType::F32)?;
+        let dtype = h.param_dtype;
+        let flat = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
         if any_trainable {
             flat.set_requires_grad(true)?;
             let w = Arc::downgrade(self);
@@ -876,7 +924,7 @@ impl Inner {
             })?;
         }
         // Frozen parameters view a second, gradient-free alias of the same storage.
-        let frozen = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, DType::F32)?;
+        let frozen = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
         let trainable_views = flat.narrow(0, 0, total)?.split(&numels)?;
         let frozen_views = frozen.narrow(0, 0, total)?.split(&numels)?;
         for ((p, tv), fv) in h.params.iter().zip(trainable_views).zip(frozen_views) {

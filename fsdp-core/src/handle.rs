@@ -25,7 +25,9 @@ pub(crate) struct FlatParamHandle {
     pub shard: Tensor,
     /// The reduced gradient of the shard (f32), once a backward has produced one.
     pub shard_grad: Option<Tensor>,
-    /// Storage of the unsharded flat parameter (`padded_numel` f32); allocated only while
+    /// Dtype of the unsharded flat parameter (the mixed-precision param dtype, else f32).
+    pub param_dtype: DType,
+    /// Storage of the unsharded flat parameter (`padded_numel` of `param_dtype`); allocated only while
     /// unsharded. For `NoShard` it is the shard's own storage and is never released.
     pub storage: Storage,
     /// This iteration's flat leaf (created at the first unshard of an iteration).
@@ -43,6 +45,6 @@ pub(crate) struct FlatParamHandle {
 impl FlatParamHandle {
     /// Bytes of the unsharded flat parameter.
     pub fn unsharded_bytes(&self) -> usize {
-        self.layout.padded_numel() * DType::F32.size()
+        self.layout.padded_numel() * self.param_dtype.size()
     }
 }

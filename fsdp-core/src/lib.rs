@@ -22,7 +22,9 @@ pub mod scaler;
 pub mod state_dict;
 pub mod wrap;
 
-pub use config::{BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, ShardingStrategy};
+pub use config::{
+    BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, MixedPrecision, ShardingStrategy,
+};
 pub use error::{FsdpError, Result};
 pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, UnitShard};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
