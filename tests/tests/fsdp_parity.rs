@@ -62,7 +62,7 @@ fn fsdp_with(
     deferred: bool,
     model_cfg: &GptConfig,
 ) -> (Vec<Vec<f32>>, Named) {
-    let model_cfg = model_cfg.clone();
+    let model_cfg = *model_cfg;
     let per_rank = run_ranks(world, move |rank, pg| {
         let dev = Device::cpu(rank);
         let ctx = if deferred {
