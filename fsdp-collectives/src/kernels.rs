@@ -6,9 +6,8 @@ use half::{bf16, f16};
 
 use crate::types::ReduceOp;
 
-/// Elements per block of a reduction: the accumulator block (≤ 64 KiB for f32) stays in cache
-/// while every rank's block is folded into it.
-const BLOCK: usize = 16 * 1024;
+/// Elements per block of a reduction (the unit the buffers' guards are taken for).
+const BLOCK: usize = 64 * 1024;
 
 /// Copies all bytes of `src` into `dst` (same length).
 pub(crate) fn copy(src: &BufferRef, dst: &BufferRef) -> Result<(), AllocError> {
@@ -193,9 +192,118 @@ macro_rules! int_accum {
 int_accum!(i32);
 int_accum!(i64);
 
+/// Elements per accumulator tile: small enough to stay in L1 (4 KiB of f32).
+const TILE: usize = 1024;
+
+/// Folds `views` (one slice per rank, rank order) over `base..base + acc.len()` into `acc`:
+/// `acc[i] = c(…c(c(load(v0[i]), v1[i]), v2[i])…)`. Up to four ranks are folded per pass over the
+/// tile, in registers, so each element costs about one load per rank; the association is always
+/// strictly left to right (rank order), whatever the grouping.
+#[inline(always)]
+fn fold_tile<T: Copy, A: Accum<T>, C: Fn(A, T) -> A + Copy>(
+    views: &[&[T]],
+    base: usize,
+    acc: &mut [A],
+    c: C,
+) {
+    let n = acc.len();
+    let v = |k: usize| &views[k][base..base + n];
+    match views.len() {
+        0 => return,
+        1 => {
+            let a = v(0);
+            for i in 0..n {
+                acc[i] = A::load(a[i]);
+            }
+        }
+        2 => {
+            let (a, b) = (v(0), v(1));
+            for i in 0..n {
+                acc[i] = c(A::load(a[i]), b[i]);
+            }
+        }
+        3 => {
+            let (a, b, d) = (v(0), v(1), v(2));
+            for i in 0..n {
+                acc[i] = c(c(A::load(a[i]), b[i]), d[i]);
+            }
+        }
+        _ => {
+            let (a, b, d, e) = (v(0), v(1), v(2), v(3));
+            for i in 0..n {
+                acc[i] = c(c(c(A::load(a[i]), b[i]), d[i]), e[i]);
+            }
+        }
+    }
+    let mut k = views.len().min(4);
+    while k < views.len() {
+        match views.len() - k {
+            1 => {
+                let a = v(k);
+                for i in 0..n {
+                    acc[i] = c(acc[i], a[i]);
+                }
+                k += 1;
+            }
+            2 => {
+                let (a, b) = (v(k), v(k + 1));
+                for i in 0..n {
+                    acc[i] = c(c(acc[i], a[i]), b[i]);
+                }
+                k += 2;
+            }
+            3 => {
+                let (a, b, d) = (v(k), v(k + 1), v(k + 2));
+                for i in 0..n {
+                    acc[i] = c(c(c(acc[i], a[i]), b[i]), d[i]);
+                }
+                k += 3;
+            }
+            _ => {
+                let (a, b, d, e) = (v(k), v(k + 1), v(k + 2), v(k + 3));
+                for i in 0..n {
+                    acc[i] = c(c(c(c(acc[i], a[i]), b[i]), d[i]), e[i]);
+                }
+                k += 4;
+            }
+        }
+    }
+}
+
+/// Reduces `views` elementwise into `out` (all the same length) with `op`, tile by tile.
+#[inline(always)]
+fn fold_into<T: Copy, A: Accum<T>>(views: &[&[T]], out: &mut [T], op: ReduceOp, world: usize) {
+    if out.is_empty() || views.is_empty() {
+        return;
+    }
+    // Any initial value: the fold overwrites every element before reading it.
+    let mut tile: Vec<A> = vec![A::load(views[0][0]); TILE.min(out.len())];
+    let mut base = 0;
+    while base < out.len() {
+        let n = TILE.min(out.len() - base);
+        let acc = &mut tile[..n];
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => fold_tile(views, base, acc, |a: A, x| a.add(x)),
+            ReduceOp::Max => fold_tile(views, base, acc, |a: A, x| a.max(x)),
+            ReduceOp::Min => fold_tile(views, base, acc, |a: A, x| a.min(x)),
+        }
+        let o = &mut out[base..base + n];
+        if op == ReduceOp::Avg {
+            o.iter_mut()
+                .zip(acc.iter())
+                .for_each(|(d, &a)| *d = a.div(world).store());
+        } else {
+            o.iter_mut()
+                .zip(acc.iter())
+                .for_each(|(d, &a)| *d = a.store());
+        }
+        base += n;
+    }
+}
+
 /// `dst[i] = op(srcs[0][i], srcs[1][i], …)` folded strictly in the order of `srcs` (rank order),
-/// accumulating in `A`. `dst` may be one of `srcs` (each block is read completely before it is
-/// written).
+/// accumulating in `A`. `dst` may overlap one of `srcs` (in-place forms): then each block is
+/// computed into a scratch block before it is written.
 fn reduce_typed<T: bytemuck::Pod, A: Accum<T>>(
     srcs: &[BufferRef],
     dst: &BufferRef,
@@ -204,35 +312,28 @@ fn reduce_typed<T: bytemuck::Pod, A: Accum<T>>(
 ) -> Result<(), AllocError> {
     let sz = std::mem::size_of::<T>();
     let count = dst.len() / sz;
-    let mut acc: Vec<A> = Vec::with_capacity(BLOCK.min(count));
+    let aliased = srcs.iter().any(|s| s.overlaps(dst));
+    let mut scratch: Vec<T> = Vec::new();
     let mut start = 0;
     while start < count {
         let n = BLOCK.min(count - start);
         let range = |b: &BufferRef| b.slice(start * sz, n * sz);
-        acc.clear();
-        {
-            let first = range(&srcs[0])?;
-            let g = first.read::<T>()?;
-            acc.extend(g.iter().map(|&x| A::load(x)));
-        }
-        for src in &srcs[1..] {
-            let sub = range(src)?;
-            let g = sub.read::<T>()?;
-            let pairs = acc.iter_mut().zip(g.iter());
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, &x)| *a = a.add(x)),
-                ReduceOp::Max => pairs.for_each(|(a, &x)| *a = a.max(x)),
-                ReduceOp::Min => pairs.for_each(|(a, &x)| *a = a.min(x)),
-            }
-        }
+        let subs = srcs.iter().map(range).collect::<Result<Vec<_>, _>>()?;
+        let guards = subs
+            .iter()
+            .map(|s| s.read::<T>())
+            .collect::<Result<Vec<_>, _>>()?;
+        let views: Vec<&[T]> = guards.iter().map(|g| &**g).collect();
         let out = range(dst)?;
-        let mut w = out.write::<T>()?;
-        if op == ReduceOp::Avg {
-            w.iter_mut()
-                .zip(&acc)
-                .for_each(|(d, &a)| *d = a.div(world).store());
+        if aliased {
+            scratch.clear();
+            scratch.resize(n, T::zeroed());
+            fold_into::<T, A>(&views, &mut scratch, op, world);
+            drop(views);
+            drop(guards);
+            out.write::<T>()?.copy_from_slice(&scratch);
         } else {
-            w.iter_mut().zip(&acc).for_each(|(d, &a)| *d = a.store());
+            fold_into::<T, A>(&views, &mut out.write::<T>()?, op, world);
         }
         start += n;
     }

@@ -29,8 +29,8 @@ fn transfer_time_is_latency_plus_bytes_over_bandwidth() {
 
 #[test]
 fn latency_delays_completion_but_not_issuing_and_compute_overlaps() {
-    let lat = Duration::from_millis(200);
-    let outs = run_ranks(ThreadGroup::with_config(2, linked(200, 1e12)), |r| {
+    let lat = Duration::from_millis(400);
+    let outs = run_ranks(ThreadGroup::with_config(2, linked(400, 1e12)), |r| {
         let (_b, buf) = upload(&r.dev, &r.stream, &data::<f32>(1, r.rank, 16));
         r.pg.barrier().unwrap(); // start together (the barrier itself also pays the latency)
         let t0 = Instant::now();
@@ -38,22 +38,22 @@ fn latency_delays_completion_but_not_issuing_and_compute_overlaps() {
         let issued = t0.elapsed();
         // "Compute" on the default stream while the collective is on the wire.
         let compute = r.dev.default_stream().clone();
-        compute.launch(|| std::thread::sleep(Duration::from_millis(200)));
+        compute.launch(|| std::thread::sleep(Duration::from_millis(400)));
         compute.synchronize().unwrap();
         work.wait().unwrap();
         (issued, t0.elapsed())
     });
     for (issued, total) in outs {
         assert!(
-            issued < Duration::from_millis(20),
+            issued < Duration::from_millis(150),
             "issue blocked {issued:?}"
         );
         assert!(
             total >= lat,
             "completed before the modelled latency: {total:?}"
         );
-        // Overlapped: well under latency + compute (400 ms).
-        assert!(total < Duration::from_millis(380), "no overlap: {total:?}");
+        // Overlapped: well under latency + compute (800 ms).
+        assert!(total < Duration::from_millis(700), "no overlap: {total:?}");
     }
 }
 

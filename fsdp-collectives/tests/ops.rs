@@ -223,11 +223,22 @@ fn all_reduce_results_are_identical_on_every_rank() {
     assert!(outs.windows(2).all(|p| p[0] == p[1]));
 }
 
+/// Regression test for the fused reduction kernel (up to four ranks folded per pass): every
+/// remainder of the grouping, in and out of place, against the strict rank-order fold.
+#[test]
+fn fused_reduction_groups_keep_rank_order_for_any_world_size() {
+    for w in [6, 7, 9, 13] {
+        check_reduce_scatter::<f32>(w, 1500, ReduceOp::Sum, false, 40 + w as u64);
+        check_all_reduce::<f32>(w, 3001, ReduceOp::Max, false, 50 + w as u64);
+        check_all_reduce::<half::bf16>(w, 999, ReduceOp::Avg, true, 60 + w as u64);
+    }
+}
+
 #[test]
 fn large_reductions_cross_block_boundaries() {
-    // 40_000 elements per chunk: several kernel blocks per rank.
-    check_reduce_scatter::<f32>(3, 40_000, ReduceOp::Sum, false, 5);
-    check_all_reduce::<half::bf16>(4, 70_001, ReduceOp::Sum, false, 6);
+    // 150_000 elements per chunk: several kernel blocks (and many tiles) per rank.
+    check_reduce_scatter::<f32>(3, 150_000, ReduceOp::Sum, false, 5);
+    check_all_reduce::<half::bf16>(4, 300_001, ReduceOp::Sum, false, 6);
     check_all_gather::<i64>(4, 50_000, 7);
 }
 
