@@ -199,3 +199,34 @@ fn parameters_can_be_swapped_for_views_of_a_flat_tensor() {
     let g = flat.grad().unwrap().to_vec::<f32>().unwrap();
     assert_eq!(g, vec![4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0]);
 }
+
+#[test]
+fn views_recreated_per_forward_share_one_accumulation() {
+    // FSDP re-creates the views at every forward; two forwards before one backward give two
+    // split nodes feeding the same flat leaf: one summed gradient, one post-accumulate firing.
+    let d = dev();
+    let flat = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[6], &d)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let fired = Arc::new(AtomicUsize::new(0));
+    let f = fired.clone();
+    flat.register_post_accumulate_grad_hook(move |_| {
+        f.fetch_add(1, Ordering::SeqCst);
+    })
+    .unwrap();
+    let x = Tensor::from_vec(vec![1.0f32, -1.0], &[1, 2], &d).unwrap();
+    let mut losses = Vec::new();
+    for scale in [1.0f32, 10.0] {
+        let p = flat.split(&[4, 2]).unwrap();
+        let w = p[0].view(&[2, 2]).unwrap();
+        losses.push(linear(&x, &w, Some(&p[1])).unwrap().sum().unwrap().scale(scale).unwrap());
+    }
+    losses[0].add(&losses[1]).unwrap().backward().unwrap();
+    assert_eq!(fired.load(Ordering::SeqCst), 1);
+    // d/dw[o, i] = x[i] per forward, d/db = 1; times (1 + 10).
+    assert_eq!(
+        flat.grad().unwrap().to_vec::<f32>().unwrap(),
+        vec![11.0, -11.0, 11.0, -11.0, 11.0, 11.0]
+    );
+}
