@@ -21,7 +21,7 @@ use crate::context::current_stream;
 use crate::error::{AutogradError, Result};
 use crate::init::{self, InitError, InitOp};
 use crate::launch::{launch, Arg};
-use crate::tensor::{numel_of, Tensor};
+use crate::tensor::{checked_numel, numel_of, Tensor};
 
 static NEXT_PARAM_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -374,6 +374,12 @@ impl InitContext {
         };
         if !dtype.is_float() {
             return Err(perr(format!("parameters must be float, got {dtype}")));
+        }
+        if checked_numel("param", shape)?
+            .checked_mul(dtype.size())
+            .is_none()
+        {
+            return Err(perr(format!("shape {shape:?} overflows the address space")));
         }
         let mut reg = self.shared.params.lock().unwrap_or_else(|e| e.into_inner());
         if reg.1.contains_key(&fqn) {

@@ -115,6 +115,19 @@ pub(crate) fn numel_of(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// The element count of `shape`, or a shape error if it overflows `usize`.
+pub(crate) fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+        .ok_or_else(|| {
+            shape_err(
+                op,
+                format!("the element count of {shape:?} overflows usize"),
+            )
+        })
+}
+
 impl Tensor {
     // ------------------------------------------------------------------ construction
 
@@ -136,8 +149,17 @@ impl Tensor {
                 format!("shape {shape:?} and strides {strides:?} differ in length"),
             ));
         }
-        let span = span_of(shape, strides);
-        let need = (offset + span) * dtype.size();
+        checked_numel("from_storage", shape)?;
+        let span = checked_span(shape, strides).ok_or_else(|| {
+            shape_err(
+                "from_storage",
+                format!("shape {shape:?} with strides {strides:?} overflows usize"),
+            )
+        })?;
+        let need = offset
+            .checked_add(span)
+            .and_then(|e| e.checked_mul(dtype.size()))
+            .unwrap_or(usize::MAX);
         if span > 0 && need > storage.nbytes() {
             return Err(shape_err(
                 "from_storage",
@@ -202,8 +224,15 @@ impl Tensor {
         device: &Device,
         stream: &Stream,
     ) -> Result<Tensor> {
-        let numel = numel_of(shape);
-        let buffer = device.alloc(numel * dtype.size(), stream)?;
+        let nbytes = checked_numel("empty", shape)?
+            .checked_mul(dtype.size())
+            .ok_or_else(|| {
+                shape_err(
+                    "empty",
+                    format!("{shape:?} of {dtype} overflows usize bytes"),
+                )
+            })?;
+        let buffer = device.alloc(nbytes, stream)?;
         let storage = Storage::new(buffer, device)?;
         Ok(Tensor::from_parts(
             storage,
@@ -264,13 +293,13 @@ impl Tensor {
     /// # Errors
     /// [`AutogradError::Shape`] if `data.len()` is not the number of elements of `shape`.
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize], device: &Device) -> Result<Tensor> {
-        if data.len() != numel_of(shape) {
+        let numel = checked_numel("from_vec", shape)?;
+        if data.len() != numel {
             return Err(shape_err(
                 "from_vec",
                 format!(
-                    "{} values do not fill shape {shape:?} ({} elements)",
-                    data.len(),
-                    numel_of(shape)
+                    "{} values do not fill shape {shape:?} ({numel} elements)",
+                    data.len()
                 ),
             ));
         }
@@ -701,6 +730,16 @@ fn recv<T>(rx: mpsc::Receiver<T>, stream: &Stream) -> Result<T> {
             ))
         }
     }
+}
+
+/// [`span_of`] with overflow checking (`None` on overflow).
+pub(crate) fn checked_span(shape: &[usize], strides: &[usize]) -> Option<usize> {
+    if shape.contains(&0) {
+        return Some(0);
+    }
+    shape.iter().zip(strides).try_fold(1usize, |acc, (&n, &s)| {
+        acc.checked_add((n - 1).checked_mul(s)?)
+    })
 }
 
 /// Number of storage elements a view spans (0 for an empty view).

@@ -42,6 +42,25 @@ fn construction_and_readback_errors() {
     assert!(t.view(&[3]).is_err());
     assert!(t.split(&[1, 2]).is_err());
     assert!(t.narrow(0, 1, 2).is_err());
+    // Absurd sizes are errors, not overflows.
+    let huge = [usize::MAX / 2, 4];
+    assert!(matches!(
+        Tensor::zeros(&huge, DType::F32, &d),
+        Err(AutogradError::Shape { .. })
+    ));
+    assert!(Tensor::from_vec(vec![0.0f32; 2], &huge, &d).is_err());
+    assert!(t.view(&huge).is_err());
+    assert!(t.expand(&[usize::MAX, 2]).is_err());
+    assert!(t.narrow(0, usize::MAX, 2).is_err());
+    assert!(t.split(&[usize::MAX, 3]).is_err());
+    assert!(Tensor::from_storage(
+        t.storage().clone(),
+        &[2, 2],
+        &[usize::MAX, 1],
+        0,
+        DType::F32
+    )
+    .is_err());
 }
 
 #[test]

@@ -220,7 +220,14 @@ fn views_recreated_per_forward_share_one_accumulation() {
     for scale in [1.0f32, 10.0] {
         let p = flat.split(&[4, 2]).unwrap();
         let w = p[0].view(&[2, 2]).unwrap();
-        losses.push(linear(&x, &w, Some(&p[1])).unwrap().sum().unwrap().scale(scale).unwrap());
+        losses.push(
+            linear(&x, &w, Some(&p[1]))
+                .unwrap()
+                .sum()
+                .unwrap()
+                .scale(scale)
+                .unwrap(),
+        );
     }
     losses[0].add(&losses[1]).unwrap().backward().unwrap();
     assert_eq!(fired.load(Ordering::SeqCst), 1);

@@ -8,7 +8,7 @@ use crate::autograd::{needs_grad, record, record1};
 use crate::context::current_stream;
 use crate::error::{arg_err, shape_err, Result};
 use crate::launch::{contiguous_strides, launch, strided_copy_arg};
-use crate::tensor::{fill_arg, numel_of, Tensor};
+use crate::tensor::{checked_numel, fill_arg, numel_of, Tensor};
 
 impl Tensor {
     /// The same elements with another shape, sharing storage when the tensor is contiguous
@@ -30,7 +30,7 @@ impl Tensor {
     /// [`crate::AutogradError::Shape`] if the element counts differ or the tensor is not
     /// contiguous.
     pub fn view(&self, shape: &[usize]) -> Result<Tensor> {
-        if numel_of(shape) != self.numel() {
+        if checked_numel("view", shape)? != self.numel() {
             return Err(shape_err(
                 "view",
                 format!(
@@ -182,12 +182,12 @@ impl Tensor {
     /// Elements `start..start + len` of dimension `dim` (a view). Backward writes the gradient
     /// into a zero tensor of the input's shape.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        if dim >= self.dim() || start + len > self.shape()[dim] {
+        if dim >= self.dim() || start.checked_add(len).is_none_or(|e| e > self.shape()[dim]) {
             return Err(arg_err(
                 "narrow",
                 format!(
                     "range {start}..{} of dimension {dim} of shape {:?}",
-                    start + len,
+                    start.saturating_add(len),
                     self.shape()
                 ),
             ));
@@ -247,7 +247,8 @@ impl Tensor {
 
     /// [`Tensor::split`] along dimension `dim`.
     pub fn split_dim(&self, sizes: &[usize], dim: usize) -> Result<Vec<Tensor>> {
-        if dim >= self.dim() || sizes.iter().sum::<usize>() != self.shape()[dim] {
+        let total = sizes.iter().try_fold(0usize, |a, &n| a.checked_add(n));
+        if dim >= self.dim() || total != Some(self.shape()[dim]) {
             return Err(arg_err(
                 "split",
                 format!(
@@ -316,6 +317,7 @@ impl Tensor {
 
     /// [`Tensor::expand`] without autograd.
     pub(crate) fn expand_raw(&self, shape: &[usize]) -> Result<Tensor> {
+        checked_numel("expand", shape)?;
         let nd = shape.len();
         if self.dim() > nd {
             return Err(shape_err(
