@@ -50,6 +50,24 @@ fn units_of(model: &dyn Module) -> Vec<Vec<Parameter>> {
     blocks
 }
 
+/// CPU time of the whole process (all threads, incl. stream workers) in ms, from
+/// `/proc/self/stat` (Linux); `None` elsewhere. Reported next to wall times because the bench
+/// machine may be shared.
+fn process_cpu_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks * 10.0) // USER_HZ = 100 on Linux
+}
+
+fn json_opt(v: Option<f64>) -> String {
+    v.map_or("null".into(), |x| format!("{x:.0}"))
+}
+
+fn cpu_since(start: Option<f64>) -> Option<f64> {
+    Some(process_cpu_ms()? - start?)
+}
+
 fn layout_of(unit: &[Parameter]) -> FlatParamLayout {
     let shapes: Vec<Vec<usize>> = unit.iter().map(|p| p.shape().to_vec()).collect();
     FlatParamLayout::new(&shapes, WORLD).expect("layout")
@@ -104,10 +122,12 @@ fn main() {
 
     // Eager on one device.
     let eager_dev = Device::cpu(0);
+    let c0 = process_cpu_ms();
     let t0 = Instant::now();
     let eager = Gpt::new(&InitContext::eager(&eager_dev, SEED), &cfg).expect("eager model");
     eager_dev.synchronize().expect("sync");
     let eager_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let eager_cpu_ms = cpu_since(c0);
 
     // Fake: nothing allocated.
     let t0 = Instant::now();
@@ -131,6 +151,7 @@ fn main() {
     let shard_bytes: usize = chunk_bytes.iter().sum();
     let largest_chunk_bytes = *chunk_bytes.iter().max().expect("units");
 
+    let c0 = process_cpu_ms();
     let (deferred_unit_ms, unit_shards, unit_peaks) = run_ranks(
         &units,
         |u, l, r, d| {
@@ -139,11 +160,14 @@ fn main() {
         },
         10,
     );
+    let deferred_unit_cpu_ms = cpu_since(c0);
+    let c0 = process_cpu_ms();
     let (deferred_shard_ms, shard_shards, shard_peaks) = run_ranks(
         &units,
         |u, l, r, d| plan.materialize_shard(u, l, r, d).expect("shard only"),
         20,
     );
+    let deferred_shard_cpu_ms = cpu_since(c0);
 
     // Bitwise check against the eager flat parameters.
     let mut bitwise_equal = true;
@@ -175,10 +199,20 @@ fn main() {
         "model: {cfg:?}, {numel} parameters, {} units, W = {WORLD}",
         units.len()
     );
-    println!("eager (one device):              {eager_ms:9.1} ms");
+    let cpu = |c: Option<f64>| c.map_or("n/a".into(), |x| format!("{x:.0} ms"));
+    println!(
+        "eager (one device):              {eager_ms:9.1} ms wall, cpu {}",
+        cpu(eager_cpu_ms)
+    );
     println!("fake build:                      {fake_build_ms:9.1} ms");
-    println!("deferred unit by unit (4 ranks): {deferred_unit_ms:9.1} ms wall");
-    println!("deferred shard only (4 ranks):   {deferred_shard_ms:9.1} ms wall");
+    println!(
+        "deferred unit by unit (4 ranks): {deferred_unit_ms:9.1} ms wall, cpu {}",
+        cpu(deferred_unit_cpu_ms)
+    );
+    println!(
+        "deferred shard only (4 ranks):   {deferred_shard_ms:9.1} ms wall, cpu {}",
+        cpu(deferred_shard_cpu_ms)
+    );
     println!("per-rank peaks, unit by unit:    {unit_peaks:?}");
     println!("per-rank peaks, shard only:      {shard_peaks:?}");
     println!(
@@ -189,7 +223,9 @@ fn main() {
     println!(
         "{{\"bench\":\"init\",\"params\":{numel},\"world\":{WORLD},\"eager_ms\":{eager_ms:.1},\
          \"fake_build_ms\":{fake_build_ms:.2},\"deferred_unit_ms\":{deferred_unit_ms:.1},\
-         \"deferred_shard_ms\":{deferred_shard_ms:.1},\"bitwise_equal\":{bitwise_equal},\
+         \"deferred_shard_ms\":{deferred_shard_ms:.1},\"eager_cpu_ms\":{},\
+         \"deferred_unit_cpu_ms\":{},\"deferred_shard_cpu_ms\":{},\
+         \"bitwise_equal\":{bitwise_equal},\
          \"full_model_bytes\":{full_model_bytes},\"largest_unit_bytes\":{largest_unit_bytes},\
          \"shard_bytes\":{shard_bytes},\"largest_chunk_bytes\":{largest_chunk_bytes},\
          \"peak_bytes_unit_by_unit\":{peak_bytes_unit_by_unit},\
@@ -198,6 +234,9 @@ fn main() {
          \"expected_peak_shard_only\":{expected_shard},\
          \"peak_unit_by_unit_over_expected\":{ratio_unit:.4},\
          \"peak_shard_only_over_expected\":{ratio_shard:.4},\
-         \"peak_shard_only_over_shard_bytes\":{ratio_shard_to_shard:.4}}}"
+         \"peak_shard_only_over_shard_bytes\":{ratio_shard_to_shard:.4}}}",
+        json_opt(eager_cpu_ms),
+        json_opt(deferred_unit_cpu_ms),
+        json_opt(deferred_shard_cpu_ms),
     );
 }

@@ -274,3 +274,34 @@ fn rank_threads_share_one_fake_model() {
     }
     assert!(parameters(&fake).iter().all(|p| !p.is_materialized()));
 }
+
+#[test]
+fn empty_units_and_zero_sized_parameters() {
+    let dev = Device::cpu(60);
+    let plan = InitPlan::new(Vec::new()).unwrap();
+    assert!(plan.is_empty());
+    let layout = fsdp_flatparam::FlatParamLayout::new::<Vec<usize>>(&[], 2).unwrap();
+    let s = plan.materialize_shard(&[], &layout, 1, &dev).unwrap();
+    assert_eq!(s.numel(), 0);
+    // A unit of only zero-sized parameters: every rank gets an empty shard.
+    let ctx = InitContext::fake(0);
+    let unit = vec![
+        ctx.param(
+            "a",
+            &[0],
+            DType::F32,
+            vec![fsdp_autograd::init::InitOp::Fill(1.0)],
+        )
+        .unwrap(),
+        ctx.param("b", &[3, 0], DType::F32, vec![]).unwrap(),
+    ];
+    let layout = layout_of(&unit, 3);
+    for rank in 0..3 {
+        assert_eq!(
+            fsdp_init::materialize_shard(&unit, &layout, rank, &dev)
+                .unwrap()
+                .numel(),
+            0
+        );
+    }
+}
