@@ -25,7 +25,7 @@
 //! | one unit's parameters | [`materialize_unit`], [`InitPlan::materialize_unit`] | the unit |
 //! | unit → shard (build, shard, free) | [`InitPlan::materialize_unit_sharded`] | shards so far + one unit |
 //! | shard only | [`materialize_shard`], [`InitPlan::materialize_shard`] | shards so far (+ one whole parameter for `Custom` ops) |
-//! | streaming an existing model | [`InitPlan::materialize_shard`] on materialized parameters | shards so far |
+//! | streaming an existing model | [`stream_shard`] ([`InitPlan::materialize_shard`] on materialized parameters) | shards so far |
 //!
 //! Cross-unit dependencies (a `CopyFrom` whose source is in another unit) are detected
 //! ([`InitPlan::cross_unit_dependencies`]): replayed when the source is position-wise, refused
@@ -74,5 +74,5 @@ mod materialize;
 mod plan;
 
 pub use error::{MaterializeError, Result};
-pub use materialize::{materialize, materialize_shard, materialize_unit};
+pub use materialize::{materialize, materialize_shard, materialize_unit, stream_shard};
 pub use plan::{CrossUnitDependency, InitPlan};

@@ -494,3 +494,44 @@ pub fn materialize_shard(
 ) -> Result<Tensor> {
     InitPlan::new(params.iter().cloned())?.materialize_shard(params, layout, rank, device)
 }
+
+/// Streaming an existing model (the paper's third option): rank `rank`'s shard of a unit whose
+/// parameters are all materialized (e.g. a model built eagerly on a CPU device), copied piece
+/// by piece onto `device` — only the shard is allocated there. Call it unit by unit; free the
+/// source parameters ([`Parameter::take`]) once every rank has its shards.
+///
+/// ```
+/// use fsdp_alloc::Device;
+/// use fsdp_autograd::{nn::{parameters, Gpt, GptConfig}, InitContext};
+/// use fsdp_flatparam::FlatParamLayout;
+///
+/// let cpu = Device::cpu(0);
+/// let model = Gpt::new(&InitContext::eager(&cpu, 0), &GptConfig::tiny())?;
+/// let unit = parameters(&model);
+/// let shapes: Vec<Vec<usize>> = unit.iter().map(|p| p.shape().to_vec()).collect();
+/// let layout = FlatParamLayout::new(&shapes, 2)?;
+/// let rank_dev = Device::cpu(1);
+/// let shard = fsdp_init::stream_shard(&unit, &layout, 1, &rank_dev)?;
+/// assert_eq!(shard.numel(), layout.chunk_numel());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// [`MaterializeError::Unreadable`] if a parameter is not materialized (use
+/// [`materialize_shard`] for fake parameters) or its tensor is released or not contiguous; the
+/// layout, dtype and memory errors of [`InitPlan::materialize_shard`].
+pub fn stream_shard(
+    params: &[Parameter],
+    layout: &FlatParamLayout,
+    rank: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    if let Some(p) = params.iter().find(|p| !p.is_materialized()) {
+        return Err(MaterializeError::Unreadable {
+            param: p.name().to_string(),
+            detail: "it is not materialized; use materialize_shard to generate fake parameters"
+                .into(),
+        });
+    }
+    InitPlan::new(params.iter().cloned())?.materialize_shard(params, layout, rank, device)
+}

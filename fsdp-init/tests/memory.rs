@@ -227,7 +227,6 @@ fn streaming_an_existing_cpu_model_moves_only_the_shard() {
     let host = Device::cpu(0);
     let model = Gpt::new(&InitContext::eager(&host, SEED), &GptConfig::mini()).unwrap();
     let units = gpt_units(&model);
-    let plan = InitPlan::from_module(&model).unwrap();
     for world in [1, 3] {
         let mut got: Vec<Vec<u32>> = vec![Vec::new(); units.len()];
         for rank in 0..world {
@@ -237,7 +236,7 @@ fn streaming_an_existing_cpu_model_moves_only_the_shard() {
             for (i, unit) in units.iter().enumerate() {
                 let layout = layout_of(unit, world);
                 dev.reset_peak_stats();
-                let t = plan.materialize_shard(unit, &layout, rank, &dev).unwrap();
+                let t = fsdp_init::stream_shard(unit, &layout, rank, &dev).unwrap();
                 held += round512(layout.chunk_numel() * 4);
                 assert!(dev.memory_stats().peak_allocated_bytes <= held);
                 got[i].extend(bits(&t));
@@ -254,6 +253,11 @@ fn streaming_an_existing_cpu_model_moves_only_the_shard() {
     }
     // The source model is untouched.
     assert!(parameters(&model).iter().all(|p| p.is_materialized()));
+    // Fake parameters are refused by the streaming entry point.
+    let fake = Gpt::new(&InitContext::fake(SEED), &GptConfig::tiny()).unwrap();
+    let unit = parameters(&fake);
+    let err = fsdp_init::stream_shard(&unit, &layout_of(&unit, 2), 0, &host).unwrap_err();
+    assert!(matches!(err, MaterializeError::Unreadable { .. }), "{err}");
 }
 
 #[test]
