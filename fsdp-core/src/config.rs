@@ -2,7 +2,7 @@
 
 use std::str::FromStr;
 
-use fsdp_alloc::DType;
+use fsdp_alloc::{DType, Device};
 
 use crate::wrap::WrapPolicy;
 
@@ -142,7 +142,7 @@ impl FromStr for DeferredInit {
 }
 
 /// Everything [`crate::Fsdp::wrap`] needs to know.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct FsdpConfig {
     /// The sharding strategy.
     pub strategy: ShardingStrategy,
@@ -162,6 +162,12 @@ pub struct FsdpConfig {
     pub deferred_init: DeferredInit,
     /// Mixed precision; `None` computes and communicates in f32.
     pub mixed_precision: Option<MixedPrecision>,
+    /// CPU offload: keep the sharded parameters and sharded gradients on this host device (with
+    /// its own allocator and statistics) and run the optimizer step there; each unshard copies
+    /// the shard to the compute device, each reduction copies the gradient shard back.
+    /// Copies between devices are host-memory copies: CPU devices only (a CUDA compute device
+    /// is refused until host↔device copies exist).
+    pub cpu_offload: Option<Device>,
 }
 
 impl Default for FsdpConfig {
@@ -176,6 +182,7 @@ impl Default for FsdpConfig {
             buffer_lifetime: BufferLifetime::RecordStream,
             deferred_init: DeferredInit::ShardOnly,
             mixed_precision: None,
+            cpu_offload: None,
         }
     }
 }

@@ -124,6 +124,11 @@ struct State {
 pub(crate) struct Inner {
     device: Device,
     compute: Stream,
+    /// CPU offload: the host device holding shards and sharded gradients, and its stream (where
+    /// the optimizer runs). Without offload, the compute device and stream.
+    host: Device,
+    host_stream: Stream,
+    offload: bool,
     unshard_stream: Stream,
     reduce_stream: Stream,
     group: Arc<dyn ProcessGroup>,
@@ -214,6 +219,28 @@ fn slice_of(t: &Tensor) -> Result<DeviceSlice> {
     Ok(DeviceSlice::new(r, t.dtype())?)
 }
 
+/// Copies `src` into `dst` (contiguous f32 tensors of equal length, possibly on different CPU
+/// devices) as work launched on `stream`.
+fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
+    if src.numel() != dst.numel() {
+        return Err(FsdpError::Config(format!(
+            "copy of {} elements into {}",
+            src.numel(),
+            dst.numel()
+        )));
+    }
+    let (s, d) = (slice_of(src)?, slice_of(dst)?);
+    let (s, d) = (s.data().clone(), d.data().clone());
+    stream.launch(move || {
+        let s = s.read::<f32>().expect("offload copy: source unreadable");
+        let mut d = d
+            .write::<f32>()
+            .expect("offload copy: destination unwritable");
+        d.copy_from_slice(&s);
+    });
+    Ok(())
+}
+
 impl<M: Module + 'static> Fsdp<M> {
     /// Wraps `model` (already built, with the same values, on every rank) for training on
     /// `device` over `comm`. Each unit's parameters are flattened and this rank keeps only its
@@ -279,6 +306,36 @@ impl<M: Module + 'static> Fsdp<M> {
         let compute = fsdp_autograd::current_stream(device);
         let unshard_stream = device.new_stream("fsdp-unshard");
         let reduce_stream = device.new_stream("fsdp-reduce");
+        let (host, host_stream, offload) = match &config.cpu_offload {
+            Some(h) => {
+                if !matches!(device.id(), fsdp_alloc::DeviceId::Cpu(_))
+                    || !matches!(h.id(), fsdp_alloc::DeviceId::Cpu(_))
+                {
+                    return Err(FsdpError::Config(format!(
+                        "CPU offload between {} and {} needs host<->device copies, which exist \
+                         only between CPU devices so far",
+                        device.id(),
+                        h.id()
+                    )));
+                }
+                if !config.strategy.is_sharded() {
+                    return Err(FsdpError::Config(
+                        "CPU offload needs a sharded strategy: NoShard computes on the full \
+                         parameters in place (use FullShard, ShardGradOp or HybridShard)"
+                            .into(),
+                    ));
+                }
+                if h == device {
+                    return Err(FsdpError::Config(
+                        "cpu_offload names the compute device itself; give it a separate host \
+                         device (e.g. Device::cpu(1000 + rank))"
+                            .into(),
+                    ));
+                }
+                (h.clone(), fsdp_autograd::current_stream(h), true)
+            }
+            None => (device.clone(), compute.clone(), false),
+        };
 
         let mut units = Vec::with_capacity(plans.len());
         for plan in &plans {
@@ -302,12 +359,12 @@ impl<M: Module + 'static> Fsdp<M> {
             // This rank's shard: copied from materialized parameters (an eager or streamed
             // model), generated directly from the recorded init ops for parameters built on the
             // fake device (deferred init) — bit for bit what eager init would have produced.
-            let shard = with_stream(&compute, || match config.deferred_init {
+            let shard = with_stream(&host_stream, || match config.deferred_init {
                 DeferredInit::ShardOnly => {
-                    init_plan.materialize_shard(&params, &layout, rank, device)
+                    init_plan.materialize_shard(&params, &layout, rank, &host)
                 }
                 DeferredInit::UnitByUnit => {
-                    init_plan.materialize_unit_sharded(&params, &layout, rank, device)
+                    init_plan.materialize_unit_sharded(&params, &layout, rank, &host)
                 }
             })?;
             let storage = if config.strategy.is_sharded() {
@@ -339,12 +396,15 @@ impl<M: Module + 'static> Fsdp<M> {
                 post_backward_done: false,
             });
         }
-        let params_ready = compute.record_event();
+        let params_ready = host_stream.record_event();
         let limiter = (config.limit_all_gathers && config.strategy.is_sharded())
             .then(|| RateLimiter::new(config.max_inflight_all_gathers));
         let inner = Arc::new(Inner {
             device: device.clone(),
             compute,
+            host,
+            host_stream,
+            offload,
             unshard_stream,
             reduce_stream,
             group,
@@ -399,19 +459,22 @@ impl<M: Module + 'static> Fsdp<M> {
         self.inner.check_works()?;
         let inner = &self.inner;
         let mut st = inner.lock();
-        with_stream(&inner.compute, || {
+        // The optimizer runs where the shards live: the compute stream, or the host stream
+        // under CPU offload.
+        with_stream(&inner.host_stream, || {
             no_grad(|| -> Result<()> {
                 for h in &st.units {
                     if let Some(g) = &h.shard_grad {
                         h.shard.add_scaled_(g, -lr)?;
                         // The gradient came from the reduce stream; it is read here.
-                        g.storage().with_buffer(|b| b.record_stream(&inner.compute));
+                        g.storage()
+                            .with_buffer(|b| b.record_stream(&inner.host_stream));
                     }
                 }
                 Ok(())
             })
         })?;
-        st.params_ready = inner.compute.record_event();
+        st.params_ready = inner.host_stream.record_event();
         Ok(())
     }
 
@@ -462,7 +525,7 @@ impl<M: Module + 'static> Fsdp<M> {
     /// Tells FSDP the shards were updated on the compute stream (after an optimizer step or a
     /// state-dict load): the next all-gather waits for everything launched there so far.
     pub fn params_updated(&self) {
-        let ev = self.inner.compute.record_event();
+        let ev = self.inner.host_stream.record_event();
         self.inner.lock().params_ready = ev;
     }
 
@@ -490,6 +553,17 @@ impl<M: Module + 'static> Fsdp<M> {
     /// The compute stream (the device's current stream when wrapping).
     pub fn compute_stream(&self) -> &Stream {
         &self.inner.compute
+    }
+
+    /// Where the shards and sharded gradients live and optimizer work must be launched: the
+    /// host stream under CPU offload, else the compute stream.
+    pub fn optimizer_stream(&self) -> &Stream {
+        &self.inner.host_stream
+    }
+
+    /// The device holding the shards: the offload host device, else the compute device.
+    pub fn shard_device(&self) -> &Device {
+        &self.inner.host
     }
 
     /// Turns gradient synchronization off (`false`) or back on. While off, post-backward keeps
@@ -589,7 +663,7 @@ impl<M: Module + 'static> Fsdp<M> {
     pub fn full_parameters(&self) -> Result<Vec<FullParameter>> {
         self.synchronize()?;
         let inner = &self.inner;
-        let (shards, layouts, names) = {
+        let (shards, layouts, names, ready) = {
             let st = inner.lock();
             (
                 st.units.iter().map(|h| h.shard.clone()).collect::<Vec<_>>(),
@@ -598,6 +672,7 @@ impl<M: Module + 'static> Fsdp<M> {
                     .map(|h| h.layout.clone())
                     .collect::<Vec<_>>(),
                 st.units.iter().map(|h| h.names.clone()).collect::<Vec<_>>(),
+                st.params_ready.clone(),
             )
         };
         let mut out = Vec::new();
@@ -606,8 +681,9 @@ impl<M: Module + 'static> Fsdp<M> {
                 let full = with_stream(&inner.compute, || {
                     Tensor::zeros(&[layout.padded_numel()], DType::F32, &inner.device)
                 })?;
+                let shard = inner.shard_on_device(shard, &inner.compute, &ready)?;
                 let work = inner.group.all_gather_into(
-                    &slice_of(shard)?,
+                    &slice_of(&shard)?,
                     &slice_of(&full)?,
                     &inner.compute,
                 );
@@ -825,11 +901,31 @@ impl Inner {
             })?
         };
         let h = &mut st.units[u];
-        match &h.shard_grad {
-            Some(acc) => with_stream(&self.reduce_stream, || no_grad(|| acc.add_(&new_grad)))?,
-            None => h.shard_grad = Some(new_grad),
+        if self.offload {
+            // Copy the reduced shard gradient to the host on the reduce stream; accumulate there.
+            // Owned by the reduce stream, which writes it first: a block freed on the host stream
+            // must not be handed to a write on another stream before the host stream's earlier
+            // work on it has run.
+            let buf = self.host.alloc(new_grad.numel() * 4, &self.reduce_stream)?;
+            let host_grad = Tensor::from_buffer(buf, &[new_grad.numel()], DType::F32, &self.host)?;
+            copy_tensor(&new_grad, &host_grad, &self.reduce_stream)?;
+            self.host_stream
+                .wait_event(&self.reduce_stream.record_event());
+            match &h.shard_grad {
+                Some(acc) => with_stream(&self.host_stream, || no_grad(|| acc.add_(&host_grad)))?,
+                None => h.shard_grad = Some(host_grad),
+            }
+        } else {
+            match &h.shard_grad {
+                Some(acc) => with_stream(&self.reduce_stream, || no_grad(|| acc.add_(&new_grad)))?,
+                None => h.shard_grad = Some(new_grad),
+            }
         }
-        let done = self.reduce_stream.record_event();
+        let done = if self.offload {
+            self.host_stream.record_event()
+        } else {
+            self.reduce_stream.record_event()
+        };
         st.iter.pending_reductions.push(done);
         st.units[u].post_backward_done = true;
         if self.config.backward_prefetch == BackwardPrefetch::BackwardPost {
@@ -845,6 +941,14 @@ impl Inner {
         let mut st = self.lock();
         for ev in std::mem::take(&mut st.iter.pending_reductions) {
             self.compute.wait_event(&ev);
+            if self.offload {
+                self.host_stream.wait_event(&ev);
+            }
+        }
+        if self.offload {
+            // The unshard copies read the host shards; the compute stream waited for all of them.
+            // The optimizer (host stream) must not overwrite a shard before that.
+            self.host_stream.wait_event(&self.compute.record_event());
         }
         for u in 0..st.units.len() {
             self.reshard(&mut st, u);
@@ -875,11 +979,12 @@ impl Inner {
                 .alloc(h.unsharded_bytes(), &self.unshard_stream)?;
             let out = DeviceSlice::new(buf.data().clone(), h.param_dtype)?;
             // Mixed precision: cast the f32 shard once per unshard, gather in low precision.
+            let shard = self.shard_on_device(&h.shard, &self.unshard_stream, &st.params_ready)?;
             let input = if h.param_dtype == DType::F32 {
-                h.shard.clone()
+                shard
             } else {
                 with_stream(&self.unshard_stream, || {
-                    no_grad(|| h.shard.to_dtype(h.param_dtype))
+                    no_grad(|| shard.to_dtype(h.param_dtype))
                 })?
             };
             let work = self
@@ -895,6 +1000,20 @@ impl Inner {
         }
         st.units[u].unsharded = true;
         self.ensure_views(st, u)
+    }
+
+    /// The shard as a tensor on the compute device: itself, or (CPU offload) a copy made on
+    /// `stream` after the last optimizer update.
+    fn shard_on_device(&self, shard: &Tensor, stream: &Stream, ready: &Event) -> Result<Tensor> {
+        if !self.offload {
+            return Ok(shard.clone());
+        }
+        stream.wait_event(ready);
+        let dev = with_stream(stream, || {
+            Tensor::empty(&[shard.numel()], DType::F32, &self.device)
+        })?;
+        copy_tensor(shard, &dev, stream)?;
+        Ok(dev)
     }
 
     /// Makes the compute stream wait for unit `u`'s all-gather, if it has not yet.

@@ -71,6 +71,11 @@ fn fsdp_with(
             InitContext::eager(&dev, SEED)
         };
         let model = Gpt::new(&ctx, &model_cfg).unwrap();
+        // CPU offload: each rank gets its own host device.
+        let mut config = config.clone();
+        if config.cpu_offload.is_some() {
+            config.cpu_offload = Some(Device::cpu(500 + rank));
+        }
         let comm: Comm = match shard {
             Some(f) => DeviceMesh::new(Arc::clone(&pg) as Arc<dyn ProcessGroup>, f)
                 .unwrap()
@@ -266,5 +271,80 @@ fn tied_embedding_and_head_go_to_their_common_ancestor_and_train_like_local() {
             };
             check_with(w, None, config, false, &tied);
         }
+    }
+}
+
+#[test]
+fn cpu_offload_trains_exactly_like_no_offload() {
+    for (w, strategy) in [
+        (3, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::ShardGradOp),
+        (3, ShardingStrategy::ShardGradOp),
+        (4, ShardingStrategy::FullShard),
+    ] {
+        for (backward_prefetch, limit_all_gathers) in [
+            (BackwardPrefetch::BackwardPre, true),
+            (BackwardPrefetch::None, false),
+        ] {
+            let config = FsdpConfig {
+                strategy,
+                wrap_policy: blocks(),
+                backward_prefetch,
+                limit_all_gathers,
+                cpu_offload: Some(Device::cpu(0)), // replaced by a per-rank host device
+                ..FsdpConfig::default()
+            };
+            check(w, None, config);
+        }
+    }
+}
+
+#[test]
+fn cpu_offload_keeps_shards_and_gradients_on_the_host_device() {
+    let stats = run_ranks(2, |rank, pg| {
+        let dev = Device::cpu(rank);
+        let host = Device::cpu(600 + rank);
+        let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+        let config = FsdpConfig {
+            wrap_policy: blocks(),
+            cpu_offload: Some(host.clone()),
+            ..FsdpConfig::default()
+        };
+        let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+        let (x, y) = batch(0, rank, 2, &dev);
+        micro_loss(&fsdp.forward(&x).unwrap(), &y, 2)
+            .backward()
+            .unwrap();
+        drop((x, y));
+        fsdp.synchronize().unwrap();
+        let host_with_grads = host.memory_stats().allocated_bytes;
+        fsdp.sgd_step(LR).unwrap();
+        fsdp.zero_grad();
+        fsdp.synchronize().unwrap();
+        host.synchronize().unwrap();
+        let shard_bytes: usize = fsdp.units().iter().map(|u| u.3 * 4).sum();
+        (
+            dev.memory_stats().allocated_bytes,
+            host.memory_stats().allocated_bytes,
+            host_with_grads,
+            shard_bytes,
+        )
+    });
+    for (rank, (dev_alloc, host_alloc, host_with_grads, shard_bytes)) in
+        stats.into_iter().enumerate()
+    {
+        assert_eq!(
+            dev_alloc, 0,
+            "rank {rank}: nothing persistent stays on the compute device"
+        );
+        // Allocations round up to 512 bytes each; one shard per unit.
+        assert!(
+            host_alloc >= shard_bytes && host_alloc < shard_bytes + 512 * 8,
+            "rank {rank}: host holds the shards ({shard_bytes} B), got {host_alloc} B"
+        );
+        assert!(
+            host_with_grads >= 2 * shard_bytes,
+            "rank {rank}: after backward the host also holds the gradient shards"
+        );
     }
 }
