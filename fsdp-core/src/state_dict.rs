@@ -279,6 +279,12 @@ pub enum StateDictError {
         /// What is wrong (dtype, element count, device).
         detail: String,
     },
+    /// Optimizer step counts that do not fit the model.
+    #[error("optimizer step counts: {detail}")]
+    Steps {
+        /// What is wrong.
+        detail: String,
+    },
     /// A name that cannot be stored.
     #[error("state dict: {what} name `{name}` {reason}")]
     InvalidName {
@@ -640,16 +646,22 @@ pub struct LocalStateDict {
     pub units: Vec<LocalUnit>,
 }
 
-/// An optimizer's state in FSDP's sharded layout: a step count and, per slot, one f32 tensor per
-/// unit laid out like the unit's shard (`layout.chunk_numel()` elements), or `None` for units
-/// the slot has no state for (e.g. frozen units, or before the first step).
+/// An optimizer's state in FSDP's sharded layout: a step count per unit and, per slot, one f32
+/// tensor per unit laid out like the unit's shard (`layout.chunk_numel()` elements), or `None`
+/// for units the slot has no state for (e.g. frozen units, or before the first step).
 ///
-/// This is the shape [`crate::optim`]'s optimizers expose (`state()`, a step count and
-/// `load_state`); any optimizer keeping per-unit shard tensors fits.
+/// This is the shape [`crate::optim`]'s sharded optimizers expose: build it as
+/// `OptimState { steps: opt.step_counts(), slots: opt.state() }` and give a loaded one back with
+/// `opt.load_state(&fsdp, st.slots, st.steps)`. Any optimizer keeping per-unit shard tensors
+/// fits.
+///
+/// In state dicts, step counts are stored **per parameter** (each parameter gets its unit's
+/// count), so they survive a change of wrap policy; on load, each unit takes the count its
+/// parameters agree on.
 #[derive(Debug, Clone)]
 pub struct OptimState {
-    /// Number of optimizer steps taken.
-    pub step: u64,
+    /// Steps taken, per unit.
+    pub steps: Vec<u64>,
     /// `(slot name, per-unit shard tensors)`, one entry per slot.
     pub slots: Vec<(String, Vec<Option<Tensor>>)>,
 }
@@ -660,8 +672,9 @@ pub struct OptimState {
 pub struct FullOptimStateDict {
     /// The number of shards of the run that produced it (informational).
     pub world_size: usize,
-    /// Number of optimizer steps taken.
-    pub step: u64,
+    /// Steps taken, per parameter (every parameter of the model; its unit's count). Present on
+    /// every rank, also with `rank0_only`.
+    pub steps: Vec<(String, u64)>,
     /// `(slot name, state of each parameter)`; the entries are empty on non-primary ranks of a
     /// `rank0_only` gather.
     pub slots: Vec<(String, Vec<TensorEntry>)>,
@@ -685,7 +698,7 @@ impl FullOptimStateDict {
             path.as_ref(),
             KIND_FULL_OPTIM,
             self.world_size,
-            Some(self.step),
+            Some(&self.steps),
             &slots,
         )
     }
@@ -698,7 +711,7 @@ impl FullOptimStateDict {
         let f = read_full_file(path.as_ref(), KIND_FULL_OPTIM)?;
         Ok(FullOptimStateDict {
             world_size: f.world_size,
-            step: f.step.unwrap_or(0),
+            steps: f.steps.unwrap_or_default(),
             slots: f.slots,
         })
     }
@@ -708,8 +721,8 @@ impl FullOptimStateDict {
 /// catalogue lists the parameters that have state in that slot).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ShardedOptimStateDict {
-    /// Number of optimizer steps taken.
-    pub step: u64,
+    /// Steps taken, per parameter (every parameter of the model; its unit's count).
+    pub steps: Vec<(String, u64)>,
     /// `(slot name, the slot's pieces)`.
     pub slots: Vec<(String, ShardedStateDict)>,
 }
@@ -726,13 +739,13 @@ impl ShardedOptimStateDict {
         let Some(first) = dicts.first() else {
             return Ok(ShardedOptimStateDict::default());
         };
-        let step = first.step;
+        let steps = first.steps.clone();
         let names: Vec<String> = first.slots.iter().map(|(s, _)| s.clone()).collect();
         let mut per_slot: Vec<Vec<ShardedStateDict>> = vec![Vec::new(); names.len()];
         for d in dicts {
-            if d.step != step {
+            if d.steps != steps {
                 return Err(StateDictError::Incompatible {
-                    detail: format!("optimizer steps {step} and {}", d.step),
+                    detail: "the per-parameter step counts differ".into(),
                 });
             }
             let these: Vec<&String> = d.slots.iter().map(|(s, _)| s).collect();
@@ -749,7 +762,7 @@ impl ShardedOptimStateDict {
         for (name, dicts) in names.into_iter().zip(per_slot) {
             slots.push((name, ShardedStateDict::merge(dicts)?));
         }
-        Ok(ShardedOptimStateDict { step, slots })
+        Ok(ShardedOptimStateDict { steps, slots })
     }
 
     /// Writes this rank's (or these ranks') files into `dir` (see [`ShardedStateDict::save`]).
@@ -764,7 +777,7 @@ impl ShardedOptimStateDict {
         write_sharded_dir(
             dir.as_ref(),
             KIND_SHARDED_OPTIM,
-            Some(self.step),
+            Some(&self.steps),
             &slots,
             &ranks,
         )
@@ -780,7 +793,7 @@ impl ShardedOptimStateDict {
         let ranks: Vec<usize> = (0..meta.world_size).collect();
         let slots = read_sharded_ranks(dir, KIND_SHARDED_OPTIM, &meta, &ranks)?;
         Ok(ShardedOptimStateDict {
-            step: meta.step.unwrap_or(0),
+            steps: meta.steps.unwrap_or_default(),
             slots,
         })
     }
@@ -1361,6 +1374,7 @@ fn fill_range(
 /// # Errors
 /// Device and tensor errors.
 pub fn sharded_state_dict<M: Module + 'static>(fsdp: &Fsdp<M>) -> Result<ShardedStateDict> {
+    fsdp.synchronize()?;
     let ctx = Ctx::of(fsdp);
     let tensors: Vec<Option<Tensor>> = ctx.shards.iter().map(|s| Some(s.shard.clone())).collect();
     shard_pieces(&ctx, &tensors)
@@ -1454,6 +1468,7 @@ fn ranks_needed(ctx: &Ctx, dir: &Path, kind: &str, meta: &ShardedMeta) -> Result
 /// # Errors
 /// Device and tensor errors.
 pub fn local_state_dict<M: Module + 'static>(fsdp: &Fsdp<M>) -> Result<LocalStateDict> {
+    fsdp.synchronize()?;
     let ctx = Ctx::of(fsdp);
     let mut units = Vec::with_capacity(ctx.shards.len());
     for s in &ctx.shards {
@@ -1599,6 +1614,7 @@ pub fn full_optim_state_dict<M: Module + 'static>(
     fsdp.synchronize()?;
     let ctx = Ctx::of(fsdp);
     check_slots(state.slots.iter().map(|(s, _)| s.as_str()))?;
+    let steps = param_steps(&ctx, &state.steps)?;
     let keep = !rank0_only || ctx.is_primary();
     let mut slots = Vec::with_capacity(state.slots.len());
     for (name, tensors) in &state.slots {
@@ -1607,7 +1623,7 @@ pub fn full_optim_state_dict<M: Module + 'static>(
     }
     Ok(FullOptimStateDict {
         world_size: ctx.factor,
-        step: state.step,
+        steps,
         slots,
     })
 }
@@ -1630,12 +1646,74 @@ pub fn load_full_optim_state_dict<M: Module + 'static>(
     for (slot, entries) in &dict.slots {
         all.push(chunks_from_entries(&ctx, entries, &slot_what(slot), false)?);
     }
-    to_optim_state(&ctx, dict.step, &dict.slots, all)
+    to_optim_state(&ctx, unit_steps(&ctx, &dict.steps)?, &dict.slots, all)
+}
+
+/// Per-parameter step counts from per-unit ones.
+fn param_steps(ctx: &Ctx, steps: &[u64]) -> Result<Vec<(String, u64)>> {
+    if steps.len() != ctx.shards.len() {
+        return Err(StateDictError::Steps {
+            detail: format!(
+                "{} per-unit step counts, the wrapped model has {} units",
+                steps.len(),
+                ctx.shards.len()
+            ),
+        });
+    }
+    Ok(ctx
+        .shards
+        .iter()
+        .zip(steps)
+        .flat_map(|(s, &n)| s.names.iter().map(move |name| (name.clone(), n)))
+        .collect())
+}
+
+/// Per-unit step counts from per-parameter ones (the parameters of a unit must agree).
+fn unit_steps(ctx: &Ctx, steps: &[(String, u64)]) -> Result<Vec<u64>> {
+    const WHAT: &str = "optimizer step count of parameter";
+    let mut map: HashMap<&str, u64> = HashMap::with_capacity(steps.len());
+    for (name, n) in steps {
+        if map.insert(name.as_str(), *n).is_some() {
+            return Err(StateDictError::DuplicateEntry {
+                what: WHAT.into(),
+                name: name.clone(),
+            });
+        }
+    }
+    let names = all_names(ctx);
+    if let Some((name, _)) = steps.iter().find(|(n, _)| !names.contains(n.as_str())) {
+        return Err(StateDictError::UnexpectedEntry {
+            what: WHAT.into(),
+            name: name.clone(),
+        });
+    }
+    let mut out = Vec::with_capacity(ctx.shards.len());
+    for s in &ctx.shards {
+        let mut unit: Option<(u64, &str)> = None;
+        for name in &s.names {
+            let n = *map.get(name.as_str()).ok_or_else(|| missing(WHAT, name))?;
+            match unit {
+                Some((m, first)) if m != n => {
+                    return Err(StateDictError::Steps {
+                        detail: format!(
+                            "parameters `{first}` ({m} steps) and `{name}` ({n} steps) share \
+                             unit `{}` now; one unit has one step count",
+                            s.path
+                        ),
+                    })
+                }
+                Some(_) => {}
+                None => unit = Some((n, name)),
+            }
+        }
+        out.push(unit.map_or(0, |(n, _)| n));
+    }
+    Ok(out)
 }
 
 fn to_optim_state<T>(
     ctx: &Ctx,
-    step: u64,
+    steps: Vec<u64>,
     names: &[(String, T)],
     chunks: Vec<Vec<Option<Vec<f32>>>>,
 ) -> Result<OptimState> {
@@ -1650,7 +1728,7 @@ fn to_optim_state<T>(
         }
         slots.push((name.clone(), tensors));
     }
-    Ok(OptimState { step, slots })
+    Ok(OptimState { steps, slots })
 }
 
 /// This rank's sharded optimizer state dict (per slot, its pieces of every parameter with
@@ -1663,17 +1741,16 @@ pub fn sharded_optim_state_dict<M: Module + 'static>(
     fsdp: &Fsdp<M>,
     state: &OptimState,
 ) -> Result<ShardedOptimStateDict> {
+    fsdp.synchronize()?;
     let ctx = Ctx::of(fsdp);
     check_slots(state.slots.iter().map(|(s, _)| s.as_str()))?;
+    let steps = param_steps(&ctx, &state.steps)?;
     let mut slots = Vec::with_capacity(state.slots.len());
     for (name, tensors) in &state.slots {
         let tensors = ctx.check_slot(name, tensors)?;
         slots.push((name.clone(), shard_pieces(&ctx, &tensors)?));
     }
-    Ok(ShardedOptimStateDict {
-        step: state.step,
-        slots,
-    })
+    Ok(ShardedOptimStateDict { steps, slots })
 }
 
 /// Turns a sharded optimizer state dict (saved at any world size) into this rank's per-unit
@@ -1691,7 +1768,7 @@ pub fn load_sharded_optim_state_dict<M: Module + 'static>(
     for (slot, d) in &dict.slots {
         all.push(chunks_from_pieces(&ctx, d, &slot_what(slot), false)?);
     }
-    to_optim_state(&ctx, dict.step, &dict.slots, all)
+    to_optim_state(&ctx, unit_steps(&ctx, &dict.steps)?, &dict.slots, all)
 }
 
 /// Gathers the optimizer state with `rank0_only` and writes it to `path` on the primary rank.
@@ -1762,7 +1839,7 @@ pub fn load_sharded_optim<M: Module + 'static>(
     let ranks = ranks_needed(&ctx, dir, KIND_SHARDED_OPTIM, &meta)?;
     let slots = read_sharded_ranks(dir, KIND_SHARDED_OPTIM, &meta, &ranks)?;
     let dict = ShardedOptimStateDict {
-        step: meta.step.unwrap_or(0),
+        steps: meta.steps.unwrap_or_default(),
         slots,
     };
     load_sharded_optim_state_dict(fsdp, &dict)
@@ -1843,14 +1920,17 @@ fn encode_shape(shape: &[usize]) -> String {
         .join(",")
 }
 
-fn base_meta(kind: &str, world_size: usize, step: Option<u64>) -> HashMap<String, String> {
+type ParamSteps = [(String, u64)];
+
+fn base_meta(kind: &str, world_size: usize, steps: Option<&ParamSteps>) -> HashMap<String, String> {
     let mut m = HashMap::new();
     m.insert("format".into(), FORMAT.into());
     m.insert("format_version".into(), FORMAT_VERSION.to_string());
     m.insert("kind".into(), kind.into());
     m.insert("world_size".into(), world_size.to_string());
-    if let Some(s) = step {
-        m.insert("step".into(), s.to_string());
+    if let Some(steps) = steps {
+        let lines: Vec<String> = steps.iter().map(|(n, k)| format!("{n}\t{k}")).collect();
+        m.insert("steps".into(), lines.join("\n"));
     }
     m
 }
@@ -1885,12 +1965,17 @@ fn write_full_file(
     path: &Path,
     kind: &str,
     world_size: usize,
-    step: Option<u64>,
+    steps: Option<&ParamSteps>,
     slots: &[(&str, &[TensorEntry])],
 ) -> Result<()> {
-    let mut meta = base_meta(kind, world_size, step);
+    if let Some(steps) = steps {
+        for (n, _) in steps {
+            check_param_name(n)?;
+        }
+    }
+    let mut meta = base_meta(kind, world_size, steps);
     let mut tensors = Vec::new();
-    if step.is_some() {
+    if steps.is_some() {
         meta.insert(
             "slots".into(),
             slots.iter().map(|(s, _)| *s).collect::<Vec<_>>().join("\n"),
@@ -1998,6 +2083,16 @@ fn meta_num<T: std::str::FromStr>(
         .map_err(|_| format_err(path, format!("metadata `{k}` = `{s}` is not a number")))
 }
 
+fn parse_steps(meta: &HashMap<String, String>, path: &Path) -> Result<Vec<(String, u64)>> {
+    lines(meta_str(meta, "steps", path)?)
+        .map(|line| {
+            let bad = || format_err(path, format!("bad step-count line `{line}`"));
+            let (name, n) = line.split_once('\t').ok_or_else(bad)?;
+            Ok((name.to_string(), n.parse().map_err(|_| bad())?))
+        })
+        .collect()
+}
+
 fn lines(s: &str) -> impl Iterator<Item = &str> {
     s.split('\n').filter(|l| !l.is_empty())
 }
@@ -2045,7 +2140,7 @@ fn f32_values(
 
 struct FullFile {
     world_size: usize,
-    step: Option<u64>,
+    steps: Option<Vec<(String, u64)>>,
     slots: Vec<(String, Vec<TensorEntry>)>,
 }
 
@@ -2058,8 +2153,8 @@ fn read_full_file(path: &Path, kind: &str) -> Result<FullFile> {
         source,
     })?;
     let world_size = meta_num(&meta, "world_size", path)?;
-    let step = if optim {
-        Some(meta_num(&meta, "step", path)?)
+    let steps = if optim {
+        Some(parse_steps(&meta, path)?)
     } else {
         None
     };
@@ -2089,7 +2184,7 @@ fn read_full_file(path: &Path, kind: &str) -> Result<FullFile> {
     }
     Ok(FullFile {
         world_size,
-        step,
+        steps,
         slots,
     })
 }
@@ -2097,7 +2192,7 @@ fn read_full_file(path: &Path, kind: &str) -> Result<FullFile> {
 /// Top-level metadata of a sharded checkpoint directory.
 struct ShardedMeta {
     world_size: usize,
-    step: Option<u64>,
+    steps: Option<Vec<(String, u64)>>,
     /// Per slot, the catalogue.
     slots: Vec<(String, Vec<ParamMeta>)>,
 }
@@ -2124,12 +2219,17 @@ fn params_key(slot: &str) -> String {
 fn write_sharded_dir(
     dir: &Path,
     kind: &str,
-    step: Option<u64>,
+    steps: Option<&ParamSteps>,
     slots: &[(&str, &ShardedStateDict)],
     ranks: &[usize],
 ) -> Result<()> {
     let world = slots.first().map_or(0, |(_, d)| d.world_size);
-    let mut base = base_meta(kind, world, step);
+    if let Some(steps) = steps {
+        for (n, _) in steps {
+            check_param_name(n)?;
+        }
+    }
+    let mut base = base_meta(kind, world, None);
     base.insert(
         "slots".into(),
         slots.iter().map(|(s, _)| *s).collect::<Vec<_>>().join("\n"),
@@ -2201,7 +2301,8 @@ fn write_sharded_dir(
         write_file(&rank_path(dir, r, world, true), Vec::new(), meta)?;
     }
     if ranks.contains(&0) {
-        let mut meta = base;
+        let mut meta = base_meta(kind, world, steps);
+        meta.extend(base);
         meta.insert("kind".into(), format!("{kind}-meta"));
         for (slot, d) in slots {
             let cat: Vec<String> = d
@@ -2221,8 +2322,8 @@ fn read_sharded_meta(dir: &Path, kind: &str) -> Result<ShardedMeta> {
     let (meta, _) = read_file_meta(&path, &format!("{kind}-meta"))?;
     let optim = kind == KIND_SHARDED_OPTIM;
     let world_size = meta_num(&meta, "world_size", &path)?;
-    let step = if optim {
-        Some(meta_num(&meta, "step", &path)?)
+    let steps = if optim {
+        Some(parse_steps(&meta, &path)?)
     } else {
         None
     };
@@ -2242,7 +2343,7 @@ fn read_sharded_meta(dir: &Path, kind: &str) -> Result<ShardedMeta> {
     }
     Ok(ShardedMeta {
         world_size,
-        step,
+        steps,
         slots,
     })
 }
