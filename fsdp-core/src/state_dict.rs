@@ -47,10 +47,11 @@
 //! ```
 //!
 //! # Memory behaviour
-//! - [`full_state_dict`] gathers **one unit at a time**: a device buffer of the unit's padded flat
-//!   size is all-gathered on the compute stream, copied to the host, and freed before the next unit.
-//!   The extra device memory is therefore at most the largest unit (`max ψᵢ`, as one forward
-//!   unshard). With `rank0_only = false` every rank ends up with a host copy of the whole model
+//! - [`full_state_dict`] gathers **one unit at a time**: a buffer of the unit's padded flat size
+//!   is allocated on the shard device (the compute device, or the host device under CPU offload),
+//!   all-gathered on the shard stream ([`Fsdp::optimizer_stream`]), copied to the host, and freed
+//!   before the next unit. The extra device memory is therefore at most the largest unit
+//!   (`max ψᵢ`, as one forward unshard). With `rank0_only = false` every rank ends up with a host copy of the whole model
 //!   (`Ψ`). With `rank0_only = true` only the primary rank keeps host copies; the other ranks still
 //!   take part in every all-gather (there is no gather-to-one collective, so each of them also
 //!   holds one unit's gathered device buffer at a time) but never copy it to the host.
@@ -105,6 +106,9 @@
 //! - A rank that fails validation *before* a collective (e.g. an optimizer slot tensor of the
 //!   wrong size on one rank) leaves its peers waiting in that collective until the process group's
 //!   timeout; validate inputs identically on every rank.
+//! - Under CPU offload the shards live on the host device, and the full state dict's all-gathers
+//!   run there, between host buffers (what the thread backend does; a backend that can only
+//!   gather device memory would need a copy first).
 //! - With `HybridShard`, sharded files are written once per shard (by replicate-group rank 0); the
 //!   recorded world size is the shard-group size.
 
@@ -805,7 +809,9 @@ impl ShardedOptimStateDict {
 struct Ctx {
     shards: Vec<UnitShard>,
     device: Device,
-    compute: Stream,
+    /// Where the shards live and are read and written: the shard device's optimizer stream
+    /// (the compute stream, or the host stream under CPU offload).
+    stream: Stream,
     group: Arc<dyn ProcessGroup>,
     replicate: Option<Arc<dyn ProcessGroup>>,
     /// The sharding factor (1 for NoShard or no units).
@@ -821,8 +827,8 @@ impl Ctx {
         let rank = shards.first().map_or(0, |s| s.rank);
         Ctx {
             shards,
-            device: fsdp.device().clone(),
-            compute: fsdp.compute_stream().clone(),
+            device: fsdp.shard_device().clone(),
+            stream: fsdp.optimizer_stream().clone(),
             group: Arc::clone(fsdp.shard_group()),
             replicate: fsdp.replicate_group().cloned(),
             factor,
@@ -843,19 +849,19 @@ impl Ctx {
     }
 
     fn read(&self, t: &Tensor) -> Result<Vec<f32>> {
-        Ok(with_stream(&self.compute, || t.to_vec::<f32>())?)
+        Ok(with_stream(&self.stream, || t.to_vec::<f32>())?)
     }
 
     fn new_tensor(&self, values: Vec<f32>) -> Result<Tensor> {
         let n = values.len();
-        Ok(with_stream(&self.compute, || {
+        Ok(with_stream(&self.stream, || {
             Tensor::from_vec(values, &[n], &self.device)
         })?)
     }
 
     fn write(&self, t: &Tensor, values: Vec<f32>) -> Result<()> {
         let src = self.new_tensor(values)?;
-        with_stream(&self.compute, || no_grad(|| t.copy_(&src)))?;
+        with_stream(&self.stream, || no_grad(|| t.copy_(&src)))?;
         Ok(())
     }
 
@@ -870,12 +876,12 @@ impl Ctx {
                 Ok(None)
             };
         }
-        let full = with_stream(&self.compute, || {
+        let full = with_stream(&self.stream, || {
             Tensor::zeros(&[layout.padded_numel()], DType::F32, &self.device)
         })?;
         let work = self
             .group
-            .all_gather_into(&slice_of(t)?, &slice_of(&full)?, &self.compute);
+            .all_gather_into(&slice_of(t)?, &slice_of(&full)?, &self.stream);
         work.wait()?;
         if keep {
             self.read(&full).map(Some)
@@ -891,10 +897,10 @@ impl Ctx {
     fn any_failed(&self, failed: bool) -> Result<bool> {
         let flag = self.new_tensor(vec![if failed { 1.0 } else { 0.0 }])?;
         self.group
-            .all_reduce(&slice_of(&flag)?, ReduceOp::Max, &self.compute)
+            .all_reduce(&slice_of(&flag)?, ReduceOp::Max, &self.stream)
             .wait()?;
         if let Some(rep) = &self.replicate {
-            rep.all_reduce(&slice_of(&flag)?, ReduceOp::Max, &self.compute)
+            rep.all_reduce(&slice_of(&flag)?, ReduceOp::Max, &self.stream)
                 .wait()?;
         }
         Ok(self.read(&flag)?[0] > 0.0)
@@ -936,7 +942,7 @@ impl Ctx {
             }
             if t.device() != &self.device {
                 return Err(bad(format!(
-                    "on device {:?}, the model is on {:?}",
+                    "on device {:?}, the shards are on {:?}",
                     t.device().id(),
                     self.device.id()
                 )));
@@ -944,7 +950,7 @@ impl Ctx {
             let t = if t.is_contiguous() {
                 t.clone()
             } else {
-                with_stream(&self.compute, || t.contiguous_copy())?
+                with_stream(&self.stream, || t.contiguous_copy())?
             };
             out.push(Some(t));
         }
@@ -1629,7 +1635,7 @@ pub fn full_optim_state_dict<M: Module + 'static>(
 }
 
 /// Turns a full optimizer state dict into this rank's per-unit shard tensors (new f32 tensors on
-/// the model's device, made on its compute stream), ready for the optimizer's `load_state`. A
+/// the shard device, made on the optimizer stream), ready for the optimizer's `load_state`. A
 /// unit gets `None` in a slot when none of its parameters has state there. No communication.
 ///
 /// # Errors

@@ -10,9 +10,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use fsdp_alloc::Device;
-use fsdp_autograd::nn::{named_parameters, Gpt, GptConfig, Module};
+use fsdp_autograd::nn::{named_parameters, parameters, Gpt, GptConfig, Module};
 use fsdp_autograd::{no_grad, with_stream, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, ProcessGroup};
+use fsdp_core::optim::{
+    AdamParams, AdamW, LocalAdamW, LocalOptimizer, LocalSgd, Sgd, ShardedOptimizer,
+};
 use fsdp_core::state_dict::{
     self, FullStateDict, OptimState, ShardedOptimStateDict, ShardedStateDict, StateDictError,
     TensorEntry,
@@ -174,7 +177,7 @@ fn momentum_step(fsdp: &Fsdp<Gpt>, st: &mut OptimState) {
         st.slots.push((SLOT.into(), vec![None; shards.len()]));
         st.steps = vec![0; shards.len()];
     }
-    with_stream(fsdp.compute_stream(), || {
+    with_stream(fsdp.optimizer_stream(), || {
         no_grad(|| {
             for (u, s) in shards.iter().enumerate() {
                 let Some(g) = &s.grad else { continue };
@@ -907,4 +910,196 @@ fn optimizer_state_errors() {
             other => panic!("expected Steps, got {other:?}"),
         }
     });
+}
+
+// ----------------------------------------------------- the crate's optimizers, CPU offload
+
+const ADAM_LR: f32 = 1e-2;
+
+/// Local reference for one of the crate's optimizers: phases of (world size, steps), one model
+/// and one optimizer throughout; the parameters after each phase.
+fn local_with(
+    phases: &[(usize, Range<usize>)],
+    make: &dyn Fn(&Gpt) -> Box<dyn LocalOptimizer>,
+) -> Vec<Named> {
+    let dev = Device::cpu(902);
+    let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+    let mut opt = make(&model);
+    let mut out = Vec::new();
+    for (w, steps) in phases {
+        for step in steps.clone() {
+            for r in 0..*w {
+                let (x, y) = batch(step, r, &dev);
+                micro_loss(&model.call(&x).unwrap(), &y, *w)
+                    .backward()
+                    .unwrap();
+            }
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+        out.push(sorted(
+            named_parameters(&model)
+                .into_iter()
+                .map(|(n, p)| (n, p.get().unwrap().to_vec::<f32>().unwrap()))
+                .collect(),
+        ));
+    }
+    out
+}
+
+fn train_opt(
+    fsdp: &Fsdp<Gpt>,
+    opt: &mut dyn ShardedOptimizer,
+    dev: &Device,
+    rank: usize,
+    world: usize,
+    steps: Range<usize>,
+) {
+    for step in steps {
+        forward_backward(fsdp, dev, step, rank, world);
+        opt.step(fsdp).unwrap();
+        opt.zero_grad(fsdp);
+    }
+}
+
+#[test]
+fn adamw_checkpoint_at_4_resumes_at_3_and_2_like_an_uninterrupted_local_run() {
+    let dir = TempDir::new("adamw");
+    let (model_path, optim_path, model_dir, optim_dir) = (
+        dir.join("model.safetensors"),
+        dir.join("optim.safetensors"),
+        dir.join("model-sharded"),
+        dir.join("optim-sharded"),
+    );
+    let (mp, op, md, od) = (
+        model_path.clone(),
+        optim_path.clone(),
+        model_dir.clone(),
+        optim_dir.clone(),
+    );
+    run_ranks(4, move |rank, pg| {
+        let (dev, fsdp) = wrap(rank, pg, SEED, blocks());
+        let mut opt = AdamW::new(ADAM_LR);
+        train_opt(&fsdp, &mut opt, &dev, rank, 4, 0..K);
+        let st = OptimState {
+            steps: opt.step_counts(),
+            slots: opt.state(),
+        };
+        state_dict::save_full(&fsdp, &mp).unwrap();
+        state_dict::save_full_optim(&fsdp, &st, &op).unwrap();
+        state_dict::save_sharded(&fsdp, &md).unwrap();
+        state_dict::save_sharded_optim(&fsdp, &st, &od).unwrap();
+    });
+    let full = state_dict::FullOptimStateDict::load(&optim_path).unwrap();
+    let slots: Vec<&str> = full.slots.iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(slots, ["exp_avg", "exp_avg_sq"]);
+
+    let adamw = |m: &Gpt| -> Box<dyn LocalOptimizer> {
+        Box::new(LocalAdamW::new(parameters(m), AdamParams::new(ADAM_LR)))
+    };
+    for (w2, policy, sharded) in [(3, blocks(), false), (2, WrapPolicy::RootOnly, true)] {
+        let local = local_with(&[(4, 0..K), (w2, K..K + M)], &adamw);
+        let (mp, op, md, od) = (
+            model_path.clone(),
+            optim_path.clone(),
+            model_dir.clone(),
+            optim_dir.clone(),
+        );
+        let out = run_ranks(w2, move |rank, pg| {
+            let (dev, fsdp) = wrap(rank, pg, SEED + 21, policy.clone());
+            let st = if sharded {
+                state_dict::load_sharded(&fsdp, &md).unwrap();
+                state_dict::load_sharded_optim(&fsdp, &od).unwrap()
+            } else {
+                state_dict::load_full(&fsdp, &mp).unwrap();
+                state_dict::load_full_optim(&fsdp, &op).unwrap()
+            };
+            let mut opt = AdamW::new(ADAM_LR);
+            opt.load_state(&fsdp, st.slots, st.steps).unwrap();
+            assert_eq!(opt.step_counts(), vec![K as u64; fsdp.num_units()]);
+            train_opt(&fsdp, &mut opt, &dev, rank, w2, K..K + M);
+            gathered(&fsdp)
+        });
+        for (r, after) in out.iter().enumerate() {
+            assert_same(
+                &format!("W={w2} rank {r}: AdamW resumed from a checkpoint vs local"),
+                after,
+                &local[1],
+            );
+        }
+    }
+}
+
+fn wrap_offload(rank: usize, pg: Arc<dyn ProcessGroup>, seed: u64) -> (Device, Fsdp<Gpt>) {
+    let dev = Device::cpu(rank);
+    let model = Gpt::new(&InitContext::eager(&dev, seed), &cfg()).unwrap();
+    let config = FsdpConfig {
+        wrap_policy: blocks(),
+        cpu_offload: Some(Device::cpu(700 + rank)),
+        ..FsdpConfig::default()
+    };
+    let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+    (dev, fsdp)
+}
+
+#[test]
+fn cpu_offload_checkpoints_load_without_offload_and_back() {
+    let dir = TempDir::new("offload");
+    let sgd = |m: &Gpt| -> Box<dyn LocalOptimizer> {
+        Box::new(LocalSgd::new(parameters(m), LR).with_momentum(MU))
+    };
+    // Offloaded W=2 saves; plain W=3 resumes from the full files.
+    let (mp, op) = (dir.join("m.safetensors"), dir.join("o.safetensors"));
+    let (a, b) = (mp.clone(), op.clone());
+    run_ranks(2, move |rank, pg| {
+        let (dev, fsdp) = wrap_offload(rank, pg, SEED);
+        let mut opt = Sgd::new(LR).with_momentum(MU);
+        train_opt(&fsdp, &mut opt, &dev, rank, 2, 0..K);
+        let st = OptimState {
+            steps: opt.step_counts(),
+            slots: opt.state(),
+        };
+        state_dict::save_full(&fsdp, &a).unwrap();
+        state_dict::save_full_optim(&fsdp, &st, &b).unwrap();
+    });
+    let local = local_with(&[(2, 0..K), (3, K..K + M), (2, K + M..K + 2 * M)], &sgd);
+    // Plain W=3 resumes from the full files and saves sharded.
+    let (md, od) = (dir.join("m-sharded"), dir.join("o-sharded"));
+    let (c, d) = (md.clone(), od.clone());
+    let out = run_ranks(3, move |rank, pg| {
+        let (dev, fsdp) = wrap(rank, pg, SEED + 31, blocks());
+        state_dict::load_full(&fsdp, &mp).unwrap();
+        let st = state_dict::load_full_optim(&fsdp, &op).unwrap();
+        let mut opt = Sgd::new(LR).with_momentum(MU);
+        opt.load_state(&fsdp, st.slots, st.steps).unwrap();
+        train_opt(&fsdp, &mut opt, &dev, rank, 3, K..K + M);
+        let st = OptimState {
+            steps: opt.step_counts(),
+            slots: opt.state(),
+        };
+        state_dict::save_sharded(&fsdp, &c).unwrap();
+        state_dict::save_sharded_optim(&fsdp, &st, &d).unwrap();
+        gathered(&fsdp)
+    });
+    assert_same(
+        "plain W=3 resumed from an offloaded run",
+        &out[0],
+        &local[1],
+    );
+    // Offloaded W=2 resumes from the sharded directories.
+    let out = run_ranks(2, move |rank, pg| {
+        let (dev, fsdp) = wrap_offload(rank, pg, SEED + 32);
+        state_dict::load_sharded(&fsdp, &md).unwrap();
+        let st = state_dict::load_sharded_optim(&fsdp, &od).unwrap();
+        assert!(st
+            .slots
+            .iter()
+            .flat_map(|(_, t)| t.iter().flatten())
+            .all(|t| t.device() == fsdp.shard_device()));
+        let mut opt = Sgd::new(LR).with_momentum(MU);
+        opt.load_state(&fsdp, st.slots, st.steps).unwrap();
+        train_opt(&fsdp, &mut opt, &dev, rank, 2, K + M..K + 2 * M);
+        gathered(&fsdp)
+    });
+    assert_same("offloaded W=2 resumed from a plain run", &out[0], &local[2]);
 }
