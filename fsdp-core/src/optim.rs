@@ -645,13 +645,16 @@ fn local_operands(
     Ok(Some((stream, t, pm, gm)))
 }
 
+/// A unit's trainable ranges, shard memory and gradient memory.
+type UnitOperands = (Vec<Range<usize>>, BufferRef, BufferRef);
+
 /// One unit's tensors for a sharded step: (trainable ranges, shard memory, grad memory), or
 /// `None` if the unit has no gradient or nothing trainable.
 fn unit_operands(
     s: &UnitShard,
     op: &str,
     stream: &Stream,
-) -> Result<Option<(Vec<Range<usize>>, BufferRef, BufferRef)>> {
+) -> Result<Option<UnitOperands>> {
     let Some(g) = &s.grad else {
         return Ok(None);
     };
