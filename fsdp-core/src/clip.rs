@@ -66,46 +66,22 @@ pub(crate) fn sum_sq(x: &[f32]) -> f64 {
     x.iter().map(|&v| v as f64 * v as f64).sum()
 }
 
-/// All-reduces (sum) the f32 tensor `t` over the model's shard group on `stream`; `None` when
-/// there is nothing to reduce (`NoShard`, or a group of one).
+/// All-reduces (sum) the f32 tensor `t` over the model's shard group on `stream` and returns
+/// the collective; `None` when there is nothing to reduce (`NoShard`: every rank holds whole
+/// parameters; or a group of one). Replicas (hybrid sharding) hold identical reduced gradients
+/// and shards, so they never take part.
 pub(crate) fn all_reduce_sum(
     model: &dyn ShardedParams,
     t: &Tensor,
     stream: &Stream,
 ) -> Result<Option<Work>> {
-    all_reduce_on(model, t, stream, ReduceOp::Sum, false)
-}
-
-/// All-reduces `t` with `op` over the shard group (if sharded) and, with `replicas`, over the
-/// replicate group too; waits for both and returns the last `Work` (already completed).
-pub(crate) fn all_reduce_on(
-    model: &dyn ShardedParams,
-    t: &Tensor,
-    stream: &Stream,
-    op: ReduceOp,
-    replicas: bool,
-) -> Result<Option<Work>> {
-    let slice = DeviceSlice::new(
-        f32_mem(t, "all_reduce", "a reduction buffer", stream)?,
-        DType::F32,
-    )?;
-    let mut last = None;
     let group = model.shard_group();
-    if model.is_sharded() && group.size() > 1 {
-        last = Some(group.all_reduce(&slice, op, stream));
+    if !model.is_sharded() || group.size() == 1 {
+        return Ok(None);
     }
-    if replicas {
-        if let Some(rep) = model.replicate_group() {
-            if rep.size() > 1 {
-                if let Some(w) = last.take() {
-                    // The replicate reduction consumes the shard reduction's output.
-                    w.wait()?;
-                }
-                last = Some(rep.all_reduce(&slice, op, stream));
-            }
-        }
-    }
-    Ok(last)
+    let mem = f32_mem(t, "all_reduce", "a reduction buffer", stream)?;
+    let slice = DeviceSlice::new(mem, DType::F32)?;
+    Ok(Some(group.all_reduce(&slice, ReduceOp::Sum, stream)))
 }
 
 /// Reads an f32 tensor on `stream` (after everything launched there), then reports `work`'s
