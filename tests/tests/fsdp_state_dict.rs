@@ -153,8 +153,12 @@ fn assert_same(what: &str, a: &Named, b: &Named) {
 /// Local reference with plain SGD: phases of (world size, global steps), one model throughout;
 /// the parameters after each phase.
 fn local_sgd(phases: &[(usize, Range<usize>)]) -> Vec<Named> {
+    local_sgd_with(&cfg(), phases)
+}
+
+fn local_sgd_with(config: &GptConfig, phases: &[(usize, Range<usize>)]) -> Vec<Named> {
     let dev = Device::cpu(900);
-    let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+    let model = Gpt::new(&InitContext::eager(&dev, SEED), config).unwrap();
     phases
         .iter()
         .map(|(w, steps)| {
@@ -1102,4 +1106,52 @@ fn cpu_offload_checkpoints_load_without_offload_and_back() {
         gathered(&fsdp)
     });
     assert_same("offloaded W=2 resumed from a plain run", &out[0], &local[2]);
+}
+
+#[test]
+fn tied_parameters_are_saved_once_and_resume_like_local() {
+    // The tied embedding/head weight lives in one unit (the root, their common ancestor); the
+    // state dict lists it once, under the name a plain model's named_parameters gives it.
+    let tied = cfg().with_tied(true);
+    let dir = TempDir::new("tied");
+    let path = dir.join("tied.safetensors");
+    let p = path.clone();
+    let saved = run_ranks(2, move |rank, pg| {
+        let dev = Device::cpu(rank);
+        let model = Gpt::new(&InitContext::eager(&dev, SEED), &tied).unwrap();
+        let config = FsdpConfig {
+            wrap_policy: WrapPolicy::Paths(vec!["tok_emb".into(), "head".into()]),
+            ..FsdpConfig::default()
+        };
+        let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+        train_sgd(&fsdp, &dev, rank, 2, 0..K);
+        state_dict::save_full(&fsdp, &p).unwrap();
+        state_dict::full_state_dict(&fsdp, false).unwrap()
+    });
+    let dev = Device::cpu(970);
+    let plain = Gpt::new(&InitContext::eager(&dev, SEED), &tied).unwrap();
+    let mut names: Vec<String> = named_parameters(&plain)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    names.sort();
+    let mut saved_names: Vec<String> = saved[0].entries.iter().map(|e| e.name.clone()).collect();
+    saved_names.sort();
+    assert_eq!(saved_names, names);
+
+    let local = local_sgd_with(&tied, &[(2, 0..K), (3, K..K + M)]);
+    assert_same("tied, at the checkpoint", &named(&saved[0]), &local[0]);
+    let out = run_ranks(3, move |rank, pg| {
+        let dev = Device::cpu(rank);
+        let model = Gpt::new(&InitContext::eager(&dev, SEED + 41), &tied).unwrap();
+        let config = FsdpConfig {
+            wrap_policy: blocks(),
+            ..FsdpConfig::default()
+        };
+        let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+        state_dict::load_full(&fsdp, &path).unwrap();
+        train_sgd(&fsdp, &dev, rank, 3, K..K + M);
+        gathered(&fsdp)
+    });
+    assert_same("tied, resumed at W=3 vs local", &out[0], &local[1]);
 }
