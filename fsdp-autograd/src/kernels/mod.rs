@@ -15,6 +15,8 @@
 //! [`cpu::matmul`] for how this was established for `gemm` and what it rests on.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use thiserror::Error;
 

@@ -1,0 +1,600 @@
+//! [`CudaKernels`]: the per-device handle, argument validation, the launch and cuBLAS helpers,
+//! scratch memory and host transfers.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use fsdp_alloc::{Buffer, BufferRef, Device, DeviceId, Stream};
+
+use super::error::{CudaKernelError, Result};
+use super::layout::ViewDesc;
+use super::plan::{PArg, Plan, Ptr, Step};
+use super::program::{module_for, ArgKind, LoadedModule, BLOCK, MAX_GRID};
+use crate::kernels::KernelError;
+
+/// A resolved kernel parameter (pointers are plain `u64` addresses by now).
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    U64(u64),
+    F32(f32),
+    F64(f64),
+    View(ViewDesc),
+}
+
+/// The element type a buffer argument is read or written as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Elem {
+    /// Raw bytes (copies, fills).
+    U8,
+    /// `f32`.
+    F32,
+    /// `f64` (scratch only).
+    F64,
+    /// `f16` or `bf16` bits.
+    U16,
+    /// `u32` (scratch only).
+    U32,
+    /// `i64` ids and targets.
+    I64,
+    /// `u64` (status words, 8-byte copies).
+    U64,
+}
+
+impl Elem {
+    /// Size (and alignment) in bytes.
+    pub(crate) fn size(self) -> usize {
+        match self {
+            Elem::U8 => 1,
+            Elem::U16 => 2,
+            Elem::F32 | Elem::U32 => 4,
+            Elem::F64 | Elem::I64 | Elem::U64 => 8,
+        }
+    }
+}
+
+/// A validated device buffer argument: its address and element count.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dev {
+    /// Device address of the first element.
+    pub(crate) ptr: u64,
+    /// Number of elements.
+    pub(crate) len: usize,
+}
+
+/// Bytes of a count of elements, or [`CudaKernelError::TooLarge`].
+pub(crate) fn bytes_of(op: &'static str, count: usize, elem: Elem) -> Result<usize> {
+    count
+        .checked_mul(elem.size())
+        .ok_or(CudaKernelError::TooLarge {
+            op,
+            what: "bytes",
+            value: u64::MAX,
+            limit: usize::MAX as u64,
+        })
+}
+
+/// `a · b` or [`KernelError::InvalidShape`] (as the CPU kernels report overflow).
+pub(crate) fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| {
+        KernelError::InvalidShape {
+            op,
+            reason: format!("the size product {a} * {b} overflows usize"),
+        }
+        .into()
+    })
+}
+
+/// `len / cols` rows, with the CPU kernels' errors for `cols == 0` or a partial row.
+pub(crate) fn rows_of(
+    op: &'static str,
+    arg: &'static str,
+    len: usize,
+    cols: usize,
+) -> Result<usize> {
+    if cols == 0 {
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!(
+                "cols must be positive (got 0 for `{arg}` of {len} elements); skip empty tensors \
+                 before calling the kernel"
+            ),
+        }
+        .into());
+    }
+    if len % cols != 0 {
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!(
+                "`{arg}` has {len} elements, which is not a whole number of rows of {cols} columns"
+            ),
+        }
+        .into());
+    }
+    Ok(len / cols)
+}
+
+/// `Ok` if `actual == expected`, else the CPU kernels' [`KernelError::LengthMismatch`].
+pub(crate) fn expect_len(
+    op: &'static str,
+    arg: &'static str,
+    actual: usize,
+    expected: usize,
+    shape: impl FnOnce() -> String,
+) -> Result<()> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(KernelError::LengthMismatch {
+            op,
+            arg,
+            expected,
+            actual,
+            shape: shape(),
+        }
+        .into())
+    }
+}
+
+/// A grid for `n` grid-strided work items.
+pub(crate) fn grid_for(n: u64) -> u32 {
+    n.div_ceil(BLOCK as u64).clamp(1, MAX_GRID as u64) as u32
+}
+
+/// A grid for `rows` row-looping blocks.
+pub(crate) fn grid_rows(rows: u64) -> u32 {
+    rows.clamp(1, MAX_GRID as u64) as u32
+}
+
+/// One stream's cuBLAS handle. `stream` is our own reference, used to find the entry and to
+/// notice when nobody else holds the stream any more.
+struct BlasEntry {
+    stream: Arc<CudaStream>,
+    blas: Arc<CudaBlas>,
+}
+
+struct Inner {
+    device: Device,
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    module: Arc<LoadedModule>,
+    /// One cuBLAS handle per stream: a handle bound to one stream keeps its workspace private to
+    /// that stream, which cuBLAS requires for reproducible results.
+    blas: Mutex<Vec<BlasEntry>>,
+}
+
+/// The CUDA kernels of one CUDA [`Device`]: compiled and loaded on construction, with one cuBLAS
+/// handle per stream created on first use. Cheap to clone (clones share everything).
+///
+/// Every kernel method takes the [`Stream`] to launch on (a stream of this device) and
+/// [`BufferRef`]s of device memory from this device's allocator, and returns once the work is
+/// *enqueued*: like the CPU streams, completion is observed through events or `synchronize`.
+#[derive(Clone)]
+pub struct CudaKernels {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for CudaKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaKernels")
+            .field("device", &self.inner.device.id())
+            .finish()
+    }
+}
+
+/// A validated launch context: the op name, this device's kernels and the CUDA stream.
+pub(crate) struct Call<'a> {
+    pub(crate) op: &'static str,
+    pub(crate) k: &'a CudaKernels,
+    pub(crate) stream: &'a Stream,
+    pub(crate) cs: &'a Arc<CudaStream>,
+}
+
+impl CudaKernels {
+    /// Compiles (once per process) and loads (once per CUDA context) the kernels for `device`.
+    ///
+    /// # Errors
+    /// [`CudaKernelError::Unavailable`] if `device` is not a CUDA device or NVRTC / cuBLAS cannot
+    /// be loaded; [`CudaKernelError::Compile`] or [`CudaKernelError::Driver`] if compiling or
+    /// loading the program fails.
+    ///
+    /// ```
+    /// use fsdp_alloc::{Device, DeviceId};
+    /// use fsdp_autograd::kernels::cuda::{CudaKernelError, CudaKernels};
+    /// // A CPU device has no CUDA kernels (and without a GPU there is no CUDA device at all).
+    /// let err = CudaKernels::new(&Device::cpu(0)).unwrap_err();
+    /// assert!(matches!(err, CudaKernelError::Unavailable { device: DeviceId::Cpu(0), .. }));
+    /// ```
+    pub fn new(device: &Device) -> Result<CudaKernels> {
+        let unavailable = |reason: String| CudaKernelError::Unavailable {
+            device: device.id(),
+            reason,
+        };
+        let ordinal = match device.id() {
+            DeviceId::Cuda(o) => o,
+            DeviceId::Cpu(_) => return Err(unavailable("it is not a CUDA device".into())),
+        };
+        let Some(cs) = device.default_stream().cuda_stream() else {
+            return Err(unavailable(
+                "its default stream is not a CUDA stream".into(),
+            ));
+        };
+        let ctx = Arc::clone(cs.context());
+        // SAFETY: `is_culib_present` only tries to load the shared library and reports whether
+        // it could; it has no precondition. Checking first keeps cudarc from panicking later.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(unavailable(
+                "the NVRTC library (libnvrtc) was not found; install the CUDA toolkit's NVRTC"
+                    .into(),
+            ));
+        }
+        // SAFETY: as above, for cuBLAS.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(unavailable(
+                "the cuBLAS library (libcublas) was not found; install the CUDA toolkit's cuBLAS"
+                    .into(),
+            ));
+        }
+        let module = module_for(&ctx)?;
+        Ok(CudaKernels {
+            inner: Arc::new(Inner {
+                device: device.clone(),
+                ordinal,
+                ctx,
+                module,
+                blas: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The device these kernels run on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// The device's id.
+    pub(crate) fn id(&self) -> DeviceId {
+        DeviceId::Cuda(self.inner.ordinal)
+    }
+
+    /// Checks that `stream` is a CUDA stream of this device.
+    pub(crate) fn call<'a>(&'a self, op: &'static str, stream: &'a Stream) -> Result<Call<'a>> {
+        let wrong = || CudaKernelError::WrongStream {
+            op,
+            stream: stream.name().to_string(),
+            stream_device: stream.device(),
+            device: self.id(),
+        };
+        if stream.device() != self.id() {
+            return Err(wrong());
+        }
+        let cs = stream.cuda_stream().ok_or_else(wrong)?;
+        if cs.context().cu_ctx() != self.inner.ctx.cu_ctx() {
+            return Err(wrong());
+        }
+        Ok(Call {
+            op,
+            k: self,
+            stream,
+            cs,
+        })
+    }
+
+    /// Allocates `count` elements of scratch memory on `stream` from the device's caching
+    /// allocator. Dropping the returned buffer after launching work on `stream` is safe: the
+    /// allocator only hands the block out again in `stream` order (the CUDA caching allocator
+    /// contract).
+    pub(crate) fn scratch(
+        &self,
+        op: &'static str,
+        stream: &Stream,
+        count: usize,
+        elem: Elem,
+    ) -> Result<Buffer> {
+        let bytes = bytes_of(op, count, elem)?;
+        self.inner
+            .device
+            .alloc(bytes, stream)
+            .map_err(|source| CudaKernelError::Alloc { op, bytes, source })
+    }
+
+    /// The cuBLAS handle of `cs`, created on first use.
+    fn blas_for(&self, op: &'static str, cs: &Arc<CudaStream>) -> Result<Arc<CudaBlas>> {
+        let mut entries = self.inner.blas.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = entries.iter().find(|e| Arc::ptr_eq(&e.stream, cs)) {
+            return Ok(Arc::clone(&e.blas));
+        }
+        // Forget handles of streams only we (and the handle itself) still hold.
+        entries.retain(|e| Arc::strong_count(&e.stream) > 2);
+        let blas = CudaBlas::new(Arc::clone(cs)).map_err(|source| CudaKernelError::Blas {
+            op,
+            call: "cublasCreate",
+            source,
+        })?;
+        let blas = Arc::new(blas);
+        entries.push(BlasEntry {
+            stream: Arc::clone(cs),
+            blas: Arc::clone(&blas),
+        });
+        Ok(blas)
+    }
+}
+
+impl Call<'_> {
+    /// Validates a buffer argument read or written as `elem`: device memory of this device, a
+    /// whole number of elements, aligned. Returns its address and element count.
+    pub(crate) fn buf(&self, arg: &'static str, b: &BufferRef, elem: Elem) -> Result<Dev> {
+        let op = self.op;
+        let Some(ptr) = b.device_ptr() else {
+            return Err(CudaKernelError::NotDeviceMemory {
+                op,
+                arg,
+                buffer: format!("{b:?}"),
+            });
+        };
+        if b.device() != self.k.id() {
+            return Err(CudaKernelError::WrongDevice {
+                op,
+                arg,
+                expected: self.k.id(),
+                actual: b.device(),
+            });
+        }
+        let size = elem.size();
+        if b.len() % size != 0 {
+            return Err(KernelError::InvalidShape {
+                op,
+                reason: format!(
+                    "`{arg}` has {} bytes, which is not a whole number of {size}-byte elements",
+                    b.len()
+                ),
+            }
+            .into());
+        }
+        if ptr % size as u64 != 0 {
+            return Err(CudaKernelError::Misaligned {
+                op,
+                arg,
+                addr: ptr,
+                align: size,
+            });
+        }
+        Ok(Dev {
+            ptr,
+            len: b.len() / size,
+        })
+    }
+
+    /// Errors if any output overlaps any other argument (outputs included).
+    pub(crate) fn disjoint(
+        &self,
+        outputs: &[(&'static str, &BufferRef)],
+        inputs: &[(&'static str, &BufferRef)],
+    ) -> Result<()> {
+        for (i, &(oname, o)) in outputs.iter().enumerate() {
+            let others = outputs
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .map(|(_, x)| x)
+                .chain(inputs.iter());
+            for &(xname, x) in others {
+                if o.overlaps(x) {
+                    return Err(CudaKernelError::Overlap {
+                        op: self.op,
+                        output: oname,
+                        other: xname,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn driver(
+        &self,
+        call: &'static str,
+    ) -> impl FnOnce(cudarc::driver::DriverError) -> CudaKernelError {
+        let op = self.op;
+        move |source| CudaKernelError::Driver { op, call, source }
+    }
+
+    /// Enqueues `plan` on the stream: allocates its scratch slots from the device's caching
+    /// allocator (on this stream), then issues its steps in order. Returns the scratch buffers
+    /// (slot order); dropping them afterwards is safe (stream-ordered reuse).
+    ///
+    /// # Safety
+    /// Every [`Ptr::Dev`] in the plan must lie in a live device allocation of this context that
+    /// extends over every element the step using it reads or writes (given the sizes the step
+    /// carries); outputs must not overlap inputs unless the kernel is documented in-place; and
+    /// the caller's buffers must only be used by other streams in an order established with
+    /// events (the stream-ordering contract of all launched work).
+    pub(crate) unsafe fn exec(&self, plan: &Plan) -> Result<Vec<Buffer>> {
+        let op = self.op;
+        let mut scratch = Vec::with_capacity(plan.scratch.len());
+        let mut bases = Vec::with_capacity(plan.scratch.len());
+        for &(count, elem) in &plan.scratch {
+            let buf = self.k.scratch(op, self.stream, count, elem)?;
+            bases.push(self.buf("scratch", buf.data(), elem)?.ptr);
+            scratch.push(buf);
+        }
+        let resolve = |p: Ptr| -> u64 {
+            match p {
+                Ptr::Dev(a) => a,
+                Ptr::Scratch { slot, offset } => bases[slot] + offset,
+            }
+        };
+        self.k
+            .inner
+            .ctx
+            .bind_to_thread()
+            .map_err(self.driver("cuCtxSetCurrent"))?;
+        for step in &plan.steps {
+            match step {
+                Step::Memset { dst, byte, bytes } => {
+                    // SAFETY: the range is inside a live allocation (the caller's contract for
+                    // `Ptr::Dev`; scratch slots are sized by the plan); ordered on `self.cs`.
+                    unsafe {
+                        cudarc::driver::result::memset_d8_async(
+                            resolve(*dst),
+                            *byte,
+                            *bytes,
+                            self.cs.cu_stream(),
+                        )
+                    }
+                    .map_err(self.driver("cuMemsetD8Async"))?;
+                }
+                Step::Copy { dst, src, bytes } => {
+                    // SAFETY: both ranges are inside live, disjoint allocations (the caller's
+                    // contract); ordered on `self.cs`.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            resolve(*dst),
+                            resolve(*src),
+                            *bytes,
+                            self.cs.cu_stream(),
+                        )
+                    }
+                    .map_err(self.driver("cuMemcpyDtoDAsync"))?;
+                }
+                Step::Launch { kernel, grid, args } => {
+                    let sig = kernel.signature();
+                    let kinds: Vec<ArgKind> = args.iter().map(PArg::kind).collect();
+                    if sig != kinds.as_slice() {
+                        return Err(CudaKernelError::Internal {
+                            op,
+                            detail: format!(
+                                "kernel {} takes {sig:?} but the plan gives {kinds:?}",
+                                kernel.name()
+                            ),
+                        });
+                    }
+                    let args: Vec<Arg> = args
+                        .iter()
+                        .map(|a| match *a {
+                            PArg::U64(v) => Arg::U64(v),
+                            PArg::F32(v) => Arg::F32(v),
+                            PArg::F64(v) => Arg::F64(v),
+                            PArg::Ptr(p) => Arg::U64(resolve(p)),
+                            PArg::View(v) => Arg::View(v),
+                        })
+                        .collect();
+                    let func = self.k.inner.module.function(*kernel);
+                    let mut builder = self.cs.launch_builder(func);
+                    for a in &args {
+                        match a {
+                            Arg::U64(v) => builder.arg(v),
+                            Arg::F32(v) => builder.arg(v),
+                            Arg::F64(v) => builder.arg(v),
+                            Arg::View(v) => builder.arg(v),
+                        };
+                    }
+                    let cfg = LaunchConfig {
+                        grid_dim: ((*grid).max(1), 1, 1),
+                        block_dim: (BLOCK, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: the parameter kinds and count match the kernel's parameter list
+                    // (checked above; `Kernel::signature` is checked against kernels.cu by a
+                    // unit test); each value lives in `args` until the launch returns (the
+                    // driver copies parameters at launch); pointer validity, extents and
+                    // ordering are the caller's contract; the launch goes to `self.cs`, a
+                    // stream of this context.
+                    unsafe { builder.launch(cfg) }.map_err(self.driver("cuLaunchKernel"))?;
+                }
+                Step::Gemm {
+                    g,
+                    a,
+                    b,
+                    c,
+                    alpha,
+                    beta,
+                } => {
+                    let blas = self.k.blas_for(op, self.cs)?;
+                    // SAFETY: the handle is bound to `self.cs` (one handle per stream, never
+                    // re-bound); the operands hold the batches `g` describes (the caller's
+                    // contract); alpha and beta are host scalars (the handle's default pointer
+                    // mode) that outlive the call. With beta = 0 cuBLAS does not read C.
+                    unsafe {
+                        cudarc::cublas::result::sgemm_strided_batched(
+                            *blas.handle(),
+                            g.op_first,
+                            g.op_second,
+                            g.m,
+                            g.n,
+                            g.k,
+                            alpha,
+                            resolve(*b) as *const f32,
+                            g.ld_first,
+                            g.stride_first,
+                            resolve(*a) as *const f32,
+                            g.ld_second,
+                            g.stride_second,
+                            beta,
+                            resolve(*c) as *mut f32,
+                            g.ldc,
+                            g.stride_c,
+                            g.batch,
+                        )
+                    }
+                    .map_err(|source| CudaKernelError::Blas {
+                        op,
+                        call: "cublasSgemmStridedBatched",
+                        source,
+                    })?;
+                }
+            }
+        }
+        Ok(scratch)
+    }
+
+    /// Blocks until all work enqueued on the stream so far has completed.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.cs
+            .synchronize()
+            .map_err(self.driver("cuStreamSynchronize"))
+    }
+
+    /// Copies `dst.len()` elements at device address `src` to the host, after the stream's work.
+    ///
+    /// # Safety
+    /// `src..src + size_of_val(dst)` must lie in a live device allocation of this context.
+    pub(crate) unsafe fn read_to_host<T: bytemuck::Pod>(
+        &self,
+        src: u64,
+        dst: &mut [T],
+    ) -> Result<()> {
+        self.synchronize()?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the source range is live (the caller's contract) and its writers have
+        // completed (the stream was synchronized above); the copy is synchronous, so `dst` is
+        // written before the call returns and is not used by the driver afterwards; any bit
+        // pattern is a valid `T` (Pod).
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }
+            .map_err(self.driver("cuMemcpyDtoH"))
+    }
+
+    /// Copies `src` from the host to device address `dst`, after the stream's work; the data is
+    /// on the device when this returns.
+    ///
+    /// # Safety
+    /// `dst..dst + size_of_val(src)` must lie in a live device allocation of this context.
+    pub(crate) unsafe fn write_from_host<T: bytemuck::Pod>(
+        &self,
+        src: &[T],
+        dst: u64,
+    ) -> Result<()> {
+        // Earlier work on the stream may still read the destination.
+        self.synchronize()?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the destination range is live (the caller's contract) and no earlier work on
+        // the stream still uses it (synchronized above); the copy is synchronous, so `src` is
+        // read completely before the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
+            .map_err(self.driver("cuMemcpyHtoD"))
+    }
+}

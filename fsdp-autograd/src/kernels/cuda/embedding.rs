@@ -1,0 +1,364 @@
+//! Embedding lookup and its deterministic backward, and the deferred index check shared with
+//! cross-entropy.
+
+use fsdp_alloc::{Buffer, BufferRef, Stream};
+
+use super::context::{expect_len, grid_for, grid_rows, mul, rows_of, Call, CudaKernels, Elem};
+use super::error::{CudaKernelError, Result};
+use super::plan::{PArg, Plan, Ptr};
+use super::program::Kernel;
+use crate::kernels::KernelError;
+
+/// The outcome of the device-side validation of ids (embedding) or targets (cross-entropy).
+///
+/// Checking indices on the host would need the ids on the host, i.e. a synchronization per call.
+/// Instead the kernels validate on the device: out-of-range indices are never dereferenced (the
+/// forward writes NaN rows for them, so an unchecked error cannot silently train; the backward
+/// skips them), and the smallest offending position is recorded in a device status word.
+/// [`IndexCheck::wait`] synchronizes the stream and turns that into the CPU kernels'
+/// [`KernelError::IndexOutOfRange`]. Callers that cannot afford the synchronization on every
+/// step may keep the check and wait on it later (e.g. once per step).
+#[must_use = "out-of-range indices are only reported by `IndexCheck::wait`"]
+pub struct IndexCheck {
+    op: &'static str,
+    what: &'static str,
+    bound: usize,
+    pending: Option<Pending>,
+}
+
+struct Pending {
+    status: Buffer,
+    ids: BufferRef,
+    stream: Stream,
+    kernels: CudaKernels,
+}
+
+impl std::fmt::Debug for IndexCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IndexCheck")
+            .field("op", &self.op)
+            .field("what", &self.what)
+            .field("bound", &self.bound)
+            .field("pending", &self.pending.is_some())
+            .finish()
+    }
+}
+
+impl IndexCheck {
+    /// The kernel whose indices are checked.
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+
+    /// Blocks until the stream's work up to the checked kernel has completed and reports the
+    /// first out-of-range index, if any.
+    ///
+    /// # Errors
+    /// [`KernelError::IndexOutOfRange`] (as [`CudaKernelError::Kernel`]) with the smallest
+    /// offending position and its value; driver errors from the synchronization or the copies.
+    pub fn wait(self) -> Result<()> {
+        let Some(p) = self.pending else {
+            return Ok(());
+        };
+        let c = p.kernels.call(self.op, &p.stream)?;
+        let status = c.buf("status", p.status.data(), Elem::U64)?;
+        let mut first = [0u64];
+        // SAFETY: `status` is the live one-word scratch buffer the check kernel writes (kept
+        // alive by `p.status`); `read_to_host` synchronizes the stream first.
+        unsafe { c.read_to_host(status.ptr, &mut first)? };
+        let position = first[0];
+        if position == u64::MAX {
+            return Ok(());
+        }
+        let ids = c.buf("ids", &p.ids, Elem::I64)?;
+        if position >= ids.len as u64 {
+            return Err(CudaKernelError::Internal {
+                op: self.op,
+                detail: format!(
+                    "the index check reported position {position} of {} indices",
+                    ids.len
+                ),
+            });
+        }
+        let mut value = [0i64];
+        // SAFETY: position < ids.len, so the 8 bytes at ids.ptr + 8·position lie inside the live
+        // ids buffer (kept alive by `p.ids`).
+        unsafe { c.read_to_host(ids.ptr + 8 * position, &mut value)? };
+        Err(KernelError::IndexOutOfRange {
+            op: self.op,
+            what: self.what,
+            value: value[0],
+            position: position as usize,
+            bound: self.bound,
+        }
+        .into())
+    }
+}
+
+/// Appends the validation of `n` indices at `ids` against `0..bound` and returns the scratch
+/// slot of its status word (`None` when there is nothing to check).
+pub(crate) fn plan_check(plan: &mut Plan, n: u64, ids: Ptr, bound: u64) -> Option<usize> {
+    if n == 0 {
+        return None;
+    }
+    let slot = plan.scratch(1, Elem::U64);
+    // All-ones bytes are u64::MAX, the "no error" value.
+    plan.memset(Ptr::scratch(slot), 0xff, 8);
+    plan.launch(
+        Kernel::CheckIds,
+        grid_for(n),
+        vec![
+            PArg::U64(n),
+            PArg::Ptr(ids),
+            PArg::U64(bound),
+            PArg::Ptr(Ptr::scratch(slot)),
+        ],
+    );
+    Some(slot)
+}
+
+/// Executes `plan` and wraps its status slot (if any) in an [`IndexCheck`].
+///
+/// # Safety
+/// As [`Call::exec`].
+pub(crate) unsafe fn exec_checked(
+    c: &Call<'_>,
+    plan: &Plan,
+    status: Option<usize>,
+    what: &'static str,
+    ids: &BufferRef,
+    bound: usize,
+) -> Result<IndexCheck> {
+    // SAFETY: forwarded to the caller.
+    let scratch = unsafe { c.exec(plan) }?;
+    let pending = match status {
+        None => None,
+        Some(slot) => {
+            let status =
+                scratch
+                    .into_iter()
+                    .nth(slot)
+                    .ok_or_else(|| CudaKernelError::Internal {
+                        op: c.op,
+                        detail: format!("the plan has no scratch slot {slot} for its status word"),
+                    })?;
+            Some(Pending {
+                status,
+                ids: ids.clone(),
+                stream: c.stream.clone(),
+                kernels: c.k.clone(),
+            })
+        }
+    };
+    Ok(IndexCheck {
+        op: c.op,
+        what,
+        bound,
+        pending,
+    })
+}
+
+/// The embedding gather, with the id check; returns the plan and its status slot.
+pub(crate) fn plan_embedding(
+    n: u64,
+    dim: u64,
+    rows: u64,
+    ids: Ptr,
+    table: Ptr,
+    out: Ptr,
+) -> (Plan, Option<usize>) {
+    let mut plan = Plan::new();
+    let status = plan_check(&mut plan, n, ids, rows);
+    let total = n * dim;
+    if total > 0 {
+        plan.launch(
+            Kernel::EmbeddingFwd,
+            grid_for(total),
+            vec![
+                PArg::U64(total),
+                PArg::U64(dim),
+                PArg::U64(rows),
+                PArg::Ptr(ids),
+                PArg::Ptr(table),
+                PArg::Ptr(out),
+            ],
+        );
+    }
+    (plan, status)
+}
+
+/// The embedding backward (counting sort, then per-row accumulation), with the id check;
+/// returns the plan and its status slot.
+pub(crate) fn plan_embedding_backward(
+    n: u64,
+    dim: u64,
+    rows: u64,
+    ids: Ptr,
+    dy: Ptr,
+    dtable: Ptr,
+) -> (Plan, Option<usize>) {
+    let mut plan = Plan::new();
+    let status = plan_check(&mut plan, n, ids, rows);
+    if rows == 0 || dim == 0 {
+        return (plan, status);
+    }
+    if n == 0 {
+        plan.memset(dtable, 0, (rows * dim * 4) as usize);
+        return (plan, status);
+    }
+    let count = Ptr::scratch(plan.scratch(rows as usize, Elem::U32));
+    let start = Ptr::scratch(plan.scratch(rows as usize, Elem::U32));
+    let rank = Ptr::scratch(plan.scratch(n as usize, Elem::U32));
+    let order = Ptr::scratch(plan.scratch(n as usize, Elem::U32));
+    plan.memset(count, 0, rows as usize * 4);
+    plan.launch(
+        Kernel::EmbRank,
+        1,
+        vec![
+            PArg::U64(n),
+            PArg::Ptr(ids),
+            PArg::U64(rows),
+            PArg::Ptr(count),
+            PArg::Ptr(rank),
+        ],
+    );
+    plan.launch(
+        Kernel::EmbScan,
+        1,
+        vec![PArg::U64(rows), PArg::Ptr(count), PArg::Ptr(start)],
+    );
+    plan.launch(
+        Kernel::EmbScatter,
+        grid_for(n),
+        vec![
+            PArg::U64(n),
+            PArg::U64(rows),
+            PArg::Ptr(ids),
+            PArg::Ptr(start),
+            PArg::Ptr(rank),
+            PArg::Ptr(order),
+        ],
+    );
+    plan.launch(
+        Kernel::EmbAccum,
+        grid_rows(rows),
+        vec![
+            PArg::U64(rows),
+            PArg::U64(dim),
+            PArg::Ptr(start),
+            PArg::Ptr(count),
+            PArg::Ptr(order),
+            PArg::Ptr(dy),
+            PArg::Ptr(dtable),
+        ],
+    );
+    (plan, status)
+}
+
+/// `u32` positions are used by the backward's sort.
+fn check_u32(op: &'static str, what: &'static str, v: usize) -> Result<()> {
+    if v as u64 > u32::MAX as u64 {
+        return Err(CudaKernelError::TooLarge {
+            op,
+            what,
+            value: v as u64,
+            limit: u32::MAX as u64,
+        });
+    }
+    Ok(())
+}
+
+impl CudaKernels {
+    /// Embedding lookup `out[i, :] = table[ids[i], :]` (CPU:
+    /// [`cpu::embedding`](crate::kernels::cpu::embedding)); ids are `i64` on the device.
+    ///
+    /// Ids are validated on the device (see [`IndexCheck`]): rows of out-of-range ids are filled
+    /// with NaN and reported by the returned check's [`IndexCheck::wait`]. Valid rows are exact
+    /// copies, bit-identical to the CPU.
+    ///
+    /// # Errors
+    /// The CPU kernel's shape errors; buffer/stream errors; `out` overlapping `ids` or `table`;
+    /// scratch allocation failure.
+    pub fn embedding(
+        &self,
+        stream: &Stream,
+        ids: &BufferRef,
+        table: &BufferRef,
+        out: &BufferRef,
+        dim: usize,
+    ) -> Result<IndexCheck> {
+        let op = "embedding";
+        let c = self.call(op, stream)?;
+        let dids = c.buf("ids", ids, Elem::I64)?;
+        let dt = c.buf("table", table, Elem::F32)?;
+        let rows = rows_of(op, "table", dt.len, dim)?;
+        let dout = c.buf("out", out, Elem::F32)?;
+        let total = mul(op, dids.len, dim)?;
+        expect_len(op, "out", dout.len, total, || {
+            format!("ids={}, dim={dim}, table rows={rows}", dids.len)
+        })?;
+        c.disjoint(&[("out", out)], &[("ids", ids), ("table", table)])?;
+        let (plan, status) = plan_embedding(
+            dids.len as u64,
+            dim as u64,
+            rows as u64,
+            Ptr::Dev(dids.ptr),
+            Ptr::Dev(dt.ptr),
+            Ptr::Dev(dout.ptr),
+        );
+        // SAFETY: ids holds total/dim i64, table rows·dim f32 and out total f32 on this device;
+        // out overlaps neither input; the kernels read table only at in-range ids.
+        unsafe { exec_checked(&c, &plan, status, "id", ids, rows) }
+    }
+
+    /// Embedding backward: `dtable` is **overwritten** with `Σ_{i: ids[i] = r} dy[i, :]` in row
+    /// `r` (CPU: [`cpu::embedding_backward`](crate::kernels::cpu::embedding_backward)).
+    ///
+    /// Deterministic without atomics: a stable counting sort groups the positions by id (one
+    /// block ranks positions in tiles, an exclusive scan gives each id's start, a scatter writes
+    /// the grouped order), then one block per table row adds its `dy` rows in position order —
+    /// the CPU kernel's order, so the result is bit-identical. Out-of-range ids are skipped and
+    /// reported by the returned [`IndexCheck`]. Scratch: `2·rows + 2·n` `u32`. The ranking pass
+    /// runs on one block (`O(n)` steps per thread), which bounds its speed for very long id
+    /// lists.
+    ///
+    /// # Errors
+    /// The CPU kernel's shape errors; [`CudaKernelError::TooLarge`] for more than `u32::MAX`
+    /// ids; buffer/stream errors; `dtable` overlapping `ids` or `dy`; scratch allocation
+    /// failure.
+    pub fn embedding_backward(
+        &self,
+        stream: &Stream,
+        ids: &BufferRef,
+        dy: &BufferRef,
+        dtable: &BufferRef,
+        dim: usize,
+    ) -> Result<IndexCheck> {
+        let op = "embedding_backward";
+        let c = self.call(op, stream)?;
+        let dids = c.buf("ids", ids, Elem::I64)?;
+        let ddt = c.buf("dtable", dtable, Elem::F32)?;
+        let rows = rows_of(op, "dtable", ddt.len, dim)?;
+        let ddy = c.buf("dy", dy, Elem::F32)?;
+        let n = dids.len;
+        expect_len(op, "dy", ddy.len, mul(op, n, dim)?, || {
+            format!("ids={n}, dim={dim}, table rows={rows}")
+        })?;
+        check_u32(op, "ids", n)?;
+        c.disjoint(&[("dtable", dtable)], &[("ids", ids), ("dy", dy)])?;
+        let (plan, status) = plan_embedding_backward(
+            n as u64,
+            dim as u64,
+            rows as u64,
+            Ptr::Dev(dids.ptr),
+            Ptr::Dev(ddy.ptr),
+            Ptr::Dev(ddt.ptr),
+        );
+        // SAFETY: ids holds n i64, dy n·dim f32 and dtable rows·dim f32 on this device; dtable
+        // overlaps neither input. The sort's scratch is sized by the plan (rows and n u32
+        // slots); for every valid position i, start[id] + rank[i] < n, so the scatter writes
+        // `order` in bounds and the accumulation reads dy only at positions < n; block r writes
+        // row r of dtable only.
+        unsafe { exec_checked(&c, &plan, status, "id", ids, rows) }
+    }
+}

@@ -1,0 +1,535 @@
+// Device kernels of fsdp_autograd::kernels::cuda, compiled by NVRTC at first use (see program.rs).
+//
+// Conventions shared with the Rust launch code:
+// - Every kernel is launched with BLOCK threads per block (a power of two: the block reductions
+//   below depend on it) and a one-dimensional grid; loops stride over the grid, so any grid size
+//   is correct and the host caps it.
+// - Sizes are `u64`, pointers are device addresses, element types are spelled out (float,
+//   double, i64, u32, u16 for the raw bits of f16/bf16).
+// - The program is compiled with --fmad=false (no contraction of a*b+c into an FMA), so each
+//   floating-point expression is evaluated operation by operation, like the CPU kernels.
+// - Reductions are fixed-shape trees over the BLOCK threads of one block (or sequential loops),
+//   never atomics, so every result is bit-reproducible run to run. The only atomic is the
+//   integer atomicMin in check_ids, whose result does not depend on the order.
+// - The parameter list of every `extern "C" __global__` function is mirrored by
+//   `Kernel::signature` in program.rs; a unit test compares the two.
+//
+// No header is included: NVRTC provides the math functions and intrinsics used here. When the
+// file is compiled on the host by the emulation harness (emu/), FSDP_HOST_EMULATION is defined
+// and the harness supplies the CUDA built-ins and the two PTX-assembly helpers.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define BLOCK 256
+#define MAX_RANK 8
+
+#define GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+#define ROW_LOOP(r, rows) for (u64 r = blockIdx.x; r < (rows); r += gridDim.x)
+#define COL_LOOP(j, cols) for (u64 j = threadIdx.x; j < (cols); j += BLOCK)
+
+__device__ float neg_inf_f32() { return __uint_as_float(0xff800000u); }
+__device__ float nan_f32() { return __uint_as_float(0x7fc00000u); }
+__device__ double nan_f64() { return __longlong_as_double(0x7ff8000000000000LL); }
+
+// ---------------------------------------------------------------------------------------------
+// Block reductions: a fixed binary tree over the BLOCK lanes. Every thread of the block must call
+// them (they contain barriers); the result is returned to all threads and `sh` is reusable after.
+
+__device__ double block_sum(double v, double* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sh[threadIdx.x] = sh[threadIdx.x] + sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    double r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// Maximum, skipping NaNs (fmaxf), like the CPU kernels' f32::max. Exact, so order-independent.
+__device__ float block_max(float v, float* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + s]);
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise.
+
+extern "C" __global__ void ew_add(u64 n, const float* a, const float* b, float* out) {
+    GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void ew_mul(u64 n, const float* a, const float* b, float* out) {
+    GRID_STRIDE(i, n) out[i] = a[i] * b[i];
+}
+
+extern "C" __global__ void ew_scale(u64 n, const float* x, float alpha, float* out) {
+    GRID_STRIDE(i, n) out[i] = alpha * x[i];
+}
+
+extern "C" __global__ void ew_scale_inplace(u64 n, float* y, float alpha) {
+    GRID_STRIDE(i, n) y[i] = y[i] * alpha;
+}
+
+// y <- y + alpha * x: the product is rounded, then the sum (no FMA), as on the CPU.
+extern "C" __global__ void ew_axpy(u64 n, float* y, float alpha, const float* x) {
+    GRID_STRIDE(i, n) y[i] = y[i] + alpha * x[i];
+}
+
+extern "C" __global__ void add_row_bias(u64 n, u64 cols, const float* x, const float* bias,
+                                        float* out) {
+    GRID_STRIDE(i, n) out[i] = x[i] + bias[i % cols];
+}
+
+extern "C" __global__ void add_row_bias_inplace(u64 n, u64 cols, float* y, const float* bias) {
+    GRID_STRIDE(i, n) y[i] = y[i] + bias[i % cols];
+}
+
+// One thread per column, rows added in order 0, 1, ... in f32: the CPU kernel's order, bit for bit.
+extern "C" __global__ void col_sums(u64 rows, u64 cols, const float* x, float* out) {
+    GRID_STRIDE(j, cols) {
+        float acc = 0.0f;
+        for (u64 r = 0; r < rows; ++r) acc = acc + x[r * cols + j];
+        out[j] = acc;
+    }
+}
+
+// Stage 1 of sum/mean: block b writes the f64 sum of its grid-strided elements to partial[b].
+extern "C" __global__ void sum_partial(u64 n, const float* x, double* partial) {
+    __shared__ double sh[BLOCK];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) acc = acc + (double)x[i];
+    double s = block_sum(acc, sh);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// Stage 2 (one block): out[0] = (sum of partial[0..count]) / divisor, rounded to f32.
+extern "C" __global__ void sum_final(u64 count, const double* partial, double divisor, float* out) {
+    __shared__ double sh[BLOCK];
+    double acc = 0.0;
+    for (u64 i = threadIdx.x; i < count; i += BLOCK) acc = acc + partial[i];
+    double s = block_sum(acc, sh);
+    if (threadIdx.x == 0) out[0] = (float)(s / divisor);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU, tanh approximation, in the CPU kernel's form: y = x / (1 + exp(-2u)).
+
+#define SQRT_2_OVER_PI 0.7978846f
+#define GELU_C 0.044715f
+
+__device__ float gelu_arg(float x) { return SQRT_2_OVER_PI * (x + GELU_C * x * x * x); }
+__device__ float exp_neg_2u(float u) { return expf(fminf(-2.0f * u, 88.0f)); }
+
+extern "C" __global__ void gelu_fwd(u64 n, const float* x, float* y) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        y[i] = v / (1.0f + exp_neg_2u(gelu_arg(v)));
+    }
+}
+
+extern "C" __global__ void gelu_bwd(u64 n, const float* x, const float* dy, float* dx) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float e = exp_neg_2u(gelu_arg(v));
+        float s = 1.0f / (1.0f + e);
+        float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_C * v * v);
+        dx[i] = dy[i] * (s + 2.0f * v * (e * s * s) * du);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row softmax (one block per row), plain and causal.
+
+extern "C" __global__ void softmax_fwd(u64 rows, u64 cols, const float* x, float* y) {
+    __shared__ double shd[BLOCK];
+    __shared__ float shf[BLOCK];
+    ROW_LOOP(r, rows) {
+        const float* xr = x + r * cols;
+        float* yr = y + r * cols;
+        float m = neg_inf_f32();
+        COL_LOOP(j, cols) m = fmaxf(m, xr[j]);
+        m = block_max(m, shf);
+        double s = 0.0;
+        COL_LOOP(j, cols) s = s + (double)expf(xr[j] - m);
+        s = block_sum(s, shd);
+        float inv = (float)(1.0 / s);
+        COL_LOOP(j, cols) yr[j] = expf(xr[j] - m) * inv;
+    }
+}
+
+extern "C" __global__ void softmax_bwd(u64 rows, u64 cols, const float* y, const float* dy,
+                                       float* dx) {
+    __shared__ double shd[BLOCK];
+    ROW_LOOP(r, rows) {
+        const float* yr = y + r * cols;
+        const float* gr = dy + r * cols;
+        float* dr = dx + r * cols;
+        double acc = 0.0;
+        COL_LOOP(j, cols) acc = acc + (double)yr[j] * (double)gr[j];
+        float dot = (float)block_sum(acc, shd);
+        COL_LOOP(j, cols) dr[j] = yr[j] * (gr[j] - dot);
+    }
+}
+
+// In place on p: rows of t scores; row r is query position r % t of its (batch, head) and sees
+// keys 0..=r % t. Masked entries become exactly 0.
+extern "C" __global__ void causal_softmax(u64 rows, u64 t, float* p) {
+    __shared__ double shd[BLOCK];
+    __shared__ float shf[BLOCK];
+    ROW_LOOP(r, rows) {
+        float* row = p + r * t;
+        u64 vis = r % t + 1;
+        float m = neg_inf_f32();
+        COL_LOOP(j, vis) m = fmaxf(m, row[j]);
+        m = block_max(m, shf);
+        double s = 0.0;
+        COL_LOOP(j, vis) s = s + (double)expf(row[j] - m);
+        s = block_sum(s, shd);
+        float inv = (float)(1.0 / s);
+        COL_LOOP(j, t) row[j] = j < vis ? expf(row[j] - m) * inv : 0.0f;
+    }
+}
+
+// In place on ds, which holds dP = dout * v^T on entry and dS on exit:
+// dS = P * (dP - sum_{j <= i} P * dP) on the visible part, 0 above the diagonal.
+extern "C" __global__ void causal_softmax_bwd(u64 rows, u64 t, const float* p, float* ds) {
+    __shared__ double shd[BLOCK];
+    ROW_LOOP(r, rows) {
+        const float* pr = p + r * t;
+        float* dr = ds + r * t;
+        u64 vis = r % t + 1;
+        double acc = 0.0;
+        COL_LOOP(j, vis) acc = acc + (double)pr[j] * (double)dr[j];
+        float dot = (float)block_sum(acc, shd);
+        COL_LOOP(j, t) dr[j] = j < vis ? pr[j] * (dr[j] - dot) : 0.0f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm (one block per row for the row statistics and dx; one thread per column for the
+// parameter gradients, rows in order, as on the CPU).
+
+extern "C" __global__ void layer_norm_fwd(u64 rows, u64 cols, float eps, const float* x,
+                                          const float* gamma, const float* beta, float* y,
+                                          float* mean, float* rstd) {
+    __shared__ double shd[BLOCK];
+    ROW_LOOP(r, rows) {
+        const float* xr = x + r * cols;
+        float* yr = y + r * cols;
+        double acc = 0.0;
+        COL_LOOP(j, cols) acc = acc + (double)xr[j];
+        double mu = block_sum(acc, shd) / (double)cols;
+        double vacc = 0.0;
+        COL_LOOP(j, cols) {
+            double d = (double)xr[j] - mu;
+            vacc = vacc + d * d;
+        }
+        double var = block_sum(vacc, shd);
+        float rs = (float)(1.0 / sqrt(var / (double)cols + (double)eps));
+        float m = (float)mu;
+        if (threadIdx.x == 0) {
+            mean[r] = m;
+            rstd[r] = rs;
+        }
+        COL_LOOP(j, cols) yr[j] = (xr[j] - m) * rs * gamma[j] + beta[j];
+    }
+}
+
+extern "C" __global__ void layer_norm_bwd_dx(u64 rows, u64 cols, const float* x,
+                                             const float* gamma, const float* mean,
+                                             const float* rstd, const float* dy, float* dx) {
+    __shared__ double shd[BLOCK];
+    ROW_LOOP(r, rows) {
+        const float* xr = x + r * cols;
+        const float* gr = dy + r * cols;
+        float* dr = dx + r * cols;
+        float m = mean[r];
+        float rs = rstd[r];
+        double sg = 0.0;
+        double sgx = 0.0;
+        COL_LOOP(j, cols) {
+            float xhat = (xr[j] - m) * rs;
+            float g = gr[j] * gamma[j];
+            sg = sg + (double)g;
+            sgx = sgx + (double)g * (double)xhat;
+        }
+        float mean_g = (float)(block_sum(sg, shd) / (double)cols);
+        float mean_gx = (float)(block_sum(sgx, shd) / (double)cols);
+        COL_LOOP(j, cols) {
+            float xhat = (xr[j] - m) * rs;
+            dr[j] = rs * (gr[j] * gamma[j] - mean_g - xhat * mean_gx);
+        }
+    }
+}
+
+extern "C" __global__ void layer_norm_bwd_params(u64 rows, u64 cols, const float* x,
+                                                 const float* mean, const float* rstd,
+                                                 const float* dy, float* dgamma, float* dbeta) {
+    GRID_STRIDE(j, cols) {
+        float dg = 0.0f;
+        float db = 0.0f;
+        for (u64 r = 0; r < rows; ++r) {
+            float d = dy[r * cols + j];
+            float xhat = (x[r * cols + j] - mean[r]) * rstd[r];
+            dg = dg + d * xhat;
+            db = db + d;
+        }
+        dgamma[j] = dg;
+        dbeta[j] = db;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Index validation (embedding ids, cross-entropy targets): *first_bad (initialized to
+// 0xffff...ff by the host) becomes the smallest position whose index is outside 0..bound.
+
+__device__ bool in_range(i64 v, u64 bound) { return v >= 0 && (u64)v < bound; }
+
+extern "C" __global__ void check_ids(u64 n, const i64* ids, u64 bound, u64* first_bad) {
+    GRID_STRIDE(i, n) {
+        if (!in_range(ids[i], bound)) atomicMin(first_bad, i);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding. Forward: a gather (rows of invalid ids become NaN). Backward without atomics: a
+// stable counting sort of the positions by id, then one block per table row adds its dy rows in
+// position order — the CPU kernel's summation order, bit for bit.
+
+extern "C" __global__ void embedding_fwd(u64 total, u64 dim, u64 rows, const i64* ids,
+                                         const float* table, float* out) {
+    GRID_STRIDE(e, total) {
+        u64 i = e / dim;
+        u64 j = e - i * dim;
+        i64 v = ids[i];
+        out[e] = in_range(v, rows) ? table[(u64)v * dim + j] : nan_f32();
+    }
+}
+
+// One block. count[0..rows] must be zero on entry. Positions are processed in tiles of BLOCK, in
+// order; within a tile each thread counts the equal ids before and after it. On exit
+// rank[i] = #{j < i : ids[j] == ids[i]} for every valid i, and count[r] = #{i : ids[i] == r}.
+extern "C" __global__ void emb_rank(u64 n, const i64* ids, u64 rows, u32* count, u32* rank) {
+    __shared__ i64 tile[BLOCK];
+    for (u64 base = 0; base < n; base += BLOCK) {
+        u64 i = base + threadIdx.x;
+        i64 id = -1;
+        if (i < n && in_range(ids[i], rows)) id = ids[i];
+        tile[threadIdx.x] = id;
+        __syncthreads();
+        u32 before = 0;
+        bool last = true;
+        if (id >= 0) {
+            for (unsigned t = 0; t < BLOCK; ++t) {
+                if (tile[t] == id) {
+                    if (t < threadIdx.x) before += 1;
+                    else if (t > threadIdx.x) last = false;
+                }
+            }
+            rank[i] = count[id] + before;
+        }
+        // Every read of count[] for this tile happens before any update of it.
+        __syncthreads();
+        if (id >= 0 && last) count[id] = count[id] + before + 1;
+        // Updates are visible to the whole block before the next tile reads them.
+        __syncthreads();
+    }
+}
+
+// One block: start[r] = count[0] + ... + count[r - 1] (exclusive prefix sum).
+extern "C" __global__ void emb_scan(u64 rows, const u32* count, u32* start) {
+    __shared__ u32 part[BLOCK];
+    u64 chunk = (rows + BLOCK - 1) / BLOCK;
+    u64 lo = (u64)threadIdx.x * chunk;
+    u64 hi = lo + chunk;
+    if (lo > rows) lo = rows;
+    if (hi > rows) hi = rows;
+    u32 s = 0;
+    for (u64 r = lo; r < hi; ++r) s += count[r];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 acc = 0;
+        for (unsigned t = 0; t < BLOCK; ++t) {
+            u32 c = part[t];
+            part[t] = acc;
+            acc += c;
+        }
+    }
+    __syncthreads();
+    u32 acc = part[threadIdx.x];
+    for (u64 r = lo; r < hi; ++r) {
+        start[r] = acc;
+        acc += count[r];
+    }
+}
+
+// order[start[id] + rank[i]] = i: the positions grouped by id, each group in position order.
+extern "C" __global__ void emb_scatter(u64 n, u64 rows, const i64* ids, const u32* start,
+                                       const u32* rank, u32* order) {
+    GRID_STRIDE(i, n) {
+        i64 v = ids[i];
+        if (in_range(v, rows)) order[start[v] + rank[i]] = (u32)i;
+    }
+}
+
+// dtable[r, :] = sum of dy[i, :] over the positions i of id r, in position order (0 if none).
+extern "C" __global__ void emb_accum(u64 rows, u64 dim, const u32* start, const u32* count,
+                                     const u32* order, const float* dy, float* dtable) {
+    ROW_LOOP(r, rows) {
+        u32 s = start[r];
+        u32 c = count[r];
+        COL_LOOP(j, dim) {
+            float acc = 0.0f;
+            for (u32 p = 0; p < c; ++p) acc = acc + dy[(u64)order[s + p] * dim + j];
+            dtable[r * dim + j] = acc;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy with integer targets. Forward writes lse[r] and the f64 row loss
+// lse_r - logits[r, t_r] (NaN for an invalid target); sum_final then takes the mean.
+
+extern "C" __global__ void ce_fwd(u64 rows, u64 cols, const float* logits, const i64* targets,
+                                  float* lse, double* row_loss) {
+    __shared__ double shd[BLOCK];
+    __shared__ float shf[BLOCK];
+    ROW_LOOP(r, rows) {
+        const float* xr = logits + r * cols;
+        float m = neg_inf_f32();
+        COL_LOOP(j, cols) m = fmaxf(m, xr[j]);
+        m = block_max(m, shf);
+        double s = 0.0;
+        COL_LOOP(j, cols) s = s + (double)expf(xr[j] - m);
+        s = block_sum(s, shd);
+        double l = (double)m + log(s);
+        if (threadIdx.x == 0) {
+            lse[r] = (float)l;
+            i64 t = targets[r];
+            row_loss[r] = in_range(t, cols) ? l - (double)xr[t] : nan_f64();
+        }
+    }
+}
+
+// dlogits[r, j] = (dloss[0] / rows) * (exp(logits[r, j] - lse[r]) - [j == t_r]); NaN rows for
+// invalid targets.
+extern "C" __global__ void ce_bwd(u64 rows, u64 cols, const float* logits, const i64* targets,
+                                  const float* lse, const float* dloss, float* dlogits) {
+    float g = dloss[0] / (float)rows;
+    ROW_LOOP(r, rows) {
+        const float* xr = logits + r * cols;
+        float* dr = dlogits + r * cols;
+        float l = lse[r];
+        i64 t = targets[r];
+        bool ok = in_range(t, cols);
+        COL_LOOP(j, cols) {
+            float p = expf(xr[j] - l);
+            float o = (ok && j == (u64)t) ? g * (p - 1.0f) : g * p;
+            dr[j] = ok ? o : nan_f32();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Casts. f16 uses the PTX conversion instructions (round to nearest even); bf16 follows the
+// `half` crate's bit algorithms exactly (round to nearest even, NaNs quieted).
+
+#ifndef FSDP_HOST_EMULATION
+__device__ u16 f32_to_f16_bits(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ float f16_bits_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#endif
+
+__device__ u16 f32_to_bf16_bits(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
+    u16 h = (u16)(x >> 16);
+    if ((x & 0x8000u) != 0u && (x & 0x17fffu) != 0u) h = (u16)(h + 1);
+    return h;
+}
+
+extern "C" __global__ void cast_f32_f16(u64 n, const float* src, u16* dst) {
+    GRID_STRIDE(i, n) dst[i] = f32_to_f16_bits(src[i]);
+}
+
+extern "C" __global__ void cast_f16_f32(u64 n, const u16* src, float* dst) {
+    GRID_STRIDE(i, n) dst[i] = f16_bits_to_f32(src[i]);
+}
+
+extern "C" __global__ void cast_f32_bf16(u64 n, const float* src, u16* dst) {
+    GRID_STRIDE(i, n) dst[i] = f32_to_bf16_bits(src[i]);
+}
+
+// Exact; a signaling NaN is quieted (bit 0x40 set), as `half` does.
+extern "C" __global__ void cast_bf16_f32(u64 n, const u16* src, float* dst) {
+    GRID_STRIDE(i, n) {
+        u32 h = src[i];
+        if ((h & 0x7fffu) > 0x7f80u) h |= 0x0040u;
+        dst[i] = __uint_as_float(h << 16);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strided views (element strides, row-major enumeration of the view's indices). The struct
+// layout is mirrored by `ViewDesc` (#[repr(C)]) in layout.rs.
+
+struct View {
+    u64 rank;
+    u64 offset;
+    u64 shape[MAX_RANK];
+    u64 strides[MAX_RANK];
+};
+
+__device__ u64 view_offset(const View& v, u64 e) {
+    u64 off = v.offset;
+    for (u64 k = v.rank; k > 0; --k) {
+        u64 d = k - 1;
+        u64 s = v.shape[d];
+        u64 idx = e % s;
+        e = e / s;
+        off += idx * v.strides[d];
+    }
+    return off;
+}
+
+extern "C" __global__ void strided_copy_b2(u64 n, View v, const u16* src, u16* dst) {
+    GRID_STRIDE(e, n) dst[e] = src[view_offset(v, e)];
+}
+
+extern "C" __global__ void strided_copy_b4(u64 n, View v, const u32* src, u32* dst) {
+    GRID_STRIDE(e, n) dst[e] = src[view_offset(v, e)];
+}
+
+extern "C" __global__ void strided_copy_b8(u64 n, View v, const u64* src, u64* dst) {
+    GRID_STRIDE(e, n) dst[e] = src[view_offset(v, e)];
+}
+
+// The host only launches this for views whose elements are pairwise distinct, so every
+// destination element has one writer.
+extern "C" __global__ void strided_add_f32(u64 n, View v, float* dst, const float* src) {
+    GRID_STRIDE(e, n) {
+        u64 o = view_offset(v, e);
+        dst[o] = dst[o] + src[e];
+    }
+}

@@ -1,0 +1,134 @@
+//! CUDA kernels (feature `cuda`): the GPU counterparts of [`kernels::cpu`](super::cpu), on
+//! device memory from `fsdp-alloc`'s CUDA backend, launched on CUDA [`Stream`](fsdp_alloc::Stream)s.
+//!
+//! # Status: compile-checked only — never run on a GPU
+//!
+//! This code was written and checked on a machine **without a GPU or CUDA libraries**. It
+//! compiles and passes `clippy -D warnings` with `--features cuda`; the device source
+//! (`kernels.cu`) was syntax-checked and its kernels were executed by a host C++ emulation of the
+//! CUDA execution model (see `emu/`, run by the `emulated_kernels_match_references` test when a
+//! C++ compiler is present) — but no kernel, cuBLAS call, NVRTC compilation or driver call here
+//! has ever run on real hardware. The GPU tests (`#[ignore]`, in `tests.rs`) compare every kernel
+//! with the CPU kernel on random inputs; run them with `cargo xtask gpu-test` (which passes
+//! `--include-ignored` and `FSDP_GPU_TESTS=1`) on a machine with a GPU before relying on this
+//! module. Treat any result as unverified until then.
+//!
+//! # Use
+//!
+//! Build a [`CudaKernels`] for a CUDA [`Device`](fsdp_alloc::Device) (it compiles `kernels.cu`
+//! with NVRTC once per process, loads it once per CUDA context, and creates one cuBLAS handle
+//! per stream on first use), then call its methods with a stream of that device and
+//! [`BufferRef`](fsdp_alloc::BufferRef)s of its memory:
+//!
+//! ```no_run
+//! use fsdp_alloc::Device;
+//! use fsdp_autograd::kernels::cuda::CudaKernels;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dev = Device::cuda(0)?; // AllocError::CudaUnavailable without a driver
+//! let k = CudaKernels::new(&dev)?;
+//! let s = dev.default_stream();
+//! let x = dev.alloc(4 * 6, s)?;
+//! let y = dev.alloc(4 * 6, s)?;
+//! k.upload(s, &[1.0f32, 2.0, 3.0, 1.0, 1.0, 1.0], x.data())?;
+//! k.softmax_rows(s, x.data(), y.data(), 3)?; // enqueued, not yet complete
+//! let mut host = [0.0f32; 6];
+//! k.download(s, y.data(), &mut host)?; // synchronizes the stream
+//! assert!((host[3] - 1.0 / 3.0).abs() < 1e-6);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! | group | methods |
+//! | --- | --- |
+//! | matrix products (cuBLAS) | [`matmul`](CudaKernels::matmul), [`bmm`](CudaKernels::bmm) |
+//! | elementwise | [`add`](CudaKernels::add), [`mul`](CudaKernels::mul), [`scale`](CudaKernels::scale), [`scale_inplace`](CudaKernels::scale_inplace), [`add_scaled`](CudaKernels::add_scaled), [`gelu`](CudaKernels::gelu), [`gelu_backward`](CudaKernels::gelu_backward) |
+//! | reductions / broadcasts | [`sum`](CudaKernels::sum), [`mean`](CudaKernels::mean), [`add_row_bias`](CudaKernels::add_row_bias), [`add_row_bias_inplace`](CudaKernels::add_row_bias_inplace), [`col_sums`](CudaKernels::col_sums) |
+//! | row-wise | [`softmax_rows`](CudaKernels::softmax_rows), [`softmax_rows_backward`](CudaKernels::softmax_rows_backward), [`layer_norm`](CudaKernels::layer_norm), [`layer_norm_backward`](CudaKernels::layer_norm_backward) |
+//! | lookup / loss | [`embedding`](CudaKernels::embedding), [`embedding_backward`](CudaKernels::embedding_backward), [`cross_entropy`](CudaKernels::cross_entropy), [`cross_entropy_backward`](CudaKernels::cross_entropy_backward) |
+//! | attention | [`causal_attention`](CudaKernels::causal_attention), [`causal_attention_backward`](CudaKernels::causal_attention_backward) |
+//! | layout (views) | [`strided_copy`](CudaKernels::strided_copy), [`strided_add_assign`](CudaKernels::strided_add_assign) |
+//! | casts | [`cast_f32_to_f16`](CudaKernels::cast_f32_to_f16), [`cast_f16_to_f32`](CudaKernels::cast_f16_to_f32), [`cast_f32_to_bf16`](CudaKernels::cast_f32_to_bf16), [`cast_bf16_to_f32`](CudaKernels::cast_bf16_to_f32) |
+//! | memory | [`upload`](CudaKernels::upload), [`download`](CudaKernels::download), [`zero`](CudaKernels::zero), [`copy`](CudaKernels::copy) |
+//!
+//! # Conventions (differences from the CPU kernels in bold)
+//!
+//! - Same argument order, shape arguments and shape/length errors ([`KernelError`](super::KernelError),
+//!   wrapped in [`CudaKernelError::Kernel`]) as the CPU kernels, with every slice replaced by a
+//!   `BufferRef` whose byte length must be exactly the element count times the element size.
+//!   Buffers must be device memory of this device (else [`CudaKernelError::NotDeviceMemory`] /
+//!   [`CudaKernelError::WrongDevice`]), aligned to their element type, and **outputs must not
+//!   overlap other arguments** ([`CudaKernelError::Overlap`]; the CPU API rules this out through
+//!   `&mut`). In-place variants say so.
+//! - Methods return once the work is **enqueued on the stream** (kernels, cuBLAS calls, memsets
+//!   are all stream-ordered); results are observed after an event or a synchronize, exactly as
+//!   with `Stream::launch`. Only [`upload`](CudaKernels::upload), [`download`](CudaKernels::download)
+//!   and [`IndexCheck::wait`] synchronize.
+//! - **Scalar results stay on the device**: [`sum`](CudaKernels::sum),
+//!   [`mean`](CudaKernels::mean) and [`cross_entropy`](CudaKernels::cross_entropy) write a
+//!   one-element buffer, and [`cross_entropy_backward`](CudaKernels::cross_entropy_backward)
+//!   reads its upstream gradient from one.
+//! - **Index errors are deferred**: embedding ids and cross-entropy targets are validated on the
+//!   device; the methods return an [`IndexCheck`] whose [`wait`](IndexCheck::wait) reports the
+//!   first out-of-range index as the CPU's [`KernelError::IndexOutOfRange`](super::KernelError::IndexOutOfRange).
+//!   Out-of-range indices are never dereferenced; their outputs are NaN (forward) or skipped
+//!   (embedding backward).
+//! - Scratch memory (reduction partials, the embedding sort, attention's `dS`, status words)
+//!   comes from the device's caching allocator on the launch stream and is released in stream
+//!   order.
+//!
+//! # Determinism and accuracy
+//!
+//! No kernel uses floating-point atomics: reductions are fixed-shape trees inside one block or
+//! sequential loops, so the same inputs give the same bits on every call on one GPU. The program
+//! is compiled with `--fmad=false`, IEEE division/square root and no flush-to-zero, so
+//! elementwise arithmetic is evaluated operation by operation like the CPU kernels:
+//! [`add`](CudaKernels::add), [`mul`](CudaKernels::mul), [`scale`](CudaKernels::scale),
+//! [`add_scaled`](CudaKernels::add_scaled), the row-bias kernels, [`col_sums`](CudaKernels::col_sums),
+//! the layer-norm parameter gradients (given equal saved statistics), the embedding kernels,
+//! the bf16 casts and the f16 casts of non-NaN values are expected to be **bit-identical** to the
+//! CPU. Kernels with `exp` use CUDA's `expf` (≤ 2 ulp) instead of the CPU's polynomial, and
+//! row reductions combine in a different (still fixed) order than the CPU's 8-lane f64 sums, so
+//! softmax, layer norm, GELU, cross-entropy and attention agree with the CPU to a few ulp, not
+//! bitwise. Matrix products use cuBLAS (default math mode: full f32, no TF32) with one handle
+//! per stream; cuBLAS documents bitwise reproducibility for a fixed GPU architecture, SM count
+//! and library version under those conditions, and its summation order differs from the `gemm`
+//! crate's.
+//!
+//! # Limitations
+//!
+//! - Never run on a GPU (see above). NVRTC compiles for its default virtual architecture and
+//!   the driver JIT-compiles the PTX; an NVRTC newer than the driver can produce PTX the driver
+//!   rejects (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`).
+//! - f32 compute only (half-precision tensors are cast to f32 and back, as on the CPU).
+//! - Speed was not a goal beyond avoiding pathologies: [`col_sums`](CudaKernels::col_sums) and
+//!   the layer-norm parameter gradients use one thread per column; the embedding backward ranks
+//!   positions in a single block; [`sum`](CudaKernels::sum) uses at most 1024 partial blocks;
+//!   attention materializes the `t×t` probabilities (no flash attention).
+//! - [`strided_add_assign`](CudaKernels::strided_add_assign) refuses overlapping (broadcast)
+//!   views, and views have at most [`MAX_VIEW_RANK`] dims.
+//! - Limits: matrix dimensions and batch counts up to `i32::MAX` (cuBLAS), embedding id lists up
+//!   to `u32::MAX` entries.
+//! - Not wired into `Tensor` ops: the tensor layer still runs the CPU kernels only.
+
+mod attention;
+mod cast;
+mod context;
+mod elementwise;
+mod embedding;
+mod error;
+mod layout;
+mod loss;
+mod matmul;
+mod plan;
+mod program;
+mod rows;
+mod transfer;
+
+pub use context::CudaKernels;
+pub use embedding::IndexCheck;
+pub use error::{CudaKernelError, Result};
+pub use layout::MAX_VIEW_RANK;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,188 @@
+//! The NVRTC program: the kernel table, compilation at first use, and the per-context module
+//! cache.
+//!
+//! `kernels.cu` is compiled to PTX once per process (NVRTC's default virtual architecture, so the
+//! driver JIT-compiles it for whatever GPU loads it) and loaded once per CUDA context; both are
+//! cached for the life of the process. The cached module keeps its context alive (a primary
+//! context stays retained), which is what makes the context pointer a stable cache key.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use super::error::CudaKernelError;
+
+/// The CUDA C source of every kernel.
+pub(crate) const SOURCE: &str = include_str!("kernels.cu");
+
+/// Threads per block of every launch (`BLOCK` in `kernels.cu`; the block reductions need a power
+/// of two).
+pub(crate) const BLOCK: u32 = 256;
+
+/// Largest grid the launch code uses; kernels loop over the grid, so this only bounds
+/// parallelism.
+pub(crate) const MAX_GRID: u32 = 65_535;
+
+/// The kind of one kernel parameter, as pushed by the launch code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ArgKind {
+    /// `u64` (sizes, counts).
+    U64,
+    /// `float` scalar.
+    F32,
+    /// `double` scalar.
+    F64,
+    /// A device address (any pointer type in the CUDA source).
+    Ptr,
+    /// The `View` struct (by value).
+    View,
+}
+
+macro_rules! kernels {
+    ($($variant:ident => $name:literal [$($kind:ident),*];)*) => {
+        /// Every `extern "C" __global__` function of `kernels.cu`, with its parameter kinds.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub(crate) enum Kernel {
+            $(#[doc = concat!("`", $name, "`")] $variant,)*
+        }
+
+        impl Kernel {
+            /// All kernels, in table order (the order of the loaded `CudaFunction`s).
+            pub(crate) const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
+
+            /// The function's name in `kernels.cu`.
+            pub(crate) fn name(self) -> &'static str {
+                match self { $(Kernel::$variant => $name,)* }
+            }
+
+            /// The kinds of its parameters, in order.
+            pub(crate) fn signature(self) -> &'static [ArgKind] {
+                match self { $(Kernel::$variant => &[$(ArgKind::$kind),*],)* }
+            }
+
+            /// Index into [`Kernel::ALL`].
+            pub(crate) fn index(self) -> usize {
+                self as usize
+            }
+        }
+    };
+}
+
+kernels! {
+    Add => "ew_add" [U64, Ptr, Ptr, Ptr];
+    Mul => "ew_mul" [U64, Ptr, Ptr, Ptr];
+    Scale => "ew_scale" [U64, Ptr, F32, Ptr];
+    ScaleInplace => "ew_scale_inplace" [U64, Ptr, F32];
+    Axpy => "ew_axpy" [U64, Ptr, F32, Ptr];
+    AddRowBias => "add_row_bias" [U64, U64, Ptr, Ptr, Ptr];
+    AddRowBiasInplace => "add_row_bias_inplace" [U64, U64, Ptr, Ptr];
+    ColSums => "col_sums" [U64, U64, Ptr, Ptr];
+    SumPartial => "sum_partial" [U64, Ptr, Ptr];
+    SumFinal => "sum_final" [U64, Ptr, F64, Ptr];
+    GeluFwd => "gelu_fwd" [U64, Ptr, Ptr];
+    GeluBwd => "gelu_bwd" [U64, Ptr, Ptr, Ptr];
+    SoftmaxFwd => "softmax_fwd" [U64, U64, Ptr, Ptr];
+    SoftmaxBwd => "softmax_bwd" [U64, U64, Ptr, Ptr, Ptr];
+    CausalSoftmax => "causal_softmax" [U64, U64, Ptr];
+    CausalSoftmaxBwd => "causal_softmax_bwd" [U64, U64, Ptr, Ptr];
+    LayerNormFwd => "layer_norm_fwd" [U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    LayerNormBwdDx => "layer_norm_bwd_dx" [U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    LayerNormBwdParams => "layer_norm_bwd_params" [U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    CheckIds => "check_ids" [U64, Ptr, U64, Ptr];
+    EmbeddingFwd => "embedding_fwd" [U64, U64, U64, Ptr, Ptr, Ptr];
+    EmbRank => "emb_rank" [U64, Ptr, U64, Ptr, Ptr];
+    EmbScan => "emb_scan" [U64, Ptr, Ptr];
+    EmbScatter => "emb_scatter" [U64, U64, Ptr, Ptr, Ptr, Ptr];
+    EmbAccum => "emb_accum" [U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
+    CeFwd => "ce_fwd" [U64, U64, Ptr, Ptr, Ptr, Ptr];
+    CeBwd => "ce_bwd" [U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
+    CastF32F16 => "cast_f32_f16" [U64, Ptr, Ptr];
+    CastF16F32 => "cast_f16_f32" [U64, Ptr, Ptr];
+    CastF32Bf16 => "cast_f32_bf16" [U64, Ptr, Ptr];
+    CastBf16F32 => "cast_bf16_f32" [U64, Ptr, Ptr];
+    StridedCopyB2 => "strided_copy_b2" [U64, View, Ptr, Ptr];
+    StridedCopyB4 => "strided_copy_b4" [U64, View, Ptr, Ptr];
+    StridedCopyB8 => "strided_copy_b8" [U64, View, Ptr, Ptr];
+    StridedAddF32 => "strided_add_f32" [U64, View, Ptr, Ptr];
+}
+
+/// NVRTC options: IEEE division and square root, no flush-to-zero, and no FMA contraction, so
+/// the device evaluates each expression operation by operation as the CPU kernels do.
+pub(crate) fn compile_options() -> CompileOptions {
+    CompileOptions {
+        ftz: Some(false),
+        prec_sqrt: Some(true),
+        prec_div: Some(true),
+        fmad: Some(false),
+        name: Some("fsdp_autograd_kernels.cu".into()),
+        ..Default::default()
+    }
+}
+
+/// The PTX of [`SOURCE`], compiled on first use (an error is cached too: the source is fixed).
+fn ptx() -> Result<Ptx, CudaKernelError> {
+    static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, compile_options()).map_err(|e| match e {
+            cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
+                format!("{nvrtc:?}: {}", log.to_string_lossy())
+            }
+            other => other.to_string(),
+        })
+    })
+    .clone()
+    .map_err(|log| CudaKernelError::Compile { log })
+}
+
+/// `kernels.cu` loaded into one CUDA context: one function per [`Kernel`].
+pub(crate) struct LoadedModule {
+    functions: Vec<CudaFunction>,
+    // Keeps the module (and through it the context) loaded for the cached functions.
+    _module: Arc<CudaModule>,
+}
+
+impl LoadedModule {
+    /// The loaded function of `kernel`.
+    pub(crate) fn function(&self, kernel: Kernel) -> &CudaFunction {
+        &self.functions[kernel.index()]
+    }
+}
+
+/// The module for `ctx`, compiling and loading it on first use (per process, per context).
+pub(crate) fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<LoadedModule>, CudaKernelError> {
+    static MODULES: Mutex<Vec<(usize, Arc<LoadedModule>)>> = Mutex::new(Vec::new());
+    // The context handle is the key: the cached module holds the context, so a cached handle
+    // cannot be destroyed and reused for another context.
+    let key = ctx.cu_ctx() as usize;
+    let mut modules = MODULES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, m)) = modules.iter().find(|(k, _)| *k == key) {
+        return Ok(Arc::clone(m));
+    }
+    let ptx = ptx()?;
+    let module = ctx
+        .load_module(ptx)
+        .map_err(|source| CudaKernelError::Driver {
+            op: "load kernels",
+            call: "cuModuleLoadData",
+            source,
+        })?;
+    let functions = Kernel::ALL
+        .iter()
+        .map(|k| {
+            module
+                .load_function(k.name())
+                .map_err(|source| CudaKernelError::Driver {
+                    op: "load kernels",
+                    call: "cuModuleGetFunction",
+                    source,
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let loaded = Arc::new(LoadedModule {
+        functions,
+        _module: module,
+    });
+    modules.push((key, Arc::clone(&loaded)));
+    Ok(loaded)
+}

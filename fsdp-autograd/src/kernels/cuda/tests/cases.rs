@@ -1,0 +1,918 @@
+//! Test cases shared by the emulator and the GPU: every CUDA kernel against the CPU kernel on
+//! random inputs (bit for bit where the module documents bit-identity, within stated
+//! tolerances elsewhere), plus edge cases and index errors.
+
+use fsdp_alloc::DType;
+use half::{bf16, f16};
+
+use crate::kernels::cpu;
+use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::KernelError;
+
+use super::exec::{
+    down_f32, down_u16, down_u64, nan_f32, run, up_f32, up_i64, up_u16, up_u64, CastKind, Exec, Op,
+};
+
+/// SplitMix64: a small deterministic generator.
+pub(super) struct Rng(u64);
+
+impl Rng {
+    pub(super) fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    pub(super) fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    pub(super) fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| scale * self.f32()).collect()
+    }
+
+    pub(super) fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn same_bits(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// Bitwise equality (any NaN equals any NaN).
+pub(super) fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            same_bits(g, w),
+            "{what}[{i}]: got {g:e} ({:#x}), want {w:e} ({:#x})",
+            g.to_bits(),
+            w.to_bits()
+        );
+    }
+}
+
+/// `|got − want| ≤ rel·|want| + abs` elementwise (NaN only where the reference is NaN).
+pub(super) fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32, abs: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g:e}, want NaN");
+            continue;
+        }
+        if w.is_infinite() {
+            assert_eq!(g, w, "{what}[{i}]");
+            continue;
+        }
+        let tol = rel * w.abs() + abs;
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}[{i}]: got {g:e}, want {w:e} (tolerance {tol:e})"
+        );
+    }
+}
+
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+}
+
+fn index_error(r: Result<(), CudaKernelError>) -> KernelError {
+    match r {
+        Err(CudaKernelError::Kernel(e @ KernelError::IndexOutOfRange { .. })) => e,
+        other => panic!("expected an index error, got {other:?}"),
+    }
+}
+
+/// add, mul, scale, scale_inplace, add_scaled: bit-identical to the CPU.
+pub(super) fn elementwise(e: &mut dyn Exec) {
+    let mut r = Rng::new(1);
+    for n in [0usize, 1, 257, 3000] {
+        let a = r.vec(n, 3.0);
+        let b = r.vec(n, 3.0);
+        let (ha, hb) = (up_f32(e, &a), up_f32(e, &b));
+        let mut want = vec![0.0; n];
+
+        let out = nan_f32(e, n);
+        run(e, Op::Add { a: ha, b: hb, out });
+        cpu::add(&a, &b, &mut want).unwrap();
+        assert_bits("add", &down_f32(e, out), &want);
+
+        let out = nan_f32(e, n);
+        run(e, Op::Mul { a: ha, b: hb, out });
+        cpu::mul(&a, &b, &mut want).unwrap();
+        assert_bits("mul", &down_f32(e, out), &want);
+
+        let out = nan_f32(e, n);
+        run(
+            e,
+            Op::Scale {
+                x: ha,
+                alpha: -0.375,
+                out,
+            },
+        );
+        cpu::scale(&a, -0.375, &mut want).unwrap();
+        assert_bits("scale", &down_f32(e, out), &want);
+
+        let y = up_f32(e, &a);
+        run(e, Op::ScaleInplace { y, alpha: 1.7 });
+        let mut w = a.clone();
+        cpu::scale_inplace(&mut w, 1.7);
+        assert_bits("scale_inplace", &down_f32(e, y), &w);
+
+        for alpha in [1.0f32, 0.3] {
+            let y = up_f32(e, &b);
+            run(e, Op::AddScaled { y, alpha, x: ha });
+            let mut w = b.clone();
+            cpu::add_scaled(&mut w, alpha, &a).unwrap();
+            assert_bits("add_scaled", &down_f32(e, y), &w);
+        }
+    }
+}
+
+/// Row bias (out of place and in place) and column sums: bit-identical.
+pub(super) fn row_bias_and_col_sums(e: &mut dyn Exec) {
+    let mut r = Rng::new(2);
+    for (rows, cols) in [(1usize, 1usize), (37, 19), (3, 300), (0, 5)] {
+        let x = r.vec(rows * cols, 2.0);
+        let bias = r.vec(cols, 2.0);
+        let (hx, hb) = (up_f32(e, &x), up_f32(e, &bias));
+        let mut want = vec![0.0; x.len()];
+
+        let out = nan_f32(e, x.len());
+        run(
+            e,
+            Op::AddRowBias {
+                x: hx,
+                bias: hb,
+                out,
+            },
+        );
+        cpu::add_row_bias(&x, &bias, &mut want).unwrap();
+        assert_bits("add_row_bias", &down_f32(e, out), &want);
+
+        let y = up_f32(e, &x);
+        run(e, Op::AddRowBiasInplace { y, bias: hb });
+        assert_bits("add_row_bias_inplace", &down_f32(e, y), &want);
+
+        let out = nan_f32(e, cols);
+        run(e, Op::ColSums { x: hx, out });
+        let mut w = vec![0.0; cols];
+        cpu::col_sums(&x, &mut w).unwrap();
+        assert_bits("col_sums", &down_f32(e, out), &w);
+    }
+}
+
+/// sum and mean: f64 accumulation in another order than the CPU, so equal up to the final
+/// rounding.
+pub(super) fn sum_and_mean(e: &mut dyn Exec) {
+    let mut r = Rng::new(3);
+    for n in [0usize, 1, 1000, 20_000] {
+        let x: Vec<f32> = r.vec(n, 5.0).iter().map(|v| v + 1.0).collect();
+        let hx = up_f32(e, &x);
+        let total: f32 = x.iter().map(|v| v.abs()).sum();
+        let out = nan_f32(e, 1);
+        run(e, Op::Sum { x: hx, out });
+        assert_close("sum", &down_f32(e, out), &[cpu::sum(&x)], 0.0, 1e-6 * total);
+        if n > 0 {
+            let out = nan_f32(e, 1);
+            run(e, Op::Mean { x: hx, out });
+            let want = cpu::mean(&x).unwrap();
+            assert_close(
+                "mean",
+                &down_f32(e, out),
+                &[want],
+                0.0,
+                1e-6 * total / n as f32,
+            );
+        }
+    }
+}
+
+/// GELU and its backward: CUDA's expf vs the CPU's polynomial (≤ 2 ulp each).
+pub(super) fn gelu(e: &mut dyn Exec) {
+    let mut r = Rng::new(4);
+    let mut x = r.vec(2000, 6.0);
+    x.extend([
+        0.0, -0.0, 1e-3, -1e-3, 10.0, -10.0, 50.0, -50.0, 100.0, -100.0,
+    ]);
+    let dy = r.vec(x.len(), 1.0);
+    let (hx, hdy) = (up_f32(e, &x), up_f32(e, &dy));
+    let y = nan_f32(e, x.len());
+    run(e, Op::Gelu { x: hx, y });
+    let mut want = vec![0.0; x.len()];
+    cpu::gelu(&x, &mut want).unwrap();
+    assert_close("gelu", &down_f32(e, y), &want, 2e-6, 1e-37);
+    let dx = nan_f32(e, x.len());
+    run(e, Op::GeluBackward { x: hx, dy: hdy, dx });
+    cpu::gelu_backward(&x, &dy, &mut want).unwrap();
+    assert_close("gelu_backward", &down_f32(e, dx), &want, 1e-5, 1e-6);
+}
+
+/// Row softmax and its backward (the backward is fed the CPU's forward output).
+pub(super) fn softmax(e: &mut dyn Exec) {
+    let mut r = Rng::new(5);
+    for (rows, cols) in [(1usize, 1usize), (3, 5), (4, 300), (37, 7), (2, 1000)] {
+        let mut x = r.vec(rows * cols, 5.0);
+        if cols >= 3 {
+            x[..3].copy_from_slice(&[1e30, 1e30, -1e30]);
+        }
+        let hx = up_f32(e, &x);
+        let y = nan_f32(e, x.len());
+        run(e, Op::Softmax { x: hx, y, cols });
+        let mut want = vec![0.0; x.len()];
+        cpu::softmax_rows(&x, &mut want, cols).unwrap();
+        assert_close("softmax", &down_f32(e, y), &want, 5e-6, 1e-30);
+
+        let dy = r.vec(x.len(), 1.0);
+        let (hy, hdy) = (up_f32(e, &want), up_f32(e, &dy));
+        let dx = nan_f32(e, x.len());
+        run(
+            e,
+            Op::SoftmaxBackward {
+                y: hy,
+                dy: hdy,
+                dx,
+                cols,
+            },
+        );
+        let mut wdx = vec![0.0; x.len()];
+        cpu::softmax_rows_backward(&want, &dy, &mut wdx, cols).unwrap();
+        assert_close("softmax_backward", &down_f32(e, dx), &wdx, 1e-5, 1e-6);
+    }
+}
+
+/// Layer norm: forward within f32 rounding of the CPU; the backward, fed the CPU's saved
+/// statistics, gives bit-identical parameter gradients.
+pub(super) fn layer_norm(e: &mut dyn Exec) {
+    let mut r = Rng::new(6);
+    let eps = 1e-5f32;
+    for (rows, cols) in [(1usize, 1usize), (5, 8), (3, 300), (64, 33), (0, 4)] {
+        let x: Vec<f32> = r.vec(rows * cols, 3.0).iter().map(|v| v + 10.0).collect();
+        let gamma: Vec<f32> = r.vec(cols, 0.5).iter().map(|v| v + 1.0).collect();
+        let beta = r.vec(cols, 1.0);
+        let (hx, hg, hb) = (up_f32(e, &x), up_f32(e, &gamma), up_f32(e, &beta));
+        let (y, mean, rstd) = (nan_f32(e, x.len()), nan_f32(e, rows), nan_f32(e, rows));
+        run(
+            e,
+            Op::LayerNorm {
+                x: hx,
+                gamma: hg,
+                beta: hb,
+                y,
+                mean,
+                rstd,
+                cols,
+                eps,
+            },
+        );
+        let (mut wy, mut wm, mut wr) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
+        cpu::layer_norm(&x, &gamma, &beta, &mut wy, &mut wm, &mut wr, cols, eps).unwrap();
+        assert_close("layer_norm mean", &down_f32(e, mean), &wm, 2e-7, 0.0);
+        assert_close("layer_norm rstd", &down_f32(e, rstd), &wr, 2e-7, 0.0);
+        assert_close("layer_norm y", &down_f32(e, y), &wy, 1e-5, 1e-5);
+
+        let dy = r.vec(x.len(), 1.0);
+        let (hm, hr, hdy) = (up_f32(e, &wm), up_f32(e, &wr), up_f32(e, &dy));
+        let (dx, dg, db) = (nan_f32(e, x.len()), nan_f32(e, cols), nan_f32(e, cols));
+        run(
+            e,
+            Op::LayerNormBackward {
+                x: hx,
+                gamma: hg,
+                mean: hm,
+                rstd: hr,
+                dy: hdy,
+                dx,
+                dgamma: dg,
+                dbeta: db,
+                cols,
+            },
+        );
+        let (mut wdx, mut wdg, mut wdb) = (vec![0.0; x.len()], vec![0.0; cols], vec![0.0; cols]);
+        cpu::layer_norm_backward(
+            &x, &gamma, &wm, &wr, &dy, &mut wdx, &mut wdg, &mut wdb, cols,
+        )
+        .unwrap();
+        let scale = max_abs(&wdx).max(1.0);
+        assert_close("layer_norm dx", &down_f32(e, dx), &wdx, 1e-4, 1e-5 * scale);
+        assert_bits("layer_norm dgamma", &down_f32(e, dg), &wdg);
+        assert_bits("layer_norm dbeta", &down_f32(e, db), &wdb);
+    }
+}
+
+/// Embedding forward and the sorted, atomic-free backward: bit-identical (position order).
+pub(super) fn embedding(e: &mut dyn Exec) {
+    let mut r = Rng::new(7);
+    for (vocab, dim, n) in [
+        (37usize, 5usize, 700usize),
+        (4, 300, 9),
+        (3, 2, 1),
+        (5, 3, 0),
+    ] {
+        let table = r.vec(vocab * dim, 1.0);
+        let ids: Vec<i64> = (0..n)
+            .map(|i| if i % 3 == 0 { 1 } else { r.below(vocab) as i64 })
+            .collect();
+        let (hids, ht) = (up_i64(e, &ids), up_f32(e, &table));
+        let out = nan_f32(e, n * dim);
+        run(
+            e,
+            Op::Embedding {
+                ids: hids,
+                table: ht,
+                out,
+                dim,
+            },
+        );
+        let mut want = vec![0.0; n * dim];
+        cpu::embedding(&ids, &table, &mut want, dim).unwrap();
+        assert_bits("embedding", &down_f32(e, out), &want);
+
+        let dy = r.vec(n * dim, 1.0);
+        let hdy = up_f32(e, &dy);
+        let mut wdt = vec![0.0; vocab * dim];
+        cpu::embedding_backward(&ids, &dy, &mut wdt, dim).unwrap();
+        for round in 0..2 {
+            let dt = nan_f32(e, vocab * dim);
+            run(
+                e,
+                Op::EmbeddingBackward {
+                    ids: hids,
+                    dy: hdy,
+                    dtable: dt,
+                    dim,
+                },
+            );
+            assert_bits(
+                &format!("embedding_backward (run {round})"),
+                &down_f32(e, dt),
+                &wdt,
+            );
+        }
+    }
+}
+
+/// Out-of-range ids: reported with the first position and its value; the forward writes NaN
+/// rows for them, the backward skips them.
+pub(super) fn embedding_bad_ids(e: &mut dyn Exec) {
+    let (vocab, dim) = (37usize, 3usize);
+    let mut r = Rng::new(8);
+    let table = r.vec(vocab * dim, 1.0);
+    let ids: Vec<i64> = vec![3, 40, 5, -1, 2, 3];
+    let (hids, ht) = (up_i64(e, &ids), up_f32(e, &table));
+    let out = nan_f32(e, ids.len() * dim);
+    let err = index_error(e.run(&Op::Embedding {
+        ids: hids,
+        table: ht,
+        out,
+        dim,
+    }));
+    assert_eq!(
+        err,
+        KernelError::IndexOutOfRange {
+            op: "embedding",
+            what: "id",
+            value: 40,
+            position: 1,
+            bound: vocab
+        }
+    );
+    let got = down_f32(e, out);
+    for (i, &id) in ids.iter().enumerate() {
+        let row = &got[i * dim..(i + 1) * dim];
+        if (0..vocab as i64).contains(&id) {
+            assert_bits(
+                "embedding valid row",
+                row,
+                &table[id as usize * dim..(id as usize + 1) * dim],
+            );
+        } else {
+            assert!(
+                row.iter().all(|v| v.is_nan()),
+                "row {i} of bad id {id}: {row:?}"
+            );
+        }
+    }
+    let dy = r.vec(ids.len() * dim, 1.0);
+    let hdy = up_f32(e, &dy);
+    let dt = nan_f32(e, vocab * dim);
+    let err = index_error(e.run(&Op::EmbeddingBackward {
+        ids: hids,
+        dy: hdy,
+        dtable: dt,
+        dim,
+    }));
+    assert_eq!(
+        err,
+        KernelError::IndexOutOfRange {
+            op: "embedding_backward",
+            what: "id",
+            value: 40,
+            position: 1,
+            bound: vocab
+        }
+    );
+    // The valid positions alone, in order, give the same sums.
+    let keep: Vec<usize> = (0..ids.len())
+        .filter(|&i| (0..vocab as i64).contains(&ids[i]))
+        .collect();
+    let vids: Vec<i64> = keep.iter().map(|&i| ids[i]).collect();
+    let vdy: Vec<f32> = keep
+        .iter()
+        .flat_map(|&i| dy[i * dim..(i + 1) * dim].to_vec())
+        .collect();
+    let mut want = vec![0.0; vocab * dim];
+    cpu::embedding_backward(&vids, &vdy, &mut want, dim).unwrap();
+    assert_bits(
+        "embedding_backward skipping bad ids",
+        &down_f32(e, dt),
+        &want,
+    );
+}
+
+/// Cross-entropy forward (loss, lse) and backward; a bad target is reported and poisons its row.
+pub(super) fn cross_entropy(e: &mut dyn Exec) {
+    let mut r = Rng::new(9);
+    for (rows, cols) in [(1usize, 1usize), (6, 11), (3, 300), (40, 5)] {
+        let x = r.vec(rows * cols, 4.0);
+        let targets: Vec<i64> = (0..rows)
+            .map(|i| {
+                if i == 0 {
+                    cols as i64 - 1
+                } else {
+                    r.below(cols) as i64
+                }
+            })
+            .collect();
+        let (hx, ht) = (up_f32(e, &x), up_i64(e, &targets));
+        let (lse, loss) = (nan_f32(e, rows), nan_f32(e, 1));
+        run(
+            e,
+            Op::CrossEntropy {
+                logits: hx,
+                targets: ht,
+                cols,
+                lse,
+                loss,
+            },
+        );
+        let mut wl = vec![0.0; rows];
+        let wloss = cpu::cross_entropy(&x, &targets, cols, &mut wl).unwrap();
+        assert_close("cross_entropy lse", &down_f32(e, lse), &wl, 1e-6, 1e-6);
+        assert_close(
+            "cross_entropy loss",
+            &down_f32(e, loss),
+            &[wloss],
+            1e-5,
+            1e-6,
+        );
+
+        let hl = up_f32(e, &wl);
+        let dloss = up_f32(e, &[1.7]);
+        let dl = nan_f32(e, x.len());
+        run(
+            e,
+            Op::CrossEntropyBackward {
+                logits: hx,
+                targets: ht,
+                lse: hl,
+                dloss,
+                dlogits: dl,
+                cols,
+            },
+        );
+        let mut want = vec![0.0; x.len()];
+        cpu::cross_entropy_backward(&x, &targets, &wl, 1.7, &mut want, cols).unwrap();
+        assert_close(
+            "cross_entropy_backward",
+            &down_f32(e, dl),
+            &want,
+            1e-5,
+            1e-6 * max_abs(&want),
+        );
+    }
+    // A target out of range.
+    let (rows, cols) = (3usize, 4usize);
+    let x = r.vec(rows * cols, 1.0);
+    let (hx, ht) = (up_f32(e, &x), up_i64(e, &[0, 4, 1]));
+    let (lse, loss) = (nan_f32(e, rows), nan_f32(e, 1));
+    let err = index_error(e.run(&Op::CrossEntropy {
+        logits: hx,
+        targets: ht,
+        cols,
+        lse,
+        loss,
+    }));
+    assert_eq!(
+        err,
+        KernelError::IndexOutOfRange {
+            op: "cross_entropy",
+            what: "target",
+            value: 4,
+            position: 1,
+            bound: cols
+        }
+    );
+    assert!(
+        down_f32(e, loss)[0].is_nan(),
+        "the mean over a bad row is NaN"
+    );
+    let dloss = up_f32(e, &[1.0]);
+    let dl = nan_f32(e, x.len());
+    let err = index_error(e.run(&Op::CrossEntropyBackward {
+        logits: hx,
+        targets: ht,
+        lse,
+        dloss,
+        dlogits: dl,
+        cols,
+    }));
+    assert!(err.to_string().contains("target 4 at position 1"), "{err}");
+    let got = down_f32(e, dl);
+    assert!(got[cols..2 * cols].iter().all(|v| v.is_nan()));
+    assert!(got[..cols]
+        .iter()
+        .chain(&got[2 * cols..])
+        .all(|v| v.is_finite()));
+}
+
+/// Causal attention forward and backward (the backward is fed the CPU's probabilities).
+pub(super) fn attention(e: &mut dyn Exec) {
+    let mut r = Rng::new(10);
+    for (batch, heads, t, d) in [
+        (1usize, 1usize, 1usize, 1usize),
+        (2, 3, 5, 4),
+        (1, 2, 17, 8),
+        (1, 1, 40, 16),
+        (1, 1, 3, 0),
+    ] {
+        let n = batch * heads * t * d;
+        let np = batch * heads * t * t;
+        let (q, k, v) = (r.vec(n, 1.0), r.vec(n, 1.0), r.vec(n, 1.0));
+        let (hq, hk, hv) = (up_f32(e, &q), up_f32(e, &k), up_f32(e, &v));
+        let (out, probs) = (nan_f32(e, n), nan_f32(e, np));
+        run(
+            e,
+            Op::Attention {
+                q: hq,
+                k: hk,
+                v: hv,
+                out,
+                probs,
+                batch,
+                heads,
+                t,
+                d,
+            },
+        );
+        let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
+        cpu::causal_attention(&q, &k, &v, &mut wo, &mut wp, batch, heads, t, d).unwrap();
+        let gp = down_f32(e, probs);
+        assert_close("attention probs", &gp, &wp, 1e-5, 1e-6);
+        for (i, (&g, &w)) in gp.iter().zip(&wp).enumerate() {
+            if (i % t) > (i / t) % t {
+                assert_eq!(
+                    (g, w),
+                    (0.0, 0.0),
+                    "masked probability {i} must be exactly 0"
+                );
+            }
+        }
+        assert_close("attention out", &down_f32(e, out), &wo, 1e-4, 1e-5);
+
+        let dout = r.vec(n, 1.0);
+        let (hp, hdo) = (up_f32(e, &wp), up_f32(e, &dout));
+        let (dq, dk, dv) = (nan_f32(e, n), nan_f32(e, n), nan_f32(e, n));
+        run(
+            e,
+            Op::AttentionBackward {
+                q: hq,
+                k: hk,
+                v: hv,
+                probs: hp,
+                dout: hdo,
+                dq,
+                dk,
+                dv,
+                batch,
+                heads,
+                t,
+                d,
+            },
+        );
+        let (mut wdq, mut wdk, mut wdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        cpu::causal_attention_backward(
+            &q, &k, &v, &wp, &dout, &mut wdq, &mut wdk, &mut wdv, batch, heads, t, d,
+        )
+        .unwrap();
+        for (name, h, w) in [("dq", dq, &wdq), ("dk", dk, &wdk), ("dv", dv, &wdv)] {
+            let tol = 1e-5 * max_abs(w).max(1.0);
+            assert_close(&format!("attention {name}"), &down_f32(e, h), w, 1e-4, tol);
+        }
+    }
+}
+
+/// Batched matrix products for every transposition, with and without accumulation, and the
+/// empty-inner-dimension cases; tolerance from the rounding bound `(k + 2)·2u·Σ|a||b|`.
+pub(super) fn bmm(e: &mut dyn Exec) {
+    let mut r = Rng::new(11);
+    for (batch, m, k, n) in [
+        (1usize, 3usize, 4usize, 2usize),
+        (3, 5, 7, 6),
+        (2, 1, 33, 1),
+        (1, 2, 0, 3),
+    ] {
+        for ta in [false, true] {
+            for tb in [false, true] {
+                for acc in [false, true] {
+                    let (a, b) = (r.vec(batch * m * k, 1.0), r.vec(batch * k * n, 1.0));
+                    let c0 = r.vec(batch * m * n, 1.0);
+                    let (ha, hb, hc) = (up_f32(e, &a), up_f32(e, &b), up_f32(e, &c0));
+                    run(
+                        e,
+                        Op::Bmm {
+                            a: ha,
+                            b: hb,
+                            c: hc,
+                            batch,
+                            m,
+                            k,
+                            n,
+                            ta,
+                            tb,
+                            acc,
+                        },
+                    );
+                    let mut want = c0.clone();
+                    cpu::bmm(&a, &b, &mut want, batch, m, k, n, ta, tb, acc).unwrap();
+                    let (aa, ab): (Vec<f32>, Vec<f32>) = (
+                        a.iter().map(|v| v.abs()).collect(),
+                        b.iter().map(|v| v.abs()).collect(),
+                    );
+                    let mut bound = vec![0.0; batch * m * n];
+                    cpu::bmm(&aa, &ab, &mut bound, batch, m, k, n, ta, tb, false).unwrap();
+                    let got = down_f32(e, hc);
+                    for i in 0..got.len() {
+                        let base = if acc { c0[i].abs() } else { 0.0 };
+                        let tol = (k as f32 + 2.0) * 2.0 * f32::EPSILON * (bound[i] + base) + 1e-30;
+                        assert!(
+                            (got[i] - want[i]).abs() <= tol,
+                            "bmm batch={batch} m={m} k={k} n={n} ta={ta} tb={tb} acc={acc} [{i}]: \
+                             got {} want {} (tolerance {tol:e})",
+                            got[i],
+                            want[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// f16/bf16 casts: bit-identical to `half` (NaN payloads excepted for f16).
+pub(super) fn casts(e: &mut dyn Exec) {
+    let mut r = Rng::new(12);
+    let mut x: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.5,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e6,
+        1e-8,
+        6e-8,
+        3e-5,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-40,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x7f80_0001),
+    ];
+    x.extend(r.vec(500, 100.0));
+    let hx = up_f32(e, &x);
+
+    let dst = up_u16(e, &vec![0xdead; x.len()]);
+    run(
+        e,
+        Op::Cast {
+            kind: CastKind::F32ToF16,
+            src: hx,
+            dst,
+        },
+    );
+    let mut want = vec![f16::ZERO; x.len()];
+    cpu::cast_f32_to_f16(&x, &mut want).unwrap();
+    for (i, (g, w)) in down_u16(e, dst).iter().zip(&want).enumerate() {
+        let g = f16::from_bits(*g);
+        assert!(
+            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+            "f32→f16 of {:e}: got {:#x} want {:#x}",
+            x[i],
+            g.to_bits(),
+            w.to_bits()
+        );
+    }
+
+    let dst = up_u16(e, &vec![0xdead; x.len()]);
+    run(
+        e,
+        Op::Cast {
+            kind: CastKind::F32ToBf16,
+            src: hx,
+            dst,
+        },
+    );
+    let mut want = vec![bf16::ZERO; x.len()];
+    cpu::cast_f32_to_bf16(&x, &mut want).unwrap();
+    let got = down_u16(e, dst);
+    let want: Vec<u16> = want.iter().map(|v| v.to_bits()).collect();
+    assert_eq!(got, want, "f32→bf16 bits");
+
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    let hall = up_u16(e, &all);
+    let dst = nan_f32(e, all.len());
+    run(
+        e,
+        Op::Cast {
+            kind: CastKind::F16ToF32,
+            src: hall,
+            dst,
+        },
+    );
+    let src: Vec<f16> = all.iter().map(|&b| f16::from_bits(b)).collect();
+    let mut want = vec![0.0f32; all.len()];
+    cpu::cast_f16_to_f32(&src, &mut want).unwrap();
+    assert_bits("f16→f32 (every bit pattern)", &down_f32(e, dst), &want);
+
+    let dst = nan_f32(e, all.len());
+    run(
+        e,
+        Op::Cast {
+            kind: CastKind::Bf16ToF32,
+            src: hall,
+            dst,
+        },
+    );
+    let src: Vec<bf16> = all.iter().map(|&b| bf16::from_bits(b)).collect();
+    cpu::cast_bf16_to_f32(&src, &mut want).unwrap();
+    let got = down_f32(e, dst);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "bf16→f32 of {i:#x}");
+    }
+}
+
+/// Strided gathers of 2-, 4- and 8-byte elements and the scatter-add into injective views.
+pub(super) fn strided(e: &mut dyn Exec) {
+    let mut r = Rng::new(13);
+    let views: [(usize, Vec<usize>, Vec<usize>); 5] = [
+        (0, vec![6, 4], vec![1, 6]),        // transpose of 4×6
+        (7, vec![2, 3], vec![6, 1]),        // narrow
+        (0, vec![3, 4], vec![0, 1]),        // broadcast (copy only)
+        (5, vec![], vec![]),                // one element
+        (1, vec![2, 2, 3], vec![12, 1, 4]), // permuted 3-D
+    ];
+    let src = r.vec(24, 1.0);
+    let hs = up_f32(e, &src);
+    let src64: Vec<u64> = (0..24u64).map(|i| i * 0x0101_0101_0101 + 7).collect();
+    let hs64 = up_u64(e, &src64);
+    let src16: Vec<u16> = (0..24u16).map(|i| i * 0x0301 + 1).collect();
+    let hs16 = up_u16(e, &src16);
+    for (offset, shape, strides) in &views {
+        let numel: usize = shape.iter().product();
+        let dst = nan_f32(e, numel);
+        run(
+            e,
+            Op::StridedCopy {
+                src: hs,
+                offset: *offset,
+                shape: shape.clone(),
+                strides: strides.clone(),
+                dst,
+                dtype: DType::F32,
+            },
+        );
+        let mut want = vec![0.0f32; numel];
+        cpu::strided_copy(&src, *offset, shape, strides, &mut want).unwrap();
+        assert_bits("strided_copy f32", &down_f32(e, dst), &want);
+
+        let dst = up_u64(e, &vec![0; numel]);
+        run(
+            e,
+            Op::StridedCopy {
+                src: hs64,
+                offset: *offset,
+                shape: shape.clone(),
+                strides: strides.clone(),
+                dst,
+                dtype: DType::I64,
+            },
+        );
+        let mut want = vec![0u64; numel];
+        cpu::strided_copy(&src64, *offset, shape, strides, &mut want).unwrap();
+        assert_eq!(down_u64(e, dst), want, "strided_copy 8-byte");
+
+        let dst = up_u16(e, &vec![0; numel]);
+        run(
+            e,
+            Op::StridedCopy {
+                src: hs16,
+                offset: *offset,
+                shape: shape.clone(),
+                strides: strides.clone(),
+                dst,
+                dtype: DType::BF16,
+            },
+        );
+        let mut want = vec![0u16; numel];
+        cpu::strided_copy(&src16, *offset, shape, strides, &mut want).unwrap();
+        assert_eq!(down_u16(e, dst), want, "strided_copy 2-byte");
+
+        if strides.contains(&0) {
+            continue;
+        }
+        let add = r.vec(numel, 1.0);
+        let (hd, ha) = (up_f32(e, &src), up_f32(e, &add));
+        run(
+            e,
+            Op::StridedAdd {
+                dst: hd,
+                offset: *offset,
+                shape: shape.clone(),
+                strides: strides.clone(),
+                src: ha,
+            },
+        );
+        let mut want = src.clone();
+        cpu::strided_add_assign(&mut want, *offset, shape, strides, &add).unwrap();
+        assert_bits("strided_add_assign", &down_f32(e, hd), &want);
+    }
+}
+
+/// zero and copy.
+pub(super) fn zero_and_copy(e: &mut dyn Exec) {
+    let mut r = Rng::new(14);
+    let x = r.vec(1001, 1.0);
+    let hx = up_f32(e, &x);
+    let dst = nan_f32(e, x.len());
+    run(e, Op::Copy { src: hx, dst });
+    assert_bits("copy", &down_f32(e, dst), &x);
+    run(e, Op::Zero { buf: dst });
+    assert_bits("zero", &down_f32(e, dst), &vec![0.0; x.len()]);
+}
+
+/// Repeated calls give the same bits (no atomics, fixed reduction trees, fixed cuBLAS handle).
+pub(super) fn deterministic(e: &mut dyn Exec) {
+    let mut r = Rng::new(15);
+    let (rows, cols) = (50usize, 700usize);
+    let x = r.vec(rows * cols, 8.0);
+    let hx = up_f32(e, &x);
+    let mut first: Option<Vec<Vec<f32>>> = None;
+    for _ in 0..3 {
+        let y = nan_f32(e, x.len());
+        run(e, Op::Softmax { x: hx, y, cols });
+        let s = nan_f32(e, 1);
+        run(e, Op::Sum { x: hx, out: s });
+        let c = nan_f32(e, rows * rows);
+        run(
+            e,
+            Op::Bmm {
+                a: hx,
+                b: hx,
+                c,
+                batch: 1,
+                m: rows,
+                k: cols,
+                n: rows,
+                ta: false,
+                tb: true,
+                acc: false,
+            },
+        );
+        let now = vec![down_f32(e, y), down_f32(e, s), down_f32(e, c)];
+        match &first {
+            None => first = Some(now),
+            Some(f) => {
+                for (a, b) in f.iter().zip(&now) {
+                    assert_bits("repeated call", b, a);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,621 @@
+//! Client of the host emulator in `emu/`: builds `harness.cpp` once per test run with the
+//! system C++ compiler, and runs the production launch plans through it.
+//!
+//! The emulator executes `kernels.cu` itself (compiled for the host) under a software model of
+//! blocks, threads, barriers and shared memory, and cuBLAS's `SgemmStridedBatched` by a plain
+//! column-major loop with cuBLAS's argument checks. It checks the kernels' logic and the plans'
+//! orchestration; it says nothing about real GPUs.
+
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::OnceLock;
+
+use crate::kernels::cuda::attention::{plan_attention, plan_attention_backward};
+use crate::kernels::cuda::cast::plan_cast;
+use crate::kernels::cuda::elementwise::{
+    plan_add_row_bias, plan_add_row_bias_inplace, plan_axpy, plan_binary, plan_col_sums, plan_gelu,
+    plan_gelu_backward, plan_scale, plan_scale_inplace, plan_sum,
+};
+use crate::kernels::cuda::embedding::{plan_embedding, plan_embedding_backward};
+use crate::kernels::cuda::layout::{plan_strided, view_desc};
+use crate::kernels::cuda::loss::{plan_cross_entropy, plan_cross_entropy_backward};
+use crate::kernels::cuda::matmul::plan_gemm;
+use crate::kernels::cuda::plan::{PArg, Plan, Ptr, Step};
+use crate::kernels::cuda::program::{ArgKind, Kernel};
+use crate::kernels::cuda::rows::{
+    plan_layer_norm, plan_layer_norm_backward, plan_softmax, plan_softmax_backward,
+};
+use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::KernelError;
+
+use super::exec::{CastKind, Exec, Op, H};
+
+/// The emulator binary, built on first use; `Err` says why it is unavailable.
+pub(super) fn harness() -> Result<&'static Path, String> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(build).as_deref().map_err(Clone::clone)
+}
+
+fn build() -> Result<PathBuf, String> {
+    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels/cuda/emu/harness.cpp");
+    let dir = std::env::temp_dir().join(format!("fsdp-cuda-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let bin = dir.join("harness");
+    let mut cmd = Command::new(&compiler);
+    cmd.args(["-std=c++20", "-O1", "-g", "-pthread", "-ffp-contract=off"]);
+    // FSDP_EMU_SANITIZE=address|thread builds the emulator with a sanitizer (out-of-bounds
+    // accesses, or data races between the threads of a block).
+    if let Ok(s) = std::env::var("FSDP_EMU_SANITIZE") {
+        cmd.arg(format!("-fsanitize={s}"));
+    }
+    let out = cmd
+        .arg("-o")
+        .arg(&bin)
+        .arg(&src)
+        .output()
+        .map_err(|e| format!("running the C++ compiler `{compiler}`: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "`{compiler}` failed to build the emulator:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(bin)
+}
+
+/// The emulator binary for a test: panics if the compiler exists but the build failed; `None`
+/// (after printing why) if there is no C++ compiler.
+pub(super) fn harness_or_skip(test: &str) -> Option<&'static Path> {
+    match harness() {
+        Ok(p) => Some(p),
+        Err(e) if e.starts_with("running the C++ compiler") => {
+            eprintln!("SKIPPED {test}: no C++ compiler to build the CUDA emulator ({e})");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A running emulator process and the byte lengths of its buffers.
+pub(super) struct EmuExec {
+    child: Child,
+    stdin: BufWriter<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    lens: Vec<usize>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    if bytes.is_empty() {
+        return "-".into();
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    if s == "-" {
+        return Vec::new();
+    }
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("emulator hex"))
+        .collect()
+}
+
+impl EmuExec {
+    /// Starts an emulator process.
+    pub(super) fn start(bin: &Path) -> EmuExec {
+        let mut child = Command::new(bin)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting the emulator");
+        let stdin = BufWriter::new(child.stdin.take().expect("stdin"));
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        EmuExec {
+            child,
+            stdin,
+            stdout,
+            lens: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").expect("writing to the emulator");
+    }
+
+    fn recv(&mut self) -> String {
+        self.stdin.flush().expect("flushing to the emulator");
+        let mut line = String::new();
+        let n = self
+            .stdout
+            .read_line(&mut line)
+            .expect("reading from the emulator");
+        if n == 0 {
+            let status = self.child.wait().map(|s| s.to_string());
+            panic!("the emulator died ({status:?}); see its error above");
+        }
+        line.trim_end().to_string()
+    }
+
+    /// The kernel names the emulator knows.
+    pub(super) fn kernel_names(&mut self) -> Vec<String> {
+        self.send("list");
+        self.recv().split_whitespace().map(String::from).collect()
+    }
+
+    fn addr(h: H) -> u64 {
+        ((h as u64) + 1) << 40
+    }
+
+    fn read_at(&mut self, addr: u64, bytes: usize) -> Vec<u8> {
+        self.send(&format!("read {addr} {bytes}"));
+        unhex(&self.recv())
+    }
+
+    fn f32s(&self, h: H) -> usize {
+        self.lens[h] / 4
+    }
+
+    fn dev(h: H) -> Ptr {
+        Ptr::Dev(Self::addr(h))
+    }
+
+    /// Executes a plan: scratch slots become fresh (0xff-filled) buffers; returns their handles.
+    pub(super) fn exec(&mut self, plan: &Plan) -> Vec<H> {
+        let slots: Vec<H> = plan
+            .scratch
+            .iter()
+            .map(|&(count, elem)| self.alloc(count * elem.size()))
+            .collect();
+        let resolve = |p: Ptr| match p {
+            Ptr::Dev(a) => a,
+            Ptr::Scratch { slot, offset } => Self::addr(slots[slot]) + offset,
+        };
+        for step in &plan.steps {
+            let line = match step {
+                Step::Memset { dst, byte, bytes } => {
+                    format!("memset {} {byte} {bytes}", resolve(*dst))
+                }
+                Step::Copy { dst, src, bytes } => {
+                    format!("copy {} {} {bytes}", resolve(*dst), resolve(*src))
+                }
+                Step::Launch { kernel, grid, args } => {
+                    let kinds: Vec<ArgKind> = args.iter().map(PArg::kind).collect();
+                    assert_eq!(
+                        kinds,
+                        kernel.signature(),
+                        "plan arguments of {}",
+                        kernel.name()
+                    );
+                    let args: Vec<String> = args
+                        .iter()
+                        .map(|a| match a {
+                            PArg::U64(v) => format!("u:{v}"),
+                            PArg::F32(v) => format!("f:{:x}", v.to_bits()),
+                            PArg::F64(v) => format!("d:{:x}", v.to_bits()),
+                            PArg::Ptr(p) => format!("p:{}", resolve(*p)),
+                            PArg::View(v) => {
+                                let vals: Vec<String> =
+                                    v.words().iter().map(u64::to_string).collect();
+                                format!("v:{}", vals.join(","))
+                            }
+                        })
+                        .collect();
+                    format!(
+                        "launch {} {} {} {}",
+                        kernel.name(),
+                        grid,
+                        args.len(),
+                        args.join(" ")
+                    )
+                }
+                Step::Gemm {
+                    g,
+                    a,
+                    b,
+                    c,
+                    alpha,
+                    beta,
+                } => {
+                    let t = |op: cudarc::cublas::sys::cublasOperation_t| {
+                        u8::from(op == cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T)
+                    };
+                    format!(
+                        "gemm {} {} {} {} {} {:x} {} {} {} {} {} {} {:x} {} {} {} {}",
+                        t(g.op_first),
+                        t(g.op_second),
+                        g.m,
+                        g.n,
+                        g.k,
+                        alpha.to_bits(),
+                        resolve(*b),
+                        g.ld_first,
+                        g.stride_first,
+                        resolve(*a),
+                        g.ld_second,
+                        g.stride_second,
+                        beta.to_bits(),
+                        resolve(*c),
+                        g.ldc,
+                        g.stride_c,
+                        g.batch
+                    )
+                }
+            };
+            self.send(&line);
+        }
+        slots
+    }
+
+    /// Executes a plan with an index check and reports it like `IndexCheck::wait`.
+    fn exec_checked(
+        &mut self,
+        op: &'static str,
+        what: &'static str,
+        plan: &Plan,
+        status: Option<usize>,
+        ids: H,
+        bound: usize,
+    ) -> Result<(), CudaKernelError> {
+        let slots = self.exec(plan);
+        let Some(slot) = status else {
+            return Ok(());
+        };
+        let word = self.read_at(Self::addr(slots[slot]), 8);
+        let position = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+        if position == u64::MAX {
+            return Ok(());
+        }
+        let v = self.read_at(Self::addr(ids) + 8 * position, 8);
+        Err(KernelError::IndexOutOfRange {
+            op,
+            what,
+            value: i64::from_le_bytes(v.try_into().expect("8 bytes")),
+            position: position as usize,
+            bound,
+        }
+        .into())
+    }
+
+    /// Runs a plan builder's result.
+    fn plan(&mut self, plan: Result<Plan, CudaKernelError>) -> Result<(), CudaKernelError> {
+        self.exec(&plan?);
+        Ok(())
+    }
+}
+
+impl Drop for EmuExec {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+impl Exec for EmuExec {
+    fn alloc(&mut self, bytes: usize) -> H {
+        self.send(&format!("alloc {bytes}"));
+        self.lens.push(bytes);
+        self.lens.len() - 1
+    }
+
+    fn upload(&mut self, bytes: &[u8]) -> H {
+        let h = self.alloc(bytes.len());
+        self.send(&format!("write {h} {}", hex(bytes)));
+        h
+    }
+
+    fn download(&mut self, h: H) -> Vec<u8> {
+        let n = self.lens[h];
+        self.read_at(Self::addr(h), n)
+    }
+
+    fn run(&mut self, op: &Op) -> Result<(), CudaKernelError> {
+        let d = Self::dev;
+        let p = match op {
+            Op::Add { a, b, out } => Ok(plan_binary(
+                Kernel::Add,
+                self.f32s(*a) as u64,
+                d(*a),
+                d(*b),
+                d(*out),
+            )),
+            Op::Mul { a, b, out } => Ok(plan_binary(
+                Kernel::Mul,
+                self.f32s(*a) as u64,
+                d(*a),
+                d(*b),
+                d(*out),
+            )),
+            Op::Scale { x, alpha, out } => {
+                Ok(plan_scale(self.f32s(*x) as u64, d(*x), *alpha, d(*out)))
+            }
+            Op::ScaleInplace { y, alpha } => {
+                Ok(plan_scale_inplace(self.f32s(*y) as u64, d(*y), *alpha))
+            }
+            Op::AddScaled { y, alpha, x } => {
+                Ok(plan_axpy(self.f32s(*y) as u64, d(*y), *alpha, d(*x)))
+            }
+            Op::AddRowBias { x, bias, out } => Ok(plan_add_row_bias(
+                self.f32s(*x) as u64,
+                self.f32s(*bias) as u64,
+                d(*x),
+                d(*bias),
+                d(*out),
+            )),
+            Op::AddRowBiasInplace { y, bias } => Ok(plan_add_row_bias_inplace(
+                self.f32s(*y) as u64,
+                self.f32s(*bias) as u64,
+                d(*y),
+                d(*bias),
+            )),
+            Op::ColSums { x, out } => {
+                let cols = self.f32s(*out);
+                Ok(plan_col_sums(
+                    (self.f32s(*x) / cols) as u64,
+                    cols as u64,
+                    d(*x),
+                    d(*out),
+                ))
+            }
+            Op::Sum { x, out } => Ok(plan_sum(self.f32s(*x) as u64, d(*x), d(*out), 1.0)),
+            Op::Mean { x, out } => {
+                let n = self.f32s(*x);
+                Ok(plan_sum(n as u64, d(*x), d(*out), n as f64))
+            }
+            Op::Gelu { x, y } => Ok(plan_gelu(self.f32s(*x) as u64, d(*x), d(*y))),
+            Op::GeluBackward { x, dy, dx } => Ok(plan_gelu_backward(
+                self.f32s(*x) as u64,
+                d(*x),
+                d(*dy),
+                d(*dx),
+            )),
+            Op::Softmax { x, y, cols } => Ok(plan_softmax(
+                (self.f32s(*x) / cols) as u64,
+                *cols as u64,
+                d(*x),
+                d(*y),
+            )),
+            Op::SoftmaxBackward { y, dy, dx, cols } => Ok(plan_softmax_backward(
+                (self.f32s(*y) / cols) as u64,
+                *cols as u64,
+                d(*y),
+                d(*dy),
+                d(*dx),
+            )),
+            Op::LayerNorm {
+                x,
+                gamma,
+                beta,
+                y,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => Ok(plan_layer_norm(
+                (self.f32s(*x) / cols) as u64,
+                *cols as u64,
+                *eps,
+                [*x, *gamma, *beta, *y, *mean, *rstd].map(d),
+            )),
+            Op::LayerNormBackward {
+                x,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                dbeta,
+                cols,
+            } => Ok(plan_layer_norm_backward(
+                (self.f32s(*x) / cols) as u64,
+                *cols as u64,
+                [*x, *gamma, *mean, *rstd, *dy, *dx, *dgamma, *dbeta].map(d),
+            )),
+            Op::Embedding {
+                ids,
+                table,
+                out,
+                dim,
+            } => {
+                let (n, rows) = (self.lens[*ids] / 8, self.f32s(*table) / dim);
+                let (plan, status) = plan_embedding(
+                    n as u64,
+                    *dim as u64,
+                    rows as u64,
+                    d(*ids),
+                    d(*table),
+                    d(*out),
+                );
+                return self.exec_checked("embedding", "id", &plan, status, *ids, rows);
+            }
+            Op::EmbeddingBackward {
+                ids,
+                dy,
+                dtable,
+                dim,
+            } => {
+                let (n, rows) = (self.lens[*ids] / 8, self.f32s(*dtable) / dim);
+                let (plan, status) = plan_embedding_backward(
+                    n as u64,
+                    *dim as u64,
+                    rows as u64,
+                    d(*ids),
+                    d(*dy),
+                    d(*dtable),
+                );
+                return self.exec_checked("embedding_backward", "id", &plan, status, *ids, rows);
+            }
+            Op::CrossEntropy {
+                logits,
+                targets,
+                cols,
+                lse,
+                loss,
+            } => {
+                let rows = self.f32s(*logits) / cols;
+                let (plan, status) = plan_cross_entropy(
+                    rows as u64,
+                    *cols as u64,
+                    d(*logits),
+                    d(*targets),
+                    d(*lse),
+                    d(*loss),
+                );
+                return self.exec_checked(
+                    "cross_entropy",
+                    "target",
+                    &plan,
+                    status,
+                    *targets,
+                    *cols,
+                );
+            }
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dloss,
+                dlogits,
+                cols,
+            } => {
+                let rows = self.f32s(*logits) / cols;
+                let (plan, status) = plan_cross_entropy_backward(
+                    rows as u64,
+                    *cols as u64,
+                    d(*logits),
+                    d(*targets),
+                    d(*lse),
+                    d(*dloss),
+                    d(*dlogits),
+                );
+                return self.exec_checked(
+                    "cross_entropy_backward",
+                    "target",
+                    &plan,
+                    status,
+                    *targets,
+                    *cols,
+                );
+            }
+            Op::Attention {
+                q,
+                k,
+                v,
+                out,
+                probs,
+                batch,
+                heads,
+                t,
+                d: dd,
+            } => plan_attention(batch * heads, *t, *dd, [*q, *k, *v, *out, *probs].map(d)),
+            Op::AttentionBackward {
+                q,
+                k,
+                v,
+                probs,
+                dout,
+                dq,
+                dk,
+                dv,
+                batch,
+                heads,
+                t,
+                d: dd,
+            } => plan_attention_backward(
+                batch * heads,
+                *t,
+                *dd,
+                [*q, *k, *v, *probs, *dout, *dq, *dk, *dv].map(d),
+            ),
+            Op::Bmm {
+                a,
+                b,
+                c,
+                batch,
+                m,
+                k,
+                n,
+                ta,
+                tb,
+                acc,
+            } => {
+                let mut plan = Plan::new();
+                plan_gemm(
+                    &mut plan,
+                    "bmm",
+                    (d(*a), d(*b), d(*c)),
+                    *batch,
+                    *m,
+                    *k,
+                    *n,
+                    *ta,
+                    *tb,
+                    *acc,
+                    1.0,
+                )
+                .map(|()| plan)
+            }
+            Op::Cast { kind, src, dst } => {
+                let (kernel, n) = match kind {
+                    CastKind::F32ToF16 => (Kernel::CastF32F16, self.lens[*src] / 4),
+                    CastKind::F16ToF32 => (Kernel::CastF16F32, self.lens[*src] / 2),
+                    CastKind::F32ToBf16 => (Kernel::CastF32Bf16, self.lens[*src] / 4),
+                    CastKind::Bf16ToF32 => (Kernel::CastBf16F32, self.lens[*src] / 2),
+                };
+                Ok(plan_cast(kernel, n as u64, d(*src), d(*dst)))
+            }
+            Op::StridedCopy {
+                src,
+                offset,
+                shape,
+                strides,
+                dst,
+                dtype,
+            } => {
+                let size = dtype.size();
+                let kernel = match size {
+                    2 => Kernel::StridedCopyB2,
+                    4 => Kernel::StridedCopyB4,
+                    _ => Kernel::StridedCopyB8,
+                };
+                view_desc(
+                    "strided_copy",
+                    self.lens[*src] / size,
+                    *offset,
+                    shape,
+                    strides,
+                )
+                .map(|(v, n)| plan_strided(kernel, n as u64, v, d(*src), d(*dst)))
+            }
+            Op::StridedAdd {
+                dst,
+                offset,
+                shape,
+                strides,
+                src,
+            } => view_desc(
+                "strided_add_assign",
+                self.f32s(*dst),
+                *offset,
+                shape,
+                strides,
+            )
+            .map(|(v, n)| plan_strided(Kernel::StridedAddF32, n as u64, v, d(*dst), d(*src))),
+            Op::Zero { buf } => {
+                let mut plan = Plan::new();
+                plan.memset(d(*buf), 0, self.lens[*buf]);
+                Ok(plan)
+            }
+            Op::Copy { src, dst } => {
+                let mut plan = Plan::new();
+                plan.copy(d(*dst), d(*src), self.lens[*src]);
+                Ok(plan)
+            }
+        };
+        self.plan(p)
+    }
+}

@@ -1,0 +1,267 @@
+//! The GPU executor and gate: these tests need `FSDP_GPU_TESTS=1` and a CUDA GPU (`cargo xtask
+//! gpu-test` runs them with `--include-ignored`).
+
+use fsdp_alloc::{Buffer, Device, Stream};
+
+use crate::kernels::cuda::{CudaKernelError, CudaKernels};
+
+use super::exec::{CastKind, Exec, Op, H};
+
+/// The kernels of `cuda:0` if GPU tests are enabled: `None` (with a printed message) when
+/// `FSDP_GPU_TESTS` is not `1`; a panic when it is but no GPU or CUDA library is usable, so a
+/// GPU run can never pass by skipping.
+pub(super) fn gpu_or_skip(test: &str) -> Option<CudaKernels> {
+    if std::env::var("FSDP_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!(
+            "SKIPPED {test}: GPU test; run with FSDP_GPU_TESTS=1 on a machine with a CUDA GPU \
+             (cargo xtask gpu-test)"
+        );
+        return None;
+    }
+    let dev = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => panic!("FSDP_GPU_TESTS=1 but cuda:0 is unusable: {e}"),
+    };
+    match CudaKernels::new(&dev) {
+        Ok(k) => Some(k),
+        Err(e) => panic!("FSDP_GPU_TESTS=1 but the CUDA kernels cannot be loaded: {e}"),
+    }
+}
+
+/// Runs ops through the public [`CudaKernels`] API on one stream of a real GPU.
+pub(super) struct GpuExec {
+    pub(super) k: CudaKernels,
+    pub(super) stream: Stream,
+    pub(super) bufs: Vec<Buffer>,
+}
+
+impl GpuExec {
+    /// An executor on the device's default stream.
+    pub(super) fn new(k: CudaKernels) -> GpuExec {
+        let stream = k.device().default_stream().clone();
+        GpuExec {
+            k,
+            stream,
+            bufs: Vec::new(),
+        }
+    }
+}
+
+impl Exec for GpuExec {
+    fn alloc(&mut self, bytes: usize) -> H {
+        let buf = self
+            .k
+            .device()
+            .alloc(bytes, &self.stream)
+            .unwrap_or_else(|e| panic!("allocating {bytes} bytes: {e}"));
+        self.bufs.push(buf);
+        self.bufs.len() - 1
+    }
+
+    fn upload(&mut self, bytes: &[u8]) -> H {
+        let h = self.alloc(bytes.len());
+        self.k
+            .upload(&self.stream, bytes, self.bufs[h].data())
+            .unwrap_or_else(|e| panic!("upload: {e}"));
+        h
+    }
+
+    fn download(&mut self, h: H) -> Vec<u8> {
+        let mut out = vec![0u8; self.bufs[h].len()];
+        self.k
+            .download(&self.stream, self.bufs[h].data(), &mut out)
+            .unwrap_or_else(|e| panic!("download: {e}"));
+        out
+    }
+
+    fn run(&mut self, op: &Op) -> Result<(), CudaKernelError> {
+        let (k, s) = (&self.k, &self.stream);
+        let b = |h: &H| self.bufs[*h].data();
+        match op {
+            Op::Add { a, b: bb, out } => k.add(s, b(a), b(bb), b(out)),
+            Op::Mul { a, b: bb, out } => k.mul(s, b(a), b(bb), b(out)),
+            Op::Scale { x, alpha, out } => k.scale(s, b(x), *alpha, b(out)),
+            Op::ScaleInplace { y, alpha } => k.scale_inplace(s, b(y), *alpha),
+            Op::AddScaled { y, alpha, x } => k.add_scaled(s, b(y), *alpha, b(x)),
+            Op::AddRowBias { x, bias, out } => k.add_row_bias(s, b(x), b(bias), b(out)),
+            Op::AddRowBiasInplace { y, bias } => k.add_row_bias_inplace(s, b(y), b(bias)),
+            Op::ColSums { x, out } => k.col_sums(s, b(x), b(out)),
+            Op::Sum { x, out } => k.sum(s, b(x), b(out)),
+            Op::Mean { x, out } => k.mean(s, b(x), b(out)),
+            Op::Gelu { x, y } => k.gelu(s, b(x), b(y)),
+            Op::GeluBackward { x, dy, dx } => k.gelu_backward(s, b(x), b(dy), b(dx)),
+            Op::Softmax { x, y, cols } => k.softmax_rows(s, b(x), b(y), *cols),
+            Op::SoftmaxBackward { y, dy, dx, cols } => {
+                k.softmax_rows_backward(s, b(y), b(dy), b(dx), *cols)
+            }
+            Op::LayerNorm {
+                x,
+                gamma,
+                beta,
+                y,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => k.layer_norm(
+                s,
+                b(x),
+                b(gamma),
+                b(beta),
+                b(y),
+                b(mean),
+                b(rstd),
+                *cols,
+                *eps,
+            ),
+            Op::LayerNormBackward {
+                x,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                dbeta,
+                cols,
+            } => k.layer_norm_backward(
+                s,
+                b(x),
+                b(gamma),
+                b(mean),
+                b(rstd),
+                b(dy),
+                b(dx),
+                b(dgamma),
+                b(dbeta),
+                *cols,
+            ),
+            Op::Embedding {
+                ids,
+                table,
+                out,
+                dim,
+            } => k.embedding(s, b(ids), b(table), b(out), *dim)?.wait(),
+            Op::EmbeddingBackward {
+                ids,
+                dy,
+                dtable,
+                dim,
+            } => k
+                .embedding_backward(s, b(ids), b(dy), b(dtable), *dim)?
+                .wait(),
+            Op::CrossEntropy {
+                logits,
+                targets,
+                cols,
+                lse,
+                loss,
+            } => k
+                .cross_entropy(s, b(logits), b(targets), *cols, b(lse), b(loss))?
+                .wait(),
+            Op::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dloss,
+                dlogits,
+                cols,
+            } => k
+                .cross_entropy_backward(
+                    s,
+                    b(logits),
+                    b(targets),
+                    b(lse),
+                    b(dloss),
+                    b(dlogits),
+                    *cols,
+                )?
+                .wait(),
+            Op::Attention {
+                q,
+                k: kk,
+                v,
+                out,
+                probs,
+                batch,
+                heads,
+                t,
+                d,
+            } => k.causal_attention(
+                s,
+                b(q),
+                b(kk),
+                b(v),
+                b(out),
+                b(probs),
+                *batch,
+                *heads,
+                *t,
+                *d,
+            ),
+            Op::AttentionBackward {
+                q,
+                k: kk,
+                v,
+                probs,
+                dout,
+                dq,
+                dk,
+                dv,
+                batch,
+                heads,
+                t,
+                d,
+            } => k.causal_attention_backward(
+                s,
+                b(q),
+                b(kk),
+                b(v),
+                b(probs),
+                b(dout),
+                b(dq),
+                b(dk),
+                b(dv),
+                *batch,
+                *heads,
+                *t,
+                *d,
+            ),
+            Op::Bmm {
+                a,
+                b: bb,
+                c,
+                batch,
+                m,
+                k: kk,
+                n,
+                ta,
+                tb,
+                acc,
+            } => k.bmm(s, b(a), b(bb), b(c), *batch, *m, *kk, *n, *ta, *tb, *acc),
+            Op::Cast { kind, src, dst } => match kind {
+                CastKind::F32ToF16 => k.cast_f32_to_f16(s, b(src), b(dst)),
+                CastKind::F16ToF32 => k.cast_f16_to_f32(s, b(src), b(dst)),
+                CastKind::F32ToBf16 => k.cast_f32_to_bf16(s, b(src), b(dst)),
+                CastKind::Bf16ToF32 => k.cast_bf16_to_f32(s, b(src), b(dst)),
+            },
+            Op::StridedCopy {
+                src,
+                offset,
+                shape,
+                strides,
+                dst,
+                dtype,
+            } => k.strided_copy(s, b(src), *offset, shape, strides, b(dst), *dtype),
+            Op::StridedAdd {
+                dst,
+                offset,
+                shape,
+                strides,
+                src,
+            } => k.strided_add_assign(s, b(dst), *offset, shape, strides, b(src)),
+            Op::Zero { buf } => k.zero(s, b(buf)),
+            Op::Copy { src, dst } => k.copy(s, b(src), b(dst)),
+        }
+    }
+}
