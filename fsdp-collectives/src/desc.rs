@@ -17,8 +17,17 @@ pub(crate) struct OpDesc {
     pub op: Option<ReduceOp>,
     pub accum: Option<DType>,
     pub root: Option<usize>,
+    /// A problem with this rank's buffers that the other ranks cannot recompute.
+    pub bad_buffer: Option<BufferProblem>,
+}
+
+/// Buffer problems a rank reports through its descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BufferProblem {
     /// Input and output overlap in a way the op does not allow.
-    pub bad_alias: bool,
+    Alias,
+    /// The memory is not where the backend can use it (e.g. device memory on a host stream).
+    Placement,
 }
 
 /// True if `inner` starts exactly `offset` bytes into `outer` (same segment).
@@ -39,7 +48,7 @@ impl OpDesc {
             op: None,
             accum: None,
             root: None,
-            bad_alias: false,
+            bad_buffer: None,
         }
     }
 
@@ -50,7 +59,7 @@ impl OpDesc {
         OpDesc {
             out_dtype: output.dtype(),
             out_len: output.len(),
-            bad_alias,
+            bad_buffer: bad_alias.then_some(BufferProblem::Alias),
             ..OpDesc::base(OpKind::AllGather, input.dtype(), input.len())
         }
     }
@@ -70,7 +79,7 @@ impl OpDesc {
             out_len: output.len(),
             op: Some(op),
             accum: Some(accum),
-            bad_alias,
+            bad_buffer: bad_alias.then_some(BufferProblem::Alias),
             ..OpDesc::base(OpKind::ReduceScatter, input.dtype(), input.len())
         }
     }
@@ -132,17 +141,39 @@ impl OpDesc {
                 });
             }
         }
-        if self.bad_alias {
-            return Err(CollectiveError::InvalidBuffer {
-                op,
-                rank,
-                detail: format!(
-                    "input and output overlap, but the only aliasing {op} allows is the in-place \
-                     form where the {} is exactly this rank's chunk of the {}; use separate buffers",
-                    if op == OpKind::AllGather { "input" } else { "output" },
-                    if op == OpKind::AllGather { "output" } else { "input" },
-                ),
-            });
+        match self.bad_buffer {
+            None => {}
+            Some(BufferProblem::Alias) => {
+                return Err(CollectiveError::InvalidBuffer {
+                    op,
+                    rank,
+                    detail: format!(
+                        "input and output overlap, but the only aliasing {op} allows is the \
+                         in-place form where the {} is exactly this rank's chunk of the {}; use \
+                         separate buffers",
+                        if op == OpKind::AllGather {
+                            "input"
+                        } else {
+                            "output"
+                        },
+                        if op == OpKind::AllGather {
+                            "output"
+                        } else {
+                            "input"
+                        },
+                    ),
+                })
+            }
+            Some(BufferProblem::Placement) => {
+                return Err(CollectiveError::InvalidBuffer {
+                    op,
+                    rank,
+                    detail: "the buffers are not where the backend can use them: host memory \
+                             needs a CPU stream, device memory a CUDA stream of the group's \
+                             device"
+                        .into(),
+                })
+            }
         }
         Ok(())
     }
@@ -159,7 +190,11 @@ impl OpDesc {
             self.op.map_or(0, |o| o.code()),
             self.accum.map_or(0, dtype_code),
             self.root.map_or(-1, |r| r as i64),
-            i64::from(self.bad_alias),
+            match self.bad_buffer {
+                None => 0,
+                Some(BufferProblem::Alias) => 1,
+                Some(BufferProblem::Placement) => 2,
+            },
         ]
     }
 
@@ -186,7 +221,12 @@ impl OpDesc {
                 Some(dtype_from_code(w[6])?)
             },
             root: if w[7] < 0 { None } else { Some(w[7] as usize) },
-            bad_alias: w[8] != 0,
+            bad_buffer: match w[8] {
+                0 => None,
+                1 => Some(BufferProblem::Alias),
+                2 => Some(BufferProblem::Placement),
+                _ => return None,
+            },
         })
     }
 }
@@ -366,7 +406,7 @@ mod tests {
             op: Some(ReduceOp::Avg),
             accum: Some(DType::F32),
             root: Some(3),
-            bad_alias: true,
+            bad_buffer: Some(BufferProblem::Placement),
             ..OpDesc::base(OpKind::ReduceScatter, DType::BF16, 1 << 40)
         };
         assert_eq!(OpDesc::from_words(&d.to_words()), Some(d));

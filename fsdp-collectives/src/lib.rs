@@ -57,9 +57,11 @@
 //! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
 //!   exactly as stated: f32 accumulation rounds f16/bf16 once at the end; own-dtype
 //!   accumulation rounds after every addition; ranks are folded in order 0..W.
-//! - NCCL backend: with the accumulation dtype equal to the buffer dtype, NCCL reduces natively
-//!   (its own order and internal precision); with f32 accumulation of f16/bf16 buffers the data
-//!   is widened to f32 on the host staging path and reduced in f32 by NCCL, then rounded once.
+//! - NCCL backend (never run here; see `nccl`): NCCL reduces in its own order and internal
+//!   precision, so results are deterministic only as far as NCCL makes them. With device
+//!   buffers (the FSDP case) it reduces in the buffer dtype (there is no cast kernel in this
+//!   crate: reduce f32 buffers when f32 accumulation matters); with host buffers, f32
+//!   accumulation of f16/bf16 is honoured by widening on the staging path.
 //!
 //! ## Errors
 //! One enum, [`CollectiveError`]. Argument errors are detected from the descriptors of *all*
@@ -81,7 +83,7 @@ pub use error::{CollectiveError, Result};
 pub use group::ProcessGroup;
 pub use mesh::DeviceMesh;
 #[cfg(feature = "cuda")]
-pub use nccl::NcclGroup;
+pub use nccl::{nccl_available, NcclConfig, NcclGroup};
 pub use store::{RendezvousEnv, StoreServer, TcpStore};
 pub use thread::{GroupConfig, LinkModel, ThreadGroup};
 pub use types::{default_accum, DeviceSlice, OpKind, ReduceOp, Work};

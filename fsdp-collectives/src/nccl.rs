@@ -12,14 +12,19 @@
 //! - Creation: rank 0 makes the NCCL unique id and publishes it in the [`TcpStore`]; the others
 //!   read it from there (torchrun-style `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` with
 //!   [`NcclGroup::from_env`]).
-//! - **Buffers are host memory, staged.** `fsdp-alloc`'s public [`BufferRef`] gives host access
-//!   only (its committed API has no device pointer yet), so each collective copies its input to
-//!   a device staging buffer, runs NCCL on the comm stream, and copies the result back. That is
-//!   correct but not fast; once `fsdp-alloc` exposes device memory to this crate, the staging
-//!   copies should become direct device pointers.
-//! - Issued collectives run as work on the given `fsdp-alloc` stream, which hands them to the
-//!   communicator thread and waits for the result, so stream ordering is the same as with the
-//!   thread backend.
+//! - **Device path** (the FSDP case): buffers in device memory ([`BufferRef::device_ptr`]) and a
+//!   CUDA stream of the group's device ([`Stream::cuda_stream`]). The communicator thread agrees
+//!   on the descriptors with the other ranks (below), then enqueues the NCCL kernel directly on
+//!   the caller's CUDA stream, reading and writing the buffers in place, and returns; the
+//!   issuing thread records the [`Work`]'s event after it. So issuing blocks until every rank
+//!   has *issued* the same collective (a small host rendezvous), never until it has *run*. The
+//!   communicator thread keeps the buffers alive until the kernel's completion event fires and
+//!   acts as watchdog (polling once per millisecond while kernels are pending).
+//! - **Host path**: host buffers on a CPU stream. The collective runs as work on the stream,
+//!   which hands it to the communicator thread and waits: the input is copied to a device
+//!   staging buffer, reduced on the thread's internal stream, and copied back. Correct, not fast.
+//!   Any other mix (device memory on a CPU stream, host memory on a CUDA stream, another
+//!   device) is an [`CollectiveError::InvalidBuffer`] agreed on by every rank.
 //! - **No hangs on bad calls.** Before each collective the ranks all-gather a small descriptor
 //!   (kind, dtype, lengths, op, accumulation dtype, root) and run the same validation as the
 //!   thread backend, so a bad call fails on every rank instead of deadlocking NCCL. A rank whose
@@ -30,8 +35,10 @@
 //!
 //! ## Reduction precision
 //! With the accumulation dtype equal to the buffer dtype NCCL reduces natively (its order and
-//! internal precision). f16/bf16 buffers with f32 accumulation (the default) are widened to f32
-//! on the host staging path, reduced by NCCL in f32, and rounded once.
+//! internal precision). f16/bf16 buffers with f32 accumulation (the default): on the host path
+//! they are widened to f32, reduced by NCCL in f32, and rounded once; on the device path there is
+//! no cast kernel in this crate, so NCCL reduces them natively in the buffer dtype — reduce f32
+//! buffers (FSDP's `reduce_dtype`) when f32 accumulation matters.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
@@ -40,12 +47,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::{result, sys};
-use fsdp_alloc::{BufferRef, DType, Stream};
+use fsdp_alloc::{BufferRef, DType, DeviceId, Stream};
 use half::{bf16, f16};
 
-use crate::desc::{validate, OpDesc, WORDS};
+use crate::desc::{validate, BufferProblem, OpDesc, WORDS};
 use crate::error::{CollectiveError, Result};
 use crate::group::{locate_in_partition, ProcessGroup};
 use crate::store::{RendezvousEnv, TcpStore};
@@ -130,21 +137,71 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 }
 
 /// A communicator owned by the communicator thread; aborted if it timed out, destroyed on drop.
+///
+/// Each group has two NCCL communicators over the same ranks: `comm` carries the data (enqueued
+/// on callers' streams in issue order) and `control` only the descriptor exchange (on the
+/// thread's internal stream, host-synchronized). Keeping them apart means an exchange never runs
+/// on the GPU concurrently with a data kernel *of the same communicator* on another stream.
 struct RawComm {
     comm: sys::ncclComm_t,
+    control: sys::ncclComm_t,
     size: usize,
     broken: Option<String>,
 }
 
+impl RawComm {
+    /// Makes the control communicator (collective over the ranks of `comm`).
+    fn new(rank: usize, comm: sys::ncclComm_t, size: usize) -> Result<RawComm> {
+        let mut control: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a live communicator of this thread that every rank splits at the
+        // same point; `control` is a valid out-pointer; a null config inherits the parent's.
+        let r =
+            unsafe { sys::ncclCommSplit(comm, 0, rank as i32, &mut control, std::ptr::null_mut()) };
+        let mut raw = RawComm {
+            comm,
+            control,
+            size,
+            broken: None,
+        };
+        if r != sys::ncclResult_t::ncclSuccess {
+            raw.control = std::ptr::null_mut();
+            raw.broken = Some("ncclCommSplit of the control communicator failed".into());
+            return Err(nccl_error("ncclCommSplit", rank, r)); // `raw` drop aborts `comm`
+        }
+        Ok(raw)
+    }
+
+    /// Aborts both communicators now (their pending kernels exit); later use is refused.
+    fn abort(&mut self, why: String) {
+        self.broken.get_or_insert(why);
+        for c in [&mut self.comm, &mut self.control] {
+            if !c.is_null() {
+                // SAFETY: a live communicator of this thread, aborted exactly once (the pointer
+                // is nulled right after, so neither a second abort nor Drop touches it).
+                unsafe {
+                    let _ = sys::ncclCommAbort(*c);
+                }
+                *c = std::ptr::null_mut();
+            }
+        }
+    }
+}
+
 impl Drop for RawComm {
     fn drop(&mut self) {
-        // SAFETY: `comm` came from ncclCommInitRank/ncclCommSplit on this thread and is dropped
-        // exactly once; pending work was waited for (or the communicator was aborted).
-        unsafe {
-            if self.broken.is_some() {
-                let _ = sys::ncclCommAbort(self.comm);
-            } else {
-                let _ = sys::ncclCommDestroy(self.comm);
+        for c in [self.comm, self.control] {
+            if c.is_null() {
+                continue; // aborted already
+            }
+            // SAFETY: `c` came from ncclCommInitRank/ncclCommSplit on this thread and is
+            // released exactly once; the thread waited for its pending kernels first (or the
+            // communicator failed, and then it is aborted instead).
+            unsafe {
+                if self.broken.is_some() {
+                    let _ = sys::ncclCommAbort(c);
+                } else {
+                    let _ = sys::ncclCommDestroy(c);
+                }
             }
         }
     }
@@ -164,6 +221,17 @@ enum Request {
         abandoned: bool,
         reply: Sender<Result<()>>,
     },
+    /// Device path: agree, then enqueue the NCCL kernel on `stream` over device memory.
+    Enqueue {
+        comm: usize,
+        seq: u64,
+        desc: OpDesc,
+        input: Option<BufferRef>,
+        output: BufferRef,
+        stream: Arc<CudaStream>,
+        outcome: Outcome,
+        reply: Sender<Result<()>>,
+    },
     Split {
         comm: usize,
         seq: u64,
@@ -177,9 +245,22 @@ enum Request {
 impl Request {
     fn key(&self) -> (usize, u64) {
         match self {
-            Request::Op { comm, seq, .. } | Request::Split { comm, seq, .. } => (*comm, *seq),
+            Request::Op { comm, seq, .. }
+            | Request::Enqueue { comm, seq, .. }
+            | Request::Split { comm, seq, .. } => (*comm, *seq),
         }
     }
+}
+
+/// A kernel enqueued on a caller's stream, watched until it completes.
+struct Pending {
+    comm: usize,
+    op: OpKind,
+    done: CudaEvent,
+    started: Instant,
+    outcome: Outcome,
+    /// Keeps the device memory alive until the kernel has run.
+    _buffers: (Option<BufferRef>, BufferRef),
 }
 
 /// What the communicator thread owns.
@@ -188,6 +269,7 @@ struct CommThread {
     timeout: Duration,
     stream: Arc<CudaStream>,
     comms: Vec<RawComm>,
+    pending: Vec<Pending>,
 }
 
 /// Host bytes of `b` (a copy), optionally widened from f16/bf16 to f32.
@@ -241,10 +323,18 @@ fn store_bytes(
 
 impl CommThread {
     fn comm(&self, id: usize) -> Result<sys::ncclComm_t> {
+        self.comms_of(id).map(|(data, _)| data)
+    }
+
+    /// (data, control) communicators of group `id`.
+    fn comms_of(&self, id: usize) -> Result<(sys::ncclComm_t, sys::ncclComm_t)> {
         match self.comms.get(id) {
             Some(RawComm {
-                broken: None, comm, ..
-            }) => Ok(*comm),
+                broken: None,
+                comm,
+                control,
+                ..
+            }) => Ok((*comm, *control)),
             Some(RawComm {
                 broken: Some(why), ..
             }) => Err(CollectiveError::CudaUnavailable(format!(
@@ -284,8 +374,7 @@ impl CommThread {
 
     /// Waits for the comm stream, watching NCCL's asynchronous errors and the timeout (sleeping
     /// between polls). On failure the communicator is aborted.
-    fn wait(&mut self, id: usize, op: OpKind) -> Result<()> {
-        let comm = self.comm(id)?;
+    fn wait(&mut self, id: usize, op: OpKind, comm: sys::ncclComm_t) -> Result<()> {
         let rank = self.rank;
         let ev = self
             .stream
@@ -325,14 +414,14 @@ impl CommThread {
             nap = (nap * 2).min(Duration::from_millis(1));
         };
         if let Some(c) = self.comms.get_mut(id) {
-            c.broken = Some(failure.to_string());
+            c.abort(failure.to_string());
         }
         Err(failure)
     }
 
     /// Exchanges descriptors (all-gather of a few integers) and validates them on every rank.
     fn agree(&mut self, id: usize, desc: &OpDesc, abandoned: bool) -> Result<()> {
-        let comm = self.comm(id)?;
+        let (_, control) = self.comms_of(id)?;
         let rank = self.rank;
         let world = self.comms[id].size;
         let mut words = desc.to_words().to_vec();
@@ -350,12 +439,12 @@ impl CommThread {
                     rp as *mut c_void,
                     WORDS + 1,
                     sys::ncclDataType_t::ncclInt64,
-                    comm,
+                    control,
                     self.stream.cu_stream() as sys::cudaStream_t,
                 )
             })?;
         }
-        self.wait(id, desc.kind)?;
+        self.wait(id, desc.kind, control)?;
         let bytes = self.download(&recv, world * (WORDS + 1) * 8)?;
         let all: Vec<i64> = bytes
             .chunks_exact(8)
@@ -418,25 +507,8 @@ impl CommThread {
         let esz = wire.size();
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
         match op {
-            OpKind::Barrier => {
-                let one = self.upload(&1i32.to_ne_bytes())?;
-                {
-                    let (p, _g) = one.device_ptr(&self.stream);
-                    // SAFETY: in-place all-reduce of one i32 in a live 4-byte device buffer.
-                    check("ncclAllReduce", rank, unsafe {
-                        result::all_reduce(
-                            p as *const c_void,
-                            p as *mut c_void,
-                            1,
-                            sys::ncclDataType_t::ncclInt32,
-                            sys::ncclRedOp_t::ncclSum,
-                            comm,
-                            stream,
-                        )
-                    })?;
-                }
-                self.wait(id, op)
-            }
+            // The descriptor exchange above was already a rendezvous of every rank.
+            OpKind::Barrier => Ok(()),
             OpKind::AllGather => {
                 let inp = input.ok_or_else(missing)?;
                 let out = output.ok_or_else(missing)?;
@@ -458,7 +530,7 @@ impl CommThread {
                         )
                     })?;
                 }
-                self.wait(id, op)?;
+                self.wait(id, op, comm)?;
                 let bytes = self.download(&recv, desc.out_len * esz)?;
                 store_bytes(&out, desc.in_dtype, false, &bytes).map_err(buf)
             }
@@ -484,7 +556,7 @@ impl CommThread {
                         )
                     })?;
                 }
-                self.wait(id, op)?;
+                self.wait(id, op, comm)?;
                 let bytes = self.download(&recv, desc.out_len * esz)?;
                 store_bytes(&out, desc.in_dtype, widen, &bytes).map_err(buf)
             }
@@ -523,9 +595,130 @@ impl CommThread {
                         })?;
                     }
                 }
-                self.wait(id, op)?;
+                self.wait(id, op, comm)?;
                 let bytes = self.download(&data, desc.in_len * esz)?;
                 store_bytes(&b, desc.in_dtype, widen, &bytes).map_err(buf)
+            }
+        }
+    }
+
+    /// Device path: agree with the other ranks, then enqueue the kernel on the caller's stream.
+    fn enqueue(
+        &mut self,
+        id: usize,
+        desc: OpDesc,
+        input: Option<BufferRef>,
+        output: BufferRef,
+        user: &Arc<CudaStream>,
+        outcome: Outcome,
+    ) -> Result<()> {
+        self.poll_pending();
+        self.agree(id, &desc, false)?;
+        let comm = self.comm(id)?;
+        let rank = self.rank;
+        let op = desc.kind;
+        let placement = || CollectiveError::InvalidBuffer {
+            op,
+            rank,
+            detail: "device path without device memory".into(),
+        };
+        let out = output.device_ptr().ok_or_else(placement)?;
+        let inp = match &input {
+            Some(b) => b.device_ptr().ok_or_else(placement)?,
+            None => out,
+        };
+        let dt = nccl_dtype(desc.in_dtype);
+        let red = nccl_op(desc.op.unwrap_or(ReduceOp::Sum));
+        let cs = user.cu_stream() as sys::cudaStream_t;
+        let (ip, optr) = (inp as *const c_void, out as *mut c_void);
+        // SAFETY (every arm): the pointers are device addresses of live allocations of this
+        // context (the BufferRefs, kept in `pending` until the kernel's completion event fires,
+        // hold their segments); their lengths match the counts (validated from every rank's
+        // descriptor); `cs` is a stream of this context, and stream order places the kernel
+        // after the work that produced the inputs and before the work that reads the outputs.
+        let r = unsafe {
+            match op {
+                OpKind::AllGather => result::all_gather(ip, optr, desc.in_len, dt, comm, cs),
+                OpKind::ReduceScatter => {
+                    result::reduce_scatter(ip, optr, desc.out_len, dt, red, comm, cs)
+                }
+                OpKind::AllReduce => result::all_reduce(ip, optr, desc.in_len, dt, red, comm, cs),
+                OpKind::Broadcast => {
+                    let root = desc.root.unwrap_or(0) as i32;
+                    result::broadcast(ip, optr, desc.in_len, dt, root, comm, cs)
+                }
+                OpKind::Barrier => Ok(result::NcclStatus::Success),
+            }
+        };
+        check(op.name(), rank, r)?;
+        let done = user
+            .record_event(None)
+            .map_err(cuda_error("cuEventRecord", rank))?;
+        self.pending.push(Pending {
+            comm: id,
+            op,
+            done,
+            started: Instant::now(),
+            outcome,
+            _buffers: (input, output),
+        });
+        Ok(())
+    }
+
+    /// Watchdog over enqueued kernels: retires completed ones (checking NCCL's asynchronous
+    /// error); past the timeout, or on an asynchronous error, it records the error in the
+    /// collective's [`Work`] and aborts the communicator, which makes its kernels exit.
+    fn poll_pending(&mut self) {
+        let rank = self.rank;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &self.pending[i];
+            let complete = p.done.try_is_complete();
+            let failure = match (&complete, self.comms.get(p.comm)) {
+                (Err(e), _) => Some(cuda_error("cuEventQuery", rank)(*e)),
+                (
+                    _,
+                    Some(RawComm {
+                        comm, broken: None, ..
+                    }),
+                ) => {
+                    let mut async_err = sys::ncclResult_t::ncclSuccess;
+                    // SAFETY: `comm` is a live communicator of this thread; valid out-pointer.
+                    let r = unsafe { sys::ncclCommGetAsyncError(*comm, &mut async_err) };
+                    if r != sys::ncclResult_t::ncclSuccess {
+                        Some(nccl_error("ncclCommGetAsyncError", rank, r))
+                    } else if async_err != sys::ncclResult_t::ncclSuccess
+                        && async_err != sys::ncclResult_t::ncclInProgress
+                    {
+                        Some(nccl_error("ncclCommGetAsyncError", rank, async_err))
+                    } else if !matches!(complete, Ok(true)) && p.started.elapsed() >= self.timeout {
+                        Some(CollectiveError::Timeout {
+                            op: p.op,
+                            group: format!("nccl/comm{}", p.comm),
+                            seq: 0,
+                            rank,
+                            waited: p.started.elapsed(),
+                            missing: Vec::new(),
+                        })
+                    } else {
+                        None
+                    }
+                }
+                (_, _) => None,
+            };
+            if let Some(e) = failure {
+                *p.outcome.lock().unwrap_or_else(|x| x.into_inner()) = Some(Err(e.clone()));
+                let id = p.comm;
+                if let Some(c) = self.comms.get_mut(id) {
+                    // Aborting makes the communicator's pending kernels exit, so their
+                    // completion events fire and the callers' streams move on.
+                    c.abort(e.to_string());
+                }
+            }
+            if matches!(complete, Ok(true) | Err(_)) {
+                self.pending.swap_remove(i);
+            } else {
+                i += 1;
             }
         }
     }
@@ -540,11 +733,7 @@ impl CommThread {
         if r != sys::ncclResult_t::ncclSuccess {
             return Err(nccl_error("ncclCommSplit", self.rank, r));
         }
-        self.comms.push(RawComm {
-            comm: new,
-            size,
-            broken: None,
-        });
+        self.comms.push(RawComm::new(self.rank, new, size)?);
         Ok(self.comms.len() - 1)
     }
 }
@@ -584,11 +773,8 @@ fn comm_thread_main(
             rank,
             timeout,
             stream,
-            comms: vec![RawComm {
-                comm,
-                size: world,
-                broken: None,
-            }],
+            comms: vec![RawComm::new(rank, comm, world)?],
+            pending: Vec::new(),
         })
     })();
     let mut ct = match init {
@@ -603,7 +789,31 @@ fn comm_thread_main(
     };
     let mut pending: HashMap<(usize, u64), Request> = HashMap::new();
     let mut next: HashMap<usize, u64> = HashMap::new();
-    while let Ok(req) = rx.recv() {
+    loop {
+        // Poll the watchdog once per millisecond while kernels are pending; otherwise block.
+        let req = if ct.pending.is_empty() {
+            match rx.recv() {
+                Ok(r) => r,
+                Err(_) => break,
+            }
+        } else {
+            match rx.recv_timeout(Duration::from_millis(1)) {
+                Ok(r) => r,
+                Err(crossbeam::channel::RecvTimeoutError::Timeout) => {
+                    ct.poll_pending();
+                    continue;
+                }
+                Err(crossbeam::channel::RecvTimeoutError::Disconnected) => {
+                    // Every handle is gone: let the enqueued kernels finish (bounded by the
+                    // watchdog's timeout) before the communicators are destroyed.
+                    while !ct.pending.is_empty() {
+                        ct.poll_pending();
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    break;
+                }
+            }
+        };
         pending.insert(req.key(), req);
         // Run every request that is next in its communicator's issue order.
         while let Some(key) = pending
@@ -623,6 +833,18 @@ fn comm_thread_main(
                     ..
                 }) => {
                     let _ = reply.send(ct.run(comm, desc, input, output, abandoned));
+                }
+                Some(Request::Enqueue {
+                    comm,
+                    desc,
+                    input,
+                    output,
+                    stream,
+                    outcome,
+                    reply,
+                    ..
+                }) => {
+                    let _ = reply.send(ct.enqueue(comm, desc, input, output, &stream, outcome));
                 }
                 Some(Request::Split {
                     comm,
@@ -666,6 +888,7 @@ impl NcclConfig {
 pub struct NcclGroup {
     rank: usize,
     size: usize,
+    ordinal: usize,
     comm: usize,
     name: String,
     timeout: Duration,
@@ -752,6 +975,7 @@ impl NcclGroup {
         Ok(NcclGroup {
             rank,
             size: world_size,
+            ordinal,
             comm: 0,
             name: format!("nccl/{}", config.name),
             timeout,
@@ -794,6 +1018,22 @@ impl NcclGroup {
     ) -> Work {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let outcome: Outcome = Arc::new(Mutex::new(None));
+        let mut desc = desc;
+        let on_device = |s: Option<&DeviceSlice>| s.map(|s| s.data().device_ptr().is_some());
+        if let Some(cuda) = stream.cuda_stream() {
+            let placed = stream.device() == DeviceId::Cuda(self.ordinal)
+                && on_device(input) != Some(false)
+                && on_device(output) == Some(true);
+            if !placed && desc.bad_buffer.is_none() {
+                desc.bad_buffer = Some(BufferProblem::Placement);
+            }
+            return self.issue_device(seq, desc, input, output, stream, cuda, outcome);
+        }
+        if (on_device(input) == Some(true) || on_device(output) == Some(true))
+            && desc.bad_buffer.is_none()
+        {
+            desc.bad_buffer = Some(BufferProblem::Placement);
+        }
         let ticket = Ticket {
             tx: self.tx.clone(),
             comm: self.comm,
@@ -843,6 +1083,72 @@ impl NcclGroup {
             }
         });
         Work::new(desc.kind, self.rank, seq, stream.record_event(), outcome)
+    }
+}
+
+impl NcclGroup {
+    /// The device path: hand the collective to the communicator thread, which agrees on the
+    /// descriptors with the other ranks and enqueues the kernel on `cuda`; then record the
+    /// work's event after it. On failure nothing was enqueued; the stream is failed (a host
+    /// function that fails it), as with the thread backend.
+    #[allow(clippy::too_many_arguments)]
+    fn issue_device(
+        &self,
+        seq: u64,
+        desc: OpDesc,
+        input: Option<&DeviceSlice>,
+        output: Option<&DeviceSlice>,
+        stream: &Stream,
+        cuda: &Arc<CudaStream>,
+        outcome: Outcome,
+    ) -> Work {
+        let rank = self.rank;
+        let op = desc.kind;
+        let Some(output) = output else {
+            return Work::failed(
+                op,
+                rank,
+                CollectiveError::InvalidBuffer {
+                    op,
+                    rank,
+                    detail: "no output buffer".into(),
+                },
+            );
+        };
+        let (reply, answer) = bounded(1);
+        let sent = self.tx.send(Request::Enqueue {
+            comm: self.comm,
+            seq,
+            desc,
+            input: input.map(|s| s.data().clone()),
+            output: output.data().clone(),
+            stream: Arc::clone(cuda),
+            outcome: Arc::clone(&outcome),
+            reply,
+        });
+        let r = match sent {
+            Err(_) => Err(CollectiveError::CudaUnavailable(
+                "the communicator thread has exited".into(),
+            )),
+            Ok(()) => answer
+                .recv_timeout(self.timeout + Duration::from_secs(5))
+                .unwrap_or_else(|_| {
+                    Err(CollectiveError::Timeout {
+                        op,
+                        group: self.name.clone(),
+                        seq,
+                        rank,
+                        waited: self.timeout,
+                        missing: Vec::new(),
+                    })
+                }),
+        };
+        if let Err(e) = r {
+            let message = e.to_string();
+            *outcome.lock().unwrap_or_else(|x| x.into_inner()) = Some(Err(e));
+            stream.launch(move || std::panic::resume_unwind(Box::new(message)));
+        }
+        Work::new(op, rank, seq, stream.record_event(), outcome)
     }
 }
 
@@ -979,6 +1285,7 @@ impl ProcessGroup for NcclGroup {
         Ok(Arc::new(NcclGroup {
             rank: local,
             size: parts[part].len(),
+            ordinal: self.ordinal,
             comm,
             name: format!("{}/split{part}", self.name),
             timeout: self.timeout,

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use fsdp_alloc::{AllocError, BufferRef, DType, Stream};
 
-use crate::desc::{validate, OpDesc};
+use crate::desc::{validate, BufferProblem, OpDesc};
 use crate::error::{CollectiveError, Result};
 use crate::group::{locate_in_partition, ProcessGroup};
 use crate::kernels;
@@ -675,6 +675,13 @@ impl ThreadGroup {
         output: Option<&DeviceSlice>,
         stream: &Stream,
     ) -> Work {
+        let mut desc = desc;
+        let on_device =
+            |s: Option<&DeviceSlice>| s.is_some_and(|s| s.data().device_ptr().is_some());
+        if desc.bad_buffer.is_none() && (on_device(input) || on_device(output)) {
+            // Host threads cannot touch device memory: agreed on as an error by every rank.
+            desc.bad_buffer = Some(BufferProblem::Placement);
+        }
         let seq = self.shared.post(
             self.rank,
             Posted {
