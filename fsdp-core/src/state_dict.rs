@@ -51,10 +51,12 @@
 //!   is allocated on the shard device (the compute device, or the host device under CPU offload),
 //!   all-gathered on the shard stream ([`Fsdp::optimizer_stream`]), copied to the host, and freed
 //!   before the next unit. The extra device memory is therefore at most the largest unit
-//!   (`max ψᵢ`, as one forward unshard). With `rank0_only = false` every rank ends up with a host copy of the whole model
-//!   (`Ψ`). With `rank0_only = true` only the primary rank keeps host copies; the other ranks still
-//!   take part in every all-gather (there is no gather-to-one collective, so each of them also
-//!   holds one unit's gathered device buffer at a time) but never copy it to the host.
+//!   (`max ψᵢ`, as one forward unshard). With `rank0_only = false` every rank ends up with a host
+//!   copy of the whole model (`Ψ`). With `rank0_only = true` only the *primary* rank (rank 0 of
+//!   the shard group and of the replicate group: global rank 0 on a mesh, rank 0 otherwise) keeps
+//!   host copies; the other ranks still take part in every all-gather (there is no gather-to-one
+//!   collective, so each of them also holds one unit's gathered buffer at a time) but never copy
+//!   it to the host.
 //! - [`load_full_state_dict`] needs the whole dict on every rank (the caller holds it), builds this
 //!   rank's chunks on the host (`Ψ / F` in total, so that a dict that fails validation changes
 //!   nothing) and copies them into the shards. [`load_full`] reads the whole file on every rank
@@ -72,10 +74,10 @@
 //!
 //! - **Full** (one file): one F32 tensor per parameter with its original name and shape; metadata
 //!   `names` (the parameter order, one per line). Optimizer files name tensors `slot/param` and add
-//!   `slots` and `step`, with `names/<slot>` per slot.
+//!   `slots`, `names/<slot>` per slot, and `steps` (`name<TAB>count` per parameter).
 //! - **Sharded** (one directory):
 //!   - `metadata.safetensors` (no tensors; written by saving rank 0): `world_size`, `slots`,
-//!     `step` (optimizer), and per slot `params/<slot>`: every parameter's `name<TAB>d0,d1,…`;
+//!     `steps` (optimizer), and per slot `params/<slot>`: every parameter's `name<TAB>d0,d1,…`;
 //!   - `rank-RRRRR-of-WWWWW.safetensors` per saving rank: one 1-D F32 tensor per piece (named like
 //!     the full form), and `pieces/<slot>`: `name<TAB>offset<TAB>len` per piece (the offset in the
 //!     row-major flattened parameter);
@@ -87,6 +89,11 @@
 //!
 //! Parameter and slot names must not contain tabs or newlines; slot names must also be non-empty
 //! and contain no `/` ([`StateDictError::InvalidName`]).
+//!
+//! # Errors
+//! Every function returns [`StateDictError`]: validation errors name the offending entry (and
+//! say what the model expected), file errors name the file; runtime errors (collectives, devices,
+//! tensors) arrive wrapped as [`StateDictError::Fsdp`].
 //!
 //! # Collective or local
 //! [`full_state_dict`] and [`full_optim_state_dict`] are collectives over the shard group (every

@@ -1155,3 +1155,32 @@ fn tied_parameters_are_saved_once_and_resume_like_local() {
     });
     assert_same("tied, resumed at W=3 vs local", &out[0], &local[1]);
 }
+
+#[test]
+fn a_failed_write_is_reported_on_every_rank() {
+    // The checkpoint's parent "directory" is a file: the writers fail, and the ranks that did
+    // not write learn it from the closing all-reduce instead of returning success.
+    let dir = TempDir::new("peer-failed");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let blocker = dir.join("blocker");
+    std::fs::write(&blocker, b"not a directory").unwrap();
+    let b = blocker.clone();
+    let results = run_ranks(3, move |rank, pg| {
+        let (_, fsdp) = wrap(rank, pg, SEED, blocks());
+        let full = state_dict::save_full(&fsdp, b.join("model.safetensors"));
+        let sharded = state_dict::save_sharded(&fsdp, b.join("ckpt"));
+        (format!("{full:?}"), format!("{sharded:?}"))
+    });
+    for (rank, (full, sharded)) in results.iter().enumerate() {
+        if rank == 0 {
+            assert!(
+                full.starts_with("Err(Io"),
+                "rank 0 writes the full file: {full}"
+            );
+        } else {
+            assert!(full.starts_with("Err(PeerFailed"), "rank {rank}: {full}");
+        }
+        // Every rank writes its own sharded file, so every rank fails itself.
+        assert!(sharded.starts_with("Err(Io"), "rank {rank}: {sharded}");
+    }
+}
