@@ -1031,7 +1031,10 @@ impl Inner {
         }
         let padded = h.layout.padded_numel();
         let total = h.layout.total_numel();
-        let numels: Vec<usize> = h.layout.params().iter().map(|p| p.numel()).collect();
+        // Split the padded flat parameter directly (the padding is a last, unused piece), so the
+        // backward writes every view's gradient into one padded flat gradient.
+        let mut numels: Vec<usize> = h.layout.params().iter().map(|p| p.numel()).collect();
+        numels.push(padded - total);
         let any_trainable = h.params.iter().any(|p| p.requires_grad());
         let dtype = h.param_dtype;
         let flat = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
@@ -1044,8 +1047,8 @@ impl Inner {
         }
         // Frozen parameters view a second, gradient-free alias of the same storage.
         let frozen = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
-        let trainable_views = flat.narrow(0, 0, total)?.split(&numels)?;
-        let frozen_views = frozen.narrow(0, 0, total)?.split(&numels)?;
+        let trainable_views = flat.split(&numels)?;
+        let frozen_views = frozen.split(&numels)?;
         for ((p, tv), fv) in h.params.iter().zip(trainable_views).zip(frozen_views) {
             let v = if p.requires_grad() { tv } else { fv };
             p.set(v.view(p.shape())?)?;

@@ -76,6 +76,8 @@ struct NodeState {
     node: Arc<Node>,
     deps: usize,
     buf: Vec<Option<Tensor>>,
+    /// Some gradient was folded in by `BackwardFn::accept` (so the node must run).
+    eager: bool,
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
@@ -177,6 +179,7 @@ pub fn backward(roots: &[Tensor], grads: &[Option<Tensor>]) -> Result<()> {
                 node: Arc::clone(&e.node),
                 deps: 0,
                 buf: vec![None; e.node.meta.len()],
+                eager: false,
             }
         });
     }
@@ -188,6 +191,7 @@ pub fn backward(roots: &[Tensor], grads: &[Option<Tensor>]) -> Result<()> {
                     node: Arc::clone(&e.node),
                     deps: 0,
                     buf: vec![None; e.node.meta.len()],
+                    eager: false,
                 }
             });
             st.deps += 1;
@@ -212,6 +216,7 @@ pub fn backward(roots: &[Tensor], grads: &[Option<Tensor>]) -> Result<()> {
         let st = states.get_mut(&r.key).expect("ready node has state");
         let node = Arc::clone(&st.node);
         let grads = std::mem::take(&mut st.buf);
+        let eager = st.eager;
         let grads = run_tensor_hooks(&node, grads)?;
         match &node.kind {
             NodeKind::Accumulate(leaf) => {
@@ -229,7 +234,7 @@ pub fn backward(roots: &[Tensor], grads: &[Option<Tensor>]) -> Result<()> {
                 }
             }
             NodeKind::Function(f) => {
-                let outputs = if grads.iter().all(Option::is_none) {
+                let outputs = if grads.iter().all(Option::is_none) && !eager {
                     vec![None; node.next.len()]
                 } else {
                     let out = f.lock().unwrap_or_else(|e| e.into_inner()).run(grads)?;
@@ -254,7 +259,20 @@ pub fn backward(roots: &[Tensor], grads: &[Option<Tensor>]) -> Result<()> {
                                 node.name, edge.node.name
                             )
                         })?;
-                        add_into(&mut target.buf[edge.slot], g)?;
+                        // Nodes that can fold a gradient in on arrival (split) take it now, so
+                        // it is freed at once instead of waiting for the node's other inputs.
+                        let hooked = edge.node.hooks().iter().any(|(s, _, _)| *s == edge.slot);
+                        let rest = match (&edge.node.kind, hooked) {
+                            (NodeKind::Function(f), false) => f
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .accept(edge.slot, g)?,
+                            _ => Some(g),
+                        };
+                        match rest {
+                            Some(g) => add_into(&mut target.buf[edge.slot], g)?,
+                            None => target.eager = true,
+                        }
                     }
                     target.deps -= 1;
                     if target.deps == 0 {

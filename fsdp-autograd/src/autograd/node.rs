@@ -33,6 +33,14 @@ pub(crate) struct GradMeta {
 /// with `GraphConsumed`; nodes without saved tensors (views, adds, …) can run again.
 pub(crate) trait BackwardFn: Send {
     fn run(&mut self, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>>;
+
+    /// Offered each incoming gradient of output `slot` as soon as it arrives (when no tensor
+    /// hook watches that slot). A node that can fold it into its result right away returns
+    /// `Ok(None)` (the engine then does not buffer it, so it is freed at once); `Ok(Some(g))`
+    /// hands it back to be buffered and passed to `run` as usual.
+    fn accept(&mut self, _slot: usize, g: Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(g))
+    }
 }
 
 impl<F> BackwardFn for F

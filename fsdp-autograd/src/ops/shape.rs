@@ -4,6 +4,7 @@
 
 use fsdp_alloc::DType;
 
+use crate::autograd::node::BackwardFn;
 use crate::autograd::{needs_grad, record, record1};
 use crate::context::current_stream;
 use crate::error::{arg_err, shape_err, Result};
@@ -269,29 +270,22 @@ impl Tensor {
         if !needs_grad(&[self]) {
             return Ok(outs);
         }
-        let in_shape = self.shape().to_vec();
-        let dtype = self.dtype();
-        let sizes = sizes.to_vec();
-        Ok(record(
-            "split",
-            &[self],
-            &outs,
-            move |g: Vec<Option<Tensor>>| {
-                let mut pieces = Vec::with_capacity(sizes.len());
-                let mut start = 0;
-                for (len, g) in sizes.iter().zip(g) {
-                    pieces.push((start, *len, g));
-                    start += len;
-                }
-                let any = pieces.iter().find_map(|p| p.2.clone());
-                let Some(any) = any else {
-                    return Ok(vec![None]);
-                };
-                Ok(vec![Some(scatter_pieces(
-                    &in_shape, dtype, &any, dim, &pieces,
-                )?)])
-            },
-        ))
+        let mut starts = Vec::with_capacity(sizes.len());
+        let mut start = 0;
+        for &len in sizes {
+            starts.push(start);
+            start += len;
+        }
+        let backward = SplitBackward {
+            in_shape: self.shape().to_vec(),
+            dtype: self.dtype(),
+            dim,
+            sizes: sizes.to_vec(),
+            starts,
+            acc: None,
+            filled: vec![false; sizes.len()],
+        };
+        Ok(record("split", &[self], &outs, backward))
     }
 
     /// Broadcasts to `shape` (a view with zero strides on broadcast dimensions; dimensions are
@@ -396,4 +390,88 @@ fn scatter_pieces(
         }
     });
     Ok(out)
+}
+
+/// Backward of `split`: every piece's gradient lands in one gradient of the input. Gradients are
+/// folded in as they arrive ([`BackwardFn::accept`]): the first one allocates the (zeroed) input
+/// gradient, each is copied into its place and freed right away, so the pieces' gradients never
+/// coexist with the whole — the memory FSDP's flat-parameter views rely on. Several
+/// contributions to one piece are added in arrival order, the same sums the engine's buffering
+/// gives; gradients of hooked pieces arrive buffered in `run`.
+struct SplitBackward {
+    in_shape: Vec<usize>,
+    dtype: DType,
+    dim: usize,
+    sizes: Vec<usize>,
+    starts: Vec<usize>,
+    acc: Option<Tensor>,
+    filled: Vec<bool>,
+}
+
+impl SplitBackward {
+    fn region(&self, acc: &Tensor, slot: usize) -> Result<Tensor> {
+        acc.narrow(self.dim, self.starts[slot], self.sizes[slot])
+    }
+}
+
+impl BackwardFn for SplitBackward {
+    fn accept(&mut self, slot: usize, g: Tensor) -> Result<Option<Tensor>> {
+        // Pieces are contiguous regions of the input gradient only when every dimension before
+        // `dim` has size 1 (always for 1-D splits, like FSDP's flat parameter); otherwise keep
+        // the buffered path and its single strided scatter.
+        let contiguous_pieces = self.in_shape[..self.dim].iter().all(|&d| d == 1);
+        if !contiguous_pieces || slot >= self.filled.len() {
+            return Ok(Some(g));
+        }
+        let acc = match &self.acc {
+            Some(a) => a.clone(),
+            None => {
+                let a = Tensor::zeros(&self.in_shape, self.dtype, g.device())?;
+                self.acc = Some(a.clone());
+                a
+            }
+        };
+        // Later contributions are added in arrival order, as the engine's buffer would.
+        let region = self.region(&acc, slot)?;
+        if self.filled[slot] {
+            region.add_(&g)?;
+        } else {
+            region.copy_(&g)?;
+        }
+        self.filled[slot] = true;
+        Ok(None)
+    }
+
+    fn run(&mut self, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        let Some(acc) = self.acc.take() else {
+            // Nothing arrived early (or every slot is hooked): one scatter of all pieces.
+            let pieces: Vec<(usize, usize, Option<Tensor>)> = self
+                .starts
+                .iter()
+                .zip(&self.sizes)
+                .zip(grads)
+                .map(|((s, l), g)| (*s, *l, g))
+                .collect();
+            let Some(any) = pieces.iter().find_map(|p| p.2.clone()) else {
+                return Ok(vec![None]);
+            };
+            return Ok(vec![Some(scatter_pieces(
+                &self.in_shape,
+                self.dtype,
+                &any,
+                self.dim,
+                &pieces,
+            )?)]);
+        };
+        for (slot, g) in grads.into_iter().enumerate() {
+            let Some(g) = g else { continue };
+            let region = self.region(&acc, slot)?;
+            if self.filled[slot] {
+                region.add_(&g)?;
+            } else {
+                region.copy_(&g)?;
+            }
+        }
+        Ok(vec![Some(acc)])
+    }
 }

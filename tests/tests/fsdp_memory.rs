@@ -1,0 +1,89 @@
+//! FullShard's per-rank peak memory, from the device allocator, against the model of what
+//! parameters and gradients need.
+
+use fsdp_alloc::Device;
+use fsdp_autograd::nn::{Gpt, GptConfig};
+use fsdp_autograd::InitContext;
+use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, WrapPolicy};
+use fsdp_tests::{micro_loss, run_ranks, token_tensors};
+
+fn cfg() -> GptConfig {
+    GptConfig {
+        vocab: 64,
+        d_model: 128,
+        n_layers: 4,
+        n_heads: 4,
+        seq_len: 2,
+        tied: false,
+        checkpoint: false,
+    }
+}
+
+/// (peak allocated during a step, shard bytes, root unit bytes, largest other unit bytes).
+type Measured = (usize, usize, usize, usize);
+
+fn measure(world: usize, prefetch: BackwardPrefetch) -> Vec<Measured> {
+    run_ranks(world, move |rank, pg| {
+        let dev = Device::cpu(rank);
+        let model = Gpt::new(&InitContext::eager(&dev, 5), &cfg()).unwrap();
+        let config = FsdpConfig {
+            wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
+            backward_prefetch: prefetch,
+            ..FsdpConfig::default()
+        };
+        let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+        let step = |i: usize| {
+            let (x, y) = token_tensors(i * world + rank, 1, 2, 64, &dev);
+            let loss = micro_loss(&fsdp.forward(&x).unwrap(), &y, world);
+            loss.backward().unwrap();
+            fsdp.sgd_step(0.01).unwrap();
+            fsdp.zero_grad();
+            fsdp.synchronize().unwrap();
+        };
+        step(0); // warm-up: records the execution order, fills the allocator's cache
+        dev.reset_peak_stats();
+        step(1);
+        let peak = dev.memory_stats().peak_allocated_bytes;
+        let units = fsdp.units();
+        let shard: usize = units.iter().map(|u| u.3 * 4).sum();
+        let root = units[0].3 * world * 4;
+        let other = units[1..]
+            .iter()
+            .map(|u| u.3 * world * 4)
+            .max()
+            .unwrap_or(0);
+        (peak, shard, root, other)
+    })
+}
+
+#[test]
+fn full_shard_peak_matches_the_param_grad_model() {
+    for (prefetch, extra_units) in [
+        (BackwardPrefetch::None, 0),
+        (BackwardPrefetch::BackwardPre, 1),
+    ] {
+        for (rank, (peak, shard, root, other)) in measure(4, prefetch).into_iter().enumerate() {
+            // Sharded parameters and sharded gradients (Ψ/F each), the root unit's unsharded
+            // parameters and its flat gradient (alive for the whole backward: the head's gradient
+            // arrives first, the embeddings' last), the current unit's unsharded parameters and
+            // flat gradient, the prefetched unit's parameters, and one parameter-sized transient:
+            // the largest weight gradient as its kernel produces it plus the contiguous copy the
+            // view's backward makes, before it is folded into the flat gradient (split folds
+            // each view's gradient in on arrival, so no more than one is alive).
+            let largest_param = cfg().d_model * (4 * cfg().d_model) * 4; // mlp.fc.weight, f32
+            let predicted = 2 * shard + 2 * root + (2 + extra_units) * other + 2 * largest_param;
+            eprintln!(
+                "rank {rank} {prefetch:?}: peak {peak} predicted {predicted} ratio {:.3}",
+                peak as f64 / predicted as f64
+            );
+            assert!(
+                (peak as f64) <= 1.05 * predicted as f64,
+                "rank {rank} ({prefetch:?}): peak {peak} B exceeds the model {predicted} B by more than 5%"
+            );
+            assert!(
+                (peak as f64) >= 0.85 * predicted as f64,
+                "rank {rank} ({prefetch:?}): peak {peak} B is far below the model {predicted} B: the model is wrong"
+            );
+        }
+    }
+}
