@@ -26,6 +26,9 @@ pub enum FsdpError {
     /// Building shards from recorded init ops or from existing parameters failed.
     #[error(transparent)]
     Init(#[from] fsdp_init::MaterializeError),
+    /// Saving or loading a state dict failed.
+    #[error(transparent)]
+    StateDict(Box<crate::state_dict::StateDictError>),
     /// A flat-parameter layout error.
     #[error(transparent)]
     Layout(#[from] LayoutError),
@@ -46,3 +49,13 @@ impl From<FsdpError> for AutogradError {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = FsdpError> = std::result::Result<T, E>;
+
+impl From<crate::state_dict::StateDictError> for FsdpError {
+    fn from(e: crate::state_dict::StateDictError) -> FsdpError {
+        match e {
+            // A runtime error that passed through a state-dict call: hand back the original.
+            crate::state_dict::StateDictError::Fsdp(inner) => *inner,
+            other => FsdpError::StateDict(Box::new(other)),
+        }
+    }
+}

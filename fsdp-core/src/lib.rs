@@ -9,7 +9,12 @@
 //! # Crate layout
 //! - [`wrap`]: unit planning (policies, the paper's assignment rule, shared parameters).
 //! - [`config`]: strategies, prefetch modes, buffer lifetime.
-//! - [`Fsdp`]: the runtime (hooks, unshard / reshard / reduce, SGD on shards, full parameters).
+//! - [`Fsdp`]: the runtime (hooks, unshard / reshard / reduce, mixed precision, gradient
+//!   accumulation with and without communication, CPU offload, SGD on shards).
+//! - [`optim`]: sharded SGD / AdamW / LAMB (state sharded like the parameters) and their local
+//!   twins; [`clip`]: global and exact per-parameter gradient norms across shards;
+//!   [`scaler`]: the sharded gradient scaler; [`state_dict`]: full, sharded and local state dicts
+//!   (safetensors on disk), optimizer state likewise.
 #![deny(missing_docs)]
 
 pub mod clip;
@@ -22,9 +27,16 @@ pub mod scaler;
 pub mod state_dict;
 pub mod wrap;
 
+pub use clip::{clip_grad_norm, grad_norm, grad_norms_per_param, param_norms_per_param};
 pub use config::{
     BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, MixedPrecision, ShardingStrategy,
 };
 pub use error::{FsdpError, Result};
 pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, UnitShard};
+pub use optim::{
+    AdamParams, AdamW, Lamb, LocalAdamW, LocalLamb, LocalOptimizer, LocalSgd, Sgd,
+    ShardedOptimizer, ShardedParams,
+};
+pub use scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
+pub use state_dict::{FullStateDict, OptimState, ShardedStateDict, StateDictError};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
