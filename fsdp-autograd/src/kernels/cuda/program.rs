@@ -121,7 +121,7 @@ pub(crate) fn compile_options() -> CompileOptions {
 }
 
 /// The PTX of [`SOURCE`], compiled on first use (an error is cached too: the source is fixed).
-fn ptx() -> Result<Ptx, CudaKernelError> {
+pub(crate) fn ptx() -> Result<Ptx, CudaKernelError> {
     static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
     PTX.get_or_init(|| {
         cudarc::nvrtc::compile_ptx_with_opts(SOURCE, compile_options()).map_err(|e| match e {

@@ -105,7 +105,14 @@ fn unhex(s: &str) -> Vec<u8> {
 impl EmuExec {
     /// Starts an emulator process.
     pub(super) fn start(bin: &Path) -> EmuExec {
-        let mut child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        // Under a sanitizer, the first report kills the emulator, so the test fails.
+        for var in ["TSAN_OPTIONS", "ASAN_OPTIONS"] {
+            if std::env::var_os(var).is_none() {
+                cmd.env(var, "halt_on_error=1");
+            }
+        }
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -2,7 +2,8 @@
 //!
 //! - Host-only unit tests (always run with `--features cuda`): the kernel table against
 //!   `kernels.cu`, the row-major → cuBLAS mapping against the CPU matmul, view validation,
-//!   plan well-formedness, the "no CUDA" error.
+//!   plan well-formedness, the "no CUDA" error; NVRTC compiling `kernels.cu` where libnvrtc is
+//!   loadable (else skipped with a message).
 //! - `emulated::*` (run when a C++ compiler is present, else skipped with a message): every case
 //!   in [`cases`] run through the production launch plans on the host emulator in `emu/`.
 //! - `on_gpu::*` and [`gpu_only`] (`#[ignore]`; need `FSDP_GPU_TESTS=1` and a GPU, see
@@ -367,11 +368,35 @@ fn a_cpu_device_has_no_cuda_kernels() {
     assert!(err.to_string().contains("not a CUDA device"), "{err}");
 }
 
-/// Without a CUDA driver, opening a device fails with a typed error rather than a panic, and
-/// the GPU gate refuses to pass silently when GPU tests are requested.
+/// Without a CUDA driver, opening a device fails with a typed error rather than a panic
+/// (regression guard: cudarc panics if the driver library is used without being present).
 #[test]
 fn no_driver_is_a_typed_error() {
     if let Err(e) = Device::cuda(0) {
         assert!(e.to_string().contains("CUDA unavailable"), "{e}");
+    }
+}
+
+/// NVRTC — a compiler library that needs no GPU — compiles `kernels.cu` with the production
+/// options, and the PTX defines every kernel of the table. Skipped (with a message) where
+/// libnvrtc cannot be loaded.
+#[test]
+fn nvrtc_compiles_the_kernels() {
+    // SAFETY: `is_culib_present` only tries to load the library; no precondition.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!(
+            "SKIPPED nvrtc_compiles_the_kernels: libnvrtc not found (e.g. `pip install \
+             nvidia-cuda-nvrtc-cu12` and put its lib directory on LD_LIBRARY_PATH)"
+        );
+        return;
+    }
+    let ptx = super::program::ptx().unwrap_or_else(|e| panic!("{e}"));
+    let text = ptx.to_src();
+    for k in Kernel::ALL {
+        assert!(
+            text.contains(&format!(".entry {}(", k.name())),
+            "the PTX has no entry point {}",
+            k.name()
+        );
     }
 }
