@@ -650,11 +650,7 @@ type UnitOperands = (Vec<Range<usize>>, BufferRef, BufferRef);
 
 /// One unit's tensors for a sharded step: (trainable ranges, shard memory, grad memory), or
 /// `None` if the unit has no gradient or nothing trainable.
-fn unit_operands(
-    s: &UnitShard,
-    op: &str,
-    stream: &Stream,
-) -> Result<Option<UnitOperands>> {
+fn unit_operands(s: &UnitShard, op: &str, stream: &Stream) -> Result<Option<UnitOperands>> {
     let Some(g) = &s.grad else {
         return Ok(None);
     };
