@@ -260,8 +260,11 @@ impl Drop for StoreServer {
             let _map = lock(&self.state.map);
             self.state.cv.notify_all();
         }
+        // Close only the read side: a handler that is answering a request still writes its
+        // response (a client whose SET is what let the host leave must get its reply), then
+        // reads end-of-file and exits; the joins below wait for that.
         for c in lock(&self.state.conns).drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
+            let _ = c.shutdown(Shutdown::Read);
         }
         // Wake the accept loop with a throwaway connection.
         let _ = TcpStream::connect_timeout(&self.connect_addr(), Duration::from_secs(1));
@@ -270,7 +273,7 @@ impl Drop for StoreServer {
         }
         // Connections accepted after the drain above.
         for c in lock(&self.state.conns).drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
+            let _ = c.shutdown(Shutdown::Read);
         }
         let handlers: Vec<_> = lock(&self.state.handlers).drain(..).collect();
         for h in handlers {
