@@ -8,9 +8,12 @@
 //!
 //! Every rank is a thread with its own [`Device`] (allocator, streams) and a handle to one
 //! in-process [`ThreadGroup`]. Each rank builds the same model from the same seed, wraps it with
-//! [`Fsdp::wrap`] (one unit per transformer `Block`, the rest in the root unit) and trains it with
-//! plain SGD on its own micro-batches of a synthetic, learnable token stream: sequences that count
-//! up by a per-sequence stride (mod `vocab`), so the next token follows from the previous two.
+//! [`Fsdp::wrap`] (one unit per transformer `Block`, the rest in the root unit) and trains it
+//! with SGD (or `--optimizer adamw`) on its own micro-batches of a synthetic, learnable token
+//! stream: sequences that count up by a per-sequence stride (mod `vocab`), so the next token
+//! follows from the previous two. Flags add mixed precision, gradient accumulation (with or
+//! without `no_sync`), clipping, a tied embedding/head, CPU offload, and full-state-dict
+//! save/load through a safetensors file.
 //!
 //! ## What a step line reports
 //! `step 10 | loss 3.214 | 5,230 tok/s | peak 41.2 MiB/rank | ag 12.1 MiB rs 12.1 MiB`
@@ -50,7 +53,8 @@ use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
 use fsdp_core::{
-    BackwardPrefetch, Comm, Fsdp, FsdpConfig, FsdpError, ShardingStrategy, WrapPolicy,
+    clip_grad_norm, state_dict, AdamW, BackwardPrefetch, Comm, Fsdp, FsdpConfig, FsdpError,
+    MixedPrecision, ShardedOptimizer, ShardingStrategy, WrapPolicy,
 };
 
 const USAGE: &str = "\
@@ -68,7 +72,18 @@ options:
   --limit-all-gathers on|off rate-limit in-flight all-gathers (default on)
   --deferred-init            build the model on the fake device and let FSDP materialize it
   --steps N                  optimizer steps (default 60)
-  --lr X                     SGD learning rate (default 0.05)
+  --lr X                     learning rate (default 0.05 for sgd, 0.001 for adamw)
+  --optimizer O              sgd | adamw (default sgd; sharded, state sharded like the params)
+  --mixed-precision D        bf16 | f16: gather and compute in D, reduce in D, f32 shards
+  --grad-accum N             micro-batches per rank per optimizer step (default 1)
+  --no-sync                  with --grad-accum: accumulate unsharded gradients locally and
+                             reduce once, at the last micro-batch
+  --clip-grad-norm X         clip the global gradient norm (across all shards) to X
+  --tied                     tie the token embedding and the LM head (one shared parameter)
+  --cpu-offload              keep shards and sharded gradients on a separate host device; the
+                             optimizer steps there
+  --load PATH                load a full state dict (safetensors) before training
+  --save PATH                save a full state dict (safetensors) after training
   --batch B                  sequences per rank per step (default 4)
   --seed S                   model init and data seed (default 0)
   --json                     print one JSON object as the last line
@@ -89,6 +104,23 @@ struct Args {
     batch: usize,
     seed: u64,
     json: bool,
+    optimizer: Optimizer,
+    lr_given: bool,
+    mixed_precision: Option<DType>,
+    grad_accum: usize,
+    no_sync: bool,
+    clip_grad_norm: Option<f64>,
+    tied: bool,
+    cpu_offload: bool,
+    load: Option<std::path::PathBuf>,
+    save: Option<std::path::PathBuf>,
+}
+
+/// The optimizer `--optimizer` picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Optimizer {
+    Sgd,
+    AdamW,
 }
 
 impl Default for Args {
@@ -106,6 +138,16 @@ impl Default for Args {
             batch: 4,
             seed: 0,
             json: false,
+            optimizer: Optimizer::Sgd,
+            lr_given: false,
+            mixed_precision: None,
+            grad_accum: 1,
+            no_sync: false,
+            clip_grad_norm: None,
+            tied: false,
+            cpu_offload: false,
+            load: None,
+            save: None,
         }
     }
 }
@@ -157,7 +199,35 @@ fn parse_args(argv: &[String]) -> Result<Command, String> {
             }
             "--deferred-init" => a.deferred_init = true,
             "--steps" => a.steps = parse_num(flag, value()?)?,
-            "--lr" => a.lr = parse_num(flag, value()?)?,
+            "--lr" => {
+                a.lr = parse_num(flag, value()?)?;
+                a.lr_given = true;
+            }
+            "--optimizer" => {
+                a.optimizer = match value()? {
+                    "sgd" => Optimizer::Sgd,
+                    "adamw" => Optimizer::AdamW,
+                    v => return Err(format!("--optimizer: expected sgd or adamw, got `{v}`")),
+                }
+            }
+            "--mixed-precision" => {
+                a.mixed_precision = match value()? {
+                    "bf16" => Some(DType::BF16),
+                    "f16" => Some(DType::F16),
+                    v => {
+                        return Err(format!(
+                            "--mixed-precision: expected bf16 or f16, got `{v}`"
+                        ))
+                    }
+                }
+            }
+            "--grad-accum" => a.grad_accum = parse_num(flag, value()?)?,
+            "--no-sync" => a.no_sync = true,
+            "--clip-grad-norm" => a.clip_grad_norm = Some(parse_num(flag, value()?)?),
+            "--tied" => a.tied = true,
+            "--cpu-offload" => a.cpu_offload = true,
+            "--load" => a.load = Some(value()?.into()),
+            "--save" => a.save = Some(value()?.into()),
             "--batch" => a.batch = parse_num(flag, value()?)?,
             "--seed" => a.seed = parse_num(flag, value()?)?,
             "--json" => a.json = true,
@@ -172,6 +242,35 @@ fn parse_args(argv: &[String]) -> Result<Command, String> {
     }
     if a.batch == 0 || a.batch > 1024 {
         return Err(format!("--batch must be in 1..=1024, got {}", a.batch));
+    }
+    if a.optimizer == Optimizer::AdamW && !a.lr_given {
+        a.lr = 1e-3;
+    }
+    if a.grad_accum == 0 || a.grad_accum > 1024 {
+        return Err(format!(
+            "--grad-accum must be in 1..=1024, got {}",
+            a.grad_accum
+        ));
+    }
+    if a.no_sync && a.grad_accum < 2 {
+        return Err(
+            "--no-sync needs --grad-accum N with N >= 2 (it skips the reduction of \
+                    all but the last micro-batch)"
+                .into(),
+        );
+    }
+    if let Some(c) = a.clip_grad_norm {
+        if !c.is_finite() || c <= 0.0 {
+            return Err(format!(
+                "--clip-grad-norm must be a positive number, got {c}"
+            ));
+        }
+    }
+    if a.cpu_offload && a.strategy == ShardingStrategy::NoShard {
+        return Err("--cpu-offload needs a sharded strategy (not no-shard)".into());
+    }
+    if a.mixed_precision.is_some() && a.strategy == ShardingStrategy::NoShard {
+        return Err("--mixed-precision needs a sharded strategy (not no-shard)".into());
     }
     if !a.lr.is_finite() || a.lr <= 0.0 {
         return Err(format!("--lr must be a positive number, got {}", a.lr));
@@ -325,7 +424,7 @@ fn run_rank(
     args: &Args,
     print_steps: bool,
 ) -> Result<Option<Report>, String> {
-    let cfg = model_config();
+    let cfg = model_config().with_tied(args.tied);
     let world = args.ranks;
     let dev = Device::cpu(rank);
     let ctx = if args.deferred_init {
@@ -349,12 +448,23 @@ fn run_rank(
         backward_prefetch: args.backward_prefetch,
         forward_prefetch: args.forward_prefetch,
         limit_all_gathers: args.limit_all_gathers,
+        mixed_precision: args.mixed_precision.map(MixedPrecision::uniform),
+        // Each rank's own host device for CPU offload (ids apart from the compute devices).
+        cpu_offload: args.cpu_offload.then(|| Device::cpu(10_000 + rank)),
         ..FsdpConfig::default()
     };
     // With --deferred-init the parameters live on the fake device (recorded init ops only) and
     // Fsdp::wrap generates just this rank's shards (FsdpConfig::deferred_init, shard-only).
     let fsdp = Fsdp::wrap(model, &dev, comm, config)
         .map_err(|e| format!("rank {rank}: wrapping the model: {e}"))?;
+    if let Some(path) = &args.load {
+        state_dict::load_full(&fsdp, path)
+            .map_err(|e| format!("rank {rank}: loading {}: {e}", path.display()))?;
+        if rank == 0 && print_steps {
+            println!("loaded the full state dict from {}", path.display());
+        }
+    }
+    let mut adamw = (args.optimizer == Optimizer::AdamW).then(|| AdamW::new(args.lr));
     let (max_unit_bytes, total_param_bytes) = fsdp.param_bytes();
     let units = fsdp.num_units();
 
@@ -362,31 +472,53 @@ fn run_rank(
     let mut records = Vec::with_capacity(args.steps);
     let mut prev = fsdp.comm_stats();
     for step in 0..args.steps {
-        let (ids, tg) = token_batch(
-            step * world + rank,
-            args.batch,
-            cfg.seq_len,
-            cfg.vocab,
-            args.seed,
-        );
         let retries_before = dev.memory_stats().num_alloc_retries;
         dev.reset_peak_stats();
         let t0 = Instant::now();
-        let run = || -> Result<Tensor, FsdpError> {
-            let x = Tensor::from_vec(ids, &[args.batch, cfg.seq_len], &dev)?;
-            let y = Tensor::from_vec(tg, &[args.batch, cfg.seq_len], &dev)?;
-            let logits = fsdp.forward(&x)?;
-            let loss = micro_loss(&logits, &y, world)?;
-            loss.backward()?;
-            fsdp.sgd_step(args.lr)?;
-            fsdp.zero_grad();
+        let accum = args.grad_accum;
+        let mut run = || -> Result<f32, FsdpError> {
+            let mut scaled = 0.0f32;
+            for micro in 0..accum {
+                let (ids, tg) = token_batch(
+                    (step * accum + micro) * world + rank,
+                    args.batch,
+                    cfg.seq_len,
+                    cfg.vocab,
+                    args.seed,
+                );
+                let x = Tensor::from_vec(ids, &[args.batch, cfg.seq_len], &dev)?;
+                let y = Tensor::from_vec(tg, &[args.batch, cfg.seq_len], &dev)?;
+                let mut fwd_bwd = || -> Result<(), FsdpError> {
+                    let logits = fsdp.forward(&x)?;
+                    let loss = micro_loss(&logits, &y, world * accum)?;
+                    loss.backward()?;
+                    scaled += loss.item()?;
+                    Ok(())
+                };
+                if args.no_sync && micro + 1 < accum {
+                    fsdp.no_sync(fwd_bwd)?;
+                } else {
+                    fwd_bwd()?;
+                }
+            }
+            if let Some(max) = args.clip_grad_norm {
+                clip_grad_norm(&fsdp, max)?;
+            }
+            match adamw.as_mut() {
+                Some(opt) => {
+                    opt.step(&fsdp)?;
+                    opt.zero_grad(&fsdp);
+                }
+                None => {
+                    fsdp.sgd_step(args.lr)?;
+                    fsdp.zero_grad();
+                }
+            }
             fsdp.synchronize()?;
-            Ok(loss)
+            Ok(scaled)
         };
-        let loss = run().map_err(|e| format!("rank {rank}, step {}: {e}", step + 1))?;
+        let scaled = run().map_err(|e| format!("rank {rank}, step {}: {e}", step + 1))?;
         let secs = t0.elapsed().as_secs_f64();
-        let scaled = loss.item().map_err(|e| e.to_string())?;
-        drop(loss);
         let mem = dev.memory_stats();
         let (loss, peak, retries) = reduce_metrics(
             &pg,
@@ -410,7 +542,7 @@ fn run_rank(
             && print_steps
             && (step == 0 || (step + 1) % interval == 0 || step + 1 == args.steps)
         {
-            let tokens = (world * args.batch * cfg.seq_len) as f64;
+            let tokens = (world * args.grad_accum * args.batch * cfg.seq_len) as f64;
             let mut line = format!(
                 "step {:>3} | loss {:.3} | {} tok/s | peak {:.1} MiB/rank | ag {:.1} MiB rs {:.1} MiB",
                 step + 1,
@@ -426,6 +558,13 @@ fn run_rank(
             println!("{line}");
         }
         records.push(rec);
+    }
+    if let Some(path) = &args.save {
+        state_dict::save_full(&fsdp, path)
+            .map_err(|e| format!("rank {rank}: saving {}: {e}", path.display()))?;
+        if rank == 0 && print_steps {
+            println!("saved the full state dict to {}", path.display());
+        }
     }
     let total = fsdp.comm_stats();
     Ok((rank == 0).then_some(Report {
@@ -499,10 +638,29 @@ fn run(args: &Args) -> Result<(), String> {
         ),
         _ => String::new(),
     };
+    let mut extras = String::new();
+    if let Some(d) = args.mixed_precision {
+        extras.push_str(&format!(" | mixed precision {d}"));
+    }
+    if args.grad_accum > 1 {
+        extras.push_str(&format!(" | grad accum {}", args.grad_accum));
+        if args.no_sync {
+            extras.push_str(" (no_sync)");
+        }
+    }
+    if let Some(c) = args.clip_grad_norm {
+        extras.push_str(&format!(" | clip grad norm {c}"));
+    }
+    if args.tied {
+        extras.push_str(" | tied embedding/head");
+    }
+    if args.cpu_offload {
+        extras.push_str(" | CPU offload");
+    }
     println!(
         "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} | {} ranks × batch {} | \
          {}{shard}, Block units, backward prefetch {}, forward prefetch {}, limit all-gathers {} | \
-         SGD lr {} | {} steps | seed {} | {cores} cores, {threads} matmul thread(s)/rank",
+         {} lr {} | {} steps | seed {} | {cores} cores, {threads} matmul thread(s)/rank{extras}",
         cfg.vocab,
         cfg.d_model,
         cfg.n_layers,
@@ -514,6 +672,10 @@ fn run(args: &Args) -> Result<(), String> {
         prefetch_name(args.backward_prefetch),
         if args.forward_prefetch { "on" } else { "off" },
         if args.limit_all_gathers { "on" } else { "off" },
+        match args.optimizer {
+            Optimizer::Sgd => "SGD",
+            Optimizer::AdamW => "AdamW",
+        },
         args.lr,
         args.steps,
         args.seed,
@@ -556,7 +718,7 @@ fn run(args: &Args) -> Result<(), String> {
         rep.steps.iter().map(|s| s.secs).collect()
     };
     let step_s = median(timed);
-    let tokens = (args.ranks * args.batch * cfg.seq_len) as f64;
+    let tokens = (args.ranks * args.grad_accum * args.batch * cfg.seq_len) as f64;
     let tokens_per_s = tokens / step_s;
     let first = rep.steps.first().map(|s| s.loss).unwrap_or(f32::NAN);
     let last = rep.steps.last().map(|s| s.loss).unwrap_or(f32::NAN);
