@@ -52,7 +52,11 @@ static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 /// Emulated link: each collective completes no earlier than `latency + bytes / bytes_per_sec`
 /// after all ranks arrived, where `bytes` is what one rank receives in a ring algorithm
 /// (all-gather and reduce-scatter: (W−1)/W of the large buffer; all-reduce: twice that;
-/// broadcast: the whole buffer). The delay is a sleep: it costs no CPU.
+/// broadcast: the whole buffer). Each rank has **one** link per group: collectives running at
+/// the same time on different streams (an all-gather on the unshard stream, a reduce-scatter on
+/// the reduce stream) queue for it, each transfer starting when the previous one finished — as
+/// on one NIC, which is what makes the order FSDP issues them in (backward prefetch) matter.
+/// The delay is a sleep: it costs no CPU.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinkModel {
     /// Fixed cost per collective.
@@ -165,6 +169,8 @@ struct Shared {
     config: GroupConfig,
     state: Mutex<State>,
     cv: Condvar,
+    /// Per rank: when its emulated link is free again.
+    link_free_at: Mutex<Vec<Instant>>,
 }
 
 fn vanished(op: OpKind, group: &str, seq: u64, rank: usize) -> CollectiveError {
@@ -199,6 +205,7 @@ impl Shared {
                 splits: HashMap::new(),
             }),
             cv: Condvar::new(),
+            link_free_at: Mutex::new(vec![Instant::now(); world]),
         })
     }
 
@@ -516,10 +523,17 @@ impl Shared {
         }
     }
 
-    fn link_delay(&self, since: Instant, d: &OpDesc) {
+    fn link_delay(&self, rank: usize, since: Instant, d: &OpDesc) {
         if let Some(link) = &self.config.link {
             if self.world > 1 {
-                let until = since + link.transfer_time(self.wire_bytes(d));
+                // The transfer starts once this rank's link is free, and occupies it.
+                let until = {
+                    let mut free = self.link_free_at.lock().unwrap_or_else(|e| e.into_inner());
+                    let start = since.max(free[rank]);
+                    let until = start + link.transfer_time(self.wire_bytes(d));
+                    free[rank] = until;
+                    until
+                };
                 let now = Instant::now();
                 if until > now {
                     std::thread::sleep(until - now);
@@ -534,7 +548,7 @@ impl Shared {
         let t0 = Instant::now();
         let d = posted[rank].desc;
         let local = self.move_data(rank, seq, &posted);
-        self.link_delay(t0, &d);
+        self.link_delay(rank, t0, &d);
         self.depart(rank, seq, d.kind, local)
     }
 }
@@ -774,7 +788,7 @@ impl ProcessGroup for ThreadGroup {
         let mut st = self.shared.lock();
         self.shared.leave(&mut st, seq);
         drop(st);
-        self.shared.link_delay(t0, &desc);
+        self.shared.link_delay(self.rank, t0, &desc);
         Ok(())
     }
 

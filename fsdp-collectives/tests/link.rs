@@ -77,6 +77,33 @@ fn bandwidth_delays_large_collectives() {
     }
 }
 
+#[test]
+fn concurrent_collectives_on_two_streams_share_one_link() {
+    // Two all-reduces issued at once on two streams of the same rank: with one link per rank
+    // they queue (≈ 2 × 300 ms), they do not overlap (≈ 300 ms).
+    let outs = run_ranks(ThreadGroup::with_config(2, linked(300, 1e12)), |r| {
+        let other = r.dev.new_stream("second");
+        let (_a, a) = upload(&r.dev, &r.stream, &data::<f32>(3, r.rank, 16));
+        let (_b, b) = upload(&r.dev, &other, &data::<f32>(4, r.rank, 16));
+        r.stream.synchronize().unwrap();
+        other.synchronize().unwrap();
+        r.pg.barrier().unwrap();
+        let t0 = Instant::now();
+        let w1 = r.pg.all_reduce(&a, ReduceOp::Sum, &r.stream);
+        let w2 = r.pg.all_reduce(&b, ReduceOp::Sum, &other);
+        w1.wait().unwrap();
+        w2.wait().unwrap();
+        t0.elapsed()
+    });
+    for t in outs {
+        assert!(
+            t >= Duration::from_millis(590),
+            "the two transfers overlapped: {t:?}"
+        );
+        assert!(t < Duration::from_millis(1500), "{t:?}");
+    }
+}
+
 /// utime + stime of this process, in clock ticks (Linux).
 #[cfg(target_os = "linux")]
 fn cpu_ticks() -> u64 {
