@@ -55,7 +55,10 @@ static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 /// broadcast: the whole buffer). Each rank has **one** link per group: collectives running at
 /// the same time on different streams (an all-gather on the unshard stream, a reduce-scatter on
 /// the reduce stream) queue for it, each transfer starting when the previous one finished — as
-/// on one NIC, which is what makes the order FSDP issues them in (backward prefetch) matter.
+/// on one NIC. With a link, a group's collectives also run **in issue order** on each rank, as
+/// on one NCCL communicator (whose kernels run on one internal stream): a collective issued on
+/// one stream starts after the rank's previously issued one finished, whatever stream that was
+/// on. Together these make the order FSDP issues collectives in (backward prefetch) matter.
 /// The delay is a sleep: it costs no CPU.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinkModel {
@@ -171,6 +174,9 @@ struct Shared {
     cv: Condvar,
     /// Per rank: when its emulated link is free again.
     link_free_at: Mutex<Vec<Instant>>,
+    /// Per rank (link emulation only): the sequence number allowed to run next.
+    turn: Mutex<Vec<u64>>,
+    turn_cv: Condvar,
 }
 
 fn vanished(op: OpKind, group: &str, seq: u64, rank: usize) -> CollectiveError {
@@ -206,6 +212,8 @@ impl Shared {
             }),
             cv: Condvar::new(),
             link_free_at: Mutex::new(vec![Instant::now(); world]),
+            turn: Mutex::new(vec![0; world]),
+            turn_cv: Condvar::new(),
         })
     }
 
@@ -542,8 +550,63 @@ impl Shared {
         }
     }
 
+    /// With link emulation: waits until every collective this rank issued before `seq` has
+    /// finished (issue order, as on one NCCL communicator). Bounded by the group's timeout.
+    fn wait_turn(&self, rank: usize, seq: u64, op: OpKind) -> Result<()> {
+        if self.config.link.is_none() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let deadline = started + self.config.timeout;
+        let mut turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        while turn[rank] < seq {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CollectiveError::Timeout {
+                    op,
+                    group: self.name.clone(),
+                    seq,
+                    rank,
+                    waited: now - started,
+                    missing: Vec::new(),
+                });
+            }
+            turn = self
+                .turn_cv
+                .wait_timeout(turn, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Lets the collective after `seq` run (link emulation); called however `seq` ended.
+    fn end_turn(&self, rank: usize, seq: u64) {
+        if self.config.link.is_none() {
+            return;
+        }
+        let mut turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        turn[rank] = turn[rank].max(seq + 1);
+        self.turn_cv.notify_all();
+    }
+
     /// The whole collective for `rank`, run by its stream work.
     fn run(&self, rank: usize, seq: u64) -> Result<()> {
+        let r = self.run_in_turn(rank, seq);
+        self.end_turn(rank, seq);
+        r
+    }
+
+    fn run_in_turn(&self, rank: usize, seq: u64) -> Result<()> {
+        let op = {
+            let st = self.lock();
+            st.slots
+                .get(&seq)
+                .and_then(|s| s.posted.get(rank).cloned().flatten())
+                .map(|p| p.desc.kind)
+                .unwrap_or(OpKind::Barrier)
+        };
+        self.wait_turn(rank, seq, op)?;
         let posted = self.arrive(rank, seq)?;
         let t0 = Instant::now();
         let d = posted[rank].desc;
@@ -569,6 +632,7 @@ struct Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if self.armed {
+            self.shared.end_turn(self.rank, self.seq);
             self.shared.abandon(
                 self.rank,
                 self.seq,
@@ -783,12 +847,20 @@ impl ProcessGroup for ThreadGroup {
                 output: None,
             },
         );
-        self.shared.arrive(self.rank, seq)?;
+        let r = self
+            .shared
+            .wait_turn(self.rank, seq, OpKind::Barrier)
+            .and_then(|()| self.shared.arrive(self.rank, seq));
+        if let Err(e) = r {
+            self.shared.end_turn(self.rank, seq);
+            return Err(e);
+        }
         let t0 = Instant::now();
         let mut st = self.shared.lock();
         self.shared.leave(&mut st, seq);
         drop(st);
         self.shared.link_delay(self.rank, t0, &desc);
+        self.shared.end_turn(self.rank, seq);
         Ok(())
     }
 

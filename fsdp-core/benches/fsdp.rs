@@ -27,14 +27,14 @@
 //!    BackwardPre one, so `link_no_fwd_prefetch_step_ms` = `link_pre_step_ms` (one measurement).
 //!
 //!    Two link flavours run side by side in the same session:
-//!    - **concurrent** (the headline fields): [`ThreadGroup`]'s link as it is — collectives of
-//!      one group on different streams (FSDP's all-gathers on its unshard stream, its
-//!      reduce-scatters on its reduce stream) run at the same time, each at the full bandwidth;
-//!    - **in order** (the `*_in_order` fields): the same link behind a wrapper ([`InOrder`]) that
-//!      makes each collective start only after the group's previously *issued* collective has
-//!      finished — one shared channel executing collectives in issue order, as NCCL does for one
-//!      communicator. This is the setting the paper's backward prefetch is designed for: without
-//!      it, the next all-gather is issued after the current reduce-scatter and queues behind it.
+//!    - **built-in** (the headline fields): [`ThreadGroup`]'s link — one link per rank and group,
+//!      collectives of a group running in issue order on each rank, as on one NCCL communicator
+//!      (FSDP's all-gathers on its unshard stream and its reduce-scatters on its reduce stream
+//!      share it). Without backward prefetch the next all-gather is issued after the current
+//!      reduce-scatter and queues behind it — the setting the paper's prefetch is designed for;
+//!    - **in order** (the `*_in_order` fields): the same link behind this bench's own wrapper
+//!      ([`InOrder`]), which also serializes collectives in issue order — a cross-check of the
+//!      built-in model (it was the only in-order model before the thread backend had one).
 //!
 //! Diagnostics (text lines, not in the JSON): per configuration, the median host time until
 //! `forward` returned and until `backward` returned, as a fraction of the step — how far the
@@ -463,9 +463,9 @@ fn main() {
     // Part 2: prefetch under the emulated link, both flavours in one interleaved session.
     use BackwardPrefetch::{BackwardPre, None as NoPrefetch};
     let linked = [
-        Variant::linked("concurrent pre", link, false, BackwardPre, false),
-        Variant::linked("concurrent none", link, false, NoPrefetch, false),
-        Variant::linked("concurrent pre+fwd", link, false, BackwardPre, true),
+        Variant::linked("built-in pre", link, false, BackwardPre, false),
+        Variant::linked("built-in none", link, false, NoPrefetch, false),
+        Variant::linked("built-in pre+fwd", link, false, BackwardPre, true),
         Variant::linked("in-order pre", link, true, BackwardPre, false),
         Variant::linked("in-order none", link, true, NoPrefetch, false),
         Variant::linked("in-order pre+fwd", link, true, BackwardPre, true),
@@ -494,7 +494,7 @@ fn main() {
     let p_bwd_io = paired(&s2, 4, 3);
     let p_fwd_io = paired(&s2, 3, 5);
     println!(
-        "paired (median of per-round ratios): fsdp_over_ddp {p_ddp:.3}; concurrent link: backward \
+        "paired (median of per-round ratios): fsdp_over_ddp {p_ddp:.3}; built-in link: backward \
          {p_bwd:.3}, forward {p_fwd:.3}; in-order link: backward {p_bwd_io:.3}, forward {p_fwd_io:.3}"
     );
     let fsdp_over_ddp = fullshard / noshard;
@@ -504,7 +504,7 @@ fn main() {
     let fwd_io_speedup = pre_io / fwd_io;
     let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
     println!(
-        "fsdp_over_ddp {fsdp_over_ddp:.3} (goal ≤ 1.05: {}); concurrent link: backward_prefetch_speedup \
+        "fsdp_over_ddp {fsdp_over_ddp:.3} (goal ≤ 1.05: {}); built-in link: backward_prefetch_speedup \
          {backward_prefetch_speedup:.3} (goal > 1.1: {}), forward_prefetch_speedup \
          {forward_prefetch_speedup:.3}; in-order link: backward {bwd_io:.3} (goal > 1.1: {}), forward \
          {fwd_io_speedup:.3}",
