@@ -104,6 +104,34 @@ fn concurrent_collectives_on_two_streams_share_one_link() {
     }
 }
 
+#[test]
+fn with_a_link_collectives_run_in_issue_order_across_streams() {
+    // The first collective is issued on a stream that is busy for 300 ms; the second, issued
+    // later on an idle stream, must still finish after the first (one communicator, one order).
+    let outs = run_ranks(ThreadGroup::with_config(2, linked(1, 1e12)), |r| {
+        let busy = r.dev.new_stream("busy");
+        let (_a, a) = upload(&r.dev, &busy, &data::<f32>(5, r.rank, 16));
+        let (_b, b) = upload(&r.dev, &r.stream, &data::<f32>(6, r.rank, 16));
+        busy.synchronize().unwrap();
+        r.stream.synchronize().unwrap();
+        r.pg.barrier().unwrap();
+        let t0 = Instant::now();
+        busy.launch(|| std::thread::sleep(Duration::from_millis(300)));
+        let first = r.pg.all_reduce(&a, ReduceOp::Sum, &busy);
+        let second = r.pg.all_reduce(&b, ReduceOp::Sum, &r.stream);
+        second.wait().unwrap();
+        let second_done = t0.elapsed();
+        first.wait().unwrap();
+        second_done
+    });
+    for t in outs {
+        assert!(
+            t >= Duration::from_millis(300),
+            "the later collective overtook: {t:?}"
+        );
+    }
+}
+
 /// utime + stime of this process, in clock ticks (Linux).
 #[cfg(target_os = "linux")]
 fn cpu_ticks() -> u64 {
