@@ -159,6 +159,15 @@ pub fn token_tensors(
     )
 }
 
+/// Parameters by fully-qualified name, with their values on the host.
+pub type Named = Vec<(String, Vec<f32>)>;
+
+/// `v` sorted by name (FSDP lists parameters unit by unit, a local model module by module).
+pub fn sorted_by_name<T>(mut v: Vec<(String, T)>) -> Vec<(String, T)> {
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
 /// Bitwise comparison of two named parameter lists; returns a description of the first
 /// difference.
 pub fn first_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> Option<String> {

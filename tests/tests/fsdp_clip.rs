@@ -26,6 +26,7 @@ use fsdp_core::optim::{
 };
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
 use fsdp_tests::{micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 99;
 const BATCH: usize = 2;
@@ -33,7 +34,6 @@ const STEPS: usize = 3;
 /// Relative tolerance for norms (see the module docs).
 const NORM_RTOL: f64 = 1e-6;
 
-type Named = Vec<(String, Vec<f32>)>;
 type Norms = Vec<(String, f64)>;
 
 fn cfg() -> GptConfig {
@@ -120,11 +120,6 @@ fn full(fsdp: &Fsdp<Gpt>) -> Named {
         .into_iter()
         .map(|(n, _, v)| (n, v))
         .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
-
-fn sorted(mut v: Norms) -> Norms {
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }

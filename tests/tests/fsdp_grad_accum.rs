@@ -7,6 +7,7 @@ use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
 use fsdp_core::{Fsdp, FsdpConfig, WrapPolicy};
 use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, train_local};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 99;
 const STEPS: usize = 2;
@@ -23,13 +24,6 @@ fn cfg() -> GptConfig {
         tied: false,
         checkpoint: false,
     }
-}
-
-type Named = Vec<(String, Vec<f32>)>;
-
-fn sorted(mut v: Named) -> Named {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 /// Data index of rank `r`'s micro-batch `m` at `step`: with sync every micro-batch, local

@@ -8,6 +8,7 @@ use fsdp_autograd::nn::{named_parameters, Gpt, GptConfig, Module};
 use fsdp_autograd::{no_grad, InitContext, Tensor};
 use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, MixedPrecision, WrapPolicy};
 use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 use half::{bf16, f16};
 
 const SEED: u64 = 4242;
@@ -24,13 +25,6 @@ fn cfg() -> GptConfig {
         tied: false,
         checkpoint: false,
     }
-}
-
-type Named = Vec<(String, Vec<f32>)>;
-
-fn sorted(mut v: Named) -> Named {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 fn round_to(d: DType, x: f32) -> f32 {

@@ -8,6 +8,7 @@ use fsdp_autograd::nn::{Linear, Module, ModuleHooks};
 use fsdp_autograd::{InitContext, Parameter, Result, Tensor};
 use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
 use fsdp_tests::{first_difference, micro_loss, run_ranks, train_local};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 77;
 const VOCAB: usize = 7;
@@ -92,13 +93,6 @@ fn batch(step: usize, rank: usize, world: usize, dev: &Device) -> (Tensor, Tenso
         Tensor::from_vec(x, &[BATCH, 3], dev).unwrap(),
         Tensor::from_vec(y, &[BATCH], dev).unwrap(),
     )
-}
-
-type Named = Vec<(String, Vec<f32>)>;
-
-fn sorted(mut v: Named) -> Named {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 fn check(world: usize, config: FsdpConfig) {

@@ -16,12 +16,11 @@ use fsdp_core::optim::{
 };
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
 use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 4321;
 const BATCH: usize = 2;
 const STEPS: usize = 3;
-
-type Named = Vec<(String, Vec<f32>)>;
 
 fn cfg() -> GptConfig {
     GptConfig {
@@ -179,11 +178,6 @@ fn sharded(
         .flat_map(|s| ranks.iter().map(move |(l, _)| l[s]))
         .collect();
     (losses, ranks.into_iter().next().unwrap().1)
-}
-
-fn sorted(mut v: Named) -> Named {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 fn check(world: usize, shard: Option<usize>, config: FsdpConfig, kind: Kind) {

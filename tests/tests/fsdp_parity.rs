@@ -13,6 +13,7 @@ use fsdp_core::{
     WrapPolicy,
 };
 use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, train_local};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 1234;
 const BATCH: usize = 2;
@@ -44,8 +45,6 @@ fn batch(
     let c = cfg();
     token_tensors(step * world + rank, BATCH, c.seq_len, c.vocab, dev)
 }
-
-type Named = Vec<(String, Vec<f32>)>;
 
 fn local(world: usize, group: usize, model_cfg: &GptConfig) -> (Vec<Vec<f32>>, Named) {
     let dev = Device::cpu(1000);
@@ -113,11 +112,6 @@ fn fsdp_with(
         .map(|s| per_rank.iter().map(|(l, _)| l[s]).collect())
         .collect();
     (losses, per_rank.into_iter().next().unwrap().1)
-}
-
-fn sorted(mut v: Named) -> Named {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 fn check(world: usize, shard: Option<usize>, config: FsdpConfig) {

@@ -15,11 +15,10 @@ use fsdp_core::optim::{
 use fsdp_core::scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
 use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 2024;
 const BATCH: usize = 2;
-
-type Named = Vec<(String, Vec<f32>)>;
 
 fn cfg() -> GptConfig {
     GptConfig {
@@ -197,11 +196,6 @@ fn local(run: &Run, planted: Option<&(String, usize)>) -> (Trace, Named) {
         .map(|(n, p)| (n.clone(), p.get().unwrap().to_vec::<f32>().unwrap()))
         .collect();
     (trace, finals)
-}
-
-fn sorted(mut v: Named) -> Named {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 /// Runs FSDP and local, checks agreement; returns the trace.

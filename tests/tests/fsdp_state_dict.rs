@@ -22,6 +22,7 @@ use fsdp_core::state_dict::{
 };
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
 use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, train_local};
+use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 4321;
 const BATCH: usize = 2;
@@ -31,8 +32,6 @@ const MU: f32 = 0.9;
 const K: usize = 2;
 const M: usize = 2;
 const SLOT: &str = "momentum_buffer";
-
-type Named = Vec<(String, Vec<f32>)>;
 
 fn cfg() -> GptConfig {
     GptConfig::new(19, 12, 2, 2, 6)
@@ -128,11 +127,6 @@ fn gathered(fsdp: &Fsdp<Gpt>) -> Named {
             .map(|(n, _, v)| (n, v))
             .collect(),
     )
-}
-
-fn sorted(mut v: Named) -> Named {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 fn named(d: &FullStateDict) -> Named {
