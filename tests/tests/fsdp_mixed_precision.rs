@@ -170,3 +170,65 @@ fn unsharded_parameters_use_the_low_precision_size() {
          f32 peak {f32_peak}, bf16 peak {bf16_peak}"
     );
 }
+
+#[test]
+fn f16_with_the_sharded_grad_scaler_skips_and_backs_off_identically_on_every_rank() {
+    use fsdp_core::{GradScalerConfig, Sgd, ShardedGradScaler};
+    // In f16 the default scale 65536 overflows the scaled loss (≈ 2.8 × 65536 > 65504), so the
+    // first steps must find inf gradients, skip and halve the scale on every rank, until the
+    // scaled loss fits and steps are taken.
+    let out = run_ranks(2, |rank, pg| {
+        let dev = Device::cpu(rank);
+        let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+        let config = FsdpConfig {
+            wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
+            mixed_precision: Some(MixedPrecision::uniform(DType::F16)),
+            ..FsdpConfig::default()
+        };
+        let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+        let mut scaler = ShardedGradScaler::new(GradScalerConfig::default()).unwrap();
+        let mut opt = Sgd::new(LR);
+        let mut log = Vec::new();
+        let mut params = Vec::new();
+        for step in 0..6 {
+            let (x, y) = batch(step, rank, 2, &dev);
+            let loss = micro_loss(&fsdp.forward(&x).unwrap(), &y, 2);
+            scaler.scale(&loss).unwrap().backward().unwrap();
+            let found_inf = scaler.unscale(&fsdp).unwrap();
+            let stepped = scaler.step(&fsdp, &mut opt).unwrap();
+            let scale = scaler.update().unwrap();
+            fsdp.zero_grad();
+            log.push((found_inf, stepped, scale));
+            params.push(fsdp.local_shards().unwrap());
+        }
+        (log, params)
+    });
+    let (log0, params0) = &out[0];
+    assert_eq!(log0, &out[1].0, "ranks disagree on skip/scale decisions");
+    assert!(
+        log0[0].0 && !log0[0].1,
+        "the first step must overflow in f16 and be skipped"
+    );
+    assert!(
+        log0.iter().any(|(inf, stepped, _)| !inf && *stepped),
+        "after backing off, steps must be taken: {log0:?}"
+    );
+    for (i, (inf, stepped, _)) in log0.iter().enumerate() {
+        assert_eq!(
+            *inf, !*stepped,
+            "step {i}: skipped exactly when inf was found"
+        );
+        if i > 0 && *inf {
+            assert_eq!(
+                params0[i],
+                params0[i - 1],
+                "a skipped step changed parameters"
+            );
+        }
+    }
+    let scales: Vec<f32> = log0.iter().map(|l| l.2).collect();
+    assert!(
+        scales[0] < 65536.0,
+        "backoff after the first overflow: {scales:?}"
+    );
+}
