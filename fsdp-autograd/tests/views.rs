@@ -237,3 +237,35 @@ fn views_recreated_per_forward_share_one_accumulation() {
         vec![11.0, -11.0, 11.0, -11.0, 11.0, 11.0]
     );
 }
+
+#[test]
+fn split_shaped_folds_each_gradient_into_one_flat_gradient_including_repeated_use() {
+    let d = dev();
+    let flat = Tensor::from_vec((0..8).map(|i| i as f32 * 0.5).collect::<Vec<_>>(), &[8], &d)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    // [2, 3] + [1] + one unused padding element.
+    let parts = flat.split_shaped(&[&[2, 3], &[1], &[1]]).unwrap();
+    let (a, b) = (&parts[0], &parts[1]);
+    // a used twice (two contributions to one piece), b once, the padding never.
+    let loss = a
+        .mul(a)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .add(&a.sum().unwrap())
+        .unwrap()
+        .add(&b.sum().unwrap().scale(3.0).unwrap())
+        .unwrap();
+    loss.backward().unwrap();
+    let g = flat.grad().unwrap().to_vec::<f32>().unwrap();
+    let x: Vec<f32> = (0..6).map(|i| i as f32 * 0.5).collect();
+    let mut want: Vec<f32> = x.iter().map(|v| 2.0 * v + 1.0).collect();
+    want.extend([3.0, 0.0]);
+    assert_eq!(g, want);
+    assert!(
+        flat.split_shaped(&[&[2, 3]]).is_err(),
+        "pieces must cover the tensor"
+    );
+}

@@ -1031,10 +1031,12 @@ impl Inner {
         }
         let padded = h.layout.padded_numel();
         let total = h.layout.total_numel();
-        // Split the padded flat parameter directly (the padding is a last, unused piece), so the
-        // backward writes every view's gradient into one padded flat gradient.
-        let mut numels: Vec<usize> = h.layout.params().iter().map(|p| p.numel()).collect();
-        numels.push(padded - total);
+        // Split the padded flat parameter straight into parameter-shaped views (the padding is a
+        // last, unused piece): one node, whose backward folds each parameter's gradient into one
+        // padded flat gradient the moment it is computed.
+        let pad = [padded - total];
+        let mut shapes: Vec<&[usize]> = h.params.iter().map(|p| p.shape()).collect();
+        shapes.push(&pad);
         let any_trainable = h.params.iter().any(|p| p.requires_grad());
         let dtype = h.param_dtype;
         let flat = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
@@ -1047,11 +1049,10 @@ impl Inner {
         }
         // Frozen parameters view a second, gradient-free alias of the same storage.
         let frozen = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
-        let trainable_views = flat.split(&numels)?;
-        let frozen_views = frozen.split(&numels)?;
+        let trainable_views = flat.split_shaped(&shapes)?;
+        let frozen_views = frozen.split_shaped(&shapes)?;
         for ((p, tv), fv) in h.params.iter().zip(trainable_views).zip(frozen_views) {
-            let v = if p.requires_grad() { tv } else { fv };
-            p.set(v.view(p.shape())?)?;
+            p.set(if p.requires_grad() { tv } else { fv })?;
         }
         h.flat = Some(flat);
         Ok(())

@@ -66,12 +66,10 @@ fn full_shard_peak_matches_the_param_grad_model() {
             // Sharded parameters and sharded gradients (Ψ/F each), the root unit's unsharded
             // parameters and its flat gradient (alive for the whole backward: the head's gradient
             // arrives first, the embeddings' last), the current unit's unsharded parameters and
-            // flat gradient, the prefetched unit's parameters, and one parameter-sized transient:
-            // the largest weight gradient as its kernel produces it plus the contiguous copy the
-            // view's backward makes, before it is folded into the flat gradient (split folds
-            // each view's gradient in on arrival, so no more than one is alive).
-            let largest_param = cfg().d_model * (4 * cfg().d_model) * 4; // mlp.fc.weight, f32
-            let predicted = 2 * shard + 2 * root + (2 + extra_units) * other + 2 * largest_param;
+            // flat gradient, and the prefetched unit's parameters. Each weight gradient is folded
+            // into its unit's flat gradient the moment it is computed (`split_shaped`), so the
+            // only other term is the one weight gradient in flight, inside the 5%.
+            let predicted = 2 * shard + 2 * root + (2 + extra_units) * other;
             eprintln!(
                 "rank {rank} {prefetch:?}: peak {peak} predicted {predicted} ratio {:.3}",
                 peak as f64 / predicted as f64

@@ -282,10 +282,84 @@ impl Tensor {
             dim,
             sizes: sizes.to_vec(),
             starts,
+            piece_shapes: None,
             acc: None,
             filled: vec![false; sizes.len()],
         };
         Ok(record("split", &[self], &outs, backward))
+    }
+
+    /// Splits a contiguous 1-D tensor into consecutive pieces, each viewed with its own shape —
+    /// one autograd node whose backward folds every piece's gradient into one gradient of `self`
+    /// as soon as it arrives (so the pieces' gradients never wait next to the whole). This is how
+    /// FSDP exposes original parameters as views of one flat parameter.
+    ///
+    /// ```
+    /// use fsdp_alloc::{DType, Device};
+    /// use fsdp_autograd::Tensor;
+    ///
+    /// let dev = Device::cpu(0);
+    /// let flat = Tensor::from_vec((0..7).map(|i| i as f32).collect::<Vec<_>>(), &[7], &dev)?;
+    /// let parts = flat.split_shaped(&[&[2, 3], &[1]])?;
+    /// assert_eq!(parts[0].shape(), &[2, 3]);
+    /// assert_eq!(parts[1].to_vec::<f32>()?, vec![6.0]);
+    /// # Ok::<(), fsdp_autograd::AutogradError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`crate::AutogradError::Shape`] / `Argument` if `self` is not a contiguous 1-D tensor or
+    /// the shapes do not add up to its length.
+    pub fn split_shaped(&self, shapes: &[&[usize]]) -> Result<Vec<Tensor>> {
+        if self.dim() != 1 || !self.is_contiguous() {
+            return Err(shape_err(
+                "split_shaped",
+                format!(
+                    "needs a contiguous 1-D tensor, got shape {:?} strides {:?}",
+                    self.shape(),
+                    self.strides()
+                ),
+            ));
+        }
+        let sizes: Vec<usize> = shapes
+            .iter()
+            .map(|s| checked_numel("split_shaped", s))
+            .collect::<Result<_>>()?;
+        let total = sizes.iter().try_fold(0usize, |a, &n| a.checked_add(n));
+        if total != Some(self.shape()[0]) {
+            return Err(arg_err(
+                "split_shaped",
+                format!(
+                    "pieces of {sizes:?} elements do not add up to the tensor's {}",
+                    self.shape()[0]
+                ),
+            ));
+        }
+        let mut outs = Vec::with_capacity(shapes.len());
+        let mut starts = Vec::with_capacity(shapes.len());
+        let mut start = 0;
+        for (shape, &len) in shapes.iter().zip(&sizes) {
+            starts.push(start);
+            outs.push(self.view_raw(
+                shape.to_vec(),
+                contiguous_strides(shape),
+                self.offset() + start,
+            ));
+            start += len;
+        }
+        if !needs_grad(&[self]) {
+            return Ok(outs);
+        }
+        let backward = SplitBackward {
+            in_shape: self.shape().to_vec(),
+            dtype: self.dtype(),
+            dim: 0,
+            sizes: sizes.clone(),
+            starts,
+            piece_shapes: Some(shapes.iter().map(|s| s.to_vec()).collect()),
+            acc: None,
+            filled: vec![false; sizes.len()],
+        };
+        Ok(record("split_shaped", &[self], &outs, backward))
     }
 
     /// Broadcasts to `shape` (a view with zero strides on broadcast dimensions; dimensions are
@@ -404,13 +478,19 @@ struct SplitBackward {
     dim: usize,
     sizes: Vec<usize>,
     starts: Vec<usize>,
+    /// For `split_shaped`: each piece's own shape (its gradient arrives in that shape).
+    piece_shapes: Option<Vec<Vec<usize>>>,
     acc: Option<Tensor>,
     filled: Vec<bool>,
 }
 
 impl SplitBackward {
     fn region(&self, acc: &Tensor, slot: usize) -> Result<Tensor> {
-        acc.narrow(self.dim, self.starts[slot], self.sizes[slot])
+        let r = acc.narrow(self.dim, self.starts[slot], self.sizes[slot])?;
+        match &self.piece_shapes {
+            Some(shapes) => r.view(&shapes[slot]),
+            None => Ok(r),
+        }
     }
 }
 
@@ -450,8 +530,15 @@ impl BackwardFn for SplitBackward {
                 .iter()
                 .zip(&self.sizes)
                 .zip(grads)
-                .map(|((s, l), g)| (*s, *l, g))
-                .collect();
+                .map(|((s, l), g)| -> Result<_> {
+                    // split_shaped pieces arrive in their own shapes: flatten them to 1-D.
+                    let g = match (&self.piece_shapes, g) {
+                        (Some(_), Some(g)) => Some(g.reshape(&[*l])?),
+                        (_, g) => g,
+                    };
+                    Ok((*s, *l, g))
+                })
+                .collect::<Result<_>>()?;
             let Some(any) = pieces.iter().find_map(|p| p.2.clone()) else {
                 return Ok(vec![None]);
             };
