@@ -467,7 +467,7 @@ fn scatter_pieces(
 }
 
 /// Backward of `split`: every piece's gradient lands in one gradient of the input. Gradients are
-/// folded in as they arrive ([`BackwardFn::accept`]): the first one allocates the (zeroed) input
+/// folded in as they arrive ([`BackwardFn::accept`]): the first one allocates the input
 /// gradient, each is copied into its place and freed right away, so the pieces' gradients never
 /// coexist with the whole — the memory FSDP's flat-parameter views rely on. Several
 /// contributions to one piece are added in arrival order, the same sums the engine's buffering
@@ -506,7 +506,9 @@ impl BackwardFn for SplitBackward {
         let acc = match &self.acc {
             Some(a) => a.clone(),
             None => {
-                let a = Tensor::zeros(&self.in_shape, self.dtype, g.device())?;
+                // Uninitialized: every piece is either overwritten by its gradient or zeroed in
+                // `run` (pieces that got none, e.g. FSDP's padding) — no full memset.
+                let a = Tensor::empty(&self.in_shape, self.dtype, g.device())?;
                 self.acc = Some(a.clone());
                 a
             }
@@ -551,14 +553,17 @@ impl BackwardFn for SplitBackward {
             )?)]);
         };
         for (slot, g) in grads.into_iter().enumerate() {
-            let Some(g) = g else { continue };
             let region = self.region(&acc, slot)?;
-            if self.filled[slot] {
-                region.add_(&g)?;
-            } else {
-                region.copy_(&g)?;
+            match g {
+                Some(g) if self.filled[slot] => region.add_(&g)?,
+                Some(g) => region.copy_(&g)?,
+                None if !self.filled[slot] => region.zero_()?,
+                None => {}
             }
         }
+        // The node may run again (views reused by a later forward, or nodes without saved
+        // tensors run by another backward): start that one from scratch.
+        self.filled.iter_mut().for_each(|f| *f = false);
         Ok(vec![Some(acc)])
     }
 }
