@@ -53,8 +53,8 @@ use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
 use fsdp_core::{
-    clip_grad_norm, state_dict, AdamW, BackwardPrefetch, Comm, Fsdp, FsdpConfig, FsdpError,
-    MixedPrecision, ShardedOptimizer, ShardingStrategy, WrapPolicy,
+    clip_grad_norm, state_dict, tensor_slice, AdamW, BackwardPrefetch, Comm, Fsdp, FsdpConfig,
+    FsdpError, MixedPrecision, ShardedOptimizer, ShardingStrategy, WrapPolicy,
 };
 
 const USAGE: &str = "\
@@ -354,14 +354,7 @@ fn micro_loss(logits: &Tensor, targets: &Tensor, world: usize) -> Result<Tensor,
 }
 
 fn slice_of(t: &Tensor) -> Result<DeviceSlice, String> {
-    let r = t
-        .storage()
-        .buffer_ref()
-        .ok_or("metrics tensor has no memory")?;
-    let r = r
-        .slice(t.offset() * t.dtype().size(), t.numel() * t.dtype().size())
-        .map_err(|e| e.to_string())?;
-    DeviceSlice::new(r, t.dtype()).map_err(|e| e.to_string())
+    tensor_slice(t).map_err(|e| e.to_string())
 }
 
 /// One step as rank 0 sees it, with values reduced over all ranks.

@@ -210,9 +210,17 @@ fn for_each_module<'a>(m: &'a dyn Module, path: &str, f: &mut dyn FnMut(&str, &'
     });
 }
 
-fn slice_of(t: &Tensor) -> Result<DeviceSlice> {
+/// The memory of `t` (its elements, in its dtype) as a [`DeviceSlice`] for collectives.
+///
+/// # Errors
+/// [`FsdpError::Config`] if the tensor's storage is released (no memory attached); an access
+/// error if the tensor does not fit its buffer.
+pub fn tensor_slice(t: &Tensor) -> Result<DeviceSlice> {
     let r = t.storage().buffer_ref().ok_or_else(|| {
-        FsdpError::Config("a tensor FSDP communicates has no memory attached".into())
+        FsdpError::Config(
+            "a tensor given to a collective has no memory attached (its storage was released)"
+                .into(),
+        )
     })?;
     let size = t.dtype().size();
     let r = r.slice(t.offset() * size, t.numel() * size)?;
@@ -229,7 +237,7 @@ fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
             dst.numel()
         )));
     }
-    let (s, d) = (slice_of(src)?, slice_of(dst)?);
+    let (s, d) = (tensor_slice(src)?, tensor_slice(dst)?);
     let (s, d) = (s.data().clone(), d.data().clone());
     stream.launch(move || {
         let s = s.read::<f32>().expect("offload copy: source unreadable");
@@ -683,8 +691,8 @@ impl<M: Module + 'static> Fsdp<M> {
                 })?;
                 let shard = inner.shard_on_device(shard, &inner.compute, &ready)?;
                 let work = inner.group.all_gather_into(
-                    &slice_of(&shard)?,
-                    &slice_of(&full)?,
+                    &tensor_slice(&shard)?,
+                    &tensor_slice(&full)?,
                     &inner.compute,
                 );
                 work.wait()?;
@@ -866,23 +874,23 @@ impl Inner {
                 Tensor::empty(&[chunk], reduce_dtype, &self.device)
             })?;
             let w = self.group.reduce_scatter(
-                &slice_of(&grad)?,
-                &slice_of(&out)?,
+                &tensor_slice(&grad)?,
+                &tensor_slice(&out)?,
                 ReduceOp::Sum,
                 &self.reduce_stream,
             );
             st.stats.reduce_scatter_bytes += (grad.numel() * 4) as u64;
             st.works.push(w);
             if let Some(rep) = &self.replicate {
-                let w = rep.all_reduce(&slice_of(&out)?, ReduceOp::Sum, &self.reduce_stream);
+                let w = rep.all_reduce(&tensor_slice(&out)?, ReduceOp::Sum, &self.reduce_stream);
                 st.stats.all_reduce_bytes += (out.numel() * 4) as u64;
                 st.works.push(w);
             }
             out
         } else {
-            let w = self
-                .group
-                .all_reduce(&slice_of(&grad)?, ReduceOp::Sum, &self.reduce_stream);
+            let w =
+                self.group
+                    .all_reduce(&tensor_slice(&grad)?, ReduceOp::Sum, &self.reduce_stream);
             st.stats.all_reduce_bytes += (grad.numel() * 4) as u64;
             st.works.push(w);
             grad.clone()
@@ -987,9 +995,9 @@ impl Inner {
                     no_grad(|| shard.to_dtype(h.param_dtype))
                 })?
             };
-            let work = self
-                .group
-                .all_gather_into(&slice_of(&input)?, &out, &self.unshard_stream);
+            let work =
+                self.group
+                    .all_gather_into(&tensor_slice(&input)?, &out, &self.unshard_stream);
             h.storage.attach(buf)?;
             let bytes = h.unsharded_bytes() as u64;
             let ev = work.event().clone();

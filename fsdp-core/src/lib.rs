@@ -32,7 +32,7 @@ pub use config::{
     BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, MixedPrecision, ShardingStrategy,
 };
 pub use error::{FsdpError, Result};
-pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, UnitShard};
+pub use fsdp::{tensor_slice, Comm, CommStats, Fsdp, FullParameter, UnitShard};
 pub use optim::{
     AdamParams, AdamW, Lamb, LocalAdamW, LocalLamb, LocalOptimizer, LocalSgd, Sgd,
     ShardedOptimizer, ShardedParams,

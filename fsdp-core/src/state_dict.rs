@@ -128,12 +128,12 @@ use std::sync::Arc;
 use fsdp_alloc::{AllocError, DType, Device, Stream};
 use fsdp_autograd::nn::{named_parameters, Module};
 use fsdp_autograd::{no_grad, with_stream, AutogradError, Tensor};
-use fsdp_collectives::{CollectiveError, DeviceSlice, ProcessGroup, ReduceOp};
+use fsdp_collectives::{CollectiveError, ProcessGroup, ReduceOp};
 use fsdp_flatparam::LayoutError;
 use safetensors::tensor::{Dtype as StDtype, SafeTensorError, SafeTensors, View};
 
 use crate::error::FsdpError;
-use crate::fsdp::{Fsdp, UnitShard};
+use crate::fsdp::{tensor_slice, Fsdp, UnitShard};
 
 /// Version of the on-disk format written by this module (the `format_version` metadata key).
 /// Files of another version are refused with [`StateDictError::UnsupportedVersion`].
@@ -886,9 +886,9 @@ impl Ctx {
         let full = with_stream(&self.stream, || {
             Tensor::zeros(&[layout.padded_numel()], DType::F32, &self.device)
         })?;
-        let work = self
-            .group
-            .all_gather_into(&slice_of(t)?, &slice_of(&full)?, &self.stream);
+        let work =
+            self.group
+                .all_gather_into(&tensor_slice(t)?, &tensor_slice(&full)?, &self.stream);
         work.wait()?;
         if keep {
             self.read(&full).map(Some)
@@ -904,10 +904,10 @@ impl Ctx {
     fn any_failed(&self, failed: bool) -> Result<bool> {
         let flag = self.new_tensor(vec![if failed { 1.0 } else { 0.0 }])?;
         self.group
-            .all_reduce(&slice_of(&flag)?, ReduceOp::Max, &self.stream)
+            .all_reduce(&tensor_slice(&flag)?, ReduceOp::Max, &self.stream)
             .wait()?;
         if let Some(rep) = &self.replicate {
-            rep.all_reduce(&slice_of(&flag)?, ReduceOp::Max, &self.stream)
+            rep.all_reduce(&tensor_slice(&flag)?, ReduceOp::Max, &self.stream)
                 .wait()?;
         }
         Ok(self.read(&flag)?[0] > 0.0)
@@ -963,16 +963,6 @@ impl Ctx {
         }
         Ok(out)
     }
-}
-
-fn slice_of(t: &Tensor) -> Result<DeviceSlice> {
-    let r = t.storage().buffer_ref().ok_or_else(|| {
-        FsdpError::Config(
-            "a tensor the state dict communicates has no memory attached (released storage)".into(),
-        )
-    })?;
-    let r = r.slice_elems::<f32>(t.offset(), t.numel())?;
-    Ok(DeviceSlice::new(r, DType::F32)?)
 }
 
 // ---------------------------------------------------------------------------- validation
