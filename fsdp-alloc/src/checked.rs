@@ -19,7 +19,10 @@
 //!
 //! Limits: accesses made by host threads outside launched work are neither checked nor
 //! remembered; synchronization that does not go through events (barriers, channels between
-//! threads) is invisible, so code that orders streams that way must not run in checked mode.
+//! threads) is invisible unless the code reports it with [`OrderPoint`]s (the thread backend's
+//! collectives do, at each rendezvous); other code that orders streams that way must not run in
+//! checked mode. The unit of ordering is the job: accesses made inside one launched job all
+//! count as that job's position.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -50,6 +53,127 @@ impl Clock {
 
     fn covers(&self, other: &Clock) -> bool {
         other.0.iter().all(|(&s, &p)| self.get(s) >= p)
+    }
+
+    /// This clock with the entry of `s` set to exactly `pos` (removed when 0).
+    fn with_entry(&self, s: StreamId, pos: u64) -> Clock {
+        let mut c = self.clone();
+        if pos == 0 {
+            c.0.remove(&s);
+        } else {
+            c.0.insert(s, pos);
+        }
+        c
+    }
+}
+
+/// A point in the checked mode's happens-before order, for code that orders launched work by
+/// means the checked mode cannot see — a rendezvous of several streams' jobs, as in a thread
+/// backend's collectives.
+///
+/// Events, `wait_event` and host synchronization are tracked automatically (see the crate docs,
+/// "Checked mode"). A rendezvous is not: when stream A's job waits inside its work until stream
+/// B's job has written something, nothing tells the checked mode that A's later reads are
+/// ordered after B's writes, and it reports a violation. The participants of such a
+/// rendezvous tell it instead: each one takes an `OrderPoint` when it arrives, the points are
+/// exchanged through the rendezvous, and each participant calls [`OrderPoint::join`] with all of
+/// them once the rendezvous is complete.
+///
+/// Outside checked streams every point is empty and `join` does nothing, so a backend can use
+/// this unconditionally: it costs a clock copy only when the checked mode is on.
+///
+/// ```
+/// use fsdp_alloc::{Device, DeviceConfig, OrderPoint};
+/// use std::sync::{Arc, Barrier, Mutex};
+///
+/// let dev = Device::cpu_with(0, DeviceConfig { checked: true, ..DeviceConfig::default() });
+/// let (a, b) = (dev.new_stream("a"), dev.new_stream("b"));
+/// let g = dev.alloc(64, &a)?;
+/// let buf = g.data().clone();
+/// let points = Arc::new(Mutex::new(Vec::new()));
+/// let barrier = Arc::new(Barrier::new(2));
+/// // A writes, then meets B; B reads after the meeting.
+/// let (p, bar, w) = (points.clone(), barrier.clone(), buf.clone());
+/// a.launch(move || {
+///     w.write::<u8>().unwrap().fill(7);
+///     p.lock().unwrap().push(OrderPoint::current());
+///     bar.wait();
+/// });
+/// let (p, bar, r) = (points.clone(), barrier.clone(), buf.clone());
+/// b.launch(move || {
+///     p.lock().unwrap().push(OrderPoint::current());
+///     bar.wait();
+///     OrderPoint::join(&p.lock().unwrap());
+///     assert_eq!(r.read::<u8>().unwrap()[0], 7); // ordered after A's write: no violation
+/// });
+/// dev.synchronize()?;
+/// # Ok::<(), fsdp_alloc::AllocError>(())
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct OrderPoint(Option<Arc<Clock>>);
+
+impl OrderPoint {
+    /// Everything the calling code is ordered after, *including* what it has done so far: inside
+    /// launched work of a checked stream, the running job (all of its accesses, before and after
+    /// this call, count as this point — the checked mode's unit is the job); on a host thread,
+    /// what the thread has observed complete. Empty elsewhere.
+    pub fn current() -> OrderPoint {
+        match CURRENT.with(|c| c.borrow().clone()) {
+            Some(ctx) => OrderPoint(Some(Arc::clone(&ctx.clock))),
+            None => OrderPoint(host_clock()),
+        }
+    }
+
+    /// Like [`OrderPoint::current`], but *excluding* the running job's own accesses: what the
+    /// job was ordered after when it started, plus any points it joined since. Take this on
+    /// arrival at a rendezvous after which peers write memory the job also accesses, so that the
+    /// job's accesses made after the rendezvous are still checked against the peers'.
+    pub fn before_current_job() -> OrderPoint {
+        match CURRENT.with(|c| c.borrow().clone()) {
+            Some(ctx) => OrderPoint(Some(Arc::new(
+                ctx.clock.with_entry(ctx.stream, ctx.pos.saturating_sub(1)),
+            ))),
+            None => OrderPoint(host_clock()),
+        }
+    }
+
+    /// True if this point orders nothing (taken outside checked streams, or before anything
+    /// was observed).
+    pub fn is_empty(&self) -> bool {
+        self.0.as_ref().is_none_or(|c| c.0.is_empty())
+    }
+
+    /// Orders the rest of the running job — and everything its stream runs after it — after
+    /// all of `points`. On a host thread, work the thread launches from now on is ordered after
+    /// them. Call it only when the calling code really is ordered after every point (the
+    /// rendezvous they were exchanged through is complete); a wrong join hides real races.
+    pub fn join(points: &[OrderPoint]) {
+        let clocks: Vec<&Arc<Clock>> = points.iter().filter_map(|p| p.0.as_ref()).collect();
+        if clocks.is_empty() {
+            return;
+        }
+        match CURRENT.with(|c| c.borrow().clone()) {
+            Some(ctx) => {
+                let mut merged = (*ctx.clock).clone();
+                for c in &clocks {
+                    merged.merge(c);
+                }
+                ctx.health.merge_clock(&merged);
+                let joined = Arc::new(JobCtx {
+                    stream: ctx.stream,
+                    name: Arc::clone(&ctx.name),
+                    pos: ctx.pos,
+                    clock: Arc::new(merged),
+                    health: Arc::clone(&ctx.health),
+                });
+                CURRENT.with(|c| *c.borrow_mut() = Some(joined));
+            }
+            None => {
+                for c in clocks {
+                    observe(c);
+                }
+            }
+        }
     }
 }
 

@@ -36,7 +36,8 @@ pub struct DeviceConfig {
     /// Checked mode: the device's streams track their ordering and every guard taken inside
     /// launched work verifies it is ordered after the conflicting accesses before it (see the
     /// crate docs, "Checked mode"). Off by default: it costs a clock per job and a history per
-    /// segment, and synchronization outside events (barriers) is invisible to it.
+    /// segment, and synchronization outside events (barriers) is invisible to it unless reported
+    /// with [`crate::OrderPoint`] (the thread backend's collectives do).
     pub checked: bool,
     /// Cache freed blocks (default). `false` makes every allocation a raw allocation and every
     /// free a raw free: the no-caching baseline.

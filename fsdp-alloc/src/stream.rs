@@ -105,6 +105,12 @@ impl Health {
     fn clock(&self) -> std::sync::MutexGuard<'_, Clock> {
         self.clock.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Checked mode: orders everything this stream runs from now on after `other` (see
+    /// [`crate::OrderPoint`]).
+    pub(crate) fn merge_clock(&self, other: &Clock) {
+        self.clock().merge(other);
+    }
 }
 
 pub(crate) struct StreamInner {
@@ -244,7 +250,9 @@ impl Stream {
     /// are reported as [`AllocError::OrderingViolation`].
     pub fn with_checking(device: DeviceId, name: &str, mode: StreamMode, checked: bool) -> Stream {
         let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
-        let health = Arc::new(Health::new(id, name, checked));
+        // Checked-mode reports name streams by device too: collectives of the thread backend
+        // touch other ranks' memory from streams that share their names with local ones.
+        let health = Arc::new(Health::new(id, &format!("{device}/{name}"), checked));
         let tx = match mode {
             StreamMode::Inline => None,
             StreamMode::Async => {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use fsdp_alloc::{AllocError, Device, DeviceConfig, Stream};
+use fsdp_alloc::{AllocError, Device, DeviceConfig, OrderPoint, Stream};
 
 fn checked_device() -> (Device, Stream, Stream) {
     let dev = Device::cpu_with(0, DeviceConfig::default().with_checked(true));
@@ -69,7 +69,10 @@ fn missing_wait_event_is_reported() {
     let err = compute.synchronize().unwrap_err();
     let msg = violation(&err);
     assert!(msg.contains("stream-ordering violation"), "{msg}");
-    assert!(msg.contains("`default`") && msg.contains("`comm`"), "{msg}");
+    assert!(
+        msg.contains("`cpu:0/default`") && msg.contains("`cpu:0/comm`"),
+        "{msg}"
+    );
     assert!(
         msg.contains(&format!("block {}", b.data().block_id())),
         "{msg}"
@@ -87,7 +90,7 @@ fn missing_wait_is_reported_whichever_access_runs_first() {
     std::thread::sleep(Duration::from_millis(30));
     fill(&comm, b.data(), 1.0); // BUG: comm never waited for compute's read
     let err = comm.synchronize().unwrap_err();
-    assert!(violation(&err).contains("`default`"), "{err}");
+    assert!(violation(&err).contains("`cpu:0/default`"), "{err}");
 }
 
 #[test]
@@ -207,5 +210,121 @@ fn free_on_one_thread_after_sync_and_reuse_on_another_is_ordered() {
     })
     .join()
     .unwrap();
+    dev.synchronize().unwrap();
+}
+
+/// Two jobs on different streams meet at a rendezvous (a barrier inside their work), each
+/// leaving a point taken by `take` and, when `join` is set, joining both points afterwards.
+/// Before the meeting `a` writes `x`; after it `a` writes `y` and `b` reads `x` and then `y`
+/// (after a delay, so `a`'s write of `y` has run). Returns `b`'s stream result.
+fn rendezvous(take: fn() -> OrderPoint, join: bool) -> Result<(), AllocError> {
+    use std::sync::{Arc, Barrier, Mutex};
+    let (dev, a, b) = checked_device();
+    let (x, y) = (dev.alloc(64, &a).unwrap(), dev.alloc(64, &a).unwrap());
+    let points = Arc::new(Mutex::new(Vec::new()));
+    let barrier = Arc::new(Barrier::new(2));
+    let (p, bar, xa, ya) = (
+        Arc::clone(&points),
+        Arc::clone(&barrier),
+        x.data().clone(),
+        y.data().clone(),
+    );
+    a.launch(move || {
+        xa.write::<f32>().unwrap().fill(1.0);
+        p.lock().unwrap().push(take());
+        bar.wait();
+        if join {
+            OrderPoint::join(&p.lock().unwrap());
+        }
+        ya.write::<f32>().unwrap().fill(2.0); // after the meeting
+    });
+    let (p, bar, xb, yb) = (points, barrier, x.data().clone(), y.data().clone());
+    b.launch(move || {
+        p.lock().unwrap().push(take());
+        bar.wait();
+        if join {
+            OrderPoint::join(&p.lock().unwrap());
+        }
+        let _ = xb.read::<f32>().map(|g| g[0]);
+        std::thread::sleep(Duration::from_millis(30));
+        let _ = yb.read::<f32>().map(|g| g[0]);
+    });
+    let r = b.synchronize();
+    let _ = dev.synchronize();
+    r
+}
+
+#[test]
+fn a_rendezvous_is_invisible_without_order_points() {
+    let err = rendezvous(OrderPoint::current, false).unwrap_err();
+    assert!(
+        violation(&err).contains("stream-ordering violation"),
+        "{err}"
+    );
+}
+
+#[test]
+fn joined_current_points_order_a_rendezvous() {
+    // `current` covers each job's accesses, before and after the meeting (the job is the unit):
+    // both reads are ordered.
+    rendezvous(OrderPoint::current, true).unwrap();
+}
+
+#[test]
+fn points_before_the_job_order_only_what_came_before_it() {
+    // `before_current_job` leaves `a`'s own accesses out: its write of `x` (before the meeting)
+    // is unordered with `b`'s read too — it is the arrival point, meant for rendezvous at which
+    // a job has not touched shared memory yet.
+    let err = rendezvous(OrderPoint::before_current_job, true).unwrap_err();
+    assert!(violation(&err).contains("`cpu:0/comm`"), "{err}");
+}
+
+#[test]
+fn points_carry_ordering_between_host_threads() {
+    // A host thread synchronizes a stream (so its clock covers the stream's write), hands its
+    // point to another thread, which joins it and launches a reader on another stream.
+    for join in [true, false] {
+        let (dev, compute, comm) = checked_device();
+        let b = dev.alloc(4096, &comm).unwrap();
+        fill(&comm, b.data(), 1.0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let comm2 = comm.clone();
+        std::thread::spawn(move || {
+            comm2.synchronize().unwrap();
+            let p = OrderPoint::current();
+            assert!(!p.is_empty());
+            tx.send(p).unwrap();
+        })
+        .join()
+        .unwrap();
+        let data = b.data().clone();
+        let compute2 = compute.clone();
+        let r = std::thread::spawn(move || {
+            let p = rx.recv().unwrap();
+            if join {
+                OrderPoint::join(&[p]);
+            }
+            read_later(&compute2, &data, 0);
+            compute2.synchronize()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(r.is_ok(), join, "join = {join}: {r:?}");
+        let _ = dev.synchronize();
+    }
+}
+
+#[test]
+fn points_are_empty_on_unchecked_streams() {
+    let dev = Device::cpu(1);
+    let s = dev.new_stream("plain");
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.launch(move || {
+        tx.send((OrderPoint::current(), OrderPoint::before_current_job()))
+            .unwrap()
+    });
+    let (p, q) = rx.recv().unwrap();
+    assert!(p.is_empty() && q.is_empty());
+    OrderPoint::join(&[p, q]); // a no-op
     dev.synchronize().unwrap();
 }

@@ -29,9 +29,14 @@
 //! The optional [`LinkModel`] delays each rank's completion with a sleep, emulating a network
 //! without burning CPU.
 //!
-//! Limitation: the rendezvous is synchronization `fsdp-alloc`'s checked (race-detecting) stream
-//! mode cannot see (it orders streams through events only), so collectives of this backend must
-//! not be issued on checked streams.
+//! ## Checked streams
+//! A rendezvous orders streams without events, which `fsdp-alloc`'s checked (race-detecting)
+//! mode cannot see by itself. Each rank's work therefore leaves an [`OrderPoint`] at every
+//! rendezvous (on arrival: what its work was ordered after; at the middle and departure: its
+//! work so far) and joins all ranks' points when the rendezvous completes. So a peer's writes
+//! into this rank's output are ordered before this rank's later work, and a consumer stream that
+//! waits on the collective's event is ordered after them — while a consumer that does *not* wait
+//! is still reported. Collectives may be issued on checked streams.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -39,7 +44,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fsdp_alloc::{AllocError, BufferRef, DType, Stream};
+use fsdp_alloc::{AllocError, BufferRef, DType, OrderPoint, Stream};
 
 use crate::desc::{validate, BufferProblem, OpDesc};
 use crate::error::{CollectiveError, Result};
@@ -130,6 +135,10 @@ struct Slot {
     /// Per phase (MID, DEPART): who reached it.
     reached: [Vec<bool>; 2],
     n_reached: [usize; 2],
+    /// Checked mode: per rank, what its work was ordered after on arrival, and at each later
+    /// phase; joined by every rank once the rendezvous is complete (empty when unchecked).
+    arrival_points: Vec<OrderPoint>,
+    phase_points: [Vec<OrderPoint>; 2],
     n_left: usize,
     abandoned: Option<(usize, String)>,
     failure: Option<CollectiveError>,
@@ -144,6 +153,11 @@ impl Slot {
             n_arrived: 0,
             reached: [vec![false; world], vec![false; world]],
             n_reached: [0, 0],
+            arrival_points: vec![OrderPoint::default(); world],
+            phase_points: [
+                vec![OrderPoint::default(); world],
+                vec![OrderPoint::default(); world],
+            ],
             n_left: 0,
             abandoned: None,
             failure: None,
@@ -266,6 +280,8 @@ impl Shared {
             };
             slot.arrived[rank] = true;
             slot.n_arrived += 1;
+            // Only what this work was ordered after: its own accesses come after the arrival.
+            slot.arrival_points[rank] = OrderPoint::before_current_job();
             match &slot.posted[rank] {
                 Some(p) => p.desc,
                 None => return Err(vanished(OpKind::Barrier, &self.name, seq, rank)),
@@ -298,9 +314,10 @@ impl Shared {
                 let descs: Vec<OpDesc> = slot.posted.iter().flatten().map(|p| p.desc).collect();
                 match validate(&self.name, seq, &descs) {
                     Err(e) => Some(Err(e)),
-                    Ok(()) if slot.n_arrived == world => {
-                        Some(Ok(slot.posted.iter().flatten().cloned().collect()))
-                    }
+                    Ok(()) if slot.n_arrived == world => Some(Ok((
+                        slot.posted.iter().flatten().cloned().collect::<Vec<_>>(),
+                        slot.arrival_points.clone(),
+                    ))),
                     Ok(()) => None,
                 }
             } else {
@@ -317,7 +334,13 @@ impl Shared {
                     })
             };
             match verdict {
-                Some(Ok(posted)) => return Ok(posted),
+                Some(Ok((posted, points))) => {
+                    drop(st);
+                    // Every rank's buffers are ready: this rank's reads and writes of its peers'
+                    // memory are ordered after whatever the peers' work was ordered after.
+                    OrderPoint::join(&points);
+                    return Ok(posted);
+                }
                 Some(Err(e)) => {
                     self.leave(&mut st, seq);
                     return Err(e);
@@ -367,6 +390,7 @@ impl Shared {
             };
             slot.reached[phase][rank] = true;
             slot.n_reached[phase] += 1;
+            slot.phase_points[phase][rank] = OrderPoint::current();
             if let Err(e) = local {
                 slot.errors[rank].get_or_insert_with(|| e.to_string());
             }
@@ -377,6 +401,11 @@ impl Shared {
                 return Err(vanished(op, &self.name, seq, rank));
             };
             if slot.n_reached[phase] == world {
+                let points = slot.phase_points[phase].clone();
+                drop(st);
+                // Every rank is done with the previous step: what they wrote is ordered before
+                // what this rank does next (and, at departure, before its stream's later work).
+                OrderPoint::join(&points);
                 return Ok(());
             }
             if let Some(f) = &slot.failure {

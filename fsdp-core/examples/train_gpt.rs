@@ -48,7 +48,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use fsdp_alloc::{DType, Device};
+use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
@@ -82,6 +82,9 @@ options:
   --tied                     tie the token embedding and the LM head (one shared parameter)
   --cpu-offload              keep shards and sharded gradients on a separate host device; the
                              optimizer steps there
+  --checked                  run on checked (race-detecting) devices: every access made by
+                             stream work is verified to be ordered after conflicting ones
+                             (slower; a violation stops training with both streams named)
   --load PATH                load a full state dict (safetensors) before training
   --save PATH                save a full state dict (safetensors) after training
   --batch B                  sequences per rank per step (default 4)
@@ -112,6 +115,7 @@ struct Args {
     clip_grad_norm: Option<f64>,
     tied: bool,
     cpu_offload: bool,
+    checked: bool,
     load: Option<std::path::PathBuf>,
     save: Option<std::path::PathBuf>,
 }
@@ -146,6 +150,7 @@ impl Default for Args {
             clip_grad_norm: None,
             tied: false,
             cpu_offload: false,
+            checked: false,
             load: None,
             save: None,
         }
@@ -226,6 +231,7 @@ fn parse_args(argv: &[String]) -> Result<Command, String> {
             "--clip-grad-norm" => a.clip_grad_norm = Some(parse_num(flag, value()?)?),
             "--tied" => a.tied = true,
             "--cpu-offload" => a.cpu_offload = true,
+            "--checked" => a.checked = true,
             "--load" => a.load = Some(value()?.into()),
             "--save" => a.save = Some(value()?.into()),
             "--batch" => a.batch = parse_num(flag, value()?)?,
@@ -419,7 +425,8 @@ fn run_rank(
 ) -> Result<Option<Report>, String> {
     let cfg = model_config().with_tied(args.tied);
     let world = args.ranks;
-    let dev = Device::cpu(rank);
+    let devices = DeviceConfig::default().with_checked(args.checked);
+    let dev = Device::cpu_with(rank, devices);
     let ctx = if args.deferred_init {
         InitContext::fake(args.seed)
     } else {
@@ -443,7 +450,9 @@ fn run_rank(
         limit_all_gathers: args.limit_all_gathers,
         mixed_precision: args.mixed_precision.map(MixedPrecision::uniform),
         // Each rank's own host device for CPU offload (ids apart from the compute devices).
-        cpu_offload: args.cpu_offload.then(|| Device::cpu(10_000 + rank)),
+        cpu_offload: args
+            .cpu_offload
+            .then(|| Device::cpu_with(10_000 + rank, devices)),
         ..FsdpConfig::default()
     };
     // With --deferred-init the parameters live on the fake device (recorded init ops only) and
@@ -649,6 +658,9 @@ fn run(args: &Args) -> Result<(), String> {
     }
     if args.cpu_offload {
         extras.push_str(" | CPU offload");
+    }
+    if args.checked {
+        extras.push_str(" | checked devices");
     }
     println!(
         "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} | {} ranks × batch {} | \

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use fsdp_alloc::Device;
+use fsdp_alloc::{Device, DeviceConfig};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
 use fsdp_collectives::{DeviceMesh, ProcessGroup};
@@ -60,10 +60,12 @@ fn fsdp_with(
     config: FsdpConfig,
     deferred: bool,
     model_cfg: &GptConfig,
+    checked: bool,
 ) -> (Vec<Vec<f32>>, Named) {
     let model_cfg = *model_cfg;
+    let devices = DeviceConfig::default().with_checked(checked);
     let per_rank = run_ranks(world, move |rank, pg| {
-        let dev = Device::cpu(rank);
+        let dev = Device::cpu_with(rank, devices);
         let ctx = if deferred {
             InitContext::fake(SEED)
         } else {
@@ -73,7 +75,7 @@ fn fsdp_with(
         // CPU offload: each rank gets its own host device.
         let mut config = config.clone();
         if config.cpu_offload.is_some() {
-            config.cpu_offload = Some(Device::cpu(500 + rank));
+            config.cpu_offload = Some(Device::cpu_with(500 + rank, devices));
         }
         let comm: Comm = match shard {
             Some(f) => DeviceMesh::new(Arc::clone(&pg) as Arc<dyn ProcessGroup>, f)
@@ -125,9 +127,22 @@ fn check_with(
     deferred: bool,
     model_cfg: &GptConfig,
 ) {
+    check_devices(world, shard, config, deferred, model_cfg, false)
+}
+
+/// `check_with`, optionally on checked (race-detecting) devices: any stream-ordering violation
+/// fails a stream and with it the run.
+fn check_devices(
+    world: usize,
+    shard: Option<usize>,
+    config: FsdpConfig,
+    deferred: bool,
+    model_cfg: &GptConfig,
+    checked: bool,
+) {
     let group = shard.unwrap_or(world);
     let (ll, lp) = local(world, group, model_cfg);
-    let (fl, fp) = fsdp_with(world, shard, config.clone(), deferred, model_cfg);
+    let (fl, fp) = fsdp_with(world, shard, config.clone(), deferred, model_cfg, checked);
     assert_eq!(
         ll.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>(),
         fl.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -341,4 +356,106 @@ fn cpu_offload_keeps_shards_and_gradients_on_the_host_device() {
             "rank {rank}: after backward the host also holds the gradient shards"
         );
     }
+}
+
+/// The checked mode tracks happens-before order between every stream of every rank (events,
+/// host synchronization and the thread backend's rendezvous) and checks every access made by
+/// launched work. FSDP's stream choreography — unshard on its own stream, compute waiting on
+/// it, reduce-scatter waiting on the gradient, buffers freed with `record_stream` or explicit
+/// lifetimes, rate limiting, prefetching, offload — must never touch memory out of order, and
+/// checking must not change a single bit.
+#[test]
+fn checked_devices_find_no_ordering_violation_and_change_no_bit() {
+    let configs = [
+        (
+            3,
+            None,
+            ShardingStrategy::FullShard,
+            BackwardPrefetch::BackwardPre,
+            false,
+            true,
+            BufferLifetime::RecordStream,
+            false,
+        ),
+        (
+            3,
+            None,
+            ShardingStrategy::FullShard,
+            BackwardPrefetch::BackwardPost,
+            true,
+            true,
+            BufferLifetime::Explicit,
+            false,
+        ),
+        (
+            2,
+            None,
+            ShardingStrategy::FullShard,
+            BackwardPrefetch::None,
+            false,
+            false,
+            BufferLifetime::RecordStream,
+            true,
+        ),
+        (
+            3,
+            None,
+            ShardingStrategy::ShardGradOp,
+            BackwardPrefetch::BackwardPre,
+            true,
+            false,
+            BufferLifetime::RecordStream,
+            false,
+        ),
+        (
+            2,
+            None,
+            ShardingStrategy::NoShard,
+            BackwardPrefetch::BackwardPre,
+            false,
+            true,
+            BufferLifetime::RecordStream,
+            false,
+        ),
+        (
+            4,
+            Some(2),
+            ShardingStrategy::HybridShard,
+            BackwardPrefetch::BackwardPre,
+            true,
+            true,
+            BufferLifetime::RecordStream,
+            false,
+        ),
+    ];
+    for (
+        w,
+        shard,
+        strategy,
+        backward_prefetch,
+        forward_prefetch,
+        limit_all_gathers,
+        buffer_lifetime,
+        offload,
+    ) in configs
+    {
+        let config = FsdpConfig {
+            strategy,
+            wrap_policy: blocks(),
+            backward_prefetch,
+            forward_prefetch,
+            limit_all_gathers,
+            buffer_lifetime,
+            cpu_offload: offload.then(|| Device::cpu(0)), // replaced by a per-rank host device
+            ..FsdpConfig::default()
+        };
+        check_devices(w, shard, config, false, &untied(), true);
+    }
+    // Deferred init materializes the shards on the checked devices too.
+    let config = FsdpConfig {
+        wrap_policy: blocks(),
+        deferred_init: DeferredInit::ShardOnly,
+        ..FsdpConfig::default()
+    };
+    check_devices(2, None, config, true, &untied(), true);
 }
