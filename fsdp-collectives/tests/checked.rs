@@ -62,11 +62,7 @@ type Consumed = Arc<Mutex<Option<Result<Vec<f32>, AllocError>>>>;
 
 /// Reads `data` from work launched on `stream` after `delay`; the values (or the error) land in
 /// the returned slot once the stream ran it.
-fn consume(
-    stream: &Stream,
-    data: &BufferRef,
-    delay: Duration,
-) -> Consumed {
+fn consume(stream: &Stream, data: &BufferRef, delay: Duration) -> Consumed {
     let slot = Arc::new(Mutex::new(None));
     let (s, d) = (Arc::clone(&slot), data.clone());
     stream.launch(move || {

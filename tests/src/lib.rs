@@ -162,6 +162,15 @@ pub fn token_tensors(
 /// Parameters by fully-qualified name, with their values on the host.
 pub type Named = Vec<(String, Vec<f32>)>;
 
+/// FSDP's full (unsharded) parameters by name, as [`Named`] (gathers every unit; collective).
+pub fn full_named<M: Module + 'static>(fsdp: &fsdp_core::Fsdp<M>) -> Named {
+    fsdp.full_parameters()
+        .expect("gather the full parameters")
+        .into_iter()
+        .map(|(n, _, v)| (n, v))
+        .collect()
+}
+
 /// `v` sorted by name (FSDP lists parameters unit by unit, a local model module by module).
 pub fn sorted_by_name<T>(mut v: Vec<(String, T)>) -> Vec<(String, T)> {
     v.sort_by(|a, b| a.0.cmp(&b.0));

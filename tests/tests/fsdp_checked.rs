@@ -13,7 +13,7 @@ use fsdp_core::{
     clip_grad_norm, AdamW, Comm, Fsdp, FsdpConfig, MixedPrecision, ShardedOptimizer,
     ShardingStrategy, WrapPolicy,
 };
-use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, Named};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors, Named};
 
 const STEPS: usize = 3;
 const ACCUM: usize = 2;
@@ -81,12 +81,7 @@ fn train(
             opt.zero_grad(&fsdp);
             fsdp.synchronize().unwrap();
         }
-        let full: Named = fsdp
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
+        let full: Named = full_named(&fsdp);
         (losses, full)
     })
 }

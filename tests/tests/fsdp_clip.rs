@@ -25,7 +25,7 @@ use fsdp_core::optim::{
     AdamParams, Lamb, LocalLamb, LocalOptimizer, LocalSgd, Sgd, ShardedOptimizer,
 };
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
-use fsdp_tests::{micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{full_named, micro_loss, run_ranks, token_tensors};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 99;
@@ -114,12 +114,7 @@ fn values(params: &[(String, Parameter)]) -> Named {
 }
 
 fn full(fsdp: &Fsdp<Gpt>) -> Named {
-    let mut v: Named = fsdp
-        .full_parameters()
-        .unwrap()
-        .into_iter()
-        .map(|(n, _, v)| (n, v))
-        .collect();
+    let mut v: Named = full_named(fsdp);
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }

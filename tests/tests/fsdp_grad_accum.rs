@@ -6,7 +6,7 @@ use fsdp_alloc::Device;
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
 use fsdp_core::{Fsdp, FsdpConfig, WrapPolicy};
-use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, train_local};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors, train_local};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 99;
@@ -74,12 +74,7 @@ fn run_fsdp(world: usize, no_sync: bool) -> (Named, usize) {
             fsdp.sgd_step(LR).unwrap();
             fsdp.zero_grad();
         }
-        let p: Named = fsdp
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
+        let p: Named = full_named(&fsdp);
         (p, peak)
     });
     let peak = out[0].1;

@@ -7,7 +7,7 @@ use fsdp_alloc::{DType, Device};
 use fsdp_autograd::nn::{named_parameters, Gpt, GptConfig, Module};
 use fsdp_autograd::{no_grad, InitContext, Tensor};
 use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, MixedPrecision, WrapPolicy};
-use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 use half::{bf16, f16};
 
@@ -114,12 +114,7 @@ fn fsdp(world: usize, mp: Option<MixedPrecision>, prefetch: BackwardPrefetch) ->
             fsdp.sgd_step(LR).unwrap();
             fsdp.zero_grad();
         }
-        let p: Named = fsdp
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
+        let p: Named = full_named(&fsdp);
         (p, peak)
     });
     let peak = out[0].1;

@@ -7,7 +7,7 @@ use fsdp_autograd::init::InitOp;
 use fsdp_autograd::nn::{Linear, Module, ModuleHooks};
 use fsdp_autograd::{InitContext, Parameter, Result, Tensor};
 use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
-use fsdp_tests::{first_difference, micro_loss, run_ranks, train_local};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, train_local};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 77;
@@ -119,12 +119,7 @@ fn check(world: usize, config: FsdpConfig) {
             fsdp.sgd_step(LR).unwrap();
             fsdp.zero_grad();
         }
-        let p: Named = fsdp
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
+        let p: Named = full_named(&fsdp);
         (losses, p)
     });
     for step in 0..STEPS {

@@ -15,7 +15,7 @@ use fsdp_core::optim::{
     AdamParams, AdamW, LocalAdamW, LocalOptimizer, LocalSgd, OptimizerState, Sgd, ShardedOptimizer,
 };
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
-use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 4321;
@@ -140,11 +140,7 @@ fn comm(pg: Arc<dyn ProcessGroup>, shard: Option<usize>) -> Comm {
 }
 
 fn full(fsdp: &Fsdp<Gpt>) -> Named {
-    fsdp.full_parameters()
-        .unwrap()
-        .into_iter()
-        .map(|(n, _, v)| (n, v))
-        .collect()
+    full_named(fsdp)
 }
 
 fn sharded(
@@ -588,11 +584,7 @@ fn mixed_sharded(world: usize, hp: AdamParams) -> Named {
             opt.step(&fsdp).unwrap();
             opt.zero_grad(&fsdp);
         }
-        fsdp.full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect::<Named>()
+        full_named(&fsdp)
     });
     ranks.into_iter().next().unwrap()
 }

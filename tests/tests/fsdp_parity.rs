@@ -12,7 +12,7 @@ use fsdp_core::{
     BackwardPrefetch, BufferLifetime, Comm, DeferredInit, Fsdp, FsdpConfig, ShardingStrategy,
     WrapPolicy,
 };
-use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, train_local};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors, train_local};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 1234;
@@ -94,12 +94,7 @@ fn fsdp_with(
             fsdp.sgd_step(LR).unwrap();
             fsdp.zero_grad();
         }
-        let full: Named = fsdp
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
+        let full: Named = full_named(&fsdp);
         (losses, full)
     });
     // Every rank gathers the same full parameters.

@@ -14,7 +14,7 @@ use fsdp_core::optim::{
 };
 use fsdp_core::scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
-use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 2024;
@@ -127,12 +127,7 @@ fn sharded(run: Run) -> (Vec<Trace>, Named, Option<(String, usize)>) {
             opt.zero_grad(&fsdp);
             trace.push((found, stepped, scale));
         }
-        let params: Named = fsdp
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect();
+        let params: Named = full_named(&fsdp);
         (trace, params, planted)
     });
     let planted = per_rank.iter().find_map(|(_, _, p)| p.clone());

@@ -21,7 +21,7 @@ use fsdp_core::state_dict::{
     TensorEntry,
 };
 use fsdp_core::{Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
-use fsdp_tests::{first_difference, micro_loss, run_ranks, token_tensors, train_local};
+use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors, train_local};
 use fsdp_tests::{sorted_by_name as sorted, Named};
 
 const SEED: u64 = 4321;
@@ -120,13 +120,7 @@ fn train_sgd(fsdp: &Fsdp<Gpt>, dev: &Device, rank: usize, world: usize, steps: R
 }
 
 fn gathered(fsdp: &Fsdp<Gpt>) -> Named {
-    sorted(
-        fsdp.full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, _, v)| (n, v))
-            .collect(),
-    )
+    sorted(full_named(fsdp))
 }
 
 fn named(d: &FullStateDict) -> Named {
