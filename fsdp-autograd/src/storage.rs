@@ -84,6 +84,34 @@ impl Storage {
         })
     }
 
+    /// A storage of `nbytes` bytes on `device` with no memory attached: it allocates nothing
+    /// until a buffer of exactly `nbytes` bytes is [attached](Storage::attach). FSDP's unsharded
+    /// flat parameters start this way — their memory exists only while a unit is unsharded.
+    ///
+    /// ```
+    /// use fsdp_alloc::Device;
+    /// use fsdp_autograd::Storage;
+    ///
+    /// let dev = Device::cpu(0);
+    /// let s = Storage::unallocated(4096, &dev);
+    /// assert!(!s.is_allocated());
+    /// assert_eq!(dev.memory_stats().allocated_bytes, 0);
+    /// s.attach(dev.alloc(4096, dev.default_stream())?)?;
+    /// assert!(s.is_allocated());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn unallocated(nbytes: usize, device: &Device) -> Storage {
+        Storage {
+            inner: Arc::new(StorageInner {
+                id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed),
+                device: device.clone(),
+                nbytes,
+                buffer: Mutex::new(None),
+                version: AtomicU64::new(0),
+            }),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Option<Buffer>> {
         self.inner.buffer.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -376,11 +376,8 @@ impl<M: Module + 'static> Fsdp<M> {
                 }
             })?;
             let storage = if config.strategy.is_sharded() {
-                let buf =
-                    device.alloc(layout.padded_numel() * param_dtype.size(), &unshard_stream)?;
-                let s = Storage::new(buf, device)?;
-                drop(s.release());
-                s
+                // No memory until the unit is first unsharded.
+                Storage::unallocated(layout.padded_numel() * param_dtype.size(), device)
             } else {
                 shard.storage().clone()
             };

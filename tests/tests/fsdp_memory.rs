@@ -4,7 +4,7 @@
 use fsdp_alloc::Device;
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
-use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, WrapPolicy};
+use fsdp_core::{BackwardPrefetch, DeferredInit, Fsdp, FsdpConfig, WrapPolicy};
 use fsdp_tests::{micro_loss, run_ranks, token_tensors};
 
 fn cfg() -> GptConfig {
@@ -81,6 +81,51 @@ fn full_shard_peak_matches_the_param_grad_model() {
             assert!(
                 (peak as f64) >= 0.85 * predicted as f64,
                 "rank {rank} ({prefetch:?}): peak {peak} B is far below the model {predicted} B: the model is wrong"
+            );
+        }
+    }
+}
+
+/// Wrapping a model built on the fake device with shard-only deferred init allocates this rank's
+/// shards and nothing else: no unit is ever materialized whole, and the unsharded flat
+/// parameters get memory only when first all-gathered (regression: `wrap` used to allocate and
+/// drop one unsharded buffer per unit just to create its storage, so the peak was the shards plus
+/// the largest unit).
+#[test]
+fn shard_only_deferred_wrap_allocates_only_the_shards() {
+    for world in [2, 4] {
+        for (rank, (peak, allocated, shard, units)) in run_ranks(world, |rank, pg| {
+            let dev = Device::cpu(rank);
+            let model = Gpt::new(&InitContext::fake(5), &cfg()).unwrap();
+            let config = FsdpConfig {
+                wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
+                deferred_init: DeferredInit::ShardOnly,
+                ..FsdpConfig::default()
+            };
+            let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+            fsdp.synchronize().unwrap();
+            let stats = dev.memory_stats();
+            let units = fsdp.units();
+            let shard: usize = units.iter().map(|u| u.3 * 4).sum();
+            (
+                stats.peak_allocated_bytes,
+                stats.allocated_bytes,
+                shard,
+                units.len(),
+            )
+        })
+        .into_iter()
+        .enumerate()
+        {
+            // The allocator rounds each allocation up to 512 bytes.
+            let slack = 512 * units;
+            assert!(
+                allocated >= shard && allocated <= shard + slack,
+                "W={world} rank {rank}: {allocated} B allocated after wrap, shards are {shard} B"
+            );
+            assert!(
+                peak <= shard + slack,
+                "W={world} rank {rank}: wrap peaked at {peak} B, shards are {shard} B"
             );
         }
     }
