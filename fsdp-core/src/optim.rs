@@ -416,6 +416,15 @@ impl Slots {
         }
     }
 
+    /// Slots for `n` parameters, known up front (local optimizers).
+    fn sized(names: &'static [&'static str], n: usize) -> Slots {
+        Slots {
+            names,
+            tensors: vec![vec![None; n]; names.len()],
+            steps: vec![0; n],
+        }
+    }
+
     /// Sizes the state for `n` units on first use; afterwards `n` must not change.
     fn ensure(&mut self, n: usize, op: &str) -> Result<()> {
         if self.steps.is_empty() && self.tensors.iter().all(|t| t.is_empty()) {
@@ -702,6 +711,62 @@ fn state_tensor(
     }
 }
 
+/// The state accessors every [`ShardedOptimizer`] here shares (its state lives in `self.slots`,
+/// one entry per unit).
+macro_rules! sharded_state_methods {
+    ($slots:expr, $op:literal) => {
+        fn slot_names(&self) -> &'static [&'static str] {
+            $slots
+        }
+
+        fn state(&self) -> OptimizerState {
+            self.slots.export()
+        }
+
+        fn step_counts(&self) -> Vec<u64> {
+            self.slots.steps.clone()
+        }
+
+        fn load_state(
+            &mut self,
+            model: &dyn ShardedParams,
+            state: OptimizerState,
+            steps: Vec<u64>,
+        ) -> Result<()> {
+            let numel: Vec<usize> = model.shards().iter().map(|s| s.shard.numel()).collect();
+            self.slots
+                .import($op, state, steps, &numel, model.shard_device())
+        }
+    };
+}
+
+/// The accessors every [`LocalOptimizer`] here shares (`self.params`, state in `self.slots`,
+/// one entry per parameter).
+macro_rules! local_state_methods {
+    ($slots:expr, $op:literal) => {
+        fn params(&self) -> &[Parameter] {
+            &self.params
+        }
+
+        fn slot_names(&self) -> &'static [&'static str] {
+            $slots
+        }
+
+        fn state(&self) -> OptimizerState {
+            self.slots.export()
+        }
+
+        fn step_counts(&self) -> Vec<u64> {
+            self.slots.steps.clone()
+        }
+
+        fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()> {
+            let (numel, device) = local_sizes(&self.params, $op)?;
+            self.slots.import($op, state, steps, &numel, &device)
+        }
+    };
+}
+
 // ============================================================================ SGD
 
 const SGD_SLOTS: &[&str] = &["momentum_buffer"];
@@ -798,33 +863,7 @@ impl ShardedOptimizer for Sgd {
         Ok(())
     }
 
-    fn slot_names(&self) -> &'static [&'static str] {
-        SGD_SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
-
-    fn load_state(
-        &mut self,
-        model: &dyn ShardedParams,
-        state: OptimizerState,
-        steps: Vec<u64>,
-    ) -> Result<()> {
-        let numel: Vec<usize> = model.shards().iter().map(|s| s.shard.numel()).collect();
-        self.slots.import(
-            "Sgd::load_state",
-            state,
-            steps,
-            &numel,
-            model.shard_device(),
-        )
-    }
+    sharded_state_methods!(SGD_SLOTS, "Sgd::load_state");
 }
 
 /// Local SGD over plain parameters with exactly [`Sgd`]'s arithmetic (and
@@ -862,10 +901,7 @@ pub struct LocalSgd {
 impl LocalSgd {
     /// SGD over `params` with learning rate `lr`, no momentum or weight decay.
     pub fn new(params: Vec<Parameter>, lr: f32) -> LocalSgd {
-        let mut slots = Slots::new(SGD_SLOTS);
-        let n = params.len();
-        slots.steps = vec![0; n];
-        slots.tensors = vec![vec![None; n]];
+        let slots = Slots::sized(SGD_SLOTS, params.len());
         LocalSgd {
             params,
             lr,
@@ -915,27 +951,7 @@ impl LocalOptimizer for LocalSgd {
         Ok(())
     }
 
-    fn params(&self) -> &[Parameter] {
-        &self.params
-    }
-
-    fn slot_names(&self) -> &'static [&'static str] {
-        SGD_SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
-
-    fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()> {
-        let (numel, device) = local_sizes(&self.params, "LocalSgd::load_state")?;
-        self.slots
-            .import("LocalSgd::load_state", state, steps, &numel, &device)
-    }
+    local_state_methods!(SGD_SLOTS, "LocalSgd::load_state");
 }
 
 /// Numels of `params` and their (common) device.
@@ -1088,33 +1104,7 @@ impl ShardedOptimizer for AdamW {
         Ok(())
     }
 
-    fn slot_names(&self) -> &'static [&'static str] {
-        ADAM_SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
-
-    fn load_state(
-        &mut self,
-        model: &dyn ShardedParams,
-        state: OptimizerState,
-        steps: Vec<u64>,
-    ) -> Result<()> {
-        let numel: Vec<usize> = model.shards().iter().map(|s| s.shard.numel()).collect();
-        self.slots.import(
-            "AdamW::load_state",
-            state,
-            steps,
-            &numel,
-            model.shard_device(),
-        )
-    }
+    sharded_state_methods!(ADAM_SLOTS, "AdamW::load_state");
 }
 
 /// Local AdamW over plain parameters with exactly [`AdamW`]'s arithmetic.
@@ -1147,10 +1137,7 @@ pub struct LocalAdamW {
 impl LocalAdamW {
     /// AdamW over `params` with hyper-parameters `hp`.
     pub fn new(params: Vec<Parameter>, hp: AdamParams) -> LocalAdamW {
-        let n = params.len();
-        let mut slots = Slots::new(ADAM_SLOTS);
-        slots.steps = vec![0; n];
-        slots.tensors = vec![vec![None; n]; 2];
+        let slots = Slots::sized(ADAM_SLOTS, params.len());
         LocalAdamW {
             params,
             hyper: hp,
@@ -1191,27 +1178,7 @@ impl LocalOptimizer for LocalAdamW {
         Ok(())
     }
 
-    fn params(&self) -> &[Parameter] {
-        &self.params
-    }
-
-    fn slot_names(&self) -> &'static [&'static str] {
-        ADAM_SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
-
-    fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()> {
-        let (numel, device) = local_sizes(&self.params, "LocalAdamW::load_state")?;
-        self.slots
-            .import("LocalAdamW::load_state", state, steps, &numel, &device)
-    }
+    local_state_methods!(ADAM_SLOTS, "LocalAdamW::load_state");
 }
 
 // ============================================================================ LAMB
@@ -1389,33 +1356,7 @@ impl ShardedOptimizer for Lamb {
         Ok(())
     }
 
-    fn slot_names(&self) -> &'static [&'static str] {
-        ADAM_SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
-
-    fn load_state(
-        &mut self,
-        model: &dyn ShardedParams,
-        state: OptimizerState,
-        steps: Vec<u64>,
-    ) -> Result<()> {
-        let numel: Vec<usize> = model.shards().iter().map(|s| s.shard.numel()).collect();
-        self.slots.import(
-            "Lamb::load_state",
-            state,
-            steps,
-            &numel,
-            model.shard_device(),
-        )
-    }
+    sharded_state_methods!(ADAM_SLOTS, "Lamb::load_state");
 }
 
 /// Local LAMB-style optimizer with [`Lamb`]'s elementwise arithmetic; the norms are summed over
@@ -1449,10 +1390,7 @@ pub struct LocalLamb {
 impl LocalLamb {
     /// LAMB over `params` with hyper-parameters `hp`.
     pub fn new(params: Vec<Parameter>, hp: AdamParams) -> LocalLamb {
-        let n = params.len();
-        let mut slots = Slots::new(ADAM_SLOTS);
-        slots.steps = vec![0; n];
-        slots.tensors = vec![vec![None; n]; 2];
+        let slots = Slots::sized(ADAM_SLOTS, params.len());
         LocalLamb {
             params,
             hyper: hp,
@@ -1496,27 +1434,7 @@ impl LocalOptimizer for LocalLamb {
         Ok(())
     }
 
-    fn params(&self) -> &[Parameter] {
-        &self.params
-    }
-
-    fn slot_names(&self) -> &'static [&'static str] {
-        ADAM_SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
-
-    fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()> {
-        let (numel, device) = local_sizes(&self.params, "LocalLamb::load_state")?;
-        self.slots
-            .import("LocalLamb::load_state", state, steps, &numel, &device)
-    }
+    local_state_methods!(ADAM_SLOTS, "LocalLamb::load_state");
 }
 
 #[cfg(test)]
