@@ -14,6 +14,7 @@ use fsdp_core::{
 };
 use fsdp_tests::{first_difference, full_named, micro_loss, run_ranks, token_tensors, train_local};
 use fsdp_tests::{sorted_by_name as sorted, Named};
+use proptest::prelude::*;
 
 const SEED: u64 = 1234;
 const BATCH: usize = 2;
@@ -41,8 +42,8 @@ fn batch(
     rank: usize,
     world: usize,
     dev: &Device,
+    c: &GptConfig,
 ) -> (fsdp_autograd::Tensor, fsdp_autograd::Tensor) {
-    let c = cfg();
     token_tensors(step * world + rank, BATCH, c.seq_len, c.vocab, dev)
 }
 
@@ -50,7 +51,7 @@ fn local(world: usize, group: usize, model_cfg: &GptConfig) -> (Vec<Vec<f32>>, N
     let dev = Device::cpu(1000);
     let model = Gpt::new(&InitContext::eager(&dev, SEED), model_cfg).unwrap();
     train_local(&model, &dev, world, group, STEPS, LR, &|s, r, d| {
-        batch(s, r, world, d)
+        batch(s, r, world, d, model_cfg)
     })
 }
 
@@ -86,7 +87,7 @@ fn fsdp_with(
         let fsdp = Fsdp::wrap(model, &dev, comm, config.clone()).unwrap();
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            let (x, y) = batch(step, rank, world, &dev);
+            let (x, y) = batch(step, rank, world, &dev, &model_cfg);
             let logits = fsdp.forward(&x).unwrap();
             let loss = micro_loss(&logits, &y, world);
             losses.push(loss.item().unwrap());
@@ -315,7 +316,7 @@ fn cpu_offload_keeps_shards_and_gradients_on_the_host_device() {
             ..FsdpConfig::default()
         };
         let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
-        let (x, y) = batch(0, rank, 2, &dev);
+        let (x, y) = batch(0, rank, 2, &dev, &cfg());
         micro_loss(&fsdp.forward(&x).unwrap(), &y, 2)
             .backward()
             .unwrap();
@@ -453,4 +454,84 @@ fn checked_devices_find_no_ordering_violation_and_change_no_bit() {
         ..FsdpConfig::default()
     };
     check_devices(2, None, config, true, &untied(), true);
+}
+
+/// Any point of the configuration space: world size, sharding strategy (hybrid with any shard
+/// group size dividing it), prefetch modes, rate limiter, buffer lifetime, wrap policy, deferred
+/// init and model shape (ragged numels, tied or not).
+fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool, GptConfig)> {
+    let model = (
+        1usize..=2,
+        2usize..=4,
+        3usize..=25,
+        1usize..=3,
+        1usize..=5,
+        any::<bool>(),
+    )
+        .prop_map(|(heads, head_dim, vocab, layers, seq, tied)| GptConfig {
+            vocab,
+            d_model: heads * head_dim,
+            n_layers: layers,
+            n_heads: heads,
+            seq_len: seq,
+            tied,
+            checkpoint: false,
+        });
+    let knobs = (
+        0usize..4,
+        0usize..3,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        0usize..3,
+        1usize..200,
+        0usize..3,
+    );
+    (1usize..=6, any::<usize>(), knobs, model).prop_map(
+        |(world, pick, (s, bp, fwd, limit, explicit, pol, min, def), model)| {
+            let divisors: Vec<usize> = (1..=world).filter(|f| world % f == 0).collect();
+            let strategy = [
+                ShardingStrategy::FullShard,
+                ShardingStrategy::ShardGradOp,
+                ShardingStrategy::NoShard,
+                ShardingStrategy::HybridShard,
+            ][s];
+            let shard = (strategy == ShardingStrategy::HybridShard)
+                .then(|| divisors[pick % divisors.len()]);
+            let config = FsdpConfig {
+                strategy,
+                wrap_policy: [blocks(), WrapPolicy::RootOnly, WrapPolicy::MinParams(min)][pol]
+                    .clone(),
+                backward_prefetch: [
+                    BackwardPrefetch::None,
+                    BackwardPrefetch::BackwardPre,
+                    BackwardPrefetch::BackwardPost,
+                ][bp],
+                forward_prefetch: fwd,
+                limit_all_gathers: limit,
+                buffer_lifetime: if explicit {
+                    BufferLifetime::Explicit
+                } else {
+                    BufferLifetime::RecordStream
+                },
+                deferred_init: [DeferredInit::ShardOnly, DeferredInit::UnitByUnit][def % 2],
+                ..FsdpConfig::default()
+            };
+            (world, shard, config, def < 2, model)
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    /// The law behind every test above, over the whole configuration space at once: FSDP on W
+    /// thread ranks equals local training with (grouped) W-way gradient accumulation, bit for
+    /// bit — losses and parameters.
+    #[test]
+    fn any_configuration_trains_exactly_like_local(
+        (world, shard, config, deferred, model) in any_setup()
+    ) {
+        check_with(world, shard, config, deferred, &model);
+    }
 }
