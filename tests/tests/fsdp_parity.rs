@@ -535,3 +535,16 @@ proptest! {
         check_with(world, shard, config, deferred, &model);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    /// The same law with 25 times the cases (`cargo xtask soak`).
+    #[test]
+    #[ignore = "soak: ~1.5 min; run by `cargo xtask soak`"]
+    fn any_configuration_trains_exactly_like_local_soak(
+        (world, shard, config, deferred, model) in any_setup()
+    ) {
+        check_with(world, shard, config, deferred, &model);
+    }
+}
