@@ -458,7 +458,7 @@ fn checked_devices_find_no_ordering_violation_and_change_no_bit() {
 
 /// Any point of the configuration space: world size, sharding strategy (hybrid with any shard
 /// group size dividing it), prefetch modes, rate limiter, buffer lifetime, wrap policy, deferred
-/// init and model shape (ragged numels, tied or not).
+/// init and model shape (ragged numels, tied or not, activation-checkpointed or not).
 fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool, GptConfig)> {
     let model = (
         1usize..=2,
@@ -467,16 +467,19 @@ fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool,
         1usize..=3,
         1usize..=5,
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(heads, head_dim, vocab, layers, seq, tied)| GptConfig {
-            vocab,
-            d_model: heads * head_dim,
-            n_layers: layers,
-            n_heads: heads,
-            seq_len: seq,
-            tied,
-            checkpoint: false,
-        });
+        .prop_map(
+            |(heads, head_dim, vocab, layers, seq, tied, checkpoint)| GptConfig {
+                vocab,
+                d_model: heads * head_dim,
+                n_layers: layers,
+                n_heads: heads,
+                seq_len: seq,
+                tied,
+                checkpoint,
+            },
+        );
     let knobs = (
         0usize..4,
         0usize..3,
@@ -546,5 +549,32 @@ proptest! {
         (world, shard, config, deferred, model) in any_setup()
     ) {
         check_with(world, shard, config, deferred, &model);
+    }
+}
+
+#[test]
+fn activation_checkpointing_trains_exactly_like_local() {
+    let ckpt = untied().with_checkpoint(true);
+    for (w, strategy, bp) in [
+        (
+            2,
+            ShardingStrategy::FullShard,
+            BackwardPrefetch::BackwardPre,
+        ),
+        (
+            3,
+            ShardingStrategy::FullShard,
+            BackwardPrefetch::BackwardPost,
+        ),
+        (3, ShardingStrategy::ShardGradOp, BackwardPrefetch::None),
+        (2, ShardingStrategy::NoShard, BackwardPrefetch::BackwardPre),
+    ] {
+        let config = FsdpConfig {
+            strategy,
+            wrap_policy: blocks(),
+            backward_prefetch: bp,
+            ..FsdpConfig::default()
+        };
+        check_with(w, None, config, false, &ckpt);
     }
 }
