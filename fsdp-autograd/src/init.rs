@@ -38,6 +38,9 @@
 //!   interval lies mostly above the mean) for accuracy; see [`ndtr`] (once per op) and [`ndtri`]
 //!   (Wichura's AS 241, once per element). No rejection
 //!   loop, so it stays position-wise. The result is clamped to `[a, b]` against rounding.
+//! * [`InitOp::Orthogonal`] draws the same standard normals (kept in `f64`), factors them with
+//!   Householder QR in `f64` and rounds `gain · Q` to `f32`: deterministic like the rest, but a
+//!   whole-tensor op, so a shard of it is cut from the whole parameter.
 //!
 //! All arithmetic is IEEE `f64` without fused operations; `ln`, `cos`, `exp` and `sqrt` come from
 //! the platform's math library. Results are therefore bitwise reproducible on one platform (and in
@@ -187,9 +190,9 @@ impl fmt::Debug for CustomInit {
 /// One step of a parameter's initialization. A parameter's values are the result of applying its
 /// ops in order to a tensor of zeros.
 ///
-/// Every op except [`InitOp::CopyFrom`] and [`InitOp::Custom`] is *position-wise*: the new value of
-/// element `i` depends only on its old value, `i` and the op's key (see the module docs), so any
-/// sub-range can be computed alone ([`fill_positionwise`]).
+/// Every op except [`InitOp::CopyFrom`], [`InitOp::Orthogonal`] and [`InitOp::Custom`] is
+/// *position-wise*: the new value of element `i` depends only on its old value, `i` and the op's
+/// key (see the module docs), so any sub-range can be computed alone ([`fill_positionwise`]).
 #[derive(Debug, Clone)]
 pub enum InitOp {
     /// Every element set to the value (zeros, ones, constants).
@@ -254,13 +257,24 @@ pub enum InitOp {
         /// Fully-qualified name of the source parameter.
         source: String,
     },
+    /// A (semi-)orthogonal matrix times `gain` (PyTorch `orthogonal_`): the tensor is viewed as
+    /// `rows = shape[0]` × `cols = numel / rows`; a standard-normal matrix drawn from the op's
+    /// counter-based stream (element `i` from block `i`, as [`InitOp::Normal`]) is QR-factorized
+    /// on the host in `f64` (Householder), and `Q` — made unique by giving `R` a positive diagonal
+    /// — is the result (its transpose when `rows < cols`): orthonormal columns if `rows ≥ cols`,
+    /// orthonormal rows otherwise. Needs at least 2 dimensions and a finite gain. Whole-tensor
+    /// (every element depends on all draws), `O(rows · cols · min(rows, cols))` host work.
+    Orthogonal {
+        /// Multiplier of the result.
+        gain: f32,
+    },
     /// A user closure over the whole tensor.
     Custom(CustomInit),
 }
 
 impl InitOp {
-    /// Whether the op is position-wise (everything except [`InitOp::CopyFrom`] and
-    /// [`InitOp::Custom`]).
+    /// Whether the op is position-wise (everything except [`InitOp::CopyFrom`],
+    /// [`InitOp::Orthogonal`] and [`InitOp::Custom`]).
     ///
     /// ```
     /// use fsdp_autograd::init::InitOp;
@@ -268,7 +282,10 @@ impl InitOp {
     /// assert!(!InitOp::CopyFrom { source: "wte.weight".into() }.is_positionwise());
     /// ```
     pub fn is_positionwise(&self) -> bool {
-        !matches!(self, InitOp::CopyFrom { .. } | InitOp::Custom(_))
+        !matches!(
+            self,
+            InitOp::CopyFrom { .. } | InitOp::Orthogonal { .. } | InitOp::Custom(_)
+        )
     }
 
     /// Whether the op ignores the current values (it overwrites every element). `Scale` and
@@ -296,6 +313,7 @@ impl InitOp {
             InitOp::XavierNormal { gain } => format!("xavier_normal(gain={gain})"),
             InitOp::Scale(s) => format!("scale({s})"),
             InitOp::CopyFrom { source } => format!("copy_from({source})"),
+            InitOp::Orthogonal { gain } => format!("orthogonal(gain={gain})"),
             InitOp::Custom(c) => format!("custom({})", c.name()),
         }
     }
@@ -902,7 +920,7 @@ fn lower(fqn: &str, i: usize, op: &InitOp, shape: &[usize]) -> Result<Kernel, In
                 normal_kernel(fqn, i, op, 0.0, std)?
             }
         }
-        InitOp::CopyFrom { .. } | InitOp::Custom(_) => {
+        InitOp::CopyFrom { .. } | InitOp::Orthogonal { .. } | InitOp::Custom(_) => {
             return Err(InitError::NotPositionwise {
                 fqn: fqn.to_string(),
                 op_index: i,
@@ -996,9 +1014,9 @@ pub fn last_overwrite(ops: &[InitOp]) -> Option<usize> {
 /// resolved position-wise itself. Ops before the last overwriting op in `ops[from..]` are skipped
 /// (their results would be overwritten), which does not change any value.
 ///
-/// Errors: [`InitError::NotPositionwise`] if any op in `ops[from..]` is `CopyFrom` or `Custom`
-/// (checked before anything is written), [`InitError::RangeOutOfBounds`], [`InitError::TooLarge`],
-/// and invalid-op errors.
+/// Errors: [`InitError::NotPositionwise`] if any op in `ops[from..]` is `CopyFrom`,
+/// `Orthogonal` or `Custom` (checked before anything is written), [`InitError::RangeOutOfBounds`],
+/// [`InitError::TooLarge`], and invalid-op errors.
 pub fn apply_positionwise(
     ops: &[InitOp],
     from: usize,
@@ -1047,8 +1065,8 @@ pub fn apply_positionwise(
 /// arguments, never on which other elements were generated, so any sub-range equals the same
 /// slice of the whole tensor, bit for bit.
 ///
-/// Errors: [`InitError::NotPositionwise`] for `CopyFrom`/`Custom` ops (use [`fill_whole`]),
-/// [`InitError::RangeOutOfBounds`] if the range exceeds the shape's element count,
+/// Errors: [`InitError::NotPositionwise`] for `CopyFrom`/`Orthogonal`/`Custom` ops (use
+/// [`fill_whole`]), [`InitError::RangeOutOfBounds`] if the range exceeds the shape's element count,
 /// [`InitError::FanUndefined`] for Kaiming/Xavier on 0-D shapes, [`InitError::InvalidOp`] for bad
 /// arguments, [`InitError::TooLarge`] beyond the counter layout.
 ///
@@ -1116,10 +1134,12 @@ pub fn fill_whole(
         });
     }
     check_limits(fqn, ops, numel)?;
-    // Validate the position-wise ops up front.
+    // Validate the position-wise ops (and orthogonal's arguments) up front.
     for (i, op) in ops.iter().enumerate() {
         if op.is_positionwise() {
             lower(fqn, i, op, shape)?;
+        } else if let InitOp::Orthogonal { gain } = op {
+            check_orthogonal(fqn, i, op, *gain, shape)?;
         }
     }
     // Skip everything before the last overwriting op: it would be overwritten.
@@ -1144,6 +1164,9 @@ pub fn fill_whole(
                 out.copy_from_slice(&src);
             }
             InitOp::Custom(c) => c.apply(out, shape),
+            InitOp::Orthogonal { gain } => {
+                orthogonal_fill(key, counter_base(fqn, i), shape, f64::from(*gain), out)
+            }
             _ => {
                 let k = lower(fqn, i, op, shape)?;
                 run_kernel(&k, key, counter_base(fqn, i), 0, out);
@@ -1151,6 +1174,117 @@ pub fn fill_whole(
         }
     }
     Ok(())
+}
+
+fn check_orthogonal(
+    fqn: &str,
+    i: usize,
+    op: &InitOp,
+    gain: f32,
+    shape: &[usize],
+) -> Result<(), InitError> {
+    if !gain.is_finite() {
+        return Err(invalid(fqn, i, op, "gain must be finite"));
+    }
+    if shape.len() < 2 {
+        return Err(invalid(
+            fqn,
+            i,
+            op,
+            format!(
+                "needs a tensor of at least 2 dimensions (rows × the rest), got shape {shape:?}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// [`InitOp::Orthogonal`] for the whole tensor (arguments already checked).
+fn orthogonal_fill(key: [u32; 2], base: u128, shape: &[usize], gain: f64, out: &mut [f32]) {
+    let numel = out.len();
+    if numel == 0 {
+        return;
+    }
+    let rows = shape[0];
+    let cols = numel / rows;
+    // Standard normals, element i from Philox block i (row-major rows × cols).
+    let mut a = vec![0f64; numel];
+    let mut words = [0u32; 4 * BATCH];
+    for (c, chunk) in a.chunks_mut(BATCH).enumerate() {
+        let w = &mut words[..4 * chunk.len()];
+        Philox::new(key, base + (c * BATCH) as u128).fill_u32(w);
+        for (x, b) in chunk.iter_mut().zip(w.chunks_exact(4)) {
+            *x = std_normal(b);
+        }
+    }
+    // Factor the tall orientation m × n (m ≥ n): the matrix itself, or its transpose.
+    let tall = rows >= cols;
+    let (m, n) = if tall { (rows, cols) } else { (cols, rows) };
+    // Column-major m × n.
+    let mut t = vec![0f64; m * n];
+    for r in 0..rows {
+        for c in 0..cols {
+            let (i, j) = if tall { (r, c) } else { (c, r) };
+            t[j * m + i] = a[r * cols + c];
+        }
+    }
+    let q = householder_q(&mut t, m, n);
+    for r in 0..rows {
+        for c in 0..cols {
+            let (i, j) = if tall { (r, c) } else { (c, r) };
+            out[r * cols + c] = (gain * q[j * m + i]) as f32;
+        }
+    }
+}
+
+/// Thin `Q` (column-major m × n) of the QR factorization of column-major `a` (m × n, m ≥ n), with
+/// the signs chosen so that `R` has a non-negative diagonal (the unique factorization when `a`
+/// has full rank). `a` is overwritten.
+fn householder_q(a: &mut [f64], m: usize, n: usize) -> Vec<f64> {
+    // Reflectors v_k (unit vectors over rows k..m), and the sign of R's diagonal entry k.
+    let mut vs: Vec<Vec<f64>> = Vec::with_capacity(n);
+    let mut signs = vec![1f64; n];
+    for k in 0..n {
+        let x = &a[k * m + k..(k + 1) * m];
+        let norm = x.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let mut v = x.to_vec();
+        if norm == 0.0 {
+            vs.push(v.iter().map(|_| 0.0).collect());
+            continue;
+        }
+        // R_kk = alpha; choose its sign opposite to x_0 for stability.
+        let alpha = if x[0] >= 0.0 { -norm } else { norm };
+        v[0] -= alpha;
+        let vnorm = v.iter().map(|e| e * e).sum::<f64>().sqrt();
+        if vnorm > 0.0 {
+            v.iter_mut().for_each(|e| *e /= vnorm);
+        }
+        // Apply H = I − 2vvᵀ to the remaining columns.
+        for j in k..n {
+            let col = &mut a[j * m + k..(j + 1) * m];
+            let d: f64 = 2.0 * v.iter().zip(col.iter()).map(|(p, q)| p * q).sum::<f64>();
+            col.iter_mut().zip(&v).for_each(|(c, p)| *c -= d * p);
+        }
+        signs[k] = if alpha < 0.0 { -1.0 } else { 1.0 };
+        vs.push(v);
+    }
+    // Q = H_0 · … · H_{n−1} · I[:, :n], then column k times sign(R_kk).
+    let mut q = vec![0f64; m * n];
+    for j in 0..n {
+        q[j * m + j] = 1.0;
+    }
+    for k in (0..n).rev() {
+        let v = &vs[k];
+        for j in 0..n {
+            let col = &mut q[j * m + k..(j + 1) * m];
+            let d: f64 = 2.0 * v.iter().zip(col.iter()).map(|(p, q)| p * q).sum::<f64>();
+            col.iter_mut().zip(v).for_each(|(c, p)| *c -= d * p);
+        }
+    }
+    for (j, s) in signs.iter().enumerate() {
+        q[j * m..(j + 1) * m].iter_mut().for_each(|e| *e *= s);
+    }
+    q
 }
 
 #[cfg(test)]
@@ -1840,6 +1974,79 @@ mod tests {
                 fill_whole(&ops, seed, "blocks.1.attn.qkv.weight", &shape, &mut w, &mut no_resolve).unwrap();
                 prop_assert_eq!(bits(&w), bits(&whole));
             }
+
+            /// Orthogonal init has orthonormal columns (tall) or rows (wide), times the gain,
+            /// for any shape of 2 or more dimensions; it is deterministic, differs by seed, and
+            /// replaces earlier values.
+            #[test]
+            fn orthogonal_is_orthonormal_times_gain(
+                dims in proptest::collection::vec(1usize..9, 2..4),
+                gain in 0.25f32..3.0,
+                seed in any::<u64>(),
+            ) {
+                let numel: usize = dims.iter().product();
+                let (rows, cols) = (dims[0], numel / dims[0]);
+                let ops = [InitOp::Fill(5.0), InitOp::Orthogonal { gain }];
+                let mut q = vec![0f32; numel];
+                fill_whole(&ops, seed, "w", &dims, &mut q, &mut no_resolve).unwrap();
+                let mut again = vec![1f32; numel];
+                let ops2 = [InitOp::Fill(-1.0), InitOp::Orthogonal { gain }];
+                fill_whole(&ops2, seed, "w", &dims, &mut again, &mut no_resolve).unwrap();
+                prop_assert_eq!(&q, &again);
+                // Gram matrix of the short side: columns if rows ≥ cols, else rows.
+                let (k, len) = if rows >= cols { (cols, rows) } else { (rows, cols) };
+                let at = |a: usize, i: usize| -> f64 {
+                    let (r, c) = if rows >= cols { (i, a) } else { (a, i) };
+                    f64::from(q[r * cols + c])
+                };
+                let g2 = f64::from(gain) * f64::from(gain);
+                for a in 0..k {
+                    for b in 0..k {
+                        let dot: f64 = (0..len).map(|i| at(a, i) * at(b, i)).sum();
+                        let want = if a == b { g2 } else { 0.0 };
+                        prop_assert!((dot - want).abs() < 1e-5 * g2.max(1.0), "{dot} vs {want}");
+                    }
+                }
+                if numel > 1 {
+                    let mut other = vec![0f32; numel];
+                    fill_whole(&ops, seed ^ 1, "w", &dims, &mut other, &mut no_resolve).unwrap();
+                    prop_assert_ne!(&q, &other);
+                }
+            }
         }
+    }
+
+    #[test]
+    fn orthogonal_needs_two_dimensions_and_a_finite_gain() {
+        let op = InitOp::Orthogonal { gain: 1.0 };
+        assert!(!op.is_positionwise() && op.overwrites());
+        let mut v = vec![0f32; 4];
+        let err = fill_whole(
+            std::slice::from_ref(&op),
+            0,
+            "b",
+            &[4],
+            &mut v,
+            &mut no_resolve,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("at least 2 dimensions"), "{err}");
+        let nan = InitOp::Orthogonal { gain: f32::NAN };
+        let err = fill_whole(&[nan], 0, "w", &[2, 2], &mut v, &mut no_resolve).unwrap_err();
+        assert!(err.to_string().contains("gain must be finite"), "{err}");
+        // Position-wise evaluation refuses it with the usual typed error.
+        let err = fill_positionwise(&[op], 0, "w", &[2, 2], 0, &mut v).unwrap_err();
+        assert!(matches!(err, InitError::NotPositionwise { .. }), "{err}");
+        // Empty tensors have nothing to fill.
+        let mut e: Vec<f32> = Vec::new();
+        fill_whole(
+            &[InitOp::Orthogonal { gain: 1.0 }],
+            0,
+            "w",
+            &[0, 3],
+            &mut e,
+            &mut no_resolve,
+        )
+        .unwrap();
     }
 }

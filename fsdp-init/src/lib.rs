@@ -9,7 +9,7 @@
 //! * **The fake device** is [`fsdp_autograd::InitContext::fake`]: building any module there
 //!   allocates nothing; every parameter records its [`fsdp_autograd::init::InitOp`]s (fill,
 //!   uniform, normal, truncated normal, Kaiming/Xavier with the fan from the shape, scale,
-//!   copy-from another parameter, named closures over the whole tensor).
+//!   orthogonal, copy-from another parameter, named closures over the whole tensor).
 //! * **Counter-based RNG** ([`fsdp_autograd::init`]): element `i` of op `k` of parameter `fqn`
 //!   is a pure function of `(seed, fqn, k, i)` (Philox4x32-10), so any element range can be
 //!   generated alone and eager init — which runs the same code — gives the same bits.
@@ -24,7 +24,7 @@
 //! | whole model | [`materialize`], [`InitPlan::materialize_all`] | the model |
 //! | one unit's parameters | [`materialize_unit`], [`InitPlan::materialize_unit`] | the unit |
 //! | unit → shard (build, shard, free) | [`InitPlan::materialize_unit_sharded`] | shards so far + one unit |
-//! | shard only | [`materialize_shard`], [`InitPlan::materialize_shard`] | shards so far (+ one whole parameter for `Custom` ops) |
+//! | shard only | [`materialize_shard`], [`InitPlan::materialize_shard`] | shards so far (+ one whole parameter for `Orthogonal` and `Custom` ops) |
 //! | streaming an existing model | [`stream_shard`] ([`InitPlan::materialize_shard`] on materialized parameters) | shards so far |
 //!
 //! Cross-unit dependencies (a `CopyFrom` whose source is in another unit) are detected

@@ -209,8 +209,8 @@ impl InitPlan {
     /// * Unmaterialized, position-wise parameters (fill, uniform, normal, truncated normal,
     ///   Kaiming/Xavier, scale, and copies of such parameters): only this rank's elements are
     ///   generated, straight into the shard — nothing else is allocated.
-    /// * Unmaterialized parameters with a whole-tensor op (`Custom`) that this rank holds a piece
-    ///   of: the whole parameter is built in a temporary `f32` buffer on `device`, its piece
+    /// * Unmaterialized parameters with a whole-tensor op (`Orthogonal`, `Custom`) that this
+    ///   rank holds a piece of: the whole parameter is built in a temporary `f32` buffer on `device`, its piece
     ///   copied, and the buffer freed before the next parameter (peak: shard + that parameter).
     /// * Materialized parameters (streaming an existing model): this rank's piece is copied from
     ///   the parameter's tensor (any device; converted to the unit's dtype if needed).

@@ -35,8 +35,8 @@ pub(crate) struct Recipe {
     /// First op to apply after the base (ops before it cannot affect the values).
     pub from: usize,
     pub base: Base,
-    /// True if every value can be computed for any element range alone: no `Custom` op among
-    /// the effective ops of this parameter or of its copy sources.
+    /// True if every value can be computed for any element range alone: no whole-tensor op
+    /// (`Orthogonal`, `Custom`) among the effective ops of this parameter or of its copy sources.
     pub positionwise: bool,
 }
 

@@ -57,8 +57,8 @@ fn whole_tensor_fallback_builds_one_parameter_at_a_time() {
         .collect();
     assert_eq!(
         whole_ops.len(),
-        2,
-        "custom and copy_custom need the whole tensor"
+        4,
+        "custom, copy_custom and the two orthogonal parameters need the whole tensor"
     );
     let largest_whole = whole_ops
         .iter()

@@ -203,6 +203,17 @@ pub fn every_op_specs(prefix: &str) -> Vec<(String, Vec<usize>, Vec<InitOp>)> {
                 normalize_rows(),
             ],
         ),
+        // Orthogonal (whole-tensor, built-in): tall, and wide with a third dimension.
+        (
+            n("orthogonal"),
+            vec![12, 5],
+            vec![InitOp::Orthogonal { gain: 1.0 }],
+        ),
+        (
+            n("orthogonal_wide"),
+            vec![4, 3, 3],
+            vec![InitOp::Orthogonal { gain: 2.0 }, InitOp::Scale(0.5)],
+        ),
         // A copy of the closure's result: whole-tensor through its source.
         (
             n("copy_custom"),
