@@ -168,6 +168,14 @@ pub struct FsdpConfig {
     /// Copies between devices are host-memory copies: CPU devices only (a CUDA compute device
     /// is refused until host↔device copies exist).
     pub cpu_offload: Option<Device>,
+    /// Compare the units' forward order across ranks at the end of the first this-many backward
+    /// passes (one all-gather of a number per unit and a host wait, each time); a difference is
+    /// [`crate::FsdpError::ExecutionOrder`], raised from `backward` on every rank. FSDP pairs
+    /// collectives by issue order, so ranks that run units in different orders (a rank- or
+    /// data-dependent forward) would otherwise exchange one unit's shards for another's —
+    /// silently when their sizes match. `0` disables the check, `usize::MAX` checks every
+    /// iteration. Default 1: the first iteration.
+    pub verify_execution_order: usize,
 }
 
 impl Default for FsdpConfig {
@@ -183,6 +191,7 @@ impl Default for FsdpConfig {
             deferred_init: DeferredInit::ShardOnly,
             mixed_precision: None,
             cpu_offload: None,
+            verify_execution_order: 1,
         }
     }
 }

@@ -32,6 +32,26 @@ pub enum FsdpError {
     /// A flat-parameter layout error.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// Ranks ran their units in different orders in one iteration (see
+    /// [`crate::FsdpConfig::verify_execution_order`]).
+    #[error(
+        "units ran in different orders on rank {rank} ({ours}) and rank {peer} ({theirs}) of \
+         group `{group}`: FSDP pairs the ranks' collectives by issue order, so every rank must \
+         run its units in the same order; make the forward's control flow the same on every \
+         rank, or wrap the modules whose order varies into one unit"
+    )]
+    ExecutionOrder {
+        /// This rank (in `group`).
+        rank: usize,
+        /// The first rank whose order differs.
+        peer: usize,
+        /// The group the orders were compared in.
+        group: String,
+        /// This rank's forward order, as unit paths.
+        ours: String,
+        /// The peer's forward order, as unit paths.
+        theirs: String,
+    },
 }
 
 impl From<FsdpError> for AutogradError {

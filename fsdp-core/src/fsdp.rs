@@ -105,6 +105,8 @@ struct IterState {
     callback_queued: bool,
     /// Completion events of reductions the compute stream has not waited on yet.
     pending_reductions: Vec<Event>,
+    /// Backward passes whose forward order was compared across ranks.
+    orders_verified: usize,
 }
 
 struct State {
@@ -959,10 +961,80 @@ impl Inner {
             self.reshard(&mut st, u);
             st.units[u].flat = None;
         }
-        st.iter.prev_order = std::mem::take(&mut st.iter.order);
+        let verify = st.iter.orders_verified < self.config.verify_execution_order;
+        if verify {
+            st.iter.orders_verified += 1;
+        }
+        let order = std::mem::take(&mut st.iter.order);
+        let paths: Vec<String> = st.units.iter().map(|h| h.path.clone()).collect();
+        st.iter.prev_order = order.clone();
         st.iter.open = false;
         st.iter.callback_queued = false;
+        drop(st);
+        if verify {
+            self.verify_order(&self.group, &order, &paths)?;
+            if let Some(r) = &self.replicate {
+                self.verify_order(r, &order, &paths)?;
+            }
+        }
         Ok(())
+    }
+
+    /// All-gathers every rank's forward `order` (unit indices, padded with −1 to the number of
+    /// units) over `group` and compares them with this rank's (see
+    /// [`FsdpConfig::verify_execution_order`]). Waits on the host.
+    fn verify_order(
+        &self,
+        group: &Arc<dyn ProcessGroup>,
+        order: &[usize],
+        paths: &[String],
+    ) -> Result<()> {
+        let world = group.size();
+        let n = paths.len();
+        if world < 2 || n == 0 {
+            return Ok(());
+        }
+        let mut mine = vec![-1f32; n];
+        for (slot, &u) in mine.iter_mut().zip(order) {
+            *slot = u as f32;
+        }
+        let (input, output) = with_stream(&self.compute, || -> Result<(Tensor, Tensor)> {
+            Ok((
+                Tensor::from_vec(mine.clone(), &[n], &self.device)?,
+                Tensor::zeros(&[world * n], DType::F32, &self.device)?,
+            ))
+        })?;
+        group
+            .all_gather_into(
+                &tensor_slice(&input)?,
+                &tensor_slice(&output)?,
+                &self.compute,
+            )
+            .wait()?;
+        let all = output.to_vec::<f32>()?;
+        let name = |v: &[f32]| -> String {
+            let units: Vec<&str> = v
+                .iter()
+                .take_while(|&&x| x >= 0.0)
+                .map(|&x| match paths.get(x as usize).map(String::as_str) {
+                    Some("") => "(root)",
+                    Some(p) => p,
+                    None => "?",
+                })
+                .collect();
+            format!("[{}]", units.join(", "))
+        };
+        let rank = group.rank();
+        match (0..world).find(|&p| all[p * n..(p + 1) * n] != mine[..]) {
+            None => Ok(()),
+            Some(peer) => Err(FsdpError::ExecutionOrder {
+                rank,
+                peer,
+                group: group.name(),
+                ours: name(&mine),
+                theirs: name(&all[peer * n..(peer + 1) * n]),
+            }),
+        }
     }
 
     /// Issues the all-gather of unit `u` (if it is not unsharded already) and points its
