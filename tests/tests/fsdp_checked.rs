@@ -19,15 +19,7 @@ const STEPS: usize = 3;
 const ACCUM: usize = 2;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab: 23,
-        d_model: 16,
-        n_layers: 2,
-        n_heads: 2,
-        seq_len: 5,
-        tied: true,
-        checkpoint: false,
-    }
+    GptConfig::new(23, 16, 2, 2, 5).with_tied(true)
 }
 
 /// Per rank: the losses of every micro-batch and the full parameters after training.

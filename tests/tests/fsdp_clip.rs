@@ -37,15 +37,7 @@ const NORM_RTOL: f64 = 1e-6;
 type Norms = Vec<(String, f64)>;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab: 19,
-        d_model: 12,
-        n_layers: 2,
-        n_heads: 2,
-        seq_len: 6,
-        tied: false,
-        checkpoint: false,
-    }
+    GptConfig::new(19, 12, 2, 2, 6)
 }
 
 fn batch(step: usize, rank: usize, world: usize, dev: &Device) -> (Tensor, Tensor) {

@@ -15,15 +15,7 @@ const MICRO: usize = 3;
 const LR: f32 = 0.05;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab: 23,
-        d_model: 16,
-        n_layers: 2,
-        n_heads: 2,
-        seq_len: 5,
-        tied: false,
-        checkpoint: false,
-    }
+    GptConfig::new(23, 16, 2, 2, 5)
 }
 
 /// Data index of rank `r`'s micro-batch `m` at `step`: with sync every micro-batch, local

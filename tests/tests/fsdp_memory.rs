@@ -8,15 +8,7 @@ use fsdp_core::{BackwardPrefetch, DeferredInit, Fsdp, FsdpConfig, WrapPolicy};
 use fsdp_tests::{micro_loss, run_ranks, token_tensors};
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab: 64,
-        d_model: 128,
-        n_layers: 4,
-        n_heads: 4,
-        seq_len: 2,
-        tied: false,
-        checkpoint: false,
-    }
+    GptConfig::new(64, 128, 4, 4, 2)
 }
 
 /// (peak allocated during a step, shard bytes, root unit bytes, largest other unit bytes).

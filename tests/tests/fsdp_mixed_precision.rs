@@ -16,15 +16,7 @@ const STEPS: usize = 3;
 const LR: f32 = 0.05;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab: 17,
-        d_model: 16,
-        n_layers: 2,
-        n_heads: 2,
-        seq_len: 6,
-        tied: false,
-        checkpoint: false,
-    }
+    GptConfig::new(17, 16, 2, 2, 6)
 }
 
 fn round_to(d: DType, x: f32) -> f32 {

@@ -26,15 +26,7 @@ fn cfg() -> GptConfig {
 }
 
 fn untied() -> GptConfig {
-    GptConfig {
-        vocab: 19,
-        d_model: 12,
-        n_layers: 2,
-        n_heads: 2,
-        seq_len: 6,
-        tied: false,
-        checkpoint: false,
-    }
+    GptConfig::new(19, 12, 2, 2, 6)
 }
 
 fn batch(
