@@ -122,6 +122,10 @@ pub enum AutogradError {
         /// Its error.
         detail: String,
     },
+    /// A hook or queued callback failed with another crate's error, kept whole: recover it with
+    /// [`HookError::downcast_ref`] (e.g. FSDP's own error type from `loss.backward()`).
+    #[error("a backward hook failed ({}): {}", .0.what(), .0)]
+    HookFailed(HookError),
     /// `queue_callback` was called while no backward was running on this thread.
     #[error(
         "queue_callback called outside of backward; call it from inside a backward hook (it runs \
@@ -176,5 +180,77 @@ pub(crate) fn arg_err(op: &'static str, detail: impl Into<String>) -> AutogradEr
     AutogradError::Argument {
         op,
         detail: detail.into(),
+    }
+}
+
+/// The error of a hook or callback from another crate, carried through autograd unchanged
+/// (inside [`AutogradError::HookFailed`]) so that whoever called `backward` can get it back by
+/// type.
+///
+/// ```
+/// use fsdp_autograd::{AutogradError, HookError};
+///
+/// #[derive(Debug, thiserror::Error, PartialEq)]
+/// #[error("ranks disagree")]
+/// struct Mine;
+///
+/// let e = AutogradError::HookFailed(HookError::new("my hook", Mine));
+/// assert_eq!(e.to_string(), "a backward hook failed (my hook): ranks disagree");
+/// let AutogradError::HookFailed(h) = &e else { unreachable!() };
+/// assert_eq!(h.downcast_ref::<Mine>(), Some(&Mine));
+/// ```
+#[derive(Clone)]
+pub struct HookError {
+    what: String,
+    error: std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl HookError {
+    /// Wraps `error`, raised by the hook described by `what`.
+    pub fn new(
+        what: impl Into<String>,
+        error: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        HookError {
+            what: what.into(),
+            error: std::sync::Arc::new(error),
+        }
+    }
+
+    /// Which hook failed.
+    pub fn what(&self) -> &str {
+        &self.what
+    }
+
+    /// The original error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.error.downcast_ref::<E>()
+    }
+
+    /// The original error.
+    pub fn error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.error
+    }
+}
+
+impl std::fmt::Debug for HookError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HookError")
+            .field("what", &self.what)
+            .field("error", &self.error)
+            .finish()
+    }
+}
+
+impl std::fmt::Display for HookError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl PartialEq for HookError {
+    /// The same hook description and the same error instance (errors need not be comparable).
+    fn eq(&self, other: &Self) -> bool {
+        self.what == other.what && std::sync::Arc::ptr_eq(&self.error, &other.error)
     }
 }

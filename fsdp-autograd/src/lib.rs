@@ -75,7 +75,7 @@ pub use autograd::{
 pub use context::{
     current_stream, enable_grad, is_grad_enabled, no_grad, with_stream, GradModeGuard,
 };
-pub use error::{AutogradError, Result};
+pub use error::{AutogradError, HookError, Result};
 pub use ops::{causal_attention, cross_entropy, embedding, layer_norm, linear};
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

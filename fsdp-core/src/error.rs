@@ -55,14 +55,46 @@ pub enum FsdpError {
 }
 
 impl From<FsdpError> for AutogradError {
-    /// FSDP errors raised inside module or autograd hooks travel through autograd as hook errors.
+    /// FSDP errors raised inside module or autograd hooks travel through autograd whole, as
+    /// [`AutogradError::HookFailed`]; [`FsdpError::from_backward`] gets them back.
     fn from(e: FsdpError) -> AutogradError {
         match e {
             FsdpError::Autograd(a) => a,
-            other => AutogradError::Hook {
-                what: "FSDP".into(),
-                detail: other.to_string(),
-            },
+            other => AutogradError::HookFailed(fsdp_autograd::HookError::new("FSDP", other)),
+        }
+    }
+}
+
+impl FsdpError {
+    /// The FSDP error behind an autograd error, when FSDP raised it inside a hook (the forward's
+    /// module hooks or backward's hooks and callbacks: an unshard, a reduction, the order check).
+    ///
+    /// ```no_run
+    /// # fn demo(loss: fsdp_autograd::Tensor) {
+    /// use fsdp_core::FsdpError;
+    /// if let Err(e) = loss.backward() {
+    ///     match FsdpError::from_backward(&e) {
+    ///         Some(FsdpError::Collective(c)) => eprintln!("a collective failed: {c}"),
+    ///         Some(other) => eprintln!("FSDP failed in backward: {other}"),
+    ///         None => eprintln!("autograd failed: {e}"),
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn from_backward(e: &AutogradError) -> Option<&FsdpError> {
+        match e {
+            AutogradError::HookFailed(h) => h.downcast_ref::<FsdpError>(),
+            _ => None,
+        }
+    }
+
+    /// This error with autograd's hook wrapping removed: for `FsdpError::Autograd` of an error
+    /// FSDP raised in a hook, that FSDP error; otherwise `self`. Use it to match on errors that
+    /// came back through `?` from `forward` or `backward`.
+    pub fn root(&self) -> &FsdpError {
+        match self {
+            FsdpError::Autograd(a) => FsdpError::from_backward(a).map_or(self, FsdpError::root),
+            _ => self,
         }
     }
 }
@@ -77,5 +109,31 @@ impl From<crate::state_dict::StateDictError> for FsdpError {
             crate::state_dict::StateDictError::Fsdp(inner) => *inner,
             other => FsdpError::StateDict(Box::new(other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_raised_in_hooks_come_back_by_type() {
+        let through_autograd: AutogradError = FsdpError::Config("bad".into()).into();
+        assert_eq!(
+            through_autograd.to_string(),
+            "a backward hook failed (FSDP): configuration: bad"
+        );
+        assert!(matches!(
+            FsdpError::from_backward(&through_autograd),
+            Some(FsdpError::Config(m)) if m == "bad"
+        ));
+        let returned: FsdpError = through_autograd.into();
+        assert!(matches!(returned.root(), FsdpError::Config(m) if m == "bad"));
+        // Autograd's own errors pass through unchanged and are their own root.
+        let plain = FsdpError::Autograd(AutogradError::Backward("no graph".into()));
+        assert!(matches!(plain.root(), FsdpError::Autograd(_)));
+        let back: AutogradError = FsdpError::Autograd(AutogradError::NotInBackward).into();
+        assert_eq!(back, AutogradError::NotInBackward);
+        assert!(FsdpError::from_backward(&back).is_none());
     }
 }
