@@ -23,7 +23,10 @@
 //!   (except the one whose work is calling it, which would deadlock), tries the stream's free
 //!   list again (blocks whose events just completed), then releases every cached segment that is
 //!   entirely free and tries a raw allocation once more; each such attempt counts in
-//!   `num_alloc_retries`. If that fails too the result is [`AllocError::OutOfMemory`].
+//!   `num_alloc_retries`. Last (not in PyTorch, for capped devices): a small request may take a
+//!   free block of the stream's large pool, and when the standard segment for the request does
+//!   not fit under the capacity, a segment of just the rounded request is tried. If that fails
+//!   too the result is [`AllocError::OutOfMemory`].
 //! - **Statistics** as in `torch.cuda.memory_stats()` ([`MemoryStats`], per pool [`PoolStats`]).
 //!
 //! Releasing a segment means dropping the allocator's `Arc<Segment>`; work already queued that
@@ -424,7 +427,7 @@ impl CachingAllocator {
             None
         };
         if granted.is_none() {
-            granted = self.take_new(&mut st, pool, sid, size, nbytes);
+            granted = self.take_new(&mut st, pool, sid, size, nbytes, false);
         }
         if granted.is_none() {
             // Free-and-retry: wait for pending frees and in-flight work, empty the cache, retry.
@@ -440,7 +443,17 @@ impl CachingAllocator {
             }
             if granted.is_none() {
                 self.release_free_segments(&mut st);
-                granted = self.take_new(&mut st, pool, sid, size, nbytes);
+                granted = self.take_new(&mut st, pool, sid, size, nbytes, false);
+            }
+            // Last resorts (not in PyTorch), for capped devices: a small request from a free
+            // block of this stream's large pool (whose 20 MiB segments may be mostly free but
+            // pinned by a few live blocks), then a segment of just the request when the
+            // standard 2 / 20 MiB segment no longer fits under the capacity.
+            if granted.is_none() && self.config.caching && pool == Pool::Small {
+                granted = self.take_free(&mut st, Pool::Large, sid, size, nbytes);
+            }
+            if granted.is_none() && self.config.caching {
+                granted = self.take_new(&mut st, pool, sid, size, nbytes, true);
             }
         }
         let Some(g) = granted else {
@@ -522,6 +535,8 @@ impl CachingAllocator {
     }
 
     /// A new raw segment for the request; `None` if the device refuses.
+    /// A new segment for `stream` holding the request: of the standard size for the request
+    /// ([`segment_size`]), or with `tight` (and without caching) of the rounded request only.
     fn take_new(
         &self,
         st: &mut State,
@@ -529,8 +544,9 @@ impl CachingAllocator {
         sid: StreamId,
         size: usize,
         requested: usize,
+        tight: bool,
     ) -> Option<Granted> {
-        let seg_size = if self.config.caching {
+        let seg_size = if self.config.caching && !tight {
             segment_size(size)
         } else {
             size

@@ -250,7 +250,7 @@ fn retry_waits_for_pending_frees() {
 #[test]
 fn oom_is_typed_and_counted() {
     let dev = capped(MIB);
-    let err = dev.alloc(100, dev.default_stream()).unwrap_err();
+    let err = dev.alloc(2 * MIB, dev.default_stream()).unwrap_err();
     match &err {
         AllocError::OutOfMemory {
             requested,
@@ -259,7 +259,7 @@ fn oom_is_typed_and_counted() {
             capacity,
             ..
         } => {
-            assert_eq!(*requested, 100);
+            assert_eq!(*requested, 2 * MIB);
             assert_eq!(*allocated, 0);
             assert_eq!(*reserved, 0);
             assert_eq!(*capacity, Capacity::Bytes(MIB));
@@ -267,7 +267,7 @@ fn oom_is_typed_and_counted() {
         e => panic!("expected OutOfMemory, got {e}"),
     }
     assert!(
-        err.to_string().contains("tried to allocate 100 bytes"),
+        err.to_string().contains("tried to allocate 2097152 bytes"),
         "{err}"
     );
     let st = dev.memory_stats();
@@ -277,6 +277,48 @@ fn oom_is_typed_and_counted() {
         Device::cpu(1).alloc(usize::MAX, Device::cpu(1).default_stream()),
         Err(AllocError::OutOfMemory { .. })
     ));
+}
+
+#[test]
+fn a_tight_segment_is_the_last_resort_under_a_cap() {
+    // The standard segment (2 MiB small, 20 MiB large) does not fit under the cap; a segment of
+    // just the rounded request does (after one counted retry).
+    let dev = capped(MIB);
+    let s = dev.default_stream();
+    let b = dev.alloc(100, s).unwrap();
+    assert_eq!(b.allocated_size(), 512);
+    let st = dev.memory_stats();
+    assert_eq!(
+        (st.reserved_bytes, st.num_alloc_retries, st.num_ooms),
+        (512, 1, 0)
+    );
+    let dev = capped(8 * MIB);
+    let big = dev.alloc(3 * MIB, dev.default_stream()).unwrap();
+    assert_eq!(dev.memory_stats().reserved_bytes, 3 * MIB);
+    drop((b, big));
+}
+
+#[test]
+fn a_small_request_may_use_a_free_large_block_under_a_cap() {
+    // A 20 MiB large segment holds one live 1.5 MiB block; a new 2 MiB small segment would
+    // exceed the cap, so the small request is carved from the large segment's free block.
+    let dev = capped(20 * MIB + 256 * 1024);
+    let s = dev.default_stream();
+    let big = dev.alloc(3 * MIB / 2, s).unwrap();
+    assert_eq!(dev.memory_stats().reserved_bytes, 20 * MIB);
+    let small = dev.alloc(300 * 1024, s).unwrap();
+    assert_eq!(
+        small.data().location().0,
+        big.data().location().0,
+        "same segment"
+    );
+    let st = dev.memory_stats();
+    assert_eq!((st.reserved_bytes, st.num_ooms), (20 * MIB, 0));
+    assert_eq!(st.num_alloc_retries, 1);
+    // Freed, it goes back to the large pool and coalesces: the whole segment is free again.
+    drop((big, small));
+    dev.empty_cache();
+    assert_eq!(dev.memory_stats().reserved_bytes, 0);
 }
 
 #[test]
