@@ -570,3 +570,51 @@ fn activation_checkpointing_trains_exactly_like_local() {
         check_with(w, None, config, false, &ckpt);
     }
 }
+
+/// A rank that stops training (its thread returns, dropping its FSDP model and group handle)
+/// makes the others fail with a typed error at their next collective instead of hanging —
+/// whether the others are in forward (an all-gather) or in backward (a reduce-scatter).
+#[test]
+fn a_rank_that_leaves_fails_the_others_instead_of_hanging() {
+    for leave_in_backward in [false, true] {
+        let started = std::time::Instant::now();
+        let out = run_ranks(3, move |rank, pg| {
+            let dev = Device::cpu(rank);
+            let model = Gpt::new(&InitContext::eager(&dev, 1), &cfg()).unwrap();
+            let config = FsdpConfig {
+                wrap_policy: blocks(),
+                ..FsdpConfig::default()
+            };
+            let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+            for step in 0..3 {
+                let (x, y) = batch(step, rank, 3, &dev, &cfg());
+                if rank == 2 && step == 1 && !leave_in_backward {
+                    return Ok(step); // leaves before its forward
+                }
+                let loss = micro_loss(&fsdp.forward(&x)?, &y, 3);
+                if rank == 2 && step == 1 {
+                    return Ok(step); // leaves between forward and backward
+                }
+                loss.backward()?;
+                fsdp.sgd_step(LR)?;
+                fsdp.zero_grad();
+                fsdp.synchronize()?;
+            }
+            Ok::<usize, fsdp_core::FsdpError>(3)
+        });
+        for (rank, r) in out.iter().enumerate().take(2) {
+            let e = r.as_ref().expect_err("the others fail");
+            let root = e.root();
+            assert!(
+                matches!(
+                    root,
+                    fsdp_core::FsdpError::Collective(_) | fsdp_core::FsdpError::Alloc(_)
+                ),
+                "rank {rank} (leave in backward: {leave_in_backward}): {e}"
+            );
+            eprintln!("rank {rank}: {e}");
+        }
+        // Detected when the peer's handle goes, not after the group's timeout.
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
+}
