@@ -176,6 +176,11 @@ pub struct FsdpConfig {
     /// silently when their sizes match. `0` disables the check, `usize::MAX` checks every
     /// iteration. Default 1: the first iteration.
     pub verify_execution_order: usize,
+    /// With a strategy that reshards after forward (FullShard, HybridShard): keep the unit whose
+    /// forward ran last in the previous iteration unsharded after its forward, because its
+    /// backward comes first and would all-gather it again at once — one all-gather per step
+    /// saved, no higher peak (it is held through the loss only). Default on.
+    pub keep_last_unit_unsharded: bool,
 }
 
 impl Default for FsdpConfig {
@@ -192,6 +197,7 @@ impl Default for FsdpConfig {
             mixed_precision: None,
             cpu_offload: None,
             verify_execution_order: 1,
+            keep_last_unit_unsharded: true,
         }
     }
 }

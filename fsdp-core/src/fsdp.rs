@@ -7,8 +7,9 @@
 //!   original parameters at autograd views of the gathered flat parameter. With forward prefetch,
 //!   also issue the next unit's all-gather (from the previous iteration's order).
 //! - **post-forward** (module post-hook): reshard (free the gathered buffer) unless the strategy
-//!   keeps it (`ShardGradOp`, `NoShard`) or the unit is the root; register a gradient hook on the
-//!   unit's output — the **pre-backward** point.
+//!   keeps it (`ShardGradOp`, `NoShard`), the unit is the root, or it ran last in the previous
+//!   forward (its backward comes first; [`FsdpConfig::keep_last_unit_unsharded`]); register a
+//!   gradient hook on the unit's output — the **pre-backward** point.
 //! - **pre-backward** (tensor hook on the output): unshard again; with `BackwardPre`, issue the
 //!   next unit's all-gather (reverse forward order) before this unit's reduce-scatter.
 //! - **post-backward** (post-accumulate-grad hook on the unit's flat leaf, fired once its gradient
@@ -784,7 +785,10 @@ impl Inner {
             return Ok(());
         }
         let mut st = self.lock();
-        if self.config.strategy.reshard_after_forward() && u != 0 {
+        // The unit that ran last in the previous forward starts the backward: keep it.
+        let starts_backward =
+            self.config.keep_last_unit_unsharded && st.iter.prev_order.last() == Some(&u);
+        if self.config.strategy.reshard_after_forward() && u != 0 && !starts_backward {
             self.reshard(&mut st, u);
         }
         drop(st);

@@ -234,3 +234,68 @@ fn rate_limited_training_fits_under_a_device_cap() {
         );
     }
 }
+
+/// The unit whose forward runs last starts the backward: kept unsharded after its forward
+/// (`keep_last_unit_unsharded`, the default), it is not all-gathered a second time — one unit's
+/// all-gather saved per step from the second step on (the first has no previous order), the same
+/// losses bit for bit, and no higher peak.
+#[test]
+fn keeping_the_last_unit_saves_one_all_gather_per_step() {
+    let run = |keep: bool| {
+        run_ranks(2, move |rank, pg| {
+            let dev = Device::cpu(rank);
+            let model = Gpt::new(&InitContext::eager(&dev, 5), &cfg()).unwrap();
+            let config = FsdpConfig {
+                wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
+                keep_last_unit_unsharded: keep,
+                ..FsdpConfig::default()
+            };
+            let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+            let unit_bytes = fsdp.units().last().map(|u| u.3 * 2 * 4).unwrap() as u64;
+            let mut per_step = Vec::new();
+            let mut losses = Vec::new();
+            for i in 0..3 {
+                let (x, y) = token_tensors(i * 2 + rank, 1, 2, 64, &dev);
+                let before = fsdp.comm_stats();
+                let loss = micro_loss(&fsdp.forward(&x).unwrap(), &y, 2);
+                losses.push(loss.item().unwrap().to_bits());
+                loss.backward().unwrap();
+                fsdp.sgd_step(0.01).unwrap();
+                fsdp.zero_grad();
+                fsdp.synchronize().unwrap();
+                let after = fsdp.comm_stats();
+                per_step.push((
+                    after.num_all_gathers - before.num_all_gathers,
+                    after.all_gather_bytes - before.all_gather_bytes,
+                ));
+            }
+            (
+                per_step,
+                losses,
+                dev.memory_stats().peak_allocated_bytes,
+                unit_bytes,
+            )
+        })
+    };
+    let (keep, gather) = (run(true), run(false));
+    for (rank, (k, g)) in keep.iter().zip(&gather).enumerate() {
+        assert_eq!(k.1, g.1, "rank {rank}: the same losses");
+        assert!(k.2 <= g.2, "rank {rank}: peak {} B vs {} B", k.2, g.2);
+        assert_eq!(
+            k.0[0], g.0[0],
+            "rank {rank}: the first step has no previous order"
+        );
+        for s in 1..3 {
+            assert_eq!(
+                k.0[s].0 + 1,
+                g.0[s].0,
+                "rank {rank} step {s}: one all-gather fewer"
+            );
+            assert_eq!(
+                k.0[s].1 + k.3,
+                g.0[s].1,
+                "rank {rank} step {s}: one block's bytes fewer"
+            );
+        }
+    }
+}
