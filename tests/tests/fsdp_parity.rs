@@ -450,7 +450,8 @@ fn checked_devices_find_no_ordering_violation_and_change_no_bit() {
 
 /// Any point of the configuration space: world size, sharding strategy (hybrid with any shard
 /// group size dividing it), prefetch modes, rate limiter, buffer lifetime, wrap policy, deferred
-/// init and model shape (ragged numels, tied or not, activation-checkpointed or not).
+/// init, keeping the last unit unsharded or not, and model shape (ragged numels, tied or not,
+/// activation-checkpointed or not).
 fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool, GptConfig)> {
     let model = (
         1usize..=2,
@@ -481,9 +482,10 @@ fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool,
         0usize..3,
         1usize..200,
         0usize..3,
+        any::<bool>(),
     );
     (1usize..=6, any::<usize>(), knobs, model).prop_map(
-        |(world, pick, (s, bp, fwd, limit, explicit, pol, min, def), model)| {
+        |(world, pick, (s, bp, fwd, limit, explicit, pol, min, def, keep_last), model)| {
             let divisors: Vec<usize> = (1..=world).filter(|f| world % f == 0).collect();
             let strategy = [
                 ShardingStrategy::FullShard,
@@ -510,6 +512,7 @@ fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool,
                     BufferLifetime::RecordStream
                 },
                 deferred_init: [DeferredInit::ShardOnly, DeferredInit::UnitByUnit][def % 2],
+                keep_last_unit_unsharded: keep_last,
                 ..FsdpConfig::default()
             };
             (world, shard, config, def < 2, model)
