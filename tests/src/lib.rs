@@ -171,6 +171,24 @@ pub fn full_named<M: Module + 'static>(fsdp: &fsdp_core::Fsdp<M>) -> Named {
         .collect()
 }
 
+/// One plain FSDP training step on `(x, y)`: forward, [`micro_loss`] over `world` ranks,
+/// backward, SGD on the shards with `lr`, zero the gradients, synchronize. Returns the loss.
+pub fn fsdp_sgd_step<M: Module + 'static>(
+    fsdp: &fsdp_core::Fsdp<M>,
+    x: &Tensor,
+    y: &Tensor,
+    world: usize,
+    lr: f32,
+) -> f32 {
+    let loss = micro_loss(&fsdp.forward(x).expect("forward"), y, world);
+    let value = loss.item().expect("loss value");
+    loss.backward().expect("backward");
+    fsdp.sgd_step(lr).expect("sgd step");
+    fsdp.zero_grad();
+    fsdp.synchronize().expect("synchronize");
+    value
+}
+
 /// `v` sorted by name (FSDP lists parameters unit by unit, a local model module by module).
 pub fn sorted_by_name<T>(mut v: Vec<(String, T)>) -> Vec<(String, T)> {
     v.sort_by(|a, b| a.0.cmp(&b.0));

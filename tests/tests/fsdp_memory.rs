@@ -5,7 +5,7 @@ use fsdp_alloc::{Capacity, Device, DeviceConfig};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
 use fsdp_core::{BackwardPrefetch, DeferredInit, Fsdp, FsdpConfig, WrapPolicy};
-use fsdp_tests::{micro_loss, run_ranks, token_tensors};
+use fsdp_tests::{fsdp_sgd_step, micro_loss, run_ranks, token_tensors};
 
 fn cfg() -> GptConfig {
     GptConfig::new(64, 128, 4, 4, 2)
@@ -200,12 +200,7 @@ fn rate_limited_training_fits_under_a_device_cap() {
             let mut losses = Vec::new();
             for i in 0..3 {
                 let (x, y) = token_tensors(i * 2 + rank, 2, 64, 256, &dev);
-                let loss = micro_loss(&fsdp.forward(&x).unwrap(), &y, 2);
-                losses.push(loss.item().unwrap().to_bits());
-                loss.backward().unwrap();
-                fsdp.sgd_step(0.01).unwrap();
-                fsdp.zero_grad();
-                fsdp.synchronize().unwrap();
+                losses.push(fsdp_sgd_step(&fsdp, &x, &y, 2, 0.01).to_bits());
             }
             let st = dev.memory_stats();
             (
@@ -257,12 +252,7 @@ fn keeping_the_last_unit_saves_one_all_gather_per_step() {
             for i in 0..3 {
                 let (x, y) = token_tensors(i * 2 + rank, 1, 2, 64, &dev);
                 let before = fsdp.comm_stats();
-                let loss = micro_loss(&fsdp.forward(&x).unwrap(), &y, 2);
-                losses.push(loss.item().unwrap().to_bits());
-                loss.backward().unwrap();
-                fsdp.sgd_step(0.01).unwrap();
-                fsdp.zero_grad();
-                fsdp.synchronize().unwrap();
+                losses.push(fsdp_sgd_step(&fsdp, &x, &y, 2, 0.01).to_bits());
                 let after = fsdp.comm_stats();
                 per_step.push((
                     after.num_all_gathers - before.num_all_gathers,
