@@ -750,7 +750,7 @@ impl Inner {
             // Recomputation (activation checkpointing) inside backward: just make sure the
             // parameters are there.
             self.unshard(&mut st, u)?;
-            self.wait_unshard(&mut st, u);
+            self.wait_unshard(&mut st, u)?;
             return Ok(());
         }
         if !st.iter.open {
@@ -766,7 +766,7 @@ impl Inner {
             st.iter.order.push(u);
         }
         self.unshard(&mut st, u)?;
-        self.wait_unshard(&mut st, u);
+        self.wait_unshard(&mut st, u)?;
         if self.config.forward_prefetch {
             let prev = &st.iter.prev_order;
             if let Some(next) = prev
@@ -813,7 +813,7 @@ impl Inner {
             return Ok(());
         }
         self.unshard(&mut st, u)?;
-        self.wait_unshard(&mut st, u);
+        self.wait_unshard(&mut st, u)?;
         if self.config.backward_prefetch == BackwardPrefetch::BackwardPre {
             if let Some(next) = Self::next_backward(&st, u) {
                 self.unshard(&mut st, next)?;
@@ -1041,12 +1041,13 @@ impl Inner {
         }
     }
 
-    /// Issues the all-gather of unit `u` (if it is not unsharded already) and points its
-    /// parameters at views of the gathered flat parameter. The compute stream does not wait yet
-    /// (see [`Inner::wait_unshard`]), so a prefetched gather overlaps the current compute.
+    /// Issues the all-gather of unit `u` (if it is not unsharded already) into its flat
+    /// parameter's storage. The compute stream does not wait and the parameters are not pointed
+    /// at it yet (see [`Inner::wait_unshard`]), so a prefetched gather overlaps the current
+    /// compute.
     fn unshard(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
         if st.units[u].unsharded {
-            return self.ensure_views(st, u);
+            return Ok(());
         }
         if self.config.strategy.is_sharded() {
             if let Some(l) = &self.limiter {
@@ -1080,7 +1081,7 @@ impl Inner {
             st.units[u].pending_unshard = Some(ev);
         }
         st.units[u].unsharded = true;
-        self.ensure_views(st, u)
+        Ok(())
     }
 
     /// The shard as a tensor on the compute device: itself, or (CPU offload) a copy made on
@@ -1097,11 +1098,17 @@ impl Inner {
         Ok(dev)
     }
 
-    /// Makes the compute stream wait for unit `u`'s all-gather, if it has not yet.
-    fn wait_unshard(&self, st: &mut State, u: usize) {
+    /// Makes the compute stream wait for unit `u`'s all-gather, if it has not yet, and points the
+    /// unit's parameters at this iteration's views of the gathered flat parameter.
+    fn wait_unshard(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
         if let Some(ev) = st.units[u].pending_unshard.take() {
             self.compute.wait_event(&ev);
         }
+        // The views are created here, when the unit is about to compute, not when its gather
+        // was issued: autograd runs backward work in reverse creation order, so views created
+        // early for a prefetched unit would put its gradient (and its reduce-scatter) after the
+        // backward of the unit that ran before it.
+        self.ensure_views(st, u)
     }
 
     /// Creates this iteration's flat leaf and the parameter views, once per iteration.
