@@ -167,10 +167,18 @@ fn consumer_reading_a_peers_chunk_without_waiting_is_reported() {
         r.comm.wait_event(&r.compute.record_event());
         let w = r.pg.all_gather_into(&inp, &outp, &r.comm);
         // BUG: no r.compute.wait_event(w.event()) before reading the chunk the peer pushed.
+        // The consumer really reads after the push (it waits on a channel, which orders it in
+        // time but is invisible to the checked mode), so the report lands on the consumer.
         let peer = 1 - r.rank;
         let peers_chunk = outp.chunk(peer, world).unwrap();
-        let _ = consume(&r.compute, peers_chunk.data(), Duration::from_millis(50));
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let data = peers_chunk.data().clone();
+        r.compute.launch(move || {
+            wait.recv().unwrap();
+            let _ = data.read::<f32>().map(|g| g[0]);
+        });
         w.wait().unwrap(); // the collective itself is fine
+        go.send(()).unwrap();
         let err = r.compute.synchronize().unwrap_err();
         (r.rank, err.to_string())
     });
@@ -193,7 +201,11 @@ fn collective_not_waiting_for_its_inputs_producer_is_reported() {
         let (_ob, outp) = produced(&r.dev, &r.comm, vec![0.0; n]);
         // BUG: no r.comm.wait_event(&r.compute.record_event()): the peer pulls this rank's
         // input in reduce-scatter while nothing orders it after the compute stream's write.
-        std::thread::sleep(Duration::from_millis(30)); // (timing only: the write has run)
+        // (The host learns through a channel — invisible to the checked mode — that the write
+        // has run, so the report lands on the reading peer, deterministically.)
+        let (done, written) = std::sync::mpsc::channel::<()>();
+        r.compute.launch(move || done.send(()).unwrap());
+        written.recv().unwrap();
         let w = r.pg.reduce_scatter(&inp, &outp, ReduceOp::Sum, &r.comm);
         let res = w.wait().map_err(|e| e.to_string());
         let _ = r.dev.synchronize();
