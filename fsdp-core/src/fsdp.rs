@@ -398,6 +398,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 param_dtype,
                 storage,
                 flat: None,
+                flat_tracks_grad: false,
                 unsynced_grad: None,
                 unsharded: false,
                 pending_unshard: None,
@@ -483,6 +484,7 @@ impl<M: Module + 'static> Fsdp<M> {
             })
         })?;
         st.params_ready = inner.host_stream.record_event();
+        inner.drop_stale_gathers(&mut st);
         Ok(())
     }
 
@@ -534,7 +536,9 @@ impl<M: Module + 'static> Fsdp<M> {
     /// state-dict load): the next all-gather waits for everything launched there so far.
     pub fn params_updated(&self) {
         let ev = self.inner.host_stream.record_event();
-        self.inner.lock().params_ready = ev;
+        let mut st = self.inner.lock();
+        st.params_ready = ev;
+        self.inner.drop_stale_gathers(&mut st);
     }
 
     /// The group parameters are sharded over (all ranks for FullShard/ShardGradOp/NoShard, the
@@ -720,6 +724,22 @@ impl Inner {
                 what: "FSDP".into(),
                 detail: "the Fsdp wrapper was dropped while its model is still in use".into(),
             })
+    }
+
+    /// The shards just changed: gathered copies still held from a forward that had no backward
+    /// (an evaluation forward keeps the root, the last unit or — ShardGradOp — every unit
+    /// unsharded) are stale. Free them and end that forward's iteration, so the next forward
+    /// gathers the updated shards. After a backward nothing is held and this does nothing.
+    fn drop_stale_gathers(&self, st: &mut State) {
+        if !st.iter.open || st.iter.callback_queued {
+            return;
+        }
+        for u in 0..st.units.len() {
+            self.reshard(st, u);
+            st.units[u].flat = None;
+        }
+        st.iter.order.clear();
+        st.iter.open = false;
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -1114,9 +1134,12 @@ impl Inner {
     /// Creates this iteration's flat leaf and the parameter views, once per iteration.
     fn ensure_views(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
         let h = &mut st.units[u];
-        if h.flat.is_some() {
+        let grad_mode = fsdp_autograd::is_grad_enabled();
+        // Views made under `no_grad` (an evaluation forward) are not reused for training.
+        if h.flat.is_some() && (h.flat_tracks_grad || !grad_mode) {
             return Ok(());
         }
+        h.flat_tracks_grad = grad_mode;
         let padded = h.layout.padded_numel();
         let total = h.layout.total_numel();
         // Split the padded flat parameter straight into parameter-shaped views (the padding is a

@@ -32,6 +32,9 @@ pub(crate) struct FlatParamHandle {
     pub storage: Storage,
     /// This iteration's flat leaf (created at the first unshard of an iteration).
     pub flat: Option<Tensor>,
+    /// Whether `flat` and the views were created with grad mode on (a forward under `no_grad`
+    /// creates views autograd does not track; a later training forward must not reuse them).
+    pub flat_tracks_grad: bool,
     /// True while the storage holds the gathered parameters.
     pub unsharded: bool,
     /// Completion of the all-gather the compute stream has not waited on yet.

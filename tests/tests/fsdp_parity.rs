@@ -621,3 +621,73 @@ fn a_rank_that_leaves_fails_the_others_instead_of_hanging() {
         assert!(started.elapsed() < std::time::Duration::from_secs(10));
     }
 }
+
+/// A forward without a backward (evaluation) leaves the units FSDP keeps after forward (the
+/// root, the last unit, every unit under ShardGradOp) unsharded. An optimizer step in between
+/// must not let the next forward compute with those stale gathered parameters.
+#[test]
+fn an_evaluation_forward_before_the_optimizer_step_changes_nothing() {
+    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
+        let run = move |evaluate: bool| {
+            run_ranks(2, move |rank, pg| {
+                let dev = Device::cpu(rank);
+                let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+                let config = FsdpConfig {
+                    strategy,
+                    wrap_policy: blocks(),
+                    ..FsdpConfig::default()
+                };
+                let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+                let mut losses = Vec::new();
+                for step in 0..3 {
+                    let (x, y) = batch(step, rank, 2, &dev, &cfg());
+                    let loss = micro_loss(&fsdp.forward(&x).unwrap(), &y, 2);
+                    losses.push(loss.item().unwrap().to_bits());
+                    loss.backward().unwrap();
+                    if evaluate {
+                        let eval = fsdp_autograd::no_grad(|| fsdp.forward(&x)).unwrap();
+                        losses.push(micro_loss(&eval, &y, 2).item().unwrap().to_bits());
+                    }
+                    fsdp.sgd_step(LR).unwrap();
+                    fsdp.zero_grad();
+                }
+                let (x, y) = batch(3, rank, 2, &dev, &cfg());
+                losses.push(
+                    micro_loss(&fsdp.forward(&x).unwrap(), &y, 2)
+                        .item()
+                        .unwrap()
+                        .to_bits(),
+                );
+                (losses, full_named(&fsdp))
+            })
+        };
+        let (plain, with_eval) = (run(false), run(true));
+        for (rank, (p, e)) in plain.iter().zip(&with_eval).enumerate() {
+            // The training losses (every other entry with evaluation) are unchanged.
+            let train: Vec<u32> = e.0.iter().step_by(2).copied().collect();
+            assert_eq!(
+                p.0[..3],
+                train[..3],
+                "{strategy:?} rank {rank}: training losses"
+            );
+            assert_eq!(
+                p.0[3],
+                *e.0.last().unwrap(),
+                "{strategy:?} rank {rank}: the last forward"
+            );
+            // The evaluation forward after backward saw the same parameters as the training one.
+            for s in 0..3 {
+                assert_eq!(
+                    e.0[2 * s],
+                    e.0[2 * s + 1],
+                    "{strategy:?} rank {rank} step {s}"
+                );
+            }
+            assert_eq!(
+                first_difference(&p.1, &e.1),
+                None,
+                "{strategy:?} rank {rank}"
+            );
+        }
+    }
+}
