@@ -180,7 +180,8 @@ pub struct FsdpConfig {
     /// forward ran last in the previous iteration unsharded after its forward, because its
     /// backward comes first and would all-gather it again at once — one all-gather per step
     /// saved, no higher peak (it is held through the loss only). After a forward without a
-    /// backward (evaluation) it stays unsharded, like the root, until a backward ends. Default on.
+    /// backward (evaluation) it stays unsharded, like the root, until a backward ends or the shards
+    /// are updated (an optimizer step frees such stale copies). Default on.
     pub keep_last_unit_unsharded: bool,
 }
 
