@@ -691,3 +691,67 @@ fn an_evaluation_forward_before_the_optimizer_step_changes_nothing() {
         }
     }
 }
+
+/// Two forwards, one backward of the summed losses (e.g. two views of a batch): FSDP's
+/// iteration spans both forwards, each unit's gradient is reduced once, and the result equals
+/// local training with the same two forwards per micro-batch, bit for bit.
+#[test]
+fn two_forwards_and_one_backward_match_local() {
+    use fsdp_autograd::nn::{named_parameters, Module};
+    let world = 2;
+    let two_batches = move |s: usize, r: usize, d: &Device| {
+        (
+            batch(2 * s, r, world, d, &cfg()),
+            batch(2 * s + 1, r, world, d, &cfg()),
+        )
+    };
+    // Local: per step, every rank's two forwards and one backward in rank order (gradients
+    // accumulate in the same order as FSDP's rank-ordered reduction), then SGD.
+    let dev = Device::cpu(1000);
+    let local = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+    for s in 0..STEPS {
+        for r in 0..world {
+            let ((x1, y1), (x2, y2)) = two_batches(s, r, &dev);
+            let l1 = micro_loss(&local.call(&x1).unwrap(), &y1, 2 * world);
+            let l2 = micro_loss(&local.call(&x2).unwrap(), &y2, 2 * world);
+            l1.add(&l2).unwrap().backward().unwrap();
+        }
+        for (_, p) in named_parameters(&local) {
+            let t = p.get().unwrap();
+            if let Some(g) = t.grad() {
+                fsdp_autograd::no_grad(|| t.add_scaled_(&g, -LR)).unwrap();
+                t.zero_grad();
+            }
+        }
+    }
+    let local_params: Named = named_parameters(&local)
+        .into_iter()
+        .map(|(n, p)| (n, p.get().unwrap().to_vec::<f32>().unwrap()))
+        .collect();
+    for strategy in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp] {
+        let ranks = run_ranks(world, move |rank, pg| {
+            let dev = Device::cpu(rank);
+            let model = Gpt::new(&InitContext::eager(&dev, SEED), &cfg()).unwrap();
+            let config = FsdpConfig {
+                strategy,
+                wrap_policy: blocks(),
+                ..FsdpConfig::default()
+            };
+            let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
+            for s in 0..STEPS {
+                let ((x1, y1), (x2, y2)) = two_batches(s, rank, &dev);
+                let l1 = micro_loss(&fsdp.forward(&x1).unwrap(), &y1, 2 * world);
+                let l2 = micro_loss(&fsdp.forward(&x2).unwrap(), &y2, 2 * world);
+                l1.add(&l2).unwrap().backward().unwrap();
+                fsdp.sgd_step(LR).unwrap();
+                fsdp.zero_grad();
+            }
+            full_named(&fsdp)
+        });
+        assert_eq!(
+            first_difference(&sorted(local_params.clone()), &sorted(ranks[0].clone())),
+            None,
+            "{strategy:?}"
+        );
+    }
+}
