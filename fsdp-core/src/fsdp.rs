@@ -230,6 +230,23 @@ pub fn tensor_slice(t: &Tensor) -> Result<DeviceSlice> {
     Ok(DeviceSlice::new(r, t.dtype())?)
 }
 
+/// All-gathers `t` (this rank's chunk) over `group` on `stream` into a new tensor of
+/// `group.size() × t.numel()` elements of `device`, and waits for it on the host.
+pub(crate) fn gather_flat(
+    group: &Arc<dyn ProcessGroup>,
+    t: &Tensor,
+    stream: &Stream,
+    device: &Device,
+) -> Result<Tensor> {
+    let full = with_stream(stream, || {
+        Tensor::zeros(&[group.size() * t.numel()], t.dtype(), device)
+    })?;
+    group
+        .all_gather_into(&tensor_slice(t)?, &tensor_slice(&full)?, stream)
+        .wait()?;
+    Ok(full)
+}
+
 /// Copies `src` into `dst` (contiguous f32 tensors of equal length, possibly on different CPU
 /// devices) as work launched on `stream`.
 fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
@@ -690,17 +707,8 @@ impl<M: Module + 'static> Fsdp<M> {
         let mut out = Vec::new();
         for ((shard, layout), names) in shards.iter().zip(&layouts).zip(&names) {
             let flat: Vec<f32> = if inner.config.strategy.is_sharded() {
-                let full = with_stream(&inner.compute, || {
-                    Tensor::zeros(&[layout.padded_numel()], DType::F32, &inner.device)
-                })?;
                 let shard = inner.shard_on_device(shard, &inner.compute, &ready)?;
-                let work = inner.group.all_gather_into(
-                    &tensor_slice(&shard)?,
-                    &tensor_slice(&full)?,
-                    &inner.compute,
-                );
-                work.wait()?;
-                full.to_vec::<f32>()?
+                gather_flat(&inner.group, &shard, &inner.compute, &inner.device)?.to_vec::<f32>()?
             } else {
                 shard.to_vec::<f32>()?
             };
@@ -734,10 +742,7 @@ impl Inner {
         if !st.iter.open || st.iter.callback_queued {
             return;
         }
-        for u in 0..st.units.len() {
-            self.reshard(st, u);
-            st.units[u].flat = None;
-        }
+        self.reshard_all(st);
         st.iter.order.clear();
         st.iter.open = false;
     }
@@ -981,10 +986,7 @@ impl Inner {
             // The optimizer (host stream) must not overwrite a shard before that.
             self.host_stream.wait_event(&self.compute.record_event());
         }
-        for u in 0..st.units.len() {
-            self.reshard(&mut st, u);
-            st.units[u].flat = None;
-        }
+        self.reshard_all(&mut st);
         let verify = st.iter.orders_verified < self.config.verify_execution_order;
         if verify {
             st.iter.orders_verified += 1;
@@ -1022,20 +1024,10 @@ impl Inner {
         for (slot, &u) in mine.iter_mut().zip(order) {
             *slot = u as f32;
         }
-        let (input, output) = with_stream(&self.compute, || -> Result<(Tensor, Tensor)> {
-            Ok((
-                Tensor::from_vec(mine.clone(), &[n], &self.device)?,
-                Tensor::zeros(&[world * n], DType::F32, &self.device)?,
-            ))
+        let input = with_stream(&self.compute, || {
+            Tensor::from_vec(mine.clone(), &[n], &self.device)
         })?;
-        group
-            .all_gather_into(
-                &tensor_slice(&input)?,
-                &tensor_slice(&output)?,
-                &self.compute,
-            )
-            .wait()?;
-        let all = output.to_vec::<f32>()?;
+        let all = gather_flat(group, &input, &self.compute, &self.device)?.to_vec::<f32>()?;
         let name = |v: &[f32]| -> String {
             let units: Vec<&str> = v
                 .iter()
@@ -1167,6 +1159,14 @@ impl Inner {
         }
         h.flat = Some(flat);
         Ok(())
+    }
+
+    /// Reshards every unit and drops this iteration's views (the end of an iteration).
+    fn reshard_all(&self, st: &mut State) {
+        for u in 0..st.units.len() {
+            self.reshard(st, u);
+            st.units[u].flat = None;
+        }
     }
 
     /// Frees unit `u`'s gathered buffer (keeping views and graph valid for the next unshard).

@@ -133,7 +133,7 @@ use fsdp_flatparam::LayoutError;
 use safetensors::tensor::{Dtype as StDtype, SafeTensorError, SafeTensors, View};
 
 use crate::error::FsdpError;
-use crate::fsdp::{tensor_slice, Fsdp, UnitShard};
+use crate::fsdp::{gather_flat, tensor_slice, Fsdp, UnitShard};
 
 /// Version of the on-disk format written by this module (the `format_version` metadata key).
 /// Files of another version are refused with [`StateDictError::UnsupportedVersion`].
@@ -883,13 +883,7 @@ impl Ctx {
                 Ok(None)
             };
         }
-        let full = with_stream(&self.stream, || {
-            Tensor::zeros(&[layout.padded_numel()], DType::F32, &self.device)
-        })?;
-        let work =
-            self.group
-                .all_gather_into(&tensor_slice(t)?, &tensor_slice(&full)?, &self.stream);
-        work.wait()?;
+        let full = gather_flat(&self.group, t, &self.stream, &self.device)?;
         if keep {
             self.read(&full).map(Some)
         } else {
