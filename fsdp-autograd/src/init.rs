@@ -960,12 +960,12 @@ fn run_kernel(k: &Kernel, key: [u32; 2], base: u128, start: usize, out: &mut [f3
 
 /// `out[j] = sample(block of element start + j)`, generating Philox blocks `BATCH` at a time.
 #[inline]
-fn fill_random(
+fn fill_random<T>(
     key: [u32; 2],
     base: u128,
     start: usize,
-    out: &mut [f32],
-    sample: impl Fn(&[u32]) -> f32,
+    out: &mut [T],
+    sample: impl Fn(&[u32]) -> T,
 ) {
     let mut words = [0u32; 4 * BATCH];
     let mut pos = start;
@@ -1209,14 +1209,7 @@ fn orthogonal_fill(key: [u32; 2], base: u128, shape: &[usize], gain: f64, out: &
     let cols = numel / rows;
     // Standard normals, element i from Philox block i (row-major rows × cols).
     let mut a = vec![0f64; numel];
-    let mut words = [0u32; 4 * BATCH];
-    for (c, chunk) in a.chunks_mut(BATCH).enumerate() {
-        let w = &mut words[..4 * chunk.len()];
-        Philox::new(key, base + (c * BATCH) as u128).fill_u32(w);
-        for (x, b) in chunk.iter_mut().zip(w.chunks_exact(4)) {
-            *x = std_normal(b);
-        }
-    }
+    fill_random(key, base, 0, &mut a, std_normal);
     // Factor the tall orientation m × n (m ≥ n): the matrix itself, or its transpose.
     let tall = rows >= cols;
     let (m, n) = if tall { (rows, cols) } else { (cols, rows) };
@@ -1235,6 +1228,12 @@ fn orthogonal_fill(key: [u32; 2], base: u128, shape: &[usize], gain: f64, out: &
             out[r * cols + c] = (gain * q[j * m + i]) as f32;
         }
     }
+}
+
+/// `col ← (I − 2vvᵀ) col` for a unit vector `v` of `col`'s length.
+fn reflect(v: &[f64], col: &mut [f64]) {
+    let d: f64 = 2.0 * v.iter().zip(col.iter()).map(|(p, q)| p * q).sum::<f64>();
+    col.iter_mut().zip(v).for_each(|(c, p)| *c -= d * p);
 }
 
 /// Thin `Q` (column-major m × n) of the QR factorization of column-major `a` (m × n, m ≥ n), with
@@ -1261,9 +1260,7 @@ fn householder_q(a: &mut [f64], m: usize, n: usize) -> Vec<f64> {
         }
         // Apply H = I − 2vvᵀ to the remaining columns.
         for j in k..n {
-            let col = &mut a[j * m + k..(j + 1) * m];
-            let d: f64 = 2.0 * v.iter().zip(col.iter()).map(|(p, q)| p * q).sum::<f64>();
-            col.iter_mut().zip(&v).for_each(|(c, p)| *c -= d * p);
+            reflect(&v, &mut a[j * m + k..(j + 1) * m]);
         }
         signs[k] = if alpha < 0.0 { -1.0 } else { 1.0 };
         vs.push(v);
@@ -1274,11 +1271,8 @@ fn householder_q(a: &mut [f64], m: usize, n: usize) -> Vec<f64> {
         q[j * m + j] = 1.0;
     }
     for k in (0..n).rev() {
-        let v = &vs[k];
         for j in 0..n {
-            let col = &mut q[j * m + k..(j + 1) * m];
-            let d: f64 = 2.0 * v.iter().zip(col.iter()).map(|(p, q)| p * q).sum::<f64>();
-            col.iter_mut().zip(v).for_each(|(c, p)| *c -= d * p);
+            reflect(&vs[k], &mut q[j * m + k..(j + 1) * m]);
         }
     }
     for (j, s) in signs.iter().enumerate() {
