@@ -14,6 +14,29 @@ pub enum FsdpError {
     /// A configuration that cannot work (e.g. a strategy without the process groups it needs).
     #[error("configuration: {0}")]
     Config(String),
+    /// A tensor had the wrong element type for the operation (e.g. a gradient in f16 where the
+    /// optimizer keeps f32 state).
+    #[error("wrong dtype: {0}")]
+    Dtype(String),
+    /// A tensor or module lives on the wrong device (e.g. a model built on another rank's device).
+    #[error("wrong device: {0}")]
+    Device(String),
+    /// An argument out of its domain (a negative learning rate, a non-finite clip norm, an empty
+    /// input).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A call made in a state where it cannot work (storage released, a gradient that does not
+    /// exist yet, an optimizer state of another model): the message says what to call first.
+    #[error("invalid state: {0}")]
+    State(String),
+    /// A unit index that does not exist.
+    #[error("unit {unit} does not exist (there are {units})")]
+    UnknownUnit {
+        /// The index asked for.
+        unit: usize,
+        /// How many units the model has.
+        units: usize,
+    },
     /// A device-runtime error (out of memory, a failed stream).
     #[error(transparent)]
     Alloc(#[from] AllocError),
