@@ -290,7 +290,8 @@ impl<R: Rule> LocalOptimizer for Local<R> {
                 state_operands(&mut self.slots, keeps_state, i, n, t.device(), &stream, &op)?;
             self.slots.steps[i] += 1;
             let c = self.rule.coeffs(self.slots.steps[i]);
-            launch_rule::<R>(&stream, c, vec![0..n], pm, gm, mems, fresh);
+            let whole: Vec<Range<usize>> = std::iter::once(0..n).collect();
+            launch_rule::<R>(&stream, c, whole, pm, gm, mems, fresh);
             t.storage().bump_version();
             bump(&state);
         }
