@@ -1,6 +1,12 @@
 //! The FSDP runtime: wrapping a model, the unshard / reshard / reduce choreography driven by
 //! module and autograd hooks, prefetching, rate limiting, and the sharded optimizer step.
 //!
+//! This file decides *when* a unit's work runs: the hooks, the execution order (recorded, and
+//! verified across ranks) and the prefetch decisions. *What* a unit does — gather, views, free,
+//! reduce its gradient, accumulate the sharded gradient — is
+//! [`FlatParamHandle`](crate::handle::FlatParamHandle)'s, within the rank's
+//! [`CommContext`](crate::comm::CommContext) (streams, groups, rate limiter, statistics).
+//!
 //! ## One iteration, per unit (the paper's §4)
 //! - **pre-forward** (module pre-hook): all-gather the unit's shards into a buffer on the
 //!   *unshard* stream (through the rate limiter), make the compute stream wait on it, and point the
