@@ -10,7 +10,7 @@
 //! use fsdp_autograd::{cross_entropy, nn::{Gpt, GptConfig, Module}, InitContext, Tensor};
 //!
 //! let dev = Device::cpu(0);
-//! let cfg = GptConfig { vocab: 16, d_model: 16, n_layers: 1, n_heads: 2, seq_len: 8, tied: false, checkpoint: false };
+//! let cfg = GptConfig { vocab: 16, d_model: 16, n_layers: 1, n_heads: 2, seq_len: 8, tied: false, checkpoint: false, gelu: fsdp_autograd::Gelu::Exact };
 //! let model = Gpt::new(&InitContext::eager(&dev, 0), &cfg)?;
 //! let ids = Tensor::from_vec((0..16).map(|i| i % 16).collect::<Vec<i64>>(), &[2, 8], &dev)?;
 //! let logits = model.call(&ids)?; // [2, 8, 16]
@@ -76,6 +76,7 @@ pub use context::{
     current_stream, enable_grad, is_grad_enabled, no_grad, with_stream, GradModeGuard,
 };
 pub use error::{AutogradError, HookError, Result};
+pub use kernels::Gelu;
 pub use ops::{causal_attention, cross_entropy, embedding, layer_norm, linear};
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

@@ -14,11 +14,56 @@
 //! (for matrix products) under every parallelism setting and at every slice alignment; see
 //! [`cpu::matmul`] for how this was established for `gemm` and what it rests on.
 
+pub mod backend;
+mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod cuda_backend;
 
 use thiserror::Error;
+
+/// Which GELU: the exact form `x·Φ(x)` (PyTorch's default, `approximate="none"`) or GPT-2's tanh
+/// approximation (`approximate="tanh"`). The default is [`Gelu::Exact`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Gelu {
+    /// `x·Φ(x) = ½·x·(1 + erf(x/√2))`.
+    #[default]
+    Exact,
+    /// `½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    Tanh,
+}
+
+impl Gelu {
+    /// The name PyTorch's `approximate=` argument uses for it with `Exact` as `"none"`; here
+    /// `"exact"` or `"tanh"` (as `train_gpt --gelu` spells them).
+    pub fn name(self) -> &'static str {
+        match self {
+            Gelu::Exact => "exact",
+            Gelu::Tanh => "tanh",
+        }
+    }
+}
+
+impl std::str::FromStr for Gelu {
+    type Err = String;
+    /// Parses `"exact"` (also `"none"`, `"erf"`) or `"tanh"`.
+    fn from_str(s: &str) -> Result<Gelu, String> {
+        match s {
+            "exact" | "none" | "erf" => Ok(Gelu::Exact),
+            "tanh" => Ok(Gelu::Tanh),
+            other => Err(format!(
+                "unknown GELU `{other}`: use `exact` (erf, PyTorch's default) or `tanh`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Gelu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// A kernel was called with arguments that do not describe a valid computation.
 ///

@@ -372,8 +372,9 @@ impl Exec for EmuExec {
                 let n = self.f32s(*x);
                 Ok(plan_sum(n as u64, d(*x), d(*out), n as f64))
             }
-            Op::Gelu { x, y } => Ok(plan_gelu(self.f32s(*x) as u64, d(*x), d(*y))),
-            Op::GeluBackward { x, dy, dx } => Ok(plan_gelu_backward(
+            Op::Gelu { kind, x, y } => Ok(plan_gelu(*kind, self.f32s(*x) as u64, d(*x), d(*y))),
+            Op::GeluBackward { kind, x, dy, dx } => Ok(plan_gelu_backward(
+                *kind,
                 self.f32s(*x) as u64,
                 d(*x),
                 d(*dy),
