@@ -711,6 +711,18 @@ impl Tensor {
         recv(rx, &stream)
     }
 
+    /// The bytes of a contiguous tensor on the host (waits for the work producing them).
+    pub(crate) fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {
+        let stream = current_stream(self.device());
+        let src = self.operand_on(op, &stream)?;
+        let (tx, rx) = mpsc::channel();
+        let read = move |bytes: &[u8]| {
+            let _ = tx.send(bytes.to_vec());
+        };
+        Kernels::for_device(self.device())?.read(&stream, &src, Box::new(read))?;
+        recv(rx, &stream)
+    }
+
     /// Copies the elements to the host as `f32` (converting `f16`/`bf16`), waiting for them.
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         match self.dtype() {

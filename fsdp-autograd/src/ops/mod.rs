@@ -12,6 +12,7 @@ pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod reduce;
 pub(crate) mod shape;
+pub(crate) mod transfer;
 
 pub use matmul::linear;
 pub use nn::{causal_attention, cross_entropy, embedding, layer_norm};

@@ -385,6 +385,10 @@ fn no_driver_is_a_typed_error() {
 fn nvrtc_compiles_the_kernels() {
     // SAFETY: `is_culib_present` only tries to load the library; no precondition.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        // `cargo xtask nvrtc` sets FSDP_NVRTC_REQUIRED=1: there a missing library is a failure.
+        if std::env::var("FSDP_NVRTC_REQUIRED").as_deref() == Ok("1") {
+            panic!("FSDP_NVRTC_REQUIRED=1 but libnvrtc could not be loaded (LD_LIBRARY_PATH?)");
+        }
         eprintln!(
             "SKIPPED nvrtc_compiles_the_kernels: libnvrtc not found (e.g. `pip install \
              nvidia-cuda-nvrtc-cu12` and put its lib directory on LD_LIBRARY_PATH)"
