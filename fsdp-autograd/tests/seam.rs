@@ -68,7 +68,7 @@ macro_rules! forward {
 }
 
 use fsdp_autograd::kernels::backend::{
-    Attention, BinaryOp, EmbeddingShape, LayerNormShape, SumTo, View,
+    Attention, BinaryOp, EmbeddingShape, LayerNormShape, ReadFn, SumTo, View,
 };
 use fsdp_autograd::Gelu;
 
@@ -102,7 +102,7 @@ impl Backend for Counting {
         arange(n: usize, o: &Operand);
         copy(sv: &View, src: &Operand, dv: &View, dst: &Operand);
         write(b: Vec<u8>, d: &Operand);
-        read(src: &Operand, f: Box<dyn FnOnce(&[u8]) + Send>);
+        read(src: &Operand, f: ReadFn);
     }
 }
 

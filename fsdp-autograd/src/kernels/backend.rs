@@ -57,6 +57,9 @@ impl Operand {
     }
 }
 
+/// What [`Backend::read`] hands the bytes to.
+pub type ReadFn = Box<dyn FnOnce(&[u8]) + Send>;
+
 /// Binary elementwise operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BinaryOp {
@@ -368,7 +371,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()>;
     /// Reads `src` to the host in stream order and hands the bytes to `f` once available
     /// (CPU: on the stream's worker; CUDA: after synchronizing the stream).
-    fn read(&self, s: &Stream, src: &Operand, f: Box<dyn FnOnce(&[u8]) + Send>) -> Result<()>;
+    fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()>;
 }
 
 /// The seam's front: a device's [`Backend`] behind argument checks done once for every backend.
@@ -1064,7 +1067,7 @@ impl Kernels {
     }
 
     /// Checked [`Backend::read`].
-    pub fn read(&self, s: &Stream, src: &Operand, f: Box<dyn FnOnce(&[u8]) + Send>) -> Result<()> {
+    pub fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
         self.dev("read", "src", src)?;
         self.backend.read(s, src, f)
     }

@@ -45,8 +45,8 @@ mod imp {
 
     use crate::error::{AutogradError, Result};
     use crate::kernels::backend::{
-        Attention, Backend, BinaryOp, EmbeddingShape, Gemm, LayerNormShape, Operand, Rows, SumTo,
-        View,
+        Attention, Backend, BinaryOp, EmbeddingShape, Gemm, LayerNormShape, Operand, ReadFn, Rows,
+        SumTo, View,
     };
     use crate::kernels::cuda::{CudaKernelError, CudaKernels, IndexCheck};
     use crate::kernels::Gelu;
@@ -669,7 +669,7 @@ mod imp {
             self.k.upload(s, &bytes, &dst.buf).map_err(err("write"))
         }
 
-        fn read(&self, s: &Stream, src: &Operand, f: Box<dyn FnOnce(&[u8]) + Send>) -> Result<()> {
+        fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
             self.drain_checks()?;
             let mut host = vec![0u8; src.buf.len()];
             self.k

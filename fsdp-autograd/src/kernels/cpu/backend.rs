@@ -6,7 +6,8 @@ use fsdp_alloc::Stream;
 
 use crate::error::Result;
 use crate::kernels::backend::{
-    Attention, Backend, BinaryOp, EmbeddingShape, LayerNormShape, Operand, Rows, SumTo, View,
+    Attention, Backend, BinaryOp, EmbeddingShape, LayerNormShape, Operand, ReadFn, Rows, SumTo,
+    View,
 };
 use crate::kernels::{cpu, Gelu};
 use crate::launch::{fail, launch, strided_copy_arg};
@@ -605,7 +606,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn read(&self, s: &Stream, src: &Operand, f: Box<dyn FnOnce(&[u8]) + Send>) -> Result<()> {
+    fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
         let a = src.clone();
         launch(s, "to_vec", move || a.typed::<u8, _>("to_vec", f));
         Ok(())
