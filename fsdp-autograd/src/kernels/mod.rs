@@ -1,13 +1,17 @@
-//! Compute kernels: pure functions on slices, with no tensors, streams or autograd in sight.
-//!
-//! The tensor layer launches these on a stream; they only see contiguous, row-major `f32` data
-//! (plus `i64` ids/targets and `f16`/`bf16` for casts). Every kernel checks that the slices it is
-//! given match the shape arguments and returns a [`KernelError`] naming the kernel, the argument
-//! and the sizes otherwise — kernels never panic on bad input.
+//! Compute kernels and the backend seam the tensor layer reaches them through.
 //!
 //! # Layout
-//! - [`cpu`]: the CPU implementations. Matrix products go through the [`gemm`] crate; everything
-//!   else is plain Rust that processes whole rows in a fixed order.
+//! - [`backend`]: the seam — the [`backend::Backend`] trait (one method per kernel a `Tensor`
+//!   needs, each with a shape struct), [`backend::Kernels`] (the front that checks every operand
+//!   once, for all backends), [`backend::CpuBackend`] and [`backend::CudaBackend`]. Every tensor
+//!   operation, fill, copy, upload and readback goes through it.
+//! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices. Matrix products go
+//!   through the [`gemm`] crate; everything else is plain Rust that processes whole rows in a
+//!   fixed order. As public slice functions they still reject slices that do not match their
+//!   shape arguments ([`KernelError`], never a panic), through the same checks the CUDA kernels
+//!   use.
+//! - `cuda` (feature `cuda`): the CUDA kernels (NVRTC-compiled source, cuBLAS), run on a host
+//!   emulator in tests, compiled by NVRTC in `cargo xtask nvrtc`, never run on a GPU here.
 //!
 //! # Determinism
 //! Every CPU kernel returns bit-identical results for bit-identical inputs, on every call and
