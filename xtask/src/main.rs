@@ -6,6 +6,8 @@
 //!   `--features cuda` (GPU-only tests included) if found, otherwise says so and fails.
 //! - `bench [NAME]`: runs the named bench (or all of them) in release mode.
 //! - `soak`: runs the slow `#[ignore]`d tests.
+//! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
+//!   links, missing docs), without and with the `cuda` feature.
 
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
@@ -76,6 +78,31 @@ fn ci() -> Result<(), String> {
         cargo().args(["check", "--workspace", "--features", "fsdp-tests/cuda"]),
     )?;
     run("tests", cargo().args(["test", "--workspace"]))
+}
+
+/// `cargo doc --workspace --no-deps` with `-D warnings` added to `RUSTDOCFLAGS`, without and
+/// with the optional `cuda` feature.
+fn doc() -> Result<(), String> {
+    let flags = match std::env::var("RUSTDOCFLAGS") {
+        Ok(f) if !f.trim().is_empty() => format!("{f} -D warnings"),
+        _ => "-D warnings".to_string(),
+    };
+    run(
+        "doc",
+        cargo()
+            .env("RUSTDOCFLAGS", &flags)
+            .args(["doc", "--workspace", "--no-deps"]),
+    )?;
+    run(
+        "doc (cuda)",
+        cargo().env("RUSTDOCFLAGS", &flags).args([
+            "doc",
+            "--workspace",
+            "--no-deps",
+            "--features",
+            "fsdp-tests/cuda",
+        ]),
+    )
 }
 
 /// Looks for a CUDA driver and at least one device, without letting cudarc panic.
@@ -177,7 +204,7 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str = "usage: cargo xtask <ci | gpu-test | bench [NAME] | soak>";
+const USAGE: &str = "usage: cargo xtask <ci | gpu-test | bench [NAME] | soak | doc>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -192,6 +219,7 @@ fn main() {
         ["bench"] => bench(None),
         ["bench", name] => bench(Some(name)),
         ["soak"] => soak(),
+        ["doc"] => doc(),
         _ => Err(USAGE.to_string()),
     };
     if let Err(e) = result {
