@@ -29,7 +29,9 @@
 //!
 //! The summary and the `--json` line use the median step time of all steps but the first (warm-up:
 //! the allocator's cache is empty, the forward order is not yet recorded); with one step, that
-//! step. `all_gather_bytes` / `reduce_scatter_bytes` are rank 0's totals over the run.
+//! step. `all_gather_bytes` / `reduce_scatter_bytes` are rank 0's totals over the run, in the
+//! dtype communicated (bf16/f16 under mixed precision). `params` is Ψ: the elements of all flat
+//! parameters (padding included), the same under every mixed-precision setting.
 //!
 //! ## `predicted_peak_param_grad_bytes`
 //! With `P` = bytes of all f32 parameters (`4·Ψ`), `m` = bytes of the largest unit (`4·maxᵢ ψᵢ`,
@@ -52,9 +54,10 @@ use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
+use fsdp_core::plumbing::tensor_slice;
 use fsdp_core::{
-    clip_grad_norm, state_dict, tensor_slice, AdamW, BackwardPrefetch, Comm, Fsdp, FsdpConfig,
-    FsdpError, MixedPrecision, ShardedOptimizer, ShardingStrategy, WrapPolicy,
+    clip_grad_norm, state_dict, AdamW, BackwardPrefetch, Comm, Fsdp, FsdpConfig, FsdpError,
+    MixedPrecision, ParamBytes, ShardedOptimizer, ShardingStrategy, WrapPolicy,
 };
 
 const USAGE: &str = "\
@@ -467,7 +470,10 @@ fn run_rank(
         }
     }
     let mut adamw = (args.optimizer == Optimizer::AdamW).then(|| AdamW::new(args.lr));
-    let (max_unit_bytes, total_param_bytes) = fsdp.param_bytes();
+    let ParamBytes {
+        max_unit: max_unit_bytes,
+        total: total_param_bytes,
+    } = fsdp.param_bytes();
     let units = fsdp.num_units();
 
     let interval = (args.steps / 12).max(1);
@@ -772,12 +778,13 @@ fn run(args: &Args) -> Result<(), String> {
     );
     if args.json {
         println!(
-            "{{\"ranks\":{},\"strategy\":\"{}\",\"tokens_per_s\":{:.1},\"step_ms_median\":{:.3},\
+            "{{\"ranks\":{},\"strategy\":\"{}\",\"params\":{},\"tokens_per_s\":{:.1},\"step_ms_median\":{:.3},\
              \"final_loss\":{},\"peak_allocated_bytes_per_rank\":{},\
              \"predicted_peak_param_grad_bytes\":{},\"all_gather_bytes\":{},\
              \"reduce_scatter_bytes\":{},\"num_alloc_retries\":{}}}",
             args.ranks,
             strategy_name(args.strategy),
+            rep.total_param_bytes / 4,
             tokens_per_s,
             step_s * 1e3,
             json_f32(last),
