@@ -1,24 +1,4 @@
-//! # fsdp-autograd: tensors, kernels, reverse-mode autograd with FSDP's hook points, nn layers
-//!
-//! The compute layer of fsdp-rs. Every tensor's memory comes from its device's caching
-//! allocator ([`fsdp_alloc`]), every kernel is *launched* on a stream (the issuing thread returns
-//! at once and only waits when it reads data back), and the autograd engine exposes the three
-//! hook points FSDP is built on (see [`autograd`]).
-//!
-//! ```
-//! use fsdp_alloc::{DType, Device};
-//! use fsdp_autograd::{cross_entropy, nn::{Gpt, GptConfig, Module}, InitContext, Tensor};
-//!
-//! let dev = Device::cpu(0);
-//! let cfg = GptConfig { vocab: 16, d_model: 16, n_layers: 1, n_heads: 2, seq_len: 8, tied: false, checkpoint: false, gelu: fsdp_autograd::Gelu::Exact };
-//! let model = Gpt::new(&InitContext::eager(&dev, 0), &cfg)?;
-//! let ids = Tensor::from_vec((0..16).map(|i| i % 16).collect::<Vec<i64>>(), &[2, 8], &dev)?;
-//! let logits = model.call(&ids)?; // [2, 8, 16]
-//! let loss = cross_entropy(&logits, &ids)?;
-//! loss.backward()?;
-//! assert!(loss.item()? > 0.0);
-//! # Ok::<(), fsdp_autograd::AutogradError>(())
-//! ```
+#![doc = include_str!("../README.md")]
 //!
 //! # Crate layout
 //! - [`Tensor`], [`Storage`]: layout, storage release/attach (FSDP's `resize_(0)`), version

@@ -9,6 +9,8 @@
 //!   wheel (compile only; no GPU or driver needed).
 //! - `bench [NAME]`: runs the named bench (or all of them) in release mode.
 //! - `soak`: runs the slow `#[ignore]`d tests.
+//! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
+//!   links, missing docs), without and with the `cuda` feature.
 
 mod gpu_test;
 
@@ -95,6 +97,31 @@ fn ci() -> Result<(), String> {
     run("tests", cargo().args(["test", "--workspace"]))
 }
 
+/// `cargo doc --workspace --no-deps` with `-D warnings` added to `RUSTDOCFLAGS`, without and
+/// with the optional `cuda` feature.
+fn doc() -> Result<(), String> {
+    let flags = match std::env::var("RUSTDOCFLAGS") {
+        Ok(f) if !f.trim().is_empty() => format!("{f} -D warnings"),
+        _ => "-D warnings".to_string(),
+    };
+    run(
+        "doc",
+        cargo()
+            .env("RUSTDOCFLAGS", &flags)
+            .args(["doc", "--workspace", "--no-deps"]),
+    )?;
+    run(
+        "doc (cuda)",
+        cargo().env("RUSTDOCFLAGS", &flags).args([
+            "doc",
+            "--workspace",
+            "--no-deps",
+            "--features",
+            "fsdp-tests/cuda",
+        ]),
+    )
+}
+
 fn bench(name: Option<&str>) -> Result<(), String> {
     let available: Vec<_> = BENCHES
         .iter()
@@ -146,7 +173,8 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str = "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak>";
+const USAGE: &str =
+    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -164,6 +192,7 @@ fn main() {
         ["bench"] => bench(None),
         ["bench", name] => bench(Some(name)),
         ["soak"] => soak(),
+        ["doc"] => doc(),
         _ => Err(USAGE.to_string()),
     };
     if let Err(e) = result {
