@@ -641,7 +641,7 @@ mod tests {
         assert!(parse(&["--lr", "inf"]).is_err());
         assert!(parse(&["--lr", "NaN"]).is_err());
         assert!(parse(&["--d-model", "100000", "--layers", "512"]).is_err());
-        assert!(parse(&["--model", "gpt2", "--layers", "512", "--d-model", "1024"])
+        assert!(parse(&["--model", "gpt2", "--layers", "512", "--d-model", "1536"])
             .unwrap_err()
             .contains("parameters"));
     }
