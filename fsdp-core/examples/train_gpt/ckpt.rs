@@ -117,7 +117,12 @@ pub fn check_writable_file(path: &Path) -> Result<(), CheckpointError> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    check_writable_dir(&parent).map_err(|e| not(e.to_string()))
+    check_writable_dir(&parent).map_err(|e| match e {
+        CheckpointError::NotWritable { path, reason } => {
+            not(format!("its directory {} fails: {reason}", path.display()))
+        }
+        other => not(other.to_string()),
+    })
 }
 
 /// The newest complete checkpoint in `dir` (`None` if there is none or `dir` does not exist).
