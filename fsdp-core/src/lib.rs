@@ -9,15 +9,19 @@
 //! # Crate layout
 //! - [`wrap`]: unit planning (policies, the paper's assignment rule, shared parameters).
 //! - [`config`]: strategies, prefetch modes, buffer lifetime.
-//! - [`Fsdp`]: the runtime (hooks, unshard / reshard / reduce, mixed precision, gradient
-//!   accumulation with and without communication, CPU offload, SGD on shards).
+//! - [`Fsdp`]: the runtime — the hooks, the execution order and the prefetch decisions; each
+//!   unit's own work (unshard, reshard, reduce its gradient, mixed precision, CPU offload copies)
+//!   is done by its `FlatParamHandle` within a communication context (streams, groups, rate
+//!   limiter); gradient accumulation with and without communication; SGD on shards.
 //! - [`optim`]: sharded SGD / AdamW / LAMB (state sharded like the parameters) and their local
 //!   twins; [`clip`]: global and exact per-parameter gradient norms across shards;
 //!   [`scaler`]: the sharded gradient scaler; [`state_dict`]: full, sharded and local state dicts
 //!   (safetensors on disk), optimizer state likewise.
+//! - [`plumbing`]: low-level helpers for code that issues its own collectives on tensors.
 #![deny(missing_docs)]
 
 pub mod clip;
+mod comm;
 pub mod config;
 pub mod error;
 mod fsdp;
@@ -32,7 +36,7 @@ pub use config::{
     BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, MixedPrecision, ShardingStrategy,
 };
 pub use error::{FsdpError, Result};
-pub use fsdp::{tensor_slice, Comm, CommStats, Fsdp, FullParameter, UnitShard};
+pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, ParamBytes, UnitInfo, UnitShard};
 pub use optim::{
     AdamParams, AdamW, Lamb, LocalAdamW, LocalLamb, LocalOptimizer, LocalSgd, Sgd,
     ShardedOptimizer, ShardedParams,
@@ -40,3 +44,9 @@ pub use optim::{
 pub use scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
 pub use state_dict::{FullStateDict, OptimState, ShardedStateDict, StateDictError};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
+
+/// Low-level helpers for code that runs its own collectives on [`fsdp_autograd::Tensor`]s (a
+/// training loop all-reducing a metric, say). Training with [`Fsdp`] does not need them.
+pub mod plumbing {
+    pub use crate::comm::tensor_slice;
+}

@@ -319,7 +319,7 @@ fn cpu_offload_keeps_shards_and_gradients_on_the_host_device() {
         fsdp.zero_grad();
         fsdp.synchronize().unwrap();
         host.synchronize().unwrap();
-        let shard_bytes: usize = fsdp.units().iter().map(|u| u.3 * 4).sum();
+        let shard_bytes: usize = fsdp.units().iter().map(|u| u.shard_numel * 4).sum();
         (
             dev.memory_stats().allocated_bytes,
             host.memory_stats().allocated_bytes,
