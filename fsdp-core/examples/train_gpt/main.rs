@@ -32,7 +32,10 @@
 //!
 //! The summary and the `--json` line use the median step time of all steps but the first
 //! (warm-up); with one step, that step. `all_gather_bytes` / `reduce_scatter_bytes` are rank 0's
-//! totals over the run.
+//! totals over the run, in the dtype communicated (bf16/f16 under mixed precision). `params` is
+//! Ψ: the elements of all flat parameters (padding included), the same under every
+//! mixed-precision setting; the banner's parameter count is the model's own (no padding), which
+//! the FLOP estimate uses.
 //!
 //! ## `predicted_peak_param_grad_bytes`
 //! With `P` = bytes of all f32 parameters (`4·Ψ`), `m` = bytes of the largest unit (`4·maxᵢ ψᵢ`)
@@ -351,7 +354,7 @@ fn summary(
             "all_gather_bytes": rep.total_ag,
             "reduce_scatter_bytes": rep.total_rs,
             "num_alloc_retries": retries,
-            "params": params,
+            "params": rep.total_param_bytes / 4,
             "steps": steps.len(),
             "first_step": rep.first_step,
             "model_flops_per_s": json_num(model_flops),

@@ -17,9 +17,10 @@ use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
 use fsdp_core::state_dict::{self, FullStateDict, OptimState};
+use fsdp_core::plumbing::tensor_slice;
 use fsdp_core::{
-    clip_grad_norm, grad_norm, param_norms_per_param, tensor_slice, AdamW, BackwardPrefetch,
-    Comm, Fsdp, FsdpConfig, FsdpError, MixedPrecision, ShardedOptimizer, ShardingStrategy,
+    clip_grad_norm, grad_norm, param_norms_per_param, AdamW, BackwardPrefetch, Comm, Fsdp,
+    FsdpConfig, FsdpError, MixedPrecision, ParamBytes, ShardedOptimizer, ShardingStrategy,
     WrapPolicy,
 };
 use serde_json::{json, Value};
@@ -676,7 +677,10 @@ impl Rank {
         } else {
             (0, Vec::new())
         };
-        let (max_unit_bytes, total_param_bytes) = self.fsdp.param_bytes();
+        let ParamBytes {
+            max_unit: max_unit_bytes,
+            total: total_param_bytes,
+        } = self.fsdp.param_bytes();
         let units = self.fsdp.num_units();
         let optim_slots = self.adamw.as_ref().map_or(0, |o| o.slot_names().len());
         let steps = self.cfg.steps;
