@@ -24,7 +24,12 @@ pub const MAX_PARAMS: u64 = 4_000_000_000;
 /// ranks, FullShard, SGD, 60 steps on an embedded synthetic stream (sequences that count up by a
 /// per-sequence stride, so the next token follows from the previous two).
 #[derive(Parser, Debug, Clone)]
-#[command(name = "train_gpt", version, about, long_about = None, max_term_width = 100)]
+#[command(
+    name = "train_gpt",
+    version,
+    about = "Trains a GPT with FSDP on CPU thread ranks (default: GPT-mini, 4 ranks, FullShard, 60 SGD steps on a synthetic stream)",
+    max_term_width = 100
+)]
 pub struct Cli {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -46,7 +51,7 @@ pub struct Cli {
 pub struct ModelArgs {
     /// Model preset: mini (vocab 256, d 256, 4 layers, 4 heads, seq 128), small (~25M: vocab
     /// 256, d 512, 8 layers, 8 heads, seq 256), gpt2 (124M: vocab 50257, d 768, 12 layers, 12
-    /// heads, seq 1024)
+    /// heads, seq 1024, embedding tied to the head as in GPT-2)
     #[arg(long, value_enum, default_value_t = ModelPreset::Mini)]
     pub model: ModelPreset,
     /// Override the preset's model width (divisible by --heads)
@@ -68,7 +73,7 @@ pub struct ModelArgs {
     /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
     #[arg(long, value_enum, default_value_t = GeluArg::Tanh)]
     pub gelu: GeluArg,
-    /// Tie the token embedding and the LM head (one shared parameter)
+    /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
     #[arg(long)]
     pub tied: bool,
 }
@@ -78,7 +83,7 @@ pub struct ModelArgs {
 #[command(next_help_heading = "Data")]
 pub struct DataArgs {
     /// Train on this file (memory-mapped): text read as bytes (vocab 256), or a nanoGPT-style
-    /// .bin of little-endian u16 token ids. Without it, the embedded synthetic stream
+    /// .bin of little-endian u16 token ids. Without it, the embedded synthetic stream is used
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
     /// How to read --data: auto (.bin = u16 tokens, anything else = text bytes), text, u16
@@ -230,73 +235,73 @@ pub struct LoggingArgs {
 /// `--model`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelPreset {
-    /// GptConfig::mini().
+    /// vocab 256, d 256, 4 layers, 4 heads, seq 128 (3.3M parameters)
     Mini,
-    /// About 25M parameters.
+    /// vocab 256, d 512, 8 layers, 8 heads, seq 256 (25M parameters)
     Small,
-    /// GPT-2 small (124M).
+    /// GPT-2 small: vocab 50257, d 768, 12 layers, 12 heads, seq 1024, tied head (124M)
     Gpt2,
 }
 
 /// `--gelu`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GeluArg {
-    /// erf GELU.
+    /// 0.5·x·(1 + erf(x/√2)), PyTorch's default
     Exact,
-    /// tanh approximation.
+    /// 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
     Tanh,
 }
 
 /// `--data-format`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataFormatArg {
-    /// By extension.
+    /// .bin: u16 token ids; any other file: text bytes
     Auto,
-    /// Bytes.
+    /// every byte is a token (vocab 256)
     Text,
-    /// u16 little-endian ids.
+    /// little-endian u16 token ids (nanoGPT's train.bin/val.bin)
     U16,
 }
 
 /// `--strategy`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StrategyArg {
-    /// FULL_SHARD.
+    /// shard parameters, gradients and optimizer state; reshard after forward
     FullShard,
-    /// SHARD_GRAD_OP.
+    /// shard gradients and optimizer state; keep parameters unsharded forward to backward
     ShardGradOp,
-    /// NO_SHARD.
+    /// replicate everything (DDP-like all-reduce)
     NoShard,
-    /// HYBRID_SHARD.
+    /// shard within groups of --shard-size, replicate across them
     HybridShard,
 }
 
 /// `--backward-prefetch`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefetchArg {
-    /// No prefetch.
+    /// no prefetch
     None,
-    /// BACKWARD_PRE.
+    /// all-gather the next unit before the current unit's gradient computation
     Pre,
-    /// BACKWARD_POST.
+    /// all-gather the next unit after the current unit's gradient computation
     Post,
 }
 
 /// `--optimizer`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OptimizerArg {
-    /// Plain SGD.
+    /// plain SGD (no state)
     Sgd,
-    /// AdamW.
+    /// AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01)
     Adamw,
 }
 
 /// `--mixed-precision`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MixedPrecisionArg {
-    /// bfloat16.
+    /// bfloat16
     Bf16,
-    /// float16.
+    /// float16
     F16,
 }
 
@@ -372,7 +377,8 @@ impl ModelPreset {
         match self {
             ModelPreset::Mini => GptConfig::mini(),
             ModelPreset::Small => GptConfig::new(256, 512, 8, 8, 256),
-            ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024),
+            // GPT-2 ties its token embedding and LM head (124M parameters).
+            ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024).with_tied(true),
         }
     }
 }
@@ -423,7 +429,9 @@ impl Cli {
         if let Some(v) = m.vocab {
             gpt.vocab = v as usize;
         }
-        gpt = gpt.with_tied(m.tied);
+        if m.tied {
+            gpt = gpt.with_tied(true);
+        }
         apply_gelu(&mut gpt, m.gelu)?;
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
@@ -675,8 +683,9 @@ mod tests {
     fn presets_and_overrides() {
         let g = parse(&["--model", "gpt2"]).unwrap().gpt;
         assert_eq!((g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len), (50257, 768, 12, 12, 1024));
-        // GPT-2 small: 124,439,808 parameters with a tied head; ours has an untied head + biases.
-        assert_eq!(gpt_params(&g.clone().with_tied(true)), 124_439_808);
+        // GPT-2 small: 124,439,808 parameters (tied head).
+        assert!(g.tied);
+        assert_eq!(gpt_params(&g), 124_439_808);
         let s = parse(&["--model", "small"]).unwrap().gpt;
         let p = gpt_params(&s);
         assert!((20_000_000..30_000_000).contains(&p), "{p}");
