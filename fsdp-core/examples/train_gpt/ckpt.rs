@@ -232,10 +232,12 @@ pub fn read_meta(ckpt: &Path) -> Result<Value, CheckpointError> {
 /// Compares the settings a resumed run must share with the saved one (`fingerprint` is what
 /// [`crate::train::fingerprint`] builds).
 pub fn check_fingerprint(ckpt: &Path, meta: &Value, now: &Value) -> Result<(), CheckpointError> {
-    let saved = meta.get("fingerprint").ok_or_else(|| CheckpointError::Format {
-        path: meta_path(ckpt),
-        reason: "no `fingerprint` field".into(),
-    })?;
+    let saved = meta
+        .get("fingerprint")
+        .ok_or_else(|| CheckpointError::Format {
+            path: meta_path(ckpt),
+            reason: "no `fingerprint` field".into(),
+        })?;
     let Value::Object(now_map) = now else {
         return Ok(());
     };
@@ -243,7 +245,9 @@ pub fn check_fingerprint(ckpt: &Path, meta: &Value, now: &Value) -> Result<(), C
         let s = saved.get(k).cloned().unwrap_or(Value::Null);
         if &s != v {
             let what: &'static str = match k.as_str() {
-                "model" => "the model shape (--model/--d-model/--layers/--heads/--seq-len/--vocab/--tied)",
+                "model" => {
+                    "the model shape (--model/--d-model/--layers/--heads/--seq-len/--vocab/--tied)"
+                }
                 "optimizer" => "--optimizer",
                 "global_batch" => "the global batch (--ranks × --batch × --grad-accum sequences)",
                 "data" => "--data",

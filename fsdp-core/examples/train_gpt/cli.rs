@@ -403,9 +403,9 @@ pub fn gpt_params(c: &GptConfig) -> u64 {
 fn apply_gelu(_cfg: &mut GptConfig, gelu: GeluArg) -> Result<(), UsageError> {
     match gelu {
         GeluArg::Tanh => Ok(()),
-        GeluArg::Exact => usage(
-            "--gelu exact: this build's nn::Gpt has only the tanh GELU; use --gelu tanh",
-        ),
+        GeluArg::Exact => {
+            usage("--gelu exact: this build's nn::Gpt has only the tanh GELU; use --gelu tanh")
+        }
     }
 }
 
@@ -649,20 +649,53 @@ mod tests {
         assert!(parse(&["--lr", "inf"]).is_err());
         assert!(parse(&["--lr", "NaN"]).is_err());
         assert!(parse(&["--d-model", "100000", "--layers", "512"]).is_err());
-        assert!(parse(&["--model", "gpt2", "--layers", "512", "--d-model", "1536"])
-            .unwrap_err()
-            .contains("parameters"));
+        assert!(
+            parse(&["--model", "gpt2", "--layers", "512", "--d-model", "1536"])
+                .unwrap_err()
+                .contains("parameters")
+        );
     }
 
     #[test]
     fn every_old_flag_keeps_its_meaning() {
         let c = parse(&[
-            "--ranks", "2", "--strategy", "hybrid-shard", "--shard-size", "2",
-            "--backward-prefetch", "post", "--forward-prefetch", "--limit-all-gathers", "off",
-            "--deferred-init", "--steps", "7", "--lr", "0.5", "--optimizer", "adamw",
-            "--mixed-precision", "bf16", "--grad-accum", "2", "--no-sync", "--clip-grad-norm",
-            "1.5", "--tied", "--cpu-offload", "--checked", "--load", "a.st", "--save", "b.st",
-            "--batch", "3", "--seed", "9", "--json",
+            "--ranks",
+            "2",
+            "--strategy",
+            "hybrid-shard",
+            "--shard-size",
+            "2",
+            "--backward-prefetch",
+            "post",
+            "--forward-prefetch",
+            "--limit-all-gathers",
+            "off",
+            "--deferred-init",
+            "--steps",
+            "7",
+            "--lr",
+            "0.5",
+            "--optimizer",
+            "adamw",
+            "--mixed-precision",
+            "bf16",
+            "--grad-accum",
+            "2",
+            "--no-sync",
+            "--clip-grad-norm",
+            "1.5",
+            "--tied",
+            "--cpu-offload",
+            "--checked",
+            "--load",
+            "a.st",
+            "--save",
+            "b.st",
+            "--batch",
+            "3",
+            "--seed",
+            "9",
+            "--json",
         ])
         .unwrap();
         assert_eq!(c.ranks, 2);
@@ -682,14 +715,19 @@ mod tests {
     #[test]
     fn presets_and_overrides() {
         let g = parse(&["--model", "gpt2"]).unwrap().gpt;
-        assert_eq!((g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len), (50257, 768, 12, 12, 1024));
+        assert_eq!(
+            (g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len),
+            (50257, 768, 12, 12, 1024)
+        );
         // GPT-2 small: 124,439,808 parameters (tied head).
         assert!(g.tied);
         assert_eq!(gpt_params(&g), 124_439_808);
         let s = parse(&["--model", "small"]).unwrap().gpt;
         let p = gpt_params(&s);
         assert!((20_000_000..30_000_000).contains(&p), "{p}");
-        let o = parse(&["--model", "gpt2", "--seq-len", "256", "--vocab", "1000"]).unwrap().gpt;
+        let o = parse(&["--model", "gpt2", "--seq-len", "256", "--vocab", "1000"])
+            .unwrap()
+            .gpt;
         assert_eq!((o.seq_len, o.vocab), (256, 1000));
         assert!(parse(&["--d-model", "100", "--heads", "3"]).is_err());
     }

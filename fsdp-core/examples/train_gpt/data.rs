@@ -176,7 +176,13 @@ impl Dataset {
     }
 
     /// Validation sequence number `i` (`i < n`, the fixed evaluation set of `n` sequences).
-    pub fn val_sequence(&self, i: u64, n: u64, seq: usize, seed: u64) -> Result<Sequence, DataError> {
+    pub fn val_sequence(
+        &self,
+        i: u64,
+        n: u64,
+        seq: usize,
+        seed: u64,
+    ) -> Result<Sequence, DataError> {
         match self {
             Dataset::Synthetic { vocab } => Ok(counting(SYNTHETIC_VAL_BASE + i, seq, *vocab, seed)),
             Dataset::File(f) => {
@@ -295,7 +301,10 @@ mod tests {
             assert_eq!(a, b);
             assert_eq!(&a[1..], &ta[..15]);
         }
-        assert_ne!(d.train_sequence(0, 16, 3).unwrap(), d.train_sequence(0, 16, 4).unwrap());
+        assert_ne!(
+            d.train_sequence(0, 16, 3).unwrap(),
+            d.train_sequence(0, 16, 4).unwrap()
+        );
         for i in 0..32 {
             let (v, tv) = d.val_sequence(i, 32, 16, 0).unwrap();
             let off = 9_000 + (i * (1000 - 16)) / 32;
@@ -314,8 +323,13 @@ mod tests {
         let (a, _) = ok.val_sequence(0, 1, 32, 0).unwrap();
         assert_eq!(a[0], (3072 % 1000) as i64);
         let small = Dataset::open(f.path(), DataFormat::U16, 0.25, 32, 500).unwrap();
-        let err = (0..50).find_map(|g| small.train_sequence(g, 32, 0).err()).unwrap();
-        assert!(matches!(err, DataError::TokenOutOfRange { vocab: 500, .. }), "{err}");
+        let err = (0..50)
+            .find_map(|g| small.train_sequence(g, 32, 0).err())
+            .unwrap();
+        assert!(
+            matches!(err, DataError::TokenOutOfRange { vocab: 500, .. }),
+            "{err}"
+        );
         let odd = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(odd.path(), [1u8, 2, 3]).unwrap();
         assert!(matches!(
@@ -324,7 +338,10 @@ mod tests {
         ));
         assert!(matches!(
             Dataset::open(f.path(), DataFormat::U16, 0.01, 64, 1000),
-            Err(DataError::TooShort { split: "validation", .. })
+            Err(DataError::TooShort {
+                split: "validation",
+                ..
+            })
         ));
     }
 }

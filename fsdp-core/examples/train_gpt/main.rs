@@ -223,7 +223,9 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     let start = Instant::now();
     let mut rep = train::run_job(&c, Box::new(console), false).map_err(|e| e.to_string())?;
     let wall = start.elapsed().as_secs_f64();
-    rep.observer.finish().map_err(|e| format!("--metrics: {e}"))?;
+    rep.observer
+        .finish()
+        .map_err(|e| format!("--metrics: {e}"))?;
 
     if let Some(p) = &cli.logging.plot {
         report::plot(p, &rep.history)?;
@@ -303,8 +305,7 @@ fn summary(
         wall
     );
     let g = &c.gpt;
-    let flops_per_token =
-        6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64;
+    let flops_per_token = 6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64;
     let model_flops = flops_per_token * tokens_per_s;
     println!(
         "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s f32 \
@@ -375,8 +376,14 @@ fn main() -> ExitCode {
             }
             // One line: clap's first line names the flag, the value and the allowed range.
             let msg = e.to_string();
-            let line = msg.lines().find(|l| !l.trim().is_empty()).unwrap_or("usage error");
-            eprintln!("train_gpt: {} (see --help)", line.trim_start_matches("error: "));
+            let line = msg
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("usage error");
+            eprintln!(
+                "train_gpt: {} (see --help)",
+                line.trim_start_matches("error: ")
+            );
             return ExitCode::from(2);
         }
     };

@@ -92,7 +92,6 @@ impl Console {
             None => println!("{line}"),
         }
     }
-
 }
 
 impl Observer for Console {
@@ -207,7 +206,12 @@ pub fn plot(path: &Path, history: &[Value]) -> Result<(), String> {
     let (train, val, speed) = (pts("loss"), pts("val_loss"), pts("tokens_per_s"));
     let size = (900, 700);
     let res = match plot_kind(path)? {
-        "svg" => draw(SVGBackend::new(path, size).into_drawing_area(), &train, &val, &speed),
+        "svg" => draw(
+            SVGBackend::new(path, size).into_drawing_area(),
+            &train,
+            &val,
+            &speed,
+        ),
         _ => draw(
             BitMapBackend::new(path, size).into_drawing_area(),
             &train,
@@ -231,14 +235,11 @@ where
 {
     root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(430);
-    let max_step = train
+    let max_step = train.iter().chain(val).map(|p| p.0).fold(1.0f64, f64::max);
+    let (lo, hi) = train
         .iter()
         .chain(val)
-        .map(|p| p.0)
-        .fold(1.0f64, f64::max);
-    let (lo, hi) = train.iter().chain(val).fold((f64::MAX, f64::MIN), |(l, h), p| {
-        (l.min(p.1), h.max(p.1))
-    });
+        .fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.1), h.max(p.1)));
     let (lo, hi) = if lo <= hi { (lo, hi) } else { (0.0, 1.0) };
     let pad = ((hi - lo) * 0.05).max(1e-3);
     let mut c = ChartBuilder::on(&top)
@@ -247,7 +248,10 @@ where
         .x_label_area_size(36)
         .y_label_area_size(56)
         .build_cartesian_2d(0f64..max_step, (lo - pad).max(0.0)..hi + pad)?;
-    c.configure_mesh().x_desc("step").y_desc("cross-entropy").draw()?;
+    c.configure_mesh()
+        .x_desc("step")
+        .y_desc("cross-entropy")
+        .draw()?;
     c.draw_series(LineSeries::new(train.iter().copied(), BLUE.stroke_width(2)))?
         .label("train loss")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
@@ -267,10 +271,16 @@ where
         .x_label_area_size(36)
         .y_label_area_size(56)
         .build_cartesian_2d(0f64..max_step, 0f64..smax * 1.1)?;
-    s.configure_mesh().x_desc("step").y_desc("tokens/s").draw()?;
-    s.draw_series(LineSeries::new(speed.iter().copied(), GREEN.stroke_width(2)))?
-        .label("tokens/s")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN.stroke_width(2)));
+    s.configure_mesh()
+        .x_desc("step")
+        .y_desc("tokens/s")
+        .draw()?;
+    s.draw_series(LineSeries::new(
+        speed.iter().copied(),
+        GREEN.stroke_width(2),
+    ))?
+    .label("tokens/s")
+    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN.stroke_width(2)));
     s.configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)

@@ -16,8 +16,8 @@ use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
-use fsdp_core::state_dict::{self, FullStateDict, OptimState};
 use fsdp_core::plumbing::tensor_slice;
+use fsdp_core::state_dict::{self, FullStateDict, OptimState};
 use fsdp_core::{
     clip_grad_norm, grad_norm, param_norms_per_param, AdamW, BackwardPrefetch, Comm, Fsdp,
     FsdpConfig, FsdpError, MixedPrecision, ParamBytes, ShardedOptimizer, ShardingStrategy,
@@ -475,11 +475,7 @@ impl Rank {
 
     /// Every rank learns whether any rank's `local` failed; a failing rank returns its own
     /// error, the others [`TrainError::PeerFailed`].
-    fn agree<T>(
-        &self,
-        local: Result<T, TrainError>,
-        what: &'static str,
-    ) -> Result<T, TrainError> {
+    fn agree<T>(&self, local: Result<T, TrainError>, what: &'static str) -> Result<T, TrainError> {
         let failed = self
             .all_reduce_sum(vec![if local.is_err() { 1.0 } else { 0.0 }])
             .map_err(self.err(format!("agreeing on {what}")))?[0];
@@ -506,7 +502,8 @@ impl Rank {
             tg.extend(t);
         }
         let shape = [c.batch, c.gpt.seq_len];
-        let x = Tensor::from_vec(ids, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
+        let x =
+            Tensor::from_vec(ids, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
         let y = Tensor::from_vec(tg, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
         Ok((x, y))
     }
@@ -630,8 +627,10 @@ impl Rank {
         let found = self.agree(found.map_err(TrainError::from), "finding the checkpoint")?;
         let Some((step, path, meta)) = found else {
             if self.rank == 0 {
-                self.observer
-                    .note(&format!("resume: no checkpoint in {}, starting at step 1", dir.display()));
+                self.observer.note(&format!(
+                    "resume: no checkpoint in {}, starting at step 1",
+                    dir.display()
+                ));
             }
             return Ok((0, Vec::new()));
         };
@@ -668,8 +667,10 @@ impl Rank {
             state_dict::load_full(&self.fsdp, &path)
                 .map_err(self.sd_err(format!("loading {}", path.display())))?;
             if rank == 0 {
-                self.observer
-                    .note(&format!("loaded the full state dict from {}", path.display()));
+                self.observer.note(&format!(
+                    "loaded the full state dict from {}",
+                    path.display()
+                ));
             }
         }
         let (done, mut history) = if self.cfg.resume {
@@ -698,9 +699,8 @@ impl Rank {
             let t0 = Instant::now();
             let lr = self.cfg.lr_at(s);
             // This step's batches, read first so a data error stops every rank together.
-            let batches: Result<Vec<_>, _> = (0..self.cfg.grad_accum)
-                .map(|m| self.batch(s, m))
-                .collect();
+            let batches: Result<Vec<_>, _> =
+                (0..self.cfg.grad_accum).map(|m| self.batch(s, m)).collect();
             let batches = self.agree(batches, "reading training data")?;
             let (scaled, norm) = self
                 .step(batches, lr)
@@ -723,21 +723,20 @@ impl Rank {
                     value: loss as f64,
                 });
             }
-            let val_loss = if self.cfg.eval_every > 0
-                && (step % self.cfg.eval_every == 0 || step == steps)
-            {
-                let v = self.evaluate()?;
-                if !v.is_finite() {
-                    return Err(TrainError::NonFinite {
-                        step,
-                        what: "validation loss",
-                        value: v as f64,
-                    });
-                }
-                Some(v)
-            } else {
-                None
-            };
+            let val_loss =
+                if self.cfg.eval_every > 0 && (step % self.cfg.eval_every == 0 || step == steps) {
+                    let v = self.evaluate()?;
+                    if !v.is_finite() {
+                        return Err(TrainError::NonFinite {
+                            step,
+                            what: "validation loss",
+                            value: v as f64,
+                        });
+                    }
+                    Some(v)
+                } else {
+                    None
+                };
             let now = self.fsdp.comm_stats();
             let rec = StepRecord {
                 step,
@@ -910,7 +909,16 @@ mod tests {
 
     /// A small GPT so the tests take seconds.
     const TINY: &[&str] = &[
-        "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--vocab", "64",
+        "--d-model",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--vocab",
+        "64",
     ];
 
     fn cfg_with(extra: &[&str]) -> TrainConfig {
@@ -925,7 +933,16 @@ mod tests {
 
     #[test]
     fn lr_schedule_warms_up_and_decays_to_min() {
-        let c = cfg_with(&["--steps", "20", "--lr", "1", "--warmup-steps", "4", "--min-lr", "0.1"]);
+        let c = cfg_with(&[
+            "--steps",
+            "20",
+            "--lr",
+            "1",
+            "--warmup-steps",
+            "4",
+            "--min-lr",
+            "0.1",
+        ]);
         assert_eq!(c.lr_at(0), 0.25);
         assert_eq!(c.lr_at(3), 1.0);
         assert_eq!(c.lr_at(4), 1.0);
@@ -945,8 +962,22 @@ mod tests {
         let ck = dir.path().join("ck");
         let ck_s = ck.to_str().unwrap();
         let common = [
-            "--optimizer", "adamw", "--lr", "0.01", "--warmup-steps", "3", "--min-lr", "0.001",
-            "--steps", "20", "--eval-every", "5", "--eval-seqs", "6", "--seed", "3",
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.01",
+            "--warmup-steps",
+            "3",
+            "--min-lr",
+            "0.001",
+            "--steps",
+            "20",
+            "--eval-every",
+            "5",
+            "--eval-seqs",
+            "6",
+            "--seed",
+            "3",
         ];
         let mut a: Vec<&str> = common.to_vec();
         a.extend(["--ranks", "4", "--batch", "2"]);
@@ -954,7 +985,14 @@ mod tests {
         assert_eq!(full.steps.len(), 20);
 
         let mut b = a.clone();
-        b.extend(["--checkpoint-dir", ck_s, "--checkpoint-every", "5", "--keep-checkpoints", "2"]);
+        b.extend([
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "5",
+            "--keep-checkpoints",
+            "2",
+        ]);
         let mut first = cfg_with(&b);
         first.stop_after = Some(10);
         let part1 = run_job(&first, Box::new(Quiet), false).unwrap();
@@ -968,12 +1006,22 @@ mod tests {
         assert_eq!(part2.first_step, 11);
         let mut joined = losses(&part1);
         joined.extend(losses(&part2));
-        assert_eq!(joined, losses(&full), "losses of 10 + resumed 10 differ from 20");
+        assert_eq!(
+            joined,
+            losses(&full),
+            "losses of 10 + resumed 10 differ from 20"
+        );
         let vals = |r: &Report| -> Vec<Option<u32>> {
-            r.steps.iter().map(|s| s.val_loss.map(f32::to_bits)).collect()
+            r.steps
+                .iter()
+                .map(|s| s.val_loss.map(f32::to_bits))
+                .collect()
         };
         assert_eq!(vals(&part2), vals(&full)[10..].to_vec());
-        assert_eq!(part2.final_params, full.final_params, "final parameters differ");
+        assert_eq!(
+            part2.final_params, full.final_params,
+            "final parameters differ"
+        );
         assert!(full.final_params.as_ref().unwrap().entries.len() > 5);
         // The resumed run carries the whole history.
         assert_eq!(part2.history.len(), 20);
@@ -1015,9 +1063,22 @@ mod tests {
 
         // A different global batch is refused with a typed error.
         let mut bad: Vec<&str> = common.to_vec();
-        bad.extend(["--ranks", "2", "--batch", "2", "--resume", "--checkpoint-dir", ck_s]);
-        let e = run_job(&cfg_with(&bad), Box::new(Quiet), false).err().unwrap();
-        assert!(matches!(e, TrainError::Checkpoint(CheckpointError::Mismatch { .. })), "{e}");
+        bad.extend([
+            "--ranks",
+            "2",
+            "--batch",
+            "2",
+            "--resume",
+            "--checkpoint-dir",
+            ck_s,
+        ]);
+        let e = run_job(&cfg_with(&bad), Box::new(Quiet), false)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, TrainError::Checkpoint(CheckpointError::Mismatch { .. })),
+            "{e}"
+        );
     }
 
     fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
@@ -1041,9 +1102,18 @@ mod tests {
         let save = dir.path().join("model.safetensors");
         std::fs::write(&save, b"previous contents").unwrap();
         let mut c = cfg_with(&[
-            "--steps", "30", "--lr", "1000000", "--ranks", "2",
-            "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1",
-            "--save", save.to_str().unwrap(),
+            "--steps",
+            "30",
+            "--lr",
+            "1000000",
+            "--ranks",
+            "2",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--checkpoint-every",
+            "1",
+            "--save",
+            save.to_str().unwrap(),
         ]);
         c.steps = 30;
         let e = run_job(&c, Box::new(Quiet), false).err().unwrap();
@@ -1063,12 +1133,27 @@ mod tests {
     fn validation_loss_does_not_depend_on_the_rank_count() {
         let v = |ranks: &str, batch: &str| {
             let c = cfg_with(&[
-                "--steps", "1", "--eval-every", "1", "--eval-seqs", "7", "--ranks", ranks,
-                "--batch", batch, "--lr", "0.0000001",
+                "--steps",
+                "1",
+                "--eval-every",
+                "1",
+                "--eval-seqs",
+                "7",
+                "--ranks",
+                ranks,
+                "--batch",
+                batch,
+                "--lr",
+                "0.0000001",
             ]);
-            run_job(&c, Box::new(Quiet), false).unwrap().steps[0].val_loss.unwrap()
+            run_job(&c, Box::new(Quiet), false).unwrap().steps[0]
+                .val_loss
+                .unwrap()
         };
         let (a, b, c) = (v("1", "8"), v("3", "2"), v("4", "1"));
-        assert!((a - b).abs() < 1e-5 * a && (a - c).abs() < 1e-5 * a, "{a} {b} {c}");
+        assert!(
+            (a - b).abs() < 1e-5 * a && (a - c).abs() < 1e-5 * a,
+            "{a} {b} {c}"
+        );
     }
 }
