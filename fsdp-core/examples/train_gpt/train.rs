@@ -172,7 +172,7 @@ pub enum TrainError {
         /// What it was doing.
         context: String,
         /// The cause.
-        source: FsdpError,
+        source: Box<FsdpError>,
     },
     /// The state-dict functions.
     #[error("rank {rank}: {context}: {source}")]
@@ -182,7 +182,7 @@ pub enum TrainError {
         /// What it was doing.
         context: String,
         /// The cause.
-        source: fsdp_core::StateDictError,
+        source: Box<fsdp_core::StateDictError>,
     },
     /// Another rank failed (its error is reported by it).
     #[error("rank {rank}: stopped because another rank failed at {what}")]
@@ -388,7 +388,7 @@ impl Rank {
             move |source: FsdpError| TrainError::Fsdp {
                 rank,
                 context,
-                source,
+                source: Box::new(source),
             }
         };
         let world = cfg.ranks;
@@ -446,7 +446,7 @@ impl Rank {
         move |source| TrainError::Fsdp {
             rank,
             context,
-            source,
+            source: Box::new(source),
         }
     }
 
@@ -458,7 +458,7 @@ impl Rank {
         move |source| TrainError::StateDict {
             rank,
             context,
-            source,
+            source: Box::new(source),
         }
     }
 
@@ -636,16 +636,12 @@ impl Rank {
         };
         state_dict::load_sharded(&self.fsdp, path.join("model"))
             .map_err(self.sd_err(format!("loading {}", path.join("model").display())))?;
-        if self.adamw.is_some() {
+        if let Some(mut opt) = self.adamw.take() {
             let st = state_dict::load_sharded_optim(&self.fsdp, path.join("optim"))
                 .map_err(self.sd_err(format!("loading {}", path.join("optim").display())))?;
-            let opt = self.adamw.as_mut().expect("checked above");
             opt.load_state(&self.fsdp, st.slots, st.steps)
-                .map_err(|source| TrainError::Fsdp {
-                    rank: self.rank,
-                    context: "loading the optimizer state".into(),
-                    source,
-                })?;
+                .map_err(self.err("loading the optimizer state"))?;
+            self.adamw = Some(opt);
         }
         let history = match meta.get("history") {
             Some(Value::Array(h)) => h.clone(),
