@@ -161,7 +161,8 @@ pub fn metrics_json(r: &StepRecord) -> Value {
         "step": r.step,
         "loss": f(r.loss as f64),
         "tokens_per_s": f(r.tokens_per_s),
-        "lr": r.lr,
+        // The f32's shortest decimal (0.05, not 0.05000000074505806).
+        "lr": r.lr.to_string().parse::<f64>().unwrap_or(f64::NAN),
         "grad_norm": f(r.grad_norm),
         "step_s": r.secs,
         "peak_allocated_bytes": r.peak_allocated,
@@ -211,12 +212,15 @@ pub fn plot(path: &Path, history: &[Value]) -> Result<(), String> {
             &train,
             &val,
             &speed,
+            true,
         ),
+        // No font rasterizer is built in: the PNG has curves, grid and legend colours, no text.
         _ => draw(
             BitMapBackend::new(path, size).into_drawing_area(),
             &train,
             &val,
             &speed,
+            false,
         ),
     };
     res.map_err(|e| format!("drawing {}: {e}", path.display()))
@@ -229,6 +233,7 @@ fn draw<DB: DrawingBackend>(
     train: &Pts,
     val: &Pts,
     speed: &Pts,
+    text: bool,
 ) -> Result<(), Box<dyn std::error::Error + 'static>>
 where
     DB::ErrorType: 'static,
@@ -242,16 +247,27 @@ where
         .fold((f64::MAX, f64::MIN), |(l, h), p| (l.min(p.1), h.max(p.1)));
     let (lo, hi) = if lo <= hi { (lo, hi) } else { (0.0, 1.0) };
     let pad = ((hi - lo) * 0.05).max(1e-3);
-    let mut c = ChartBuilder::on(&top)
-        .caption("loss", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0f64..max_step, (lo - pad).max(0.0)..hi + pad)?;
-    c.configure_mesh()
-        .x_desc("step")
-        .y_desc("cross-entropy")
-        .draw()?;
+    let label = if text { 36 } else { 0 };
+
+    let mut b = ChartBuilder::on(&top);
+    b.margin(12)
+        .x_label_area_size(label)
+        .y_label_area_size(label * 3 / 2);
+    if text {
+        b.caption("loss", ("sans-serif", 22));
+    }
+    let mut c = b.build_cartesian_2d(0f64..max_step, (lo - pad).max(0.0)..hi + pad)?;
+    if text {
+        c.configure_mesh()
+            .x_desc("step")
+            .y_desc("cross-entropy")
+            .draw()?;
+    } else {
+        c.configure_mesh()
+            .disable_x_axis()
+            .disable_y_axis()
+            .draw()?;
+    }
     c.draw_series(LineSeries::new(train.iter().copied(), BLUE.stroke_width(2)))?
         .label("train loss")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
@@ -259,32 +275,45 @@ where
         .label("validation loss")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
     c.draw_series(val.iter().map(|&p| Circle::new(p, 4, RED.filled())))?;
-    c.configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    if text {
+        c.configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
 
     let smax = speed.iter().map(|p| p.1).fold(1.0f64, f64::max);
-    let mut s = ChartBuilder::on(&bottom)
-        .caption("throughput", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0f64..max_step, 0f64..smax * 1.1)?;
-    s.configure_mesh()
-        .x_desc("step")
-        .y_desc("tokens/s")
-        .draw()?;
+    let mut b = ChartBuilder::on(&bottom);
+    b.margin(12)
+        .x_label_area_size(label)
+        .y_label_area_size(label * 3 / 2);
+    if text {
+        b.caption("throughput", ("sans-serif", 22));
+    }
+    let mut s = b.build_cartesian_2d(0f64..max_step, 0f64..smax * 1.1)?;
+    if text {
+        s.configure_mesh()
+            .x_desc("step")
+            .y_desc("tokens/s")
+            .draw()?;
+    } else {
+        s.configure_mesh()
+            .disable_x_axis()
+            .disable_y_axis()
+            .draw()?;
+    }
     s.draw_series(LineSeries::new(
         speed.iter().copied(),
         GREEN.stroke_width(2),
     ))?
     .label("tokens/s")
     .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN.stroke_width(2)));
-    s.configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    if text {
+        s.configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
     root.present()?;
     Ok(())
 }
@@ -322,5 +351,43 @@ trait ItemAt0 {
 impl ItemAt0 for Tensor {
     fn item_at0(&self) -> fsdp_autograd::Result<f32> {
         self.reshape(&[self.numel()])?.narrow(0, 0, 1)?.item()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn history() -> Vec<Value> {
+        (1..=30)
+            .map(|s| {
+                let val = (s % 10 == 0).then(|| json!(4.0 - s as f64 * 0.05));
+                json!({"step": s, "loss": 5.0 - s as f64 * 0.1, "val_loss": val,
+                       "tokens_per_s": 1000.0 + s as f64})
+            })
+            .collect()
+    }
+
+    #[test]
+    fn svg_has_train_val_and_speed_curves() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("loss.svg");
+        plot(&p, &history()).unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        assert!(svg.starts_with("<svg"));
+        assert!(svg.contains("train loss") && svg.contains("validation loss"));
+        assert!(svg.contains("tokens/s"));
+        // Three line series (train, validation, tokens/s) plus the three legend samples.
+        assert!(svg.matches("<polyline").count() >= 3, "{}", svg.len());
+    }
+
+    #[test]
+    fn png_is_written_without_a_font_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("loss.png");
+        plot(&p, &history()).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        assert!(plot(&dir.path().join("x.pdf"), &history()).is_err());
     }
 }
