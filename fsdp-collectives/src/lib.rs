@@ -51,7 +51,11 @@
 //! - [`DeviceMesh`] ([`mesh`]): shard groups and replicate groups for hybrid sharding.
 //! - [`TcpStore`] ([`store`]): rendezvous through `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
 //!   `MASTER_PORT`.
+//! - `MpiGroup` (`mpi`, with the `mpi` feature): one rank per process over MPI; shared-memory
+//!   windows inside a node, rank-ordered reductions (bit-equal to the thread backend).
 //! - `NcclGroup` (`nccl`, with the `cuda` feature): the same trait over NCCL.
+//! - [`Backend`] and [`Launched`] ([`launch`]): one call that gives this process its group(s)
+//!   for a backend choice (`--backend thread|mpi`).
 //!
 //! ## Reduction precision, per backend
 //! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
@@ -72,7 +76,10 @@ mod desc;
 pub mod error;
 pub mod group;
 mod kernels;
+pub mod launch;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod store;
@@ -81,7 +88,10 @@ pub mod types;
 
 pub use error::{CollectiveError, Result};
 pub use group::ProcessGroup;
+pub use launch::{Backend, Launched};
 pub use mesh::DeviceMesh;
+#[cfg(feature = "mpi")]
+pub use mpi::{mpi_launched, MpiConfig, MpiGroup};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, NcclConfig, NcclGroup};
 pub use store::{RendezvousEnv, StoreServer, TcpStore};

@@ -6,6 +6,10 @@
 //!   `--features cuda` (GPU-only tests included) if found, otherwise says so and fails.
 //! - `bench [NAME]`: runs the named bench (or all of them) in release mode.
 //! - `soak`: runs the slow `#[ignore]`d tests.
+//! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4) and the kill test;
+//!   `bench mpi`: MPI vs thread collectives and train_gpt tokens/s (see `mpi.rs`).
+
+mod mpi;
 
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
@@ -177,7 +181,8 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str = "usage: cargo xtask <ci | gpu-test | bench [NAME] | soak>";
+const USAGE: &str =
+    "usage: cargo xtask <ci | gpu-test | bench [NAME] | bench mpi | soak | mpi-test>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -190,7 +195,9 @@ fn main() {
         ["ci"] => ci(),
         ["gpu-test"] => gpu_test(),
         ["bench"] => bench(None),
+        ["bench", "mpi"] => mpi::bench_mpi(),
         ["bench", name] => bench(Some(name)),
+        ["mpi-test"] => mpi::mpi_test(),
         ["soak"] => soak(),
         _ => Err(USAGE.to_string()),
     };
