@@ -11,8 +11,11 @@
 //! - `soak`: runs the slow `#[ignore]`d tests.
 //! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
 //!   links, missing docs), without and with the `cuda` feature.
+//! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4) and the kill test;
+//!   `bench mpi`: MPI vs thread collectives and train_gpt tokens/s (see `mpi.rs`).
 
 mod gpu_test;
+mod mpi;
 
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
@@ -174,7 +177,7 @@ fn soak() -> Result<(), String> {
 }
 
 const USAGE: &str =
-    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc>";
+    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc | mpi-test>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -190,7 +193,9 @@ fn main() {
         ["gpu-launch-2"] => gpu_test::launch_2(),
         ["nvrtc"] => gpu_test::nvrtc(),
         ["bench"] => bench(None),
+        ["bench", "mpi"] => mpi::bench_mpi(),
         ["bench", name] => bench(Some(name)),
+        ["mpi-test"] => mpi::mpi_test(),
         ["soak"] => soak(),
         ["doc"] => doc(),
         _ => Err(USAGE.to_string()),
