@@ -1,10 +1,4 @@
-//! # fsdp-core: Fully Sharded Data Parallel for Rust
-//!
-//! Wrap a model built from [`fsdp_autograd::nn`] modules with [`Fsdp::wrap`] on every rank; each
-//! FSDP *unit* (chosen by a [`WrapPolicy`]) is flattened with the flatten-concat-chunk layout of
-//! [`fsdp_flatparam`], sharded over the ranks of a [`fsdp_collectives::ProcessGroup`], gathered
-//! just before it computes and freed right after, and its gradient is reduce-scattered as soon as
-//! it is final — communication on its own streams, overlapping compute.
+#![doc = include_str!("../README.md")]
 //!
 //! # Crate layout
 //! - [`wrap`]: unit planning (policies, the paper's assignment rule, shared parameters).
