@@ -2,7 +2,7 @@
 //! conversions to and from [`crate::FsdpError`] live in [`crate::error`]).
 
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use safetensors::tensor::SafeTensorError;
 
@@ -212,6 +212,85 @@ pub enum StateDictError {
         /// [`FORMAT_VERSION`].
         supported: u32,
     },
+    /// A tensor's bytes do not match the checksum recorded when it was saved (the file was
+    /// corrupted after it was written).
+    #[error(
+        "state dict: `{}`: tensor `{tensor}` is corrupted (CRC-32 {found:08x}, saved as \
+         {expected:08x}); restore the file or load an older checkpoint",
+        path.display()
+    )]
+    ChecksumMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The recorded checksum.
+        expected: u32,
+        /// The checksum of the bytes read.
+        found: u32,
+    },
+    /// A file of a sharded checkpoint belongs to another save than the directory's metadata (a
+    /// stale rank file left by an interrupted overwrite, or files mixed by hand).
+    #[error(
+        "state dict: `{}` is from save {found}, the checkpoint's metadata is from save {expected}: \
+         the directory mixes two saves; load another checkpoint",
+        path.display()
+    )]
+    GenerationMismatch {
+        /// The offending file.
+        path: PathBuf,
+        /// The metadata's save id.
+        expected: String,
+        /// The file's save id.
+        found: String,
+    },
+    /// Non-finite values (NaN or infinity) in a tensor being saved or loaded.
+    #[error(
+        "state dict: {count} non-finite value(s) in `{tensor}`{}; a diverged state is never \
+         saved (use `state_dict::allow_non_finite` to save it on purpose)",
+        path.as_ref().map(|p| format!(" of `{}`", p.display())).unwrap_or_default()
+    )]
+    NonFinite {
+        /// The file (when loading or writing one).
+        path: Option<PathBuf>,
+        /// The tensor.
+        tensor: String,
+        /// How many values are not finite.
+        count: usize,
+    },
+    /// A save target that exists and is not a regular file (symlink, device node, …) for a file
+    /// save, or not a directory for a sharded save.
+    #[error(
+        "state dict: `{}` exists and is not a regular file or directory of the right kind; \
+         refusing to replace it (choose another path)",
+        path.display()
+    )]
+    NotRegularFile {
+        /// The target.
+        path: PathBuf,
+    },
+    /// A save target that cannot be used ([`crate::state_dict::check_save_target`]).
+    #[error("state dict: cannot save to `{}`: {reason}", path.display())]
+    TargetUnusable {
+        /// The target.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Another rank refused a sharded checkpoint (a missing, stale or corrupted file it read).
+    #[error(
+        "state dict: {op}: rank {rank} refused the checkpoint because of `{}`; see that rank's \
+         error",
+        path.display()
+    )]
+    PeerRejected {
+        /// The operation.
+        op: &'static str,
+        /// The (lowest) rank that refused it, in the shard group.
+        rank: usize,
+        /// The offending file (the directory when the error named no file of it).
+        path: PathBuf,
+    },
     /// Another rank failed during a collective save.
     #[error("state dict: {op}: another rank failed to write its part; see that rank's error")]
     PeerFailed {
@@ -228,3 +307,22 @@ pub enum StateDictError {
 
 /// Shorthand for results of this module.
 pub type Result<T, E = StateDictError> = std::result::Result<T, E>;
+
+impl StateDictError {
+    /// The file this error names, if any.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            StateDictError::Io { path, .. }
+            | StateDictError::SafeTensors { path, .. }
+            | StateDictError::Format { path, .. }
+            | StateDictError::UnsupportedVersion { path, .. }
+            | StateDictError::ChecksumMismatch { path, .. }
+            | StateDictError::GenerationMismatch { path, .. }
+            | StateDictError::NotRegularFile { path }
+            | StateDictError::TargetUnusable { path, .. }
+            | StateDictError::PeerRejected { path, .. } => Some(path),
+            StateDictError::NonFinite { path, .. } => path.as_deref(),
+            _ => None,
+        }
+    }
+}

@@ -95,16 +95,36 @@ pub(super) fn create_parent(path: &Path) -> Result<()> {
 pub(super) fn write_file(
     path: &Path,
     tensors: Vec<(String, F32View<'_>)>,
-    meta: HashMap<String, String>,
+    mut meta: HashMap<String, String>,
 ) -> Result<()> {
     create_parent(path)?;
-    safetensors::serialize_to_file(tensors, Some(meta), path).map_err(|source| {
+    let allow = non_finite_allowed();
+    for (k, t) in &tensors {
+        let count = t.values.iter().filter(|v| !v.is_finite()).count();
+        if count > 0 {
+            if !allow {
+                return Err(StateDictError::NonFinite {
+                    path: Some(path.to_path_buf()),
+                    tensor: k.clone(),
+                    count,
+                });
+            }
+            meta.insert(NON_FINITE_KEY.into(), "allowed".into());
+        }
+        meta.insert(crc_key(k), format!("{:08x}", crc32fast::hash(&t.data())));
+    }
+    let bytes = safetensors::serialize(tensors, Some(meta)).map_err(|source| {
         StateDictError::SafeTensors {
             op: "write",
             path: path.to_path_buf(),
             source,
         }
-    })
+    })?;
+    atomic_write(path, &bytes)
+}
+
+fn crc_key(tensor: &str) -> String {
+    format!("crc32/{tensor}")
 }
 
 pub(super) fn write_full_file(
@@ -284,6 +304,7 @@ pub(super) fn f32_values(
     view: &safetensors::tensor::TensorView<'_>,
     k: &str,
     path: &Path,
+    meta: &HashMap<String, String>,
 ) -> Result<Vec<f32>> {
     if view.dtype() != StDtype::F32 {
         return Err(format_err(
@@ -291,11 +312,32 @@ pub(super) fn f32_values(
             format!("tensor `{k}` is {:?}, expected F32", view.dtype()),
         ));
     }
-    Ok(view
+    let recorded = meta_str(meta, &crc_key(k), path)?;
+    let expected = u32::from_str_radix(recorded, 16)
+        .map_err(|_| format_err(path, format!("bad checksum `{recorded}` of `{k}`")))?;
+    let found = crc32fast::hash(view.data());
+    if found != expected {
+        return Err(StateDictError::ChecksumMismatch {
+            path: path.to_path_buf(),
+            tensor: k.into(),
+            expected,
+            found,
+        });
+    }
+    let values: Vec<f32> = view
         .data()
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
+        .collect();
+    let count = values.iter().filter(|v| !v.is_finite()).count();
+    if count > 0 && meta.get(NON_FINITE_KEY).map(String::as_str) != Some("allowed") {
+        return Err(StateDictError::NonFinite {
+            path: Some(path.to_path_buf()),
+            tensor: k.into(),
+            count,
+        });
+    }
+    Ok(values)
 }
 
 pub(super) struct FullFile {
@@ -330,7 +372,7 @@ pub(super) fn read_full_file(path: &Path, kind: &str) -> Result<FullFile> {
             entries.push(TensorEntry {
                 name: name.to_string(),
                 shape: view.shape().to_vec(),
-                values: f32_values(&view, &k, path)?,
+                values: f32_values(&view, &k, path, &meta)?,
             });
             used += 1;
         }
@@ -351,6 +393,8 @@ pub(super) fn read_full_file(path: &Path, kind: &str) -> Result<FullFile> {
 
 /// Top-level metadata of a sharded checkpoint directory.
 pub(super) struct ShardedMeta {
+    /// The save id every file of the directory must carry.
+    pub(super) generation: String,
     pub(super) world_size: usize,
     pub(super) steps: Option<Vec<(String, u64)>>,
     /// Per slot, the catalogue.
@@ -382,6 +426,7 @@ pub(super) fn write_sharded_dir(
     steps: Option<&ParamSteps>,
     slots: &[(&str, &ShardedStateDict)],
     ranks: &[usize],
+    generation: &str,
 ) -> Result<()> {
     let world = slots.first().map_or(0, |(_, d)| d.world_size);
     if let Some(steps) = steps {
@@ -390,6 +435,7 @@ pub(super) fn write_sharded_dir(
         }
     }
     let mut base = base_meta(kind, world, None);
+    base.insert(GENERATION_KEY.into(), generation.into());
     base.insert(
         "slots".into(),
         slots.iter().map(|(s, _)| *s).collect::<Vec<_>>().join("\n"),
@@ -502,6 +548,7 @@ pub(super) fn read_sharded_meta(dir: &Path, kind: &str) -> Result<ShardedMeta> {
         slots.push((slot, cat));
     }
     Ok(ShardedMeta {
+        generation: meta_str(&meta, GENERATION_KEY, &path)?.to_string(),
         world_size,
         steps,
         slots,
@@ -562,6 +609,7 @@ pub(super) fn read_sharded_ranks(
     for &r in ranks {
         let path = rank_path(dir, r, meta.world_size, false);
         let (m, bytes) = read_file_meta(&path, kind)?;
+        check_generation(&m, &path, &meta.generation)?;
         let file_rank: usize = meta_num(&m, "rank", &path)?;
         if file_rank != r {
             return Err(format_err(&path, format!("metadata says rank {file_rank}")));
@@ -585,7 +633,7 @@ pub(super) fn read_sharded_ranks(
                 let view = st
                     .tensor(&k)
                     .map_err(|_| format_err(&path, format!("tensor `{k}` listed but absent")))?;
-                let values = f32_values(&view, &k, &path)?;
+                let values = f32_values(&view, &k, &path, &m)?;
                 if values.len() != len {
                     return Err(format_err(
                         &path,
@@ -611,4 +659,21 @@ pub(super) fn read_sharded_ranks(
         }
     }
     Ok(slots)
+}
+
+/// Refuses a file of a sharded directory whose save id differs from the metadata's.
+pub(super) fn check_generation(
+    m: &HashMap<String, String>,
+    path: &Path,
+    expected: &str,
+) -> Result<()> {
+    let found = meta_str(m, GENERATION_KEY, path)?;
+    if found != expected {
+        return Err(StateDictError::GenerationMismatch {
+            path: path.to_path_buf(),
+            expected: expected.into(),
+            found: found.into(),
+        });
+    }
+    Ok(())
 }

@@ -135,7 +135,7 @@ use crate::fsdp::{gather_flat, tensor_slice, Fsdp, UnitShard};
 
 /// Version of the on-disk format written by this module (the `format_version` metadata key).
 /// Files of another version are refused with [`StateDictError::UnsupportedVersion`].
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 const FORMAT: &str = "fsdp-rs";
 const KIND_FULL_PARAMS: &str = "full-params";
@@ -143,7 +143,36 @@ const KIND_FULL_OPTIM: &str = "full-optim";
 const KIND_SHARDED_PARAMS: &str = "sharded-params";
 const KIND_SHARDED_OPTIM: &str = "sharded-optim";
 const META_FILE: &str = "metadata.safetensors";
+const GENERATION_KEY: &str = "generation";
+const NON_FINITE_KEY: &str = "non_finite";
+/// The save id of sharded files written by the rank-local `save` methods (not published
+/// atomically; the collective `save_sharded*` functions use a fresh id per save).
+const LOCAL_GENERATION: &str = "rank-local";
 
+thread_local! {
+    static ALLOW_NON_FINITE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the non-finite guard off on this thread: saves made inside it write NaN and
+/// infinite values instead of refusing them with [`StateDictError::NonFinite`] (for post-mortem
+/// inspection of a diverged run). Files written so are marked, and load despite their
+/// non-finite values; every other file with non-finite values is refused on load.
+pub fn allow_non_finite<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ALLOW_NON_FINITE.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(ALLOW_NON_FINITE.with(|c| c.replace(true)));
+    f()
+}
+
+fn non_finite_allowed() -> bool {
+    ALLOW_NON_FINITE.with(|c| c.get())
+}
+
+mod durable;
 pub(crate) mod error;
 mod format;
 mod optim;
@@ -152,6 +181,8 @@ mod reshard;
 mod tests;
 mod types;
 
+use durable::*;
+pub use durable::{check_save_target, disk_usage};
 pub use error::{Result, StateDictError};
 #[allow(unused_imports)]
 use format::*;

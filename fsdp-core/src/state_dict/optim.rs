@@ -247,7 +247,8 @@ pub fn load_full_optim<M: Module + 'static>(
     load_full_optim_state_dict(fsdp, &FullOptimStateDict::load(path)?)
 }
 
-/// Writes this rank's sharded optimizer state into `dir` (like [`save_sharded`]; a separate
+/// Saves the sharded optimizer state as the checkpoint directory `dir`, all-or-nothing exactly
+/// like [`save_sharded`] (staging directory, checksums, one atomic rename; a separate
 /// directory from the parameters').
 ///
 /// # Errors
@@ -259,33 +260,53 @@ pub fn save_sharded_optim<M: Module + 'static>(
     dir: impl AsRef<Path>,
 ) -> Result<()> {
     let ctx = Ctx::of(fsdp);
-    let local = if ctx.is_shard_writer() {
-        sharded_optim_state_dict(fsdp, state).and_then(|d| d.save(dir))
-    } else {
-        Ok(())
-    };
-    finish_collective_save(&ctx, local, "save_sharded_optim")
+    collective_sharded_save(
+        &ctx,
+        dir.as_ref(),
+        "save_sharded_optim",
+        |tmp, generation| {
+            let d = sharded_optim_state_dict(fsdp, state)?;
+            let slots: Vec<(&str, &ShardedStateDict)> =
+                d.slots.iter().map(|(s, d)| (s.as_str(), d)).collect();
+            let ranks = optim_ranks(&d.slots)?;
+            write_sharded_dir(
+                tmp,
+                KIND_SHARDED_OPTIM,
+                Some(&d.steps),
+                &slots,
+                &ranks,
+                generation,
+            )
+        },
+    )
 }
 
 /// Reads what this rank needs of a sharded optimizer checkpoint (saved at any world size) and
-/// returns its per-unit shard tensors. No communication.
+/// returns its per-unit shard tensors. A **collective** with the same all-or-nothing agreement
+/// as [`load_sharded`].
 ///
 /// # Errors
-/// As [`ShardedOptimStateDict::load_dir`] and [`load_sharded_optim_state_dict`].
+/// As [`ShardedOptimStateDict::load_dir`] and [`load_sharded_optim_state_dict`];
+/// [`StateDictError::PeerRejected`].
 pub fn load_sharded_optim<M: Module + 'static>(
     fsdp: &Fsdp<M>,
     dir: impl AsRef<Path>,
 ) -> Result<OptimState> {
     let ctx = Ctx::of(fsdp);
     let dir = dir.as_ref();
-    let meta = read_sharded_meta(dir, KIND_SHARDED_OPTIM)?;
-    let ranks = ranks_needed(&ctx, dir, KIND_SHARDED_OPTIM, &meta)?;
-    let slots = read_sharded_ranks(dir, KIND_SHARDED_OPTIM, &meta, &ranks)?;
-    let dict = ShardedOptimStateDict {
-        steps: meta.steps.unwrap_or_default(),
-        slots,
-    };
-    load_sharded_optim_state_dict(fsdp, &dict)
+    let mut world = None;
+    let local = (|| {
+        let meta = read_sharded_meta(dir, KIND_SHARDED_OPTIM)?;
+        world = Some(meta.world_size);
+        let ranks = ranks_needed(&ctx, dir, KIND_SHARDED_OPTIM, &meta)?;
+        let slots = read_sharded_ranks(dir, KIND_SHARDED_OPTIM, &meta, &ranks)?;
+        let dict = ShardedOptimStateDict {
+            steps: meta.steps.unwrap_or_default(),
+            slots,
+        };
+        load_sharded_optim_state_dict(fsdp, &dict)
+    })();
+    agree_load(&ctx, dir, world, "load_sharded_optim", local)
 }
 
 pub(super) fn optim_ranks(slots: &[(String, ShardedStateDict)]) -> Result<Vec<usize>> {

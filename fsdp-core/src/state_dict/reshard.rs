@@ -600,36 +600,197 @@ pub fn load_sharded_state_dict<M: Module + 'static>(
     write_shards(fsdp, &ctx, chunks)
 }
 
-/// Writes this rank's sharded state dict into `dir` (one data file per distinct shard; rank 0
-/// also writes `metadata.safetensors`). The state dict needs no communication; the function
-/// ends with a one-element all-reduce so every rank returns after every file is written.
+/// Saves the model's sharded state dict as the checkpoint directory `dir`, all-or-nothing: the
+/// writing ranks (one per distinct shard) write their files into a fresh staging directory next
+/// to `dir` (`.NAME.staging-ID`), each file written to a temporary name, fsynced and renamed;
+/// after an all-reduce shows every rank finished, the primary rank publishes the staging
+/// directory as `dir` with one atomic rename (an atomic exchange on Linux when `dir` already
+/// exists; the previous contents are then removed) and fsyncs the parent. A crash at any point
+/// leaves `dir` as it was (the old checkpoint or nothing) plus at most a staging directory.
+/// Every file records the save id (generation) and a CRC-32 of every tensor, verified on load.
+/// A **collective** over the shard and replicate groups (every rank must call it).
 ///
 /// # Errors
-/// As [`ShardedStateDict::save`]; [`StateDictError::PeerFailed`] if another rank's write failed.
+/// [`StateDictError::NonFinite`] (non-finite parameters are never saved unless inside
+/// [`allow_non_finite`]), [`StateDictError::NotRegularFile`] when `dir` exists and is not a
+/// directory, I/O errors; [`StateDictError::PeerFailed`] on the ranks whose own part succeeded
+/// when another rank's failed. On error `dir` is unchanged and the staging directory removed.
 pub fn save_sharded<M: Module + 'static>(fsdp: &Fsdp<M>, dir: impl AsRef<Path>) -> Result<()> {
     let ctx = Ctx::of(fsdp);
-    let local = if ctx.is_shard_writer() {
-        sharded_state_dict(fsdp).and_then(|d| d.save(dir))
+    collective_sharded_save(&ctx, dir.as_ref(), "save_sharded", |tmp, generation| {
+        let d = sharded_state_dict(fsdp)?;
+        write_sharded_dir(
+            tmp,
+            KIND_SHARDED_PARAMS,
+            None,
+            &[("", &d)],
+            &d.ranks,
+            generation,
+        )
+    })
+}
+
+/// Agrees on a fresh save id: the primary rank draws it and it is broadcast over the shard
+/// group, then the replicate group (in four exact 16-bit parts).
+pub(super) fn agree_generation(ctx: &Ctx) -> Result<u64> {
+    let id = if ctx.is_primary() { fresh_id() } else { 0 };
+    let parts: Vec<f32> = (0..4).map(|i| ((id >> (16 * i)) & 0xffff) as f32).collect();
+    let t = ctx.new_tensor(parts)?;
+    ctx.group
+        .broadcast(&tensor_slice(&t)?, 0, &ctx.stream)
+        .wait()?;
+    if let Some(rep) = &ctx.replicate {
+        rep.broadcast(&tensor_slice(&t)?, 0, &ctx.stream).wait()?;
+    }
+    let v = ctx.read(&t)?;
+    Ok(v.iter()
+        .enumerate()
+        .fold(0u64, |acc, (i, x)| acc | ((*x as u64) << (16 * i))))
+}
+
+/// The all-or-nothing protocol of sharded saves: agree on a save id, let the shard writers
+/// `write(staging_dir, generation)`, agree everyone succeeded, publish by one rename on the
+/// primary rank, agree that succeeded.
+pub(super) fn collective_sharded_save(
+    ctx: &Ctx,
+    dir: &Path,
+    op: &'static str,
+    write: impl FnOnce(&Path, &str) -> Result<()>,
+) -> Result<()> {
+    let generation = agree_generation(ctx)?;
+    let local = (|| {
+        let tmp = staging_dir(dir, generation)?;
+        if let Ok(m) = std::fs::symlink_metadata(dir) {
+            if !m.file_type().is_dir() {
+                return Err(StateDictError::NotRegularFile {
+                    path: dir.to_path_buf(),
+                });
+            }
+        }
+        if ctx.is_shard_writer() {
+            std::fs::create_dir_all(&tmp).map_err(|source| StateDictError::Io {
+                op: "create staging directory",
+                path: tmp.clone(),
+                source,
+            })?;
+            write(&tmp, &format!("{generation:016x}"))?;
+        }
+        Ok(tmp)
+    })();
+    let any = ctx.any_failed(local.is_err())?;
+    let cleanup = |tmp: &Path| {
+        if ctx.is_primary() {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
+    };
+    if any {
+        if let Ok(tmp) = &local {
+            cleanup(tmp);
+        } else if let Ok(tmp) = staging_dir(dir, generation) {
+            cleanup(&tmp);
+        }
+        local?;
+        return Err(StateDictError::PeerFailed { op });
+    }
+    let tmp = local?;
+    let published = if ctx.is_primary() {
+        let r = publish_dir(&tmp, dir);
+        if r.is_err() {
+            cleanup(&tmp);
+        }
+        r
     } else {
         Ok(())
     };
-    finish_collective_save(&ctx, local, "save_sharded")
+    finish_collective_save(ctx, published, op)
+}
+
+/// Code of a checkpoint file for [`agree_load`]: 0 for the metadata, `1 + 2r` for rank `r`'s
+/// data file, `2 + 2r` for its piece index.
+fn file_code(p: &Path) -> Option<u32> {
+    let name = p.file_name()?.to_str()?;
+    if name == META_FILE {
+        return Some(0);
+    }
+    let r: u32 = name.strip_prefix("rank-")?.get(..5)?.parse().ok()?;
+    Some(if name.ends_with(".pieces.safetensors") {
+        2 + 2 * r
+    } else {
+        1 + 2 * r
+    })
+}
+
+/// Ranks agree on a load: every rank reports whether its part failed (and the file it blames);
+/// if any rank failed, every rank returns an error — its own, or [`StateDictError::PeerRejected`]
+/// naming the file another rank refused. Nothing may be written into the model before this.
+pub(super) fn agree_load<T>(
+    ctx: &Ctx,
+    dir: &Path,
+    world: Option<usize>,
+    op: &'static str,
+    local: Result<T>,
+) -> Result<T> {
+    const NONE: f32 = 16_777_215.0; // 2^24 - 1: exact in f32
+    const OTHER: f32 = 16_777_214.0;
+    let (code, rank) = match &local {
+        Ok(_) => (NONE, NONE),
+        Err(e) => (
+            e.path()
+                .filter(|p| p.parent() == Some(dir))
+                .and_then(file_code)
+                .map_or(OTHER, |c| c.min(16_777_213) as f32),
+            ctx.group.rank() as f32,
+        ),
+    };
+    let t = ctx.new_tensor(vec![code, rank])?;
+    ctx.group
+        .all_reduce(&tensor_slice(&t)?, ReduceOp::Min, &ctx.stream)
+        .wait()?;
+    if let Some(rep) = &ctx.replicate {
+        rep.all_reduce(&tensor_slice(&t)?, ReduceOp::Min, &ctx.stream)
+            .wait()?;
+    }
+    let v = ctx.read(&t)?;
+    let local = local?;
+    if v[0] == NONE {
+        return Ok(local);
+    }
+    let code = v[0] as usize;
+    let path = match (code, world) {
+        (0, _) => dir.join(META_FILE),
+        (c, Some(w)) if v[0] < OTHER => rank_path(dir, (c - 1) / 2, w, c % 2 == 0),
+        _ => dir.to_path_buf(),
+    };
+    Err(StateDictError::PeerRejected {
+        op,
+        rank: v[1] as usize,
+        path,
+    })
 }
 
 /// Loads a sharded checkpoint directory written at any world size: reads the metadata and the
-/// small piece indexes, then only the data files whose pieces overlap this rank's chunks. No
-/// communication.
+/// small piece indexes (checking every rank's files exist and belong to the same save), then only
+/// the data files whose pieces overlap this rank's chunks (checking their checksums and that no
+/// value is non-finite). A **collective**: the ranks agree (one small all-reduce) before any of
+/// them changes its parameters, so a missing, stale or corrupted file is refused on every rank
+/// and never half-loaded.
 ///
 /// # Errors
-/// As [`ShardedStateDict::load_dir`] and [`load_sharded_state_dict`].
+/// As [`ShardedStateDict::load_dir`] and [`load_sharded_state_dict`] on the ranks that found the
+/// problem; [`StateDictError::PeerRejected`] naming the file on the others.
 pub fn load_sharded<M: Module + 'static>(fsdp: &Fsdp<M>, dir: impl AsRef<Path>) -> Result<()> {
     let ctx = Ctx::of(fsdp);
     let dir = dir.as_ref();
-    let meta = read_sharded_meta(dir, KIND_SHARDED_PARAMS)?;
-    let ranks = ranks_needed(&ctx, dir, KIND_SHARDED_PARAMS, &meta)?;
-    let mut slots = read_sharded_ranks(dir, KIND_SHARDED_PARAMS, &meta, &ranks)?;
-    let dict = slots.remove(0).1;
-    let chunks = chunks_from_pieces(&ctx, &dict, "parameter", true)?;
+    let mut world = None;
+    let local = (|| {
+        let meta = read_sharded_meta(dir, KIND_SHARDED_PARAMS)?;
+        world = Some(meta.world_size);
+        let ranks = ranks_needed(&ctx, dir, KIND_SHARDED_PARAMS, &meta)?;
+        let mut slots = read_sharded_ranks(dir, KIND_SHARDED_PARAMS, &meta, &ranks)?;
+        let dict = slots.remove(0).1;
+        chunks_from_pieces(&ctx, &dict, "parameter", true)
+    })();
+    let chunks = agree_load(&ctx, dir, world, "load_sharded", local)?;
     write_shards(fsdp, &ctx, chunks)
 }
 
@@ -652,6 +813,13 @@ pub(super) fn ranks_needed(
     for r in 0..meta.world_size {
         let path = rank_path(dir, r, meta.world_size, true);
         let (m, _) = read_file_meta(&path, &format!("{kind}-pieces"))?;
+        check_generation(&m, &path, &meta.generation)?;
+        let data = rank_path(dir, r, meta.world_size, false);
+        std::fs::metadata(&data).map_err(|source| StateDictError::Io {
+            op: "find the data file",
+            path: data.clone(),
+            source,
+        })?;
         let table = parse_pieces(&m, &path, &meta.slot_names())?;
         let overlaps = table.iter().any(|(_, pieces)| {
             pieces.iter().any(|(name, off, len)| {

@@ -105,7 +105,8 @@ fn full_file_round_trip_keeps_order_shapes_and_bits() {
         ],
     };
     let path = dir.join("sub").join("m.safetensors");
-    dict.save(&path).unwrap();
+    // NaN payloads are kept bit for bit when saving them is allowed explicitly.
+    allow_non_finite(|| dict.save(&path)).unwrap();
     let back = FullStateDict::load(&path).unwrap();
     assert_eq!(back.world_size, 3);
     assert_eq!(back.entries.len(), 3);
@@ -249,5 +250,170 @@ fn sharded_dir_round_trip() {
         Err(StateDictError::UnexpectedEntry { .. })
     ));
     assert!(!dir.join("bad").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn one_entry(values: Vec<f32>) -> FullStateDict {
+    FullStateDict {
+        world_size: 1,
+        entries: vec![TensorEntry {
+            name: "w".into(),
+            shape: vec![values.len()],
+            values,
+        }],
+    }
+}
+
+fn dir_names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn non_finite_values_are_refused_on_save_and_on_load() {
+    let dir = temp_dir("nonfinite");
+    let path = dir.join("m.safetensors");
+    one_entry(vec![1.0, 2.0]).save(&path).unwrap();
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        match one_entry(vec![1.0, bad, bad]).save(&path) {
+            Err(StateDictError::NonFinite { tensor, count, .. }) => {
+                assert_eq!((tensor.as_str(), count), ("w", 2));
+            }
+            other => panic!("{other:?}"),
+        }
+        // The good file is untouched and no temporary file is left.
+        assert_eq!(
+            FullStateDict::load(&path).unwrap(),
+            one_entry(vec![1.0, 2.0])
+        );
+        assert_eq!(dir_names(&dir), vec!["m.safetensors".to_string()]);
+    }
+    // A file with non-finite values not written under the override (here: produced by patching
+    // the bytes and the checksum like a foreign writer would) is reported on load.
+    let other = dir.join("o.safetensors");
+    let view = F32View {
+        shape: vec![1],
+        values: &[f32::NAN],
+    };
+    let mut meta = base_meta(KIND_FULL_PARAMS, 1, None);
+    meta.insert("names".into(), "w".into());
+    meta.insert(
+        "crc32/w".into(),
+        format!("{:08x}", crc32fast::hash(&f32::NAN.to_le_bytes())),
+    );
+    let bytes = safetensors::serialize(vec![("w".to_string(), view)], Some(meta)).unwrap();
+    std::fs::write(&other, bytes).unwrap();
+    assert!(matches!(
+        FullStateDict::load(&other),
+        Err(StateDictError::NonFinite { count: 1, .. })
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn flipped_data_bytes_are_caught_by_the_checksum() {
+    let dir = temp_dir("crc");
+    let path = dir.join("m.safetensors");
+    one_entry((0..64).map(|i| i as f32).collect())
+        .save(&path)
+        .unwrap();
+    let clean = std::fs::read(&path).unwrap();
+    // Flip one bit in each of several data bytes (the data is the file's tail).
+    for back in [1usize, 5, 100, 255] {
+        let mut bytes = clean.clone();
+        let i = bytes.len() - back;
+        bytes[i] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+        match FullStateDict::load(&path) {
+            Err(StateDictError::ChecksumMismatch {
+                path: p, tensor, ..
+            }) => {
+                assert_eq!((p.as_path(), tensor.as_str()), (path.as_path(), "w"));
+            }
+            other => panic!("byte -{back}: {other:?}"),
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[cfg(unix)]
+#[test]
+fn saves_refuse_non_regular_targets_and_use_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("targets");
+    std::fs::create_dir_all(&dir).unwrap();
+    let real = dir.join("real.safetensors");
+    one_entry(vec![1.0]).save(&real).unwrap();
+    // Mode from the umask (the test process's umask), not a fixed 0600.
+    // SAFETY: umask only reads and sets the process's file-mode mask; setting it back at once.
+    let mask = unsafe {
+        let m = libc::umask(0o022);
+        libc::umask(m);
+        m
+    };
+    let mode = std::fs::metadata(&real).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o666 & !(mask as u32), "mode {mode:o}");
+    // A symlink is not replaced (nor is what it points to changed).
+    let link = dir.join("link.safetensors");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    assert!(matches!(
+        one_entry(vec![2.0]).save(&link),
+        Err(StateDictError::NotRegularFile { .. })
+    ));
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(FullStateDict::load(&real).unwrap(), one_entry(vec![1.0]));
+    // A device node is not replaced (/dev/null: the check comes before any write attempt).
+    assert!(matches!(
+        one_entry(vec![2.0]).save("/dev/null"),
+        Err(StateDictError::NotRegularFile { .. })
+    ));
+    assert!(!std::fs::symlink_metadata("/dev/null")
+        .unwrap()
+        .file_type()
+        .is_file());
+    // A directory is not replaced either.
+    std::fs::create_dir_all(dir.join("d.safetensors")).unwrap();
+    assert!(matches!(
+        one_entry(vec![2.0]).save(dir.join("d.safetensors")),
+        Err(StateDictError::NotRegularFile { .. })
+    ));
+    assert_eq!(
+        dir_names(&dir),
+        vec!["d.safetensors", "link.safetensors", "real.safetensors"]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn check_save_target_probes_before_training() {
+    let dir = temp_dir("target");
+    // A directory that can be created is fine, and the probe leaves nothing behind.
+    check_save_target(dir.join("ckpt"), None).unwrap();
+    assert!(dir_names(&dir).is_empty());
+    // Unwritable places are refused with the reason.
+    for bad in ["/proc/forbidden/x", "/proc/self/status/x"] {
+        match check_save_target(bad, None) {
+            Err(StateDictError::TargetUnusable { path, .. }) => assert_eq!(path, Path::new(bad)),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+    #[cfg(unix)]
+    assert!(matches!(
+        check_save_target("/dev/null", None),
+        Err(StateDictError::TargetUnusable { .. })
+    ));
+    // Not enough free space for the previous checkpoint's size.
+    assert!(matches!(
+        check_save_target(dir.join("ckpt"), Some(u64::MAX)),
+        Err(StateDictError::TargetUnusable { .. })
+    ));
+    check_save_target(dir.join("ckpt"), Some(1)).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -226,6 +226,7 @@ impl ShardedStateDict {
             None,
             &[("", self)],
             &self.ranks,
+            LOCAL_GENERATION,
         )
     }
 
@@ -401,6 +402,7 @@ impl ShardedOptimStateDict {
             Some(&self.steps),
             &slots,
             &ranks,
+            LOCAL_GENERATION,
         )
     }
 
