@@ -14,7 +14,8 @@
 //! - [`optim`]: sharded SGD / AdamW / LAMB (state sharded like the parameters) and their local
 //!   twins; [`clip`]: global and exact per-parameter gradient norms across shards;
 //!   [`scaler`]: the sharded gradient scaler; [`state_dict`]: full, sharded and local state dicts
-//!   (safetensors on disk), optimizer state likewise.
+//!   (safetensors on disk), optimizer state likewise; [`checkpoint`]: all-or-nothing training
+//!   checkpoints (model, optimizer, scaler, metadata) with keep-last-K and resume.
 #![deny(missing_docs)]
 
 pub mod clip;
@@ -38,5 +39,6 @@ pub use optim::{
     ShardedOptimizer, ShardedParams,
 };
 pub use scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
+pub use state_dict::checkpoint;
 pub use state_dict::{FullStateDict, OptimState, ShardedStateDict, StateDictError};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};

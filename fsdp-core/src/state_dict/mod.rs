@@ -172,6 +172,7 @@ fn non_finite_allowed() -> bool {
     ALLOW_NON_FINITE.with(|c| c.get())
 }
 
+pub mod checkpoint;
 mod durable;
 pub(crate) mod error;
 mod format;
