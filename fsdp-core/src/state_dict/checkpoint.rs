@@ -149,9 +149,23 @@ impl CheckpointManager {
     ) -> Result<PathBuf> {
         let ctx = Ctx::of(fsdp);
         let dir = self.root.join(step_dir_name(step));
-        let optim = optimizer.map(|o| OptimState {
-            steps: o.step_counts(),
-            slots: o.state(),
+        let optim = optimizer.map(|o| {
+            let mut steps = o.step_counts();
+            if steps.is_empty() {
+                // Before the optimizer's first step: no unit has taken one.
+                steps = vec![0; ctx.shards.len()];
+            }
+            let slots = o
+                .state()
+                .into_iter()
+                .map(|(name, mut t)| {
+                    if t.is_empty() {
+                        t = vec![None; ctx.shards.len()];
+                    }
+                    (name, t)
+                })
+                .collect();
+            OptimState { steps, slots }
         });
         let scaler = scaler.map(|s| (s.get_scale(), s.growth_tracker()));
         if ctx.is_primary() {
