@@ -218,7 +218,7 @@ impl CheckpointManager {
     /// Removes complete or incomplete checkpoints beyond the newest `keep_last` (by step).
     fn prune(&self) -> Result<()> {
         let mut steps = step_dirs(&self.root)?;
-        steps.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
         for (_, dir) in steps.into_iter().skip(self.keep_last) {
             std::fs::remove_dir_all(&dir).map_err(|source| StateDictError::Io {
                 op: "remove an old checkpoint",
@@ -385,7 +385,7 @@ pub fn check_complete(dir: impl AsRef<Path>) -> Result<()> {
 /// [`StateDictError::Io`] when `root` exists but cannot be listed.
 pub fn latest_complete(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     let mut steps = step_dirs(root.as_ref())?;
-    steps.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
     Ok(steps
         .into_iter()
         .map(|(_, d)| d)

@@ -70,7 +70,11 @@
 //! `__metadata__` map), then little-endian data. Every file's metadata carries
 //! `format = "fsdp-rs"`, `format_version` (= [`FORMAT_VERSION`]), `kind` (`full-params`,
 //! `full-optim`, `sharded-params`, `sharded-optim`, each with `-pieces` / `-meta` variants for the
-//! sharded index files) and `world_size`.
+//! sharded index files), `world_size`, and `crc32/<tensor>` (the CRC-32 of each tensor's bytes,
+//! verified on every load: [`StateDictError::ChecksumMismatch`]). Sharded files also carry
+//! `generation`, the id of the save that wrote them; a file of another save than the directory's
+//! metadata is refused ([`StateDictError::GenerationMismatch`]). Files saved with non-finite
+//! values under [`allow_non_finite`] carry `non_finite = allowed`.
 //!
 //! - **Full** (one file): one F32 tensor per parameter with its original name and shape; metadata
 //!   `names` (the parameter order, one per line). Optimizer files name tensors `slot/param` and add
@@ -84,8 +88,23 @@
 //!   - `rank-RRRRR-of-WWWWW.pieces.safetensors`: the same piece list without the data, so a loading
 //!     rank can decide which data files it needs by reading only these small files.
 //!
-//!   Stale files of another world size in the same directory are ignored (the metadata names the
-//!   world size, and file names carry it).
+//!   A collective save writes a whole new directory and replaces the old one at once, so no stale
+//!   files remain; the rank-local `save` methods write in place (save id `rank-local`).
+//!
+//! # Crash consistency (all-or-nothing)
+//! - Every file is written to a temporary name in its directory (mode from the umask), fsynced,
+//!   renamed over the target, and the directory fsynced; the temporary file is removed on every
+//!   failure path; a target that is a symlink, device node or directory is refused
+//!   ([`StateDictError::NotRegularFile`]).
+//! - [`save_sharded`] / [`save_sharded_optim`] stage the whole directory next to the target and
+//!   publish it with one atomic rename after every rank finished (see [`save_sharded`]).
+//! - [`load_sharded`] / [`load_sharded_optim`] agree across ranks before changing anything: a
+//!   missing, stale or corrupted file is refused on every rank
+//!   ([`StateDictError::PeerRejected`] names the file on the ranks that did not read it).
+//! - Non-finite values are refused at save ([`StateDictError::NonFinite`]) unless inside
+//!   [`allow_non_finite`], and reported at load.
+//! - [`check_save_target`] checks a target before training (writable, free space).
+//! - [`checkpoint`] builds training checkpoints (model + optimizer + scaler + metadata) on this.
 //!
 //! Parameter and slot names must not contain tabs or newlines; slot names must also be non-empty
 //! and contain no `/` ([`StateDictError::InvalidName`]).
@@ -97,8 +116,10 @@
 //!
 //! # Collective or local
 //! [`full_state_dict`] and [`full_optim_state_dict`] are collectives over the shard group (every
-//! rank must call them, in the same order as its other collectives). Everything that only loads,
-//! and the sharded and local forms, is rank-local. The `save_*` functions that write files end
+//! rank must call them, in the same order as its other collectives). [`load_sharded`] and
+//! [`load_sharded_optim`] are collectives too (one small all-reduce to agree on the checkpoint's
+//! validity). Everything else that only loads, and the in-memory sharded and local forms, is
+//! rank-local. The `save_*` functions that write files end
 //! with a one-element all-reduce over the shard and replicate groups, so that every rank returns
 //! only after every file is written and every rank reports a failure of any writer
 //! ([`StateDictError::PeerFailed`]).
