@@ -232,6 +232,7 @@ pub(crate) type Outcome = Arc<Mutex<Option<Result<()>>>>;
 /// launched after it on that stream is skipped and events recorded after it report the failure,
 /// so nothing consumes a half-written output by accident. [`Work::wait`] returns the typed error.
 #[derive(Clone)]
+#[must_use = "a collective's errors arrive through its Work: wait on it (or keep it and check it later)"]
 pub struct Work {
     op: OpKind,
     rank: usize,

@@ -108,7 +108,8 @@ fn hybrid_vs_global<T: TestElem>(
         let (_g, input) = upload(&dev, &st, &grad);
         // Hybrid: reduce-scatter over F ranks (chunk r mod F of F chunks) ...
         let (_h, shard_out) = alloc_out::<T>(&dev, &st, W * n / f);
-        m.shard_group()
+        let w1 = m
+            .shard_group()
             .reduce_scatter(&input, &shard_out, ReduceOp::Sum, &st);
         // ... then all-reduce across the W/F replicas, queued behind it on the same stream.
         let w2 = m
@@ -119,6 +120,7 @@ fn hybrid_vs_global<T: TestElem>(
         let w3 = m
             .world()
             .reduce_scatter(&input, &global_out, ReduceOp::Sum, &st);
+        w1.wait().unwrap();
         w2.wait().unwrap();
         w3.wait().unwrap();
         (download::<T>(&shard_out), download::<T>(&global_out))

@@ -64,7 +64,7 @@ use fsdp_autograd::{cross_entropy, InitContext, Tensor};
 use fsdp_collectives::{
     DeviceSlice, GroupConfig, LinkModel, ProcessGroup, ReduceOp, ThreadGroup, Work,
 };
-use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
+use fsdp_core::{BackwardPrefetch, Fsdp, FsdpConfig, ParamBytes, ShardingStrategy, WrapPolicy};
 
 const W: usize = 4;
 const BATCH: usize = 4;
@@ -326,7 +326,7 @@ fn step(
 /// (largest unit, all units) parameter bytes.
 struct Session {
     times: Vec<Vec<StepTimes>>,
-    param_bytes: (usize, usize),
+    param_bytes: ParamBytes,
     /// Per variant, rank 0's device after the counted rounds: (peak allocated bytes during the
     /// rounds, raw device mallocs per counted step, allocation retries).
     memory: Vec<(usize, f64, u64)>,
@@ -348,7 +348,10 @@ fn session(variants: &[Variant], rounds: usize) -> Session {
         .collect();
     let control = ThreadGroup::new(W);
     let times = Arc::new(Mutex::new(vec![Vec::new(); variants.len()]));
-    let param_bytes = Arc::new(Mutex::new((0, 0)));
+    let param_bytes = Arc::new(Mutex::new(ParamBytes {
+        max_unit: 0,
+        total: 0,
+    }));
     let memory = Arc::new(Mutex::new(vec![(0, 0.0, 0); variants.len()]));
     let handles: Vec<_> = control
         .into_iter()
@@ -502,7 +505,7 @@ fn main() {
         .iter()
         .map(|t| t.2)
         .fold(f64::INFINITY, f64::min);
-    let (max_unit, total) = s1.param_bytes;
+    let ParamBytes { max_unit, total } = s1.param_bytes;
     let block_fwd = compute / 3.0 / cfg.n_layers as f64;
     let received = max_unit as f64 * (W - 1) as f64 / W as f64;
     let transfer = (block_fwd - LINK_LATENCY.as_secs_f64()).max(1e-3);

@@ -1,6 +1,12 @@
 //! The FSDP runtime: wrapping a model, the unshard / reshard / reduce choreography driven by
 //! module and autograd hooks, prefetching, rate limiting, and the sharded optimizer step.
 //!
+//! This file decides *when* a unit's work runs: the hooks, the execution order (recorded, and
+//! verified across ranks) and the prefetch decisions. *What* a unit does — gather, views, free,
+//! reduce its gradient, accumulate the sharded gradient — is
+//! [`FlatParamHandle`](crate::handle::FlatParamHandle)'s, within the rank's
+//! [`CommContext`](crate::comm::CommContext) (streams, groups, rate limiter, statistics).
+//!
 //! ## One iteration, per unit (the paper's §4)
 //! - **pre-forward** (module pre-hook): all-gather the unit's shards into a buffer on the
 //!   *unshard* stream (through the rate limiter), make the compute stream wait on it, and point the
@@ -21,16 +27,21 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use fsdp_alloc::{Buffer, DType, Device, Event, RateLimiter, Stream};
+use fsdp_alloc::{DType, Device, Event, RateLimiter, Stream};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::{
     in_backward, no_grad, queue_callback_fallible, with_stream, Parameter, Storage, Tensor,
 };
-use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Work};
+use fsdp_collectives::{DeviceMesh, ProcessGroup};
 use fsdp_flatparam::FlatParamLayout;
 use fsdp_init::InitPlan;
 
-use crate::config::{BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, ShardingStrategy};
+pub use crate::comm::CommStats;
+// Collective plumbing, here for the modules that import it from `crate::fsdp`.
+pub(crate) use crate::comm::{gather_flat, tensor_slice};
+
+use crate::comm::{CommContext, Ledger};
+use crate::config::{BackwardPrefetch, DeferredInit, FsdpConfig, ShardingStrategy};
 use crate::error::{FsdpError, Result};
 use crate::handle::FlatParamHandle;
 use crate::wrap::{plan_units, ModuleInfo};
@@ -59,17 +70,41 @@ impl From<DeviceMesh> for Comm {
 /// One gathered parameter: (fully-qualified name, shape, values).
 pub type FullParameter = (String, Vec<usize>, Vec<f32>);
 
-/// Bytes moved by this rank's collectives since wrapping (or the last reset).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CommStats {
-    /// Bytes written into this rank's all-gather outputs.
-    pub all_gather_bytes: u64,
-    /// Bytes of this rank's reduce-scatter inputs.
-    pub reduce_scatter_bytes: u64,
-    /// Bytes of this rank's all-reduce buffers.
-    pub all_reduce_bytes: u64,
-    /// Number of all-gathers issued.
-    pub num_all_gathers: u64,
+/// One unit as [`Fsdp::units`] describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitInfo {
+    /// Module path of the unit ("" for the root).
+    pub path: String,
+    /// Fully-qualified name of each parameter of the unit, in layout order.
+    pub names: Vec<String>,
+    /// Elements of all the unit's parameters (no padding).
+    pub total_numel: usize,
+    /// Elements of this rank's shard (the padded flat parameter divided by the sharding
+    /// factor; the whole padded flat parameter for `NoShard`).
+    pub shard_numel: usize,
+}
+
+/// Sizes of the wrapped model's parameters in f32 bytes (the precision FSDP stores them in),
+/// padding of the flat parameters included, whatever the mixed-precision setting: the paper's
+/// Ψ and ψ_max (§3.2.1), times 4.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamBytes {
+    /// Bytes of the largest unit's flat parameter (4·ψ_max).
+    pub max_unit: usize,
+    /// Bytes of all units' flat parameters (4·Ψ).
+    pub total: usize,
+}
+
+impl ParamBytes {
+    /// The number of parameter elements in all units (Ψ, padding included).
+    pub fn total_numel(&self) -> usize {
+        self.total / DType::F32.size()
+    }
+
+    /// The number of parameter elements in the largest unit (ψ_max, padding included).
+    pub fn max_unit_numel(&self) -> usize {
+        self.max_unit / DType::F32.size()
+    }
 }
 
 /// One unit's sharded state on this rank, for optimizers, gradient clipping, scalers and state
@@ -113,31 +148,16 @@ struct IterState {
 struct State {
     units: Vec<FlatParamHandle>,
     iter: IterState,
-    /// Collectives whose errors have not been checked yet.
-    works: Vec<Work>,
-    /// Explicit-lifetime buffers waiting for their consumer's event (no rate limiter).
-    deferred: Vec<(Buffer, Event)>,
     /// Reduce gradients in post-backward (off inside `no_sync`).
     sync_grads: bool,
     /// The shards are up to date once this event (after the optimizer step) completes.
     params_ready: Event,
-    stats: CommStats,
 }
 
 pub(crate) struct Inner {
-    device: Device,
-    compute: Stream,
-    /// CPU offload: the host device holding shards and sharded gradients, and its stream (where
-    /// the optimizer runs). Without offload, the compute device and stream.
-    host: Device,
-    host_stream: Stream,
-    offload: bool,
-    unshard_stream: Stream,
-    reduce_stream: Stream,
-    group: Arc<dyn ProcessGroup>,
-    replicate: Option<Arc<dyn ProcessGroup>>,
+    /// Streams, groups, rate limiter and the collectives' bookkeeping.
+    ctx: CommContext,
     config: FsdpConfig,
-    limiter: Option<RateLimiter>,
     state: Mutex<State>,
 }
 
@@ -154,8 +174,8 @@ pub struct Fsdp<M: Module> {
 impl<M: Module> std::fmt::Debug for Fsdp<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fsdp")
-            .field("device", &self.inner.device.id())
-            .field("group", &self.inner.group.name())
+            .field("device", &self.inner.ctx.device.id())
+            .field("group", &self.inner.ctx.group.name())
             .field("config", &self.inner.config)
             .finish()
     }
@@ -211,62 +231,6 @@ fn for_each_module<'a>(m: &'a dyn Module, path: &str, f: &mut dyn FnMut(&str, &'
         };
         for_each_module(c, &p, f);
     });
-}
-
-/// The memory of `t` (its elements, in its dtype) as a [`DeviceSlice`] for collectives.
-///
-/// # Errors
-/// [`FsdpError::Config`] if the tensor's storage is released (no memory attached); an access
-/// error if the tensor does not fit its buffer.
-pub fn tensor_slice(t: &Tensor) -> Result<DeviceSlice> {
-    let r = t.storage().buffer_ref().ok_or_else(|| {
-        FsdpError::Config(
-            "a tensor given to a collective has no memory attached (its storage was released)"
-                .into(),
-        )
-    })?;
-    let size = t.dtype().size();
-    let r = r.slice(t.offset() * size, t.numel() * size)?;
-    Ok(DeviceSlice::new(r, t.dtype())?)
-}
-
-/// All-gathers `t` (this rank's chunk) over `group` on `stream` into a new tensor of
-/// `group.size() × t.numel()` elements of `device`, and waits for it on the host.
-pub(crate) fn gather_flat(
-    group: &Arc<dyn ProcessGroup>,
-    t: &Tensor,
-    stream: &Stream,
-    device: &Device,
-) -> Result<Tensor> {
-    let full = with_stream(stream, || {
-        Tensor::zeros(&[group.size() * t.numel()], t.dtype(), device)
-    })?;
-    group
-        .all_gather_into(&tensor_slice(t)?, &tensor_slice(&full)?, stream)
-        .wait()?;
-    Ok(full)
-}
-
-/// Copies `src` into `dst` (contiguous f32 tensors of equal length, possibly on different CPU
-/// devices) as work launched on `stream`.
-fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
-    if src.numel() != dst.numel() {
-        return Err(FsdpError::Config(format!(
-            "copy of {} elements into {}",
-            src.numel(),
-            dst.numel()
-        )));
-    }
-    let (s, d) = (tensor_slice(src)?, tensor_slice(dst)?);
-    let (s, d) = (s.data().clone(), d.data().clone());
-    stream.launch(move || {
-        let s = s.read::<f32>().expect("offload copy: source unreadable");
-        let mut d = d
-            .write::<f32>()
-            .expect("offload copy: destination unwritable");
-        d.copy_from_slice(&s);
-    });
-    Ok(())
 }
 
 impl<M: Module + 'static> Fsdp<M> {
@@ -339,7 +303,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 if !matches!(device.id(), fsdp_alloc::DeviceId::Cpu(_))
                     || !matches!(h.id(), fsdp_alloc::DeviceId::Cpu(_))
                 {
-                    return Err(FsdpError::Config(format!(
+                    return Err(FsdpError::Device(format!(
                         "CPU offload between {} and {} needs host<->device copies, which exist \
                          only between CPU devices so far",
                         device.id(),
@@ -377,7 +341,7 @@ impl<M: Module + 'static> Fsdp<M> {
             let layout = FlatParamLayout::new(&shapes, factor)?;
             for (p, n) in params.iter().zip(&names) {
                 if p.dtype() != DType::F32 {
-                    return Err(FsdpError::Config(format!(
+                    return Err(FsdpError::Dtype(format!(
                         "parameter `{n}` is {}; FSDP keeps f32 parameters (low precision comes \
                          from mixed precision, not from the stored dtype)",
                         p.dtype()
@@ -405,27 +369,20 @@ impl<M: Module + 'static> Fsdp<M> {
             for p in &params {
                 drop(p.take());
             }
-            units.push(FlatParamHandle {
-                path: plan.path.clone(),
+            units.push(FlatParamHandle::new(
+                plan.path.clone(),
                 layout,
                 params,
                 names,
                 shard,
-                shard_grad: None,
                 param_dtype,
                 storage,
-                flat: None,
-                flat_tracks_grad: false,
-                unsynced_grad: None,
-                unsharded: false,
-                pending_unshard: None,
-                post_backward_done: false,
-            });
+            ));
         }
         let params_ready = host_stream.record_event();
         let limiter = (config.limit_all_gathers && config.strategy.is_sharded())
             .then(|| RateLimiter::new(config.max_inflight_all_gathers));
-        let inner = Arc::new(Inner {
+        let ctx = CommContext {
             device: device.clone(),
             compute,
             host,
@@ -435,16 +392,20 @@ impl<M: Module + 'static> Fsdp<M> {
             reduce_stream,
             group,
             replicate,
-            config,
+            sharded: config.strategy.is_sharded(),
+            buffer_lifetime: config.buffer_lifetime,
+            reduce_dtype,
             limiter,
+            ledger: Mutex::new(Ledger::default()),
+        };
+        let inner = Arc::new(Inner {
+            ctx,
+            config,
             state: Mutex::new(State {
                 units,
                 iter: IterState::default(),
-                works: Vec::new(),
-                deferred: Vec::new(),
                 sync_grads: true,
                 params_ready,
-                stats: CommStats::default(),
             }),
         });
 
@@ -474,7 +435,7 @@ impl<M: Module + 'static> Fsdp<M> {
 
     /// Runs the model's forward through its hooks (the root unit's included).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.inner.check_works()?;
+        self.inner.ctx.check_works()?;
         Ok(self.model.call(x)?)
     }
 
@@ -482,25 +443,26 @@ impl<M: Module + 'static> Fsdp<M> {
     /// gradient, on the compute stream (the same elementwise operation as
     /// `Tensor::add_scaled_(grad, -lr)` on unsharded parameters).
     pub fn sgd_step(&self, lr: f32) -> Result<()> {
-        self.inner.check_works()?;
+        self.inner.ctx.check_works()?;
         let inner = &self.inner;
+        let ctx = &inner.ctx;
         let mut st = inner.lock();
         // The optimizer runs where the shards live: the compute stream, or the host stream
         // under CPU offload.
-        with_stream(&inner.host_stream, || {
+        with_stream(&ctx.host_stream, || {
             no_grad(|| -> Result<()> {
                 for h in &st.units {
                     if let Some(g) = &h.shard_grad {
                         h.shard.add_scaled_(g, -lr)?;
                         // The gradient came from the reduce stream; it is read here.
                         g.storage()
-                            .with_buffer(|b| b.record_stream(&inner.host_stream));
+                            .with_buffer(|b| b.record_stream(&ctx.host_stream));
                     }
                 }
                 Ok(())
             })
         })?;
-        st.params_ready = inner.host_stream.record_event();
+        st.params_ready = ctx.host_stream.record_event();
         inner.drop_stale_gathers(&mut st);
         Ok(())
     }
@@ -509,7 +471,7 @@ impl<M: Module + 'static> Fsdp<M> {
     pub fn shards(&self) -> Vec<UnitShard> {
         let st = self.inner.lock();
         let rank = if self.inner.config.strategy.is_sharded() {
-            self.inner.group.rank()
+            self.inner.ctx.group.rank()
         } else {
             0
         };
@@ -532,12 +494,13 @@ impl<M: Module + 'static> Fsdp<M> {
     pub fn set_shard_grad(&self, unit: usize, grad: Option<Tensor>) -> Result<()> {
         let mut st = self.inner.lock();
         let n = st.units.len();
-        let h = st.units.get_mut(unit).ok_or_else(|| {
-            FsdpError::Config(format!("unit {unit} does not exist (there are {n})"))
-        })?;
+        let h = st
+            .units
+            .get_mut(unit)
+            .ok_or(FsdpError::UnknownUnit { unit, units: n })?;
         if let Some(g) = &grad {
             if g.numel() != h.shard.numel() {
-                return Err(FsdpError::Config(format!(
+                return Err(FsdpError::InvalidArgument(format!(
                     "a gradient of {} elements for unit `{}`, whose shard has {}",
                     g.numel(),
                     h.path,
@@ -552,7 +515,7 @@ impl<M: Module + 'static> Fsdp<M> {
     /// Tells FSDP the shards were updated on the compute stream (after an optimizer step or a
     /// state-dict load): the next all-gather waits for everything launched there so far.
     pub fn params_updated(&self) {
-        let ev = self.inner.host_stream.record_event();
+        let ev = self.inner.ctx.host_stream.record_event();
         let mut st = self.inner.lock();
         st.params_ready = ev;
         self.inner.drop_stale_gathers(&mut st);
@@ -561,12 +524,12 @@ impl<M: Module + 'static> Fsdp<M> {
     /// The group parameters are sharded over (all ranks for FullShard/ShardGradOp/NoShard, the
     /// shard group for HybridShard).
     pub fn shard_group(&self) -> &Arc<dyn ProcessGroup> {
-        &self.inner.group
+        &self.inner.ctx.group
     }
 
     /// For HybridShard, the group of ranks holding the same shard (replicas).
     pub fn replicate_group(&self) -> Option<&Arc<dyn ProcessGroup>> {
-        self.inner.replicate.as_ref()
+        self.inner.ctx.replicate.as_ref()
     }
 
     /// The configuration.
@@ -576,23 +539,23 @@ impl<M: Module + 'static> Fsdp<M> {
 
     /// This rank's device.
     pub fn device(&self) -> &Device {
-        &self.inner.device
+        &self.inner.ctx.device
     }
 
     /// The compute stream (the device's current stream when wrapping).
     pub fn compute_stream(&self) -> &Stream {
-        &self.inner.compute
+        &self.inner.ctx.compute
     }
 
     /// Where the shards and sharded gradients live and optimizer work must be launched: the
     /// host stream under CPU offload, else the compute stream.
     pub fn optimizer_stream(&self) -> &Stream {
-        &self.inner.host_stream
+        &self.inner.ctx.host_stream
     }
 
     /// The device holding the shards: the offload host device, else the compute device.
     pub fn shard_device(&self) -> &Device {
-        &self.inner.host
+        &self.inner.ctx.host
     }
 
     /// Turns gradient synchronization off (`false`) or back on. While off, post-backward keeps
@@ -627,17 +590,17 @@ impl<M: Module + 'static> Fsdp<M> {
 
     /// Waits for all work of this rank and reports the first collective or stream error.
     pub fn synchronize(&self) -> Result<()> {
-        self.inner.device.synchronize()?;
-        let works = std::mem::take(&mut self.inner.lock().works);
+        self.inner.ctx.device.synchronize()?;
+        let works = self.inner.ctx.take_works();
         for w in works {
             w.wait()?;
         }
         Ok(())
     }
 
-    /// Bytes communicated since wrapping.
+    /// Bytes communicated since wrapping, in the dtypes communicated (see [`CommStats`]).
     pub fn comm_stats(&self) -> CommStats {
-        self.inner.lock().stats
+        self.inner.ctx.stats()
     }
 
     /// Number of units (the root included).
@@ -645,34 +608,30 @@ impl<M: Module + 'static> Fsdp<M> {
         self.inner.lock().units.len()
     }
 
-    /// For each unit: (module path, parameter names, total numel, shard numel).
-    pub fn units(&self) -> Vec<(String, Vec<String>, usize, usize)> {
+    /// Every unit, in unit order (the root first): path, parameter names, sizes.
+    pub fn units(&self) -> Vec<UnitInfo> {
         self.inner
             .lock()
             .units
             .iter()
-            .map(|h| {
-                (
-                    h.path.clone(),
-                    h.names.clone(),
-                    h.layout.total_numel(),
-                    h.layout.chunk_numel(),
-                )
+            .map(|h| UnitInfo {
+                path: h.path.clone(),
+                names: h.names.clone(),
+                total_numel: h.layout.total_numel(),
+                shard_numel: h.layout.chunk_numel(),
             })
             .collect()
     }
 
-    /// Bytes of f32 parameters in the largest unit (ψ_max) and in all units (Ψ).
-    pub fn param_bytes(&self) -> (usize, usize) {
+    /// Bytes of the parameters in f32 — in the largest unit (4·ψ_max) and in all units (4·Ψ) —
+    /// the same under every mixed-precision setting (see [`ParamBytes`]).
+    pub fn param_bytes(&self) -> ParamBytes {
         let st = self.inner.lock();
-        let max = st
-            .units
-            .iter()
-            .map(|h| h.unsharded_bytes())
-            .max()
-            .unwrap_or(0);
-        let total = st.units.iter().map(|h| h.unsharded_bytes()).sum();
-        (max, total)
+        let bytes = st.units.iter().map(FlatParamHandle::f32_bytes);
+        ParamBytes {
+            max_unit: bytes.clone().max().unwrap_or(0),
+            total: bytes.sum(),
+        }
     }
 
     /// This rank's shard of every unit (host copies), in unit order.
@@ -707,8 +666,9 @@ impl<M: Module + 'static> Fsdp<M> {
         let mut out = Vec::new();
         for ((shard, layout), names) in shards.iter().zip(&layouts).zip(&names) {
             let flat: Vec<f32> = if inner.config.strategy.is_sharded() {
-                let shard = inner.shard_on_device(shard, &inner.compute, &ready)?;
-                gather_flat(&inner.group, &shard, &inner.compute, &inner.device)?.to_vec::<f32>()?
+                let ctx = &inner.ctx;
+                let shard = ctx.shard_on_device(shard, &ctx.compute, &ready)?;
+                gather_flat(&ctx.group, &shard, &ctx.compute, &ctx.device)?.to_vec::<f32>()?
             } else {
                 shard.to_vec::<f32>()?
             };
@@ -751,24 +711,6 @@ impl Inner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Returns the first error among completed collectives; keeps the running ones.
-    fn check_works(&self) -> Result<()> {
-        let mut st = self.lock();
-        let mut keep = Vec::with_capacity(st.works.len());
-        let mut first = Ok(());
-        for w in std::mem::take(&mut st.works) {
-            if w.is_completed() {
-                if let (Err(e), true) = (w.wait(), first.is_ok()) {
-                    first = Err(e.into());
-                }
-            } else {
-                keep.push(w);
-            }
-        }
-        st.works = keep;
-        first
-    }
-
     fn pre_forward(self: &Arc<Self>, u: usize) -> Result<()> {
         let mut st = self.lock();
         if in_backward() {
@@ -783,7 +725,7 @@ impl Inner {
             st.iter.order.clear();
             st.iter.callback_queued = false;
             for h in &mut st.units {
-                h.flat = None;
+                h.drop_views();
                 h.post_backward_done = false;
             }
         }
@@ -793,16 +735,18 @@ impl Inner {
         self.unshard(&mut st, u)?;
         self.wait_unshard(&mut st, u)?;
         if self.config.forward_prefetch {
-            let prev = &st.iter.prev_order;
-            if let Some(next) = prev
-                .iter()
-                .position(|&x| x == u)
-                .and_then(|i| prev.get(i + 1).copied())
-            {
+            if let Some(next) = Self::next_forward(&st, u) {
                 self.unshard(&mut st, next)?;
             }
         }
         Ok(())
+    }
+
+    /// The unit whose forward came after `u`'s in the previous iteration (forward prefetch).
+    fn next_forward(st: &State, u: usize) -> Option<usize> {
+        let prev = &st.iter.prev_order;
+        let i = prev.iter().position(|&x| x == u)?;
+        prev.get(i + 1).copied()
     }
 
     fn post_forward(self: &Arc<Self>, u: usize, output: &Tensor) -> Result<()> {
@@ -858,113 +802,24 @@ impl Inner {
             .find(|&x| !st.units[x].post_backward_done)
     }
 
+    /// The post-accumulate-grad hook of unit `u`'s flat leaf: its flat gradient is final.
+    /// Joins the gradient kept by `no_sync`; with gradient sync off keeps the sum, else reduces
+    /// it and accumulates the reduced shard; prefetches (`BackwardPost`); reshards.
     fn post_backward(self: &Arc<Self>, u: usize) -> Result<()> {
         let mut st = self.lock();
-        let flat = match st.units[u].flat.clone() {
-            Some(f) => f,
-            None => return Ok(()),
-        };
-        let Some(grad) = flat.grad() else {
+        let ctx = &self.ctx;
+        let Some(grad) = st.units[u].take_unsharded_grad(ctx)? else {
             return Ok(());
         };
-        flat.set_grad(None)?;
-        // Gradients accumulated without communication (`no_sync`) join this one first.
-        let grad = match st.units[u].unsynced_grad.take() {
-            Some(acc) => {
-                with_stream(&self.compute, || no_grad(|| acc.add_(&grad)))?;
-                acc
-            }
-            None => grad,
-        };
-        if !st.sync_grads {
-            // Keep the unsharded gradient for the next micro-batch; no communication.
-            st.units[u].unsynced_grad = Some(grad);
-            st.units[u].post_backward_done = true;
-            self.reshard(&mut st, u);
-            return Ok(());
+        if st.sync_grads {
+            let reduced = st.units[u].reduce_grad(ctx, grad)?;
+            let done = st.units[u].accumulate_shard_grad(ctx, reduced)?;
+            st.iter.pending_reductions.push(done);
+        } else {
+            st.units[u].keep_unsynced_grad(grad);
         }
-        // Mixed precision: communicate in the reduce dtype (cast on the compute stream).
-        let reduce_dtype = self
-            .config
-            .mixed_precision
-            .map_or(DType::F32, |mp| mp.reduce_dtype);
-        let grad = if grad.dtype() == reduce_dtype {
-            grad
-        } else {
-            with_stream(&self.compute, || no_grad(|| grad.to_dtype(reduce_dtype)))?
-        };
-        let ready = self.compute.record_event();
-        self.reduce_stream.wait_event(&ready);
-        let sharded = self.config.strategy.is_sharded();
-        let new_grad = if sharded {
-            let chunk = st.units[u].layout.chunk_numel();
-            let out = with_stream(&self.reduce_stream, || {
-                Tensor::empty(&[chunk], reduce_dtype, &self.device)
-            })?;
-            let w = self.group.reduce_scatter(
-                &tensor_slice(&grad)?,
-                &tensor_slice(&out)?,
-                ReduceOp::Sum,
-                &self.reduce_stream,
-            );
-            st.stats.reduce_scatter_bytes += (grad.numel() * 4) as u64;
-            st.works.push(w);
-            if let Some(rep) = &self.replicate {
-                let w = rep.all_reduce(&tensor_slice(&out)?, ReduceOp::Sum, &self.reduce_stream);
-                st.stats.all_reduce_bytes += (out.numel() * 4) as u64;
-                st.works.push(w);
-            }
-            out
-        } else {
-            let w =
-                self.group
-                    .all_reduce(&tensor_slice(&grad)?, ReduceOp::Sum, &self.reduce_stream);
-            st.stats.all_reduce_bytes += (grad.numel() * 4) as u64;
-            st.works.push(w);
-            grad.clone()
-        };
-        // The unsharded gradient was produced on the compute stream and is read on the reduce
-        // stream: its memory must not be reused by compute work before the reduction ran.
-        grad.storage()
-            .with_buffer(|b| b.record_stream(&self.reduce_stream));
-        drop(grad);
-        // The sharded gradient is kept in f32 for the optimizer.
-        let new_grad = if new_grad.dtype() == DType::F32 {
-            new_grad
-        } else {
-            with_stream(&self.reduce_stream, || {
-                no_grad(|| new_grad.to_dtype(DType::F32))
-            })?
-        };
-        let h = &mut st.units[u];
-        if self.offload {
-            // Copy the reduced shard gradient to the host on the reduce stream; accumulate there.
-            // Owned by the reduce stream, which writes it first: a block freed on the host stream
-            // must not be handed to a write on another stream before the host stream's earlier
-            // work on it has run.
-            let buf = self.host.alloc(new_grad.numel() * 4, &self.reduce_stream)?;
-            let host_grad = Tensor::from_buffer(buf, &[new_grad.numel()], DType::F32, &self.host)?;
-            copy_tensor(&new_grad, &host_grad, &self.reduce_stream)?;
-            self.host_stream
-                .wait_event(&self.reduce_stream.record_event());
-            match &h.shard_grad {
-                Some(acc) => with_stream(&self.host_stream, || no_grad(|| acc.add_(&host_grad)))?,
-                None => h.shard_grad = Some(host_grad),
-            }
-        } else {
-            match &h.shard_grad {
-                Some(acc) => with_stream(&self.reduce_stream, || no_grad(|| acc.add_(&new_grad)))?,
-                None => h.shard_grad = Some(new_grad),
-            }
-        }
-        let done = if self.offload {
-            self.host_stream.record_event()
-        } else {
-            self.reduce_stream.record_event()
-        };
-        st.iter.pending_reductions.push(done);
         st.units[u].post_backward_done = true;
-        if self.config.backward_prefetch == BackwardPrefetch::BackwardPost {
+        if st.sync_grads && self.config.backward_prefetch == BackwardPrefetch::BackwardPost {
             if let Some(next) = Self::next_backward(&st, u) {
                 self.unshard(&mut st, next)?;
             }
@@ -974,17 +829,18 @@ impl Inner {
     }
 
     fn finish_backward(self: &Arc<Self>) -> Result<()> {
+        let ctx = &self.ctx;
         let mut st = self.lock();
         for ev in std::mem::take(&mut st.iter.pending_reductions) {
-            self.compute.wait_event(&ev);
-            if self.offload {
-                self.host_stream.wait_event(&ev);
+            ctx.compute.wait_event(&ev);
+            if ctx.offload {
+                ctx.host_stream.wait_event(&ev);
             }
         }
-        if self.offload {
+        if ctx.offload {
             // The unshard copies read the host shards; the compute stream waited for all of them.
             // The optimizer (host stream) must not overwrite a shard before that.
-            self.host_stream.wait_event(&self.compute.record_event());
+            ctx.host_stream.wait_event(&ctx.compute.record_event());
         }
         self.reshard_all(&mut st);
         let verify = st.iter.orders_verified < self.config.verify_execution_order;
@@ -998,8 +854,8 @@ impl Inner {
         st.iter.callback_queued = false;
         drop(st);
         if verify {
-            self.verify_order(&self.group, &order, &paths)?;
-            if let Some(r) = &self.replicate {
+            self.verify_order(&ctx.group, &order, &paths)?;
+            if let Some(r) = &ctx.replicate {
                 self.verify_order(r, &order, &paths)?;
             }
         }
@@ -1024,10 +880,9 @@ impl Inner {
         for (slot, &u) in mine.iter_mut().zip(order) {
             *slot = u as f32;
         }
-        let input = with_stream(&self.compute, || {
-            Tensor::from_vec(mine.clone(), &[n], &self.device)
-        })?;
-        let all = gather_flat(group, &input, &self.compute, &self.device)?.to_vec::<f32>()?;
+        let (device, compute) = (&self.ctx.device, &self.ctx.compute);
+        let input = with_stream(compute, || Tensor::from_vec(mine.clone(), &[n], device))?;
+        let all = gather_flat(group, &input, compute, device)?.to_vec::<f32>()?;
         let name = |v: &[f32]| -> String {
             let units: Vec<&str> = v
                 .iter()
@@ -1053,148 +908,34 @@ impl Inner {
         }
     }
 
-    /// Issues the all-gather of unit `u` (if it is not unsharded already) into its flat
-    /// parameter's storage. The compute stream does not wait and the parameters are not pointed
-    /// at it yet (see [`Inner::wait_unshard`]), so a prefetched gather overlaps the current
-    /// compute.
-    fn unshard(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
-        if st.units[u].unsharded {
-            return Ok(());
-        }
-        if self.config.strategy.is_sharded() {
-            if let Some(l) = &self.limiter {
-                l.acquire()?;
-            }
-            st.deferred.retain(|(_, ev)| !ev.query());
-            self.unshard_stream.wait_event(&st.params_ready);
-            let h = &st.units[u];
-            let buf = self
-                .device
-                .alloc(h.unsharded_bytes(), &self.unshard_stream)?;
-            let out = DeviceSlice::new(buf.data().clone(), h.param_dtype)?;
-            // Mixed precision: cast the f32 shard once per unshard, gather in low precision.
-            let shard = self.shard_on_device(&h.shard, &self.unshard_stream, &st.params_ready)?;
-            let input = if h.param_dtype == DType::F32 {
-                shard
-            } else {
-                with_stream(&self.unshard_stream, || {
-                    no_grad(|| shard.to_dtype(h.param_dtype))
-                })?
-            };
-            let work =
-                self.group
-                    .all_gather_into(&tensor_slice(&input)?, &out, &self.unshard_stream);
-            h.storage.attach(buf)?;
-            let bytes = h.unsharded_bytes() as u64;
-            let ev = work.event().clone();
-            st.works.push(work);
-            st.stats.all_gather_bytes += bytes;
-            st.stats.num_all_gathers += 1;
-            st.units[u].pending_unshard = Some(ev);
-        }
-        st.units[u].unsharded = true;
-        Ok(())
+    /// Issues unit `u`'s all-gather ([`FlatParamHandle::unshard`]) after the last update of the
+    /// shards.
+    fn unshard(&self, st: &mut State, u: usize) -> Result<()> {
+        let ready = st.params_ready.clone();
+        st.units[u].unshard(&self.ctx, &ready)
     }
 
-    /// The shard as a tensor on the compute device: itself, or (CPU offload) a copy made on
-    /// `stream` after the last optimizer update.
-    fn shard_on_device(&self, shard: &Tensor, stream: &Stream, ready: &Event) -> Result<Tensor> {
-        if !self.offload {
-            return Ok(shard.clone());
-        }
-        stream.wait_event(ready);
-        let dev = with_stream(stream, || {
-            Tensor::empty(&[shard.numel()], DType::F32, &self.device)
-        })?;
-        copy_tensor(shard, &dev, stream)?;
-        Ok(dev)
-    }
-
-    /// Makes the compute stream wait for unit `u`'s all-gather, if it has not yet, and points the
-    /// unit's parameters at this iteration's views of the gathered flat parameter.
+    /// Makes the compute stream wait for unit `u`'s all-gather and points its parameters at this
+    /// iteration's views ([`FlatParamHandle::wait_for_unshard`]), with [`Inner::post_backward`]
+    /// as the flat leaf's hook.
     fn wait_unshard(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
-        if let Some(ev) = st.units[u].pending_unshard.take() {
-            self.compute.wait_event(&ev);
-        }
-        // The views are created here, when the unit is about to compute, not when its gather
-        // was issued: autograd runs backward work in reverse creation order, so views created
-        // early for a prefetched unit would put its gradient (and its reduce-scatter) after the
-        // backward of the unit that ran before it.
-        self.ensure_views(st, u)
-    }
-
-    /// Creates this iteration's flat leaf and the parameter views, once per iteration.
-    fn ensure_views(self: &Arc<Self>, st: &mut State, u: usize) -> Result<()> {
-        let h = &mut st.units[u];
-        let grad_mode = fsdp_autograd::is_grad_enabled();
-        // Views made under `no_grad` (an evaluation forward) are not reused for training.
-        if h.flat.is_some() && (h.flat_tracks_grad || !grad_mode) {
-            return Ok(());
-        }
-        h.flat_tracks_grad = grad_mode;
-        let padded = h.layout.padded_numel();
-        let total = h.layout.total_numel();
-        // Split the padded flat parameter straight into parameter-shaped views (the padding is a
-        // last, unused piece): one node, whose backward folds each parameter's gradient into one
-        // padded flat gradient the moment it is computed.
-        let pad = [padded - total];
-        let mut shapes: Vec<&[usize]> = h.params.iter().map(|p| p.shape()).collect();
-        shapes.push(&pad);
-        let any_trainable = h.params.iter().any(|p| p.requires_grad());
-        let dtype = h.param_dtype;
-        let flat = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
-        if any_trainable {
-            flat.set_requires_grad(true)?;
-            let w = Arc::downgrade(self);
-            flat.register_post_accumulate_grad_hook_fallible(move |_| {
-                Ok(Inner::upgrade(&w)?.post_backward(u)?)
-            })?;
-        }
-        // Frozen parameters view a second, gradient-free alias of the same storage.
-        let frozen = Tensor::from_storage(h.storage.clone(), &[padded], &[1], 0, dtype)?;
-        let trainable_views = flat.split_shaped(&shapes)?;
-        let frozen_views = frozen.split_shaped(&shapes)?;
-        for ((p, tv), fv) in h.params.iter().zip(trainable_views).zip(frozen_views) {
-            p.set(if p.requires_grad() { tv } else { fv })?;
-        }
-        h.flat = Some(flat);
-        Ok(())
+        let w = Arc::downgrade(self);
+        st.units[u].wait_for_unshard(
+            &self.ctx,
+            move |_| Ok(Inner::upgrade(&w)?.post_backward(u)?),
+        )
     }
 
     /// Reshards every unit and drops this iteration's views (the end of an iteration).
     fn reshard_all(&self, st: &mut State) {
-        for u in 0..st.units.len() {
-            self.reshard(st, u);
-            st.units[u].flat = None;
+        for h in &mut st.units {
+            h.reshard(&self.ctx);
+            h.drop_views();
         }
     }
 
-    /// Frees unit `u`'s gathered buffer (keeping views and graph valid for the next unshard).
+    /// Frees unit `u`'s gathered buffer ([`FlatParamHandle::reshard`]).
     fn reshard(&self, st: &mut State, u: usize) {
-        if !st.units[u].unsharded || !self.config.strategy.is_sharded() {
-            return;
-        }
-        let h = &mut st.units[u];
-        h.unsharded = false;
-        h.pending_unshard = None;
-        let Some(mut buf) = h.storage.release() else {
-            return;
-        };
-        // The compute stream read the buffer; it is free once the compute work launched so far
-        // has run.
-        let consumed = self.compute.record_event();
-        match self.config.buffer_lifetime {
-            BufferLifetime::RecordStream => {
-                buf.record_stream(&self.compute);
-                drop(buf);
-                if let Some(l) = &self.limiter {
-                    l.release(consumed);
-                }
-            }
-            BufferLifetime::Explicit => match &self.limiter {
-                Some(l) => l.release_buffer(buf, consumed),
-                None => st.deferred.push((buf, consumed)),
-            },
-        }
+        st.units[u].reshard(&self.ctx);
     }
 }

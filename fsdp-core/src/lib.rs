@@ -1,30 +1,31 @@
-//! # fsdp-core: Fully Sharded Data Parallel for Rust
-//!
-//! Wrap a model built from [`fsdp_autograd::nn`] modules with [`Fsdp::wrap`] on every rank; each
-//! FSDP *unit* (chosen by a [`WrapPolicy`]) is flattened with the flatten-concat-chunk layout of
-//! [`fsdp_flatparam`], sharded over the ranks of a [`fsdp_collectives::ProcessGroup`], gathered
-//! just before it computes and freed right after, and its gradient is reduce-scattered as soon as
-//! it is final — communication on its own streams, overlapping compute.
+#![doc = include_str!("../README.md")]
 //!
 //! # Crate layout
 //! - [`wrap`]: unit planning (policies, the paper's assignment rule, shared parameters).
 //! - [`config`]: strategies, prefetch modes, buffer lifetime.
-//! - [`Fsdp`]: the runtime (hooks, unshard / reshard / reduce, mixed precision, gradient
-//!   accumulation with and without communication, CPU offload, SGD on shards).
-//! - [`optim`]: sharded SGD / AdamW / LAMB (state sharded like the parameters) and their local
-//!   twins; [`clip`]: global and exact per-parameter gradient norms across shards;
+//! - [`Fsdp`]: the runtime — the hooks, the execution order and the prefetch decisions; each
+//!   unit's own work (unshard, reshard, reduce its gradient, mixed precision, CPU offload copies)
+//!   is done by its `FlatParamHandle` within a communication context (streams, groups, rate
+//!   limiter); gradient accumulation with and without communication; SGD on shards.
+//! - [`optim`]: update rules (SGD, AdamW, LAMB) run by a sharded driver (state sharded like the
+//!   parameters) and a local one; [`clip`]: global and exact per-parameter gradient norms across shards;
 //!   [`scaler`]: the sharded gradient scaler; [`state_dict`]: full, sharded and local state dicts
 //!   (safetensors on disk), optimizer state likewise; [`checkpoint`]: all-or-nothing training
 //!   checkpoints (model, optimizer, scaler, metadata) with keep-last-K and resume.
+//! - `sharded` (private, below `optim`, `clip` and `scaler`): [`ShardedParams`], the f32 kernel
+//!   launches and the sum over the shard group they share.
+//! - [`plumbing`]: low-level helpers for code that issues its own collectives on tensors.
 #![deny(missing_docs)]
 
 pub mod clip;
+mod comm;
 pub mod config;
 pub mod error;
 mod fsdp;
 mod handle;
 pub mod optim;
 pub mod scaler;
+mod sharded;
 pub mod state_dict;
 pub mod wrap;
 
@@ -33,7 +34,7 @@ pub use config::{
     BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, MixedPrecision, ShardingStrategy,
 };
 pub use error::{FsdpError, Result};
-pub use fsdp::{tensor_slice, Comm, CommStats, Fsdp, FullParameter, UnitShard};
+pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, ParamBytes, UnitInfo, UnitShard};
 pub use optim::{
     AdamParams, AdamW, Lamb, LocalAdamW, LocalLamb, LocalOptimizer, LocalSgd, Sgd,
     ShardedOptimizer, ShardedParams,
@@ -42,3 +43,9 @@ pub use scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
 pub use state_dict::checkpoint;
 pub use state_dict::{FullStateDict, OptimState, ShardedStateDict, StateDictError};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
+
+/// Low-level helpers for code that runs its own collectives on [`fsdp_autograd::Tensor`]s (a
+/// training loop all-reducing a metric, say). Training with [`Fsdp`] does not need them.
+pub mod plumbing {
+    pub use crate::comm::tensor_slice;
+}

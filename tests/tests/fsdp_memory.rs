@@ -37,11 +37,11 @@ fn measure(world: usize, prefetch: BackwardPrefetch) -> Vec<Measured> {
         step(1);
         let peak = dev.memory_stats().peak_allocated_bytes;
         let units = fsdp.units();
-        let shard: usize = units.iter().map(|u| u.3 * 4).sum();
-        let root = units[0].3 * world * 4;
+        let shard: usize = units.iter().map(|u| u.shard_numel * 4).sum();
+        let root = units[0].shard_numel * world * 4;
         let other = units[1..]
             .iter()
-            .map(|u| u.3 * world * 4)
+            .map(|u| u.shard_numel * world * 4)
             .max()
             .unwrap_or(0);
         (peak, shard, root, other)
@@ -98,7 +98,7 @@ fn shard_only_deferred_wrap_allocates_only_the_shards() {
             fsdp.synchronize().unwrap();
             let stats = dev.memory_stats();
             let units = fsdp.units();
-            let shard: usize = units.iter().map(|u| u.3 * 4).sum();
+            let shard: usize = units.iter().map(|u| u.shard_numel * 4).sum();
             (
                 stats.peak_allocated_bytes,
                 stats.allocated_bytes,
@@ -246,7 +246,7 @@ fn keeping_the_last_unit_saves_one_all_gather_per_step() {
                 ..FsdpConfig::default()
             };
             let fsdp = Fsdp::wrap(model, &dev, pg, config).unwrap();
-            let unit_bytes = fsdp.units().last().map(|u| u.3 * 2 * 4).unwrap() as u64;
+            let unit_bytes = fsdp.units().last().map(|u| u.shard_numel * 2 * 4).unwrap() as u64;
             let mut per_step = Vec::new();
             let mut losses = Vec::new();
             for i in 0..3 {

@@ -311,13 +311,13 @@ fn optimizer_state_is_sharded_like_the_parameters() {
         let mut state_numel = 0;
         for (_, per_unit) in &state {
             assert_eq!(per_unit.len(), units.len());
-            for (t, (_, _, _, chunk)) in per_unit.iter().zip(&units) {
+            for (t, unit) in per_unit.iter().zip(&units) {
                 let t = t.as_ref().expect("every unit stepped");
-                assert_eq!(t.numel(), *chunk);
+                assert_eq!(t.numel(), unit.shard_numel);
                 state_numel += t.numel();
             }
         }
-        let total: usize = units.iter().map(|u| u.2).sum();
+        let total: usize = units.iter().map(|u| u.total_numel).sum();
         (state_numel, total)
     });
     for (state_numel, total) in per_rank {
@@ -425,7 +425,7 @@ fn bad_state_and_foreign_models_are_refused() {
         let n = fsdp.num_units();
         let mut opt = AdamW::new(0.01);
         let t = |k: usize| Some(Tensor::zeros(&[k], DType::F32, &dev).unwrap());
-        let chunk0 = fsdp.units()[0].3;
+        let chunk0 = fsdp.units()[0].shard_numel;
         let good = |first: Option<Tensor>| -> OptimizerState {
             let mut e = vec![None; n];
             e[0] = first;

@@ -886,7 +886,7 @@ fn optimizer_state_errors() {
         assert!(loaded.slots[0].1[1].is_none() && loaded.slots[0].1[0].is_some());
         assert_eq!(loaded.slots[0].1.len(), n);
         let mut bad = full.clone();
-        let unit0 = fsdp.units()[0].1.clone();
+        let unit0 = fsdp.units()[0].names.clone();
         bad.slots[0].1.retain(|e| e.name != unit0[0]);
         match state_dict::load_full_optim_state_dict(&fsdp, &bad) {
             Err(StateDictError::MissingEntry { name, .. }) => assert_eq!(name, unit0[0]),
