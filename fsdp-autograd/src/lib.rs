@@ -10,7 +10,8 @@
 //! - [`Parameter`], [`InitContext`]: named parameters with recorded [`init::InitOp`]s, created
 //!   eagerly on a device or on a fake device (recorded only).
 //! - [`nn`]: the `Module` trait with forward hooks, layers and a small GPT; [`optim::Sgd`].
-//! - [`kernels`]: the pure CPU kernels; [`init`]: init ops and the counter-based RNG.
+//! - [`kernels`]: the backend seam, the CPU kernels (and CUDA kernels with the `cuda` feature);
+//!   [`init`]: init ops and the counter-based RNG.
 //! - [`profile`]: per-operation kernel timing.
 //!
 //! # Streams and memory
@@ -26,8 +27,15 @@
 //! checkable at launch is returned as an [`AutogradError`] at once.
 //!
 //! # Limitations
-//! - Kernels run on CPU devices only: the `cuda` feature compiles, but operations on a CUDA device
-//!   return [`AutogradError::Unsupported`].
+//! - CUDA: with the `cuda` feature, operations on a CUDA device run the CUDA kernels through the
+//!   backend seam ([`kernels::backend`]); this has **never run on a GPU** (none exists where it
+//!   was written; the kernels run on a host emulator in tests, `cargo xtask gpu-test` runs them on
+//!   a GPU). Without the feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
+//!   CUDA, the general broadcast-undoing sum and copies into non-contiguous destinations (split
+//!   backward along an inner dimension) return [`AutogradError::Unsupported`], and so does eager
+//!   parameter init on a CUDA device (init runs on the host: create the model on a CPU device and
+//!   move it, or use the fake device; materializing deferred init directly on a CUDA device is
+//!   not implemented).
 //! - `matmul` needs operands with at least two dimensions and equal batch dimensions (or a 2-D
 //!   right operand); there is no general batch broadcasting. Binary operations need equal dtypes.
 //! - See [`autograd`] for the engine's limitations (no `retain_graph`, no higher-order
@@ -56,6 +64,7 @@ pub use context::{
     current_stream, enable_grad, is_grad_enabled, no_grad, with_stream, GradModeGuard,
 };
 pub use error::{AutogradError, HookError, Result};
+pub use kernels::Gelu;
 pub use ops::{causal_attention, cross_entropy, embedding, layer_norm, linear};
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

@@ -354,6 +354,18 @@ pub enum CollectiveError {
         detail: String,
     },
 
+    // ----- MPI -----
+    /// An MPI call failed, or MPI could not be (or was already) initialized.
+    #[error("MPI {call} on rank {rank} failed: {message}")]
+    Mpi {
+        /// The MPI function or step.
+        call: &'static str,
+        /// The rank (group-local; world rank before a group exists).
+        rank: usize,
+        /// What MPI reported, and what to do.
+        message: String,
+    },
+
     // ----- CUDA / NCCL -----
     /// CUDA or NCCL is not available (feature off, libraries missing, no device).
     #[error("CUDA/NCCL unavailable: {0}")]

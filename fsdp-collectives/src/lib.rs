@@ -11,7 +11,11 @@
 //!   shared secret (`FSDP_STORE_SECRET`), bounded against hostile clients;
 //!   [`store::LaunchEnv`] / [`RendezvousEnv`] read rank, world size and local rank from torchrun,
 //!   `mpirun` (Open MPI, MPICH/PMI) or `srun`.
+//! - `MpiGroup` (`mpi`, with the `mpi` feature): one rank per process over MPI; shared-memory
+//!   windows inside a node, rank-ordered reductions (bit-equal to the thread backend).
 //! - `NcclGroup` (`nccl`, with the `cuda` feature): the same trait over NCCL.
+//! - [`Backend`] and [`Launched`] ([`launch`]): one call that gives this process its group(s)
+//!   for a backend choice (`--backend thread|mpi`).
 //!
 //! ## Reduction precision, per backend
 //! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
@@ -32,7 +36,10 @@ mod desc;
 pub mod error;
 pub mod group;
 mod kernels;
+pub mod launch;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod store;
@@ -41,7 +48,10 @@ pub mod types;
 
 pub use error::{CollectiveError, Result};
 pub use group::ProcessGroup;
+pub use launch::{Backend, Launched};
 pub use mesh::DeviceMesh;
+#[cfg(feature = "mpi")]
+pub use mpi::{mpi_launched, MpiConfig, MpiGroup};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, NcclConfig, NcclGroup};
 pub use store::{RendezvousEnv, StoreServer, TcpStore};

@@ -7,10 +7,12 @@
 //!   unit's own work (unshard, reshard, reduce its gradient, mixed precision, CPU offload copies)
 //!   is done by its `FlatParamHandle` within a communication context (streams, groups, rate
 //!   limiter); gradient accumulation with and without communication; SGD on shards.
-//! - [`optim`]: sharded SGD / AdamW / LAMB (state sharded like the parameters) and their local
-//!   twins; [`clip`]: global and exact per-parameter gradient norms across shards;
+//! - [`optim`]: update rules (SGD, AdamW, LAMB) run by a sharded driver (state sharded like the
+//!   parameters) and a local one; [`clip`]: global and exact per-parameter gradient norms across shards;
 //!   [`scaler`]: the sharded gradient scaler; [`state_dict`]: full, sharded and local state dicts
 //!   (safetensors on disk), optimizer state likewise.
+//! - `sharded` (private, below `optim`, `clip` and `scaler`): [`ShardedParams`], the f32 kernel
+//!   launches and the sum over the shard group they share.
 //! - [`plumbing`]: low-level helpers for code that issues its own collectives on tensors.
 #![deny(missing_docs)]
 
@@ -22,6 +24,7 @@ mod fsdp;
 mod handle;
 pub mod optim;
 pub mod scaler;
+mod sharded;
 pub mod state_dict;
 pub mod wrap;
 
