@@ -39,7 +39,7 @@
 //! dev.synchronize().unwrap();
 //! let stats = dev.memory_stats();
 //! assert_eq!(stats.allocated_bytes, 0);
-//! assert_eq!(stats.reserved_bytes, 2 << 20); // one cached 2 MiB small-pool segment
+//! assert_eq!(stats.reserved_bytes, 1 << 20); // one cached 1 MiB small-pool segment
 //! ```
 //!
 //! ## Crate layout
