@@ -147,7 +147,11 @@ fn limiter_scenario(
 ) -> LimiterRun {
     let dev = Device::cpu_with(
         0,
-        DeviceConfig::default().with_capacity(Capacity::Bytes(capacity)),
+        // PyTorch's policy: the compact one reuses pending blocks behind a stream wait, so the
+        // issuer running ahead costs no flush-and-retry there.
+        DeviceConfig::default()
+            .with_capacity(Capacity::Bytes(capacity))
+            .with_compact(false),
     );
     let compute = dev.default_stream().clone();
     let comm = dev.new_stream("comm");
