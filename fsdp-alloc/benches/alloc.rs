@@ -4,7 +4,8 @@
 //!    allocation and every free a raw free), same sizes, same run.
 //! 2. A repeated training-like pattern (FSDP-style unshard/compute/reshard over units, forward
 //!    and backward, rate limited): raw mallocs after warm-up (must be 0) and
-//!    peak reserved / peak allocated.
+//!    peak reserved / peak allocated with the default (compact) policy — the JSON's
+//!    `reserved_over_peak_allocated` — and, on the text line only, with PyTorch's policy.
 //! 3. The paper's rate-limiter scenario under a capacity cap: a fast issuing thread all-gathers
 //!    unit after unit on a comm stream; a slower compute stream consumes each unit and frees it
 //!    with `record_stream`. Without the limiter the issuer runs ahead, blocks pile up waiting for
@@ -15,7 +16,7 @@
 
 use std::time::{Duration, Instant};
 
-use fsdp_alloc::{Capacity, Device, DeviceConfig, RateLimiter, Stream};
+use fsdp_alloc::{Capacity, Device, DeviceConfig, MemoryStats, RateLimiter, Stream};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -108,6 +109,27 @@ fn training_iteration(
     dev.synchronize().expect("step");
 }
 
+/// The training-like pattern on a fresh device: 3 warm-up iterations, then `iters` timed ones.
+/// Returns ms per iteration, raw mallocs after warm-up and the statistics of the timed part.
+fn training_pattern(config: DeviceConfig, units: usize, iters: usize) -> (f64, u64, MemoryStats) {
+    let dev = Device::cpu_with(2, config);
+    let compute = dev.default_stream().clone();
+    let comm = dev.new_stream("comm");
+    let limiter = RateLimiter::new(2);
+    for _ in 0..3 {
+        training_iteration(&dev, &compute, &comm, &limiter, units);
+    }
+    let warm = dev.memory_stats();
+    dev.reset_peak_stats();
+    let t = Instant::now();
+    for _ in 0..iters {
+        training_iteration(&dev, &compute, &comm, &limiter, units);
+    }
+    let iter_ms = t.elapsed().as_secs_f64() * 1e3 / iters as f64;
+    let after = dev.memory_stats();
+    (iter_ms, after.num_raw_mallocs - warm.num_raw_mallocs, after)
+}
+
 struct LimiterRun {
     retries: u64,
     ms: f64,
@@ -125,7 +147,11 @@ fn limiter_scenario(
 ) -> LimiterRun {
     let dev = Device::cpu_with(
         0,
-        DeviceConfig::default().with_capacity(Capacity::Bytes(capacity)),
+        // PyTorch's policy: the compact one reuses pending blocks behind a stream wait, so the
+        // issuer running ahead costs no flush-and-retry there.
+        DeviceConfig::default()
+            .with_capacity(Capacity::Bytes(capacity))
+            .with_compact(false),
     );
     let compute = dev.default_stream().clone();
     let comm = dev.new_stream("comm");
@@ -189,33 +215,25 @@ fn main() {
         sys_stats.num_raw_mallocs
     );
 
-    // 2. training-like pattern
-    let dev = Device::cpu(2);
-    let compute = dev.default_stream().clone();
-    let comm = dev.new_stream("comm");
-    let limiter = RateLimiter::new(2);
-    let units = 8;
-    for _ in 0..3 {
-        training_iteration(&dev, &compute, &comm, &limiter, units);
-    }
-    let warm = dev.memory_stats();
-    dev.reset_peak_stats();
-    let iters = 10;
-    let t = Instant::now();
-    for _ in 0..iters {
-        training_iteration(&dev, &compute, &comm, &limiter, units);
-    }
-    let iter_ms = t.elapsed().as_secs_f64() * 1e3 / iters as f64;
-    let after = dev.memory_stats();
-    let raw_after_warmup = after.num_raw_mallocs - warm.num_raw_mallocs;
+    // 2. training-like pattern, default (compact) policy, then PyTorch's for comparison
+    let (units, iters) = (8, 10);
+    let (iter_ms, raw_after_warmup, after) =
+        training_pattern(DeviceConfig::default(), units, iters);
     let ratio = after.peak_reserved_bytes as f64 / after.peak_allocated_bytes as f64;
+    let (pt_ms, pt_raw, pt) =
+        training_pattern(DeviceConfig::default().with_compact(false), units, iters);
+    let pt_ratio = pt.peak_reserved_bytes as f64 / pt.peak_allocated_bytes as f64;
     println!(
         "training pattern: {units} units, {iters} iterations after warm-up, {iter_ms:.2} ms/iter; \
-         raw mallocs after warm-up {raw_after_warmup}; peak reserved {} MiB, peak allocated {} MiB \
-         (ratio {ratio:.3}); allocated at the end {}",
-        after.peak_reserved_bytes / MIB,
-        after.peak_allocated_bytes / MIB,
-        after.allocated_bytes
+         raw mallocs after warm-up {raw_after_warmup}; peak reserved {:.1} MiB, peak allocated \
+         {:.1} MiB (ratio {ratio:.3}); allocated at the end {}. PyTorch's policy: {pt_ms:.2} \
+         ms/iter, raw mallocs after warm-up {pt_raw}, peak reserved {:.1} MiB, peak allocated \
+         {:.1} MiB (ratio {pt_ratio:.3})",
+        after.peak_reserved_bytes as f64 / MIB as f64,
+        after.peak_allocated_bytes as f64 / MIB as f64,
+        after.allocated_bytes,
+        pt.peak_reserved_bytes as f64 / MIB as f64,
+        pt.peak_allocated_bytes as f64 / MIB as f64,
     );
 
     // 3. rate limiter under a capacity cap

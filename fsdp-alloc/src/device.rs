@@ -42,6 +42,9 @@ pub struct DeviceConfig {
     /// Cache freed blocks (default). `false` makes every allocation a raw allocation and every
     /// free a raw free: the no-caching baseline.
     pub caching: bool,
+    /// The allocator's compact policy (default on; see [`AllocatorConfig::compact`]). `false`
+    /// gives PyTorch's segment sizes and per-stream ownership.
+    pub compact: bool,
 }
 
 impl Default for DeviceConfig {
@@ -51,6 +54,7 @@ impl Default for DeviceConfig {
             stream_mode: StreamMode::Async,
             checked: false,
             caching: true,
+            compact: true,
         }
     }
 }
@@ -80,11 +84,18 @@ impl DeviceConfig {
         self
     }
 
+    /// This configuration with the allocator's compact policy on or off.
+    pub fn with_compact(mut self, compact: bool) -> Self {
+        self.compact = compact;
+        self
+    }
+
     /// The allocator part of this configuration.
     pub fn allocator_config(&self) -> AllocatorConfig {
         AllocatorConfig {
             capacity: self.capacity,
             caching: self.caching,
+            compact: self.compact,
         }
     }
 }

@@ -17,6 +17,22 @@ fn capped(bytes: usize) -> Device {
     )
 }
 
+/// A device with PyTorch's policy (20 MiB / 2 MiB-rounded segments, blocks never change
+/// stream): the tests that pin that policy's exact sizes use it.
+fn pytorch() -> Device {
+    Device::cpu_with(0, DeviceConfig::default().with_compact(false))
+}
+
+/// [`pytorch`] under a capacity.
+fn capped_pytorch(bytes: usize) -> Device {
+    Device::cpu_with(
+        0,
+        DeviceConfig::default()
+            .with_capacity(Capacity::Bytes(bytes))
+            .with_compact(false),
+    )
+}
+
 /// A gate: work launched with `blocker()` holds its stream until `open()`.
 #[derive(Clone, Default)]
 struct Gate(Arc<(Mutex<bool>, Condvar)>);
@@ -38,7 +54,7 @@ impl Gate {
 
 #[test]
 fn sizes_round_to_512_and_pick_pools() {
-    let dev = Device::cpu(0);
+    let dev = pytorch();
     let s = dev.default_stream();
     let a = dev.alloc(1, s).unwrap();
     assert_eq!(a.len(), 1);
@@ -91,7 +107,7 @@ fn freed_block_is_reused_on_its_stream_without_raw_malloc() {
 
 #[test]
 fn blocks_split_and_coalesce() {
-    let dev = Device::cpu(0);
+    let dev = pytorch();
     let s = dev.default_stream();
     let a = dev.alloc(4 * KIB, s).unwrap();
     let b = dev.alloc(4 * KIB, s).unwrap();
@@ -147,7 +163,7 @@ fn best_fit_picks_the_smallest_sufficient_block() {
 
 #[test]
 fn large_pool_splits_only_when_remainder_exceeds_1mib() {
-    let dev = Device::cpu(0);
+    let dev = pytorch();
     let s = dev.default_stream();
     let a = dev.alloc(19 * MIB + 512 * KIB, s).unwrap(); // remainder 0.5 MiB: not split
     assert_eq!(a.allocated_size(), LARGE_BUFFER);
@@ -160,7 +176,7 @@ fn large_pool_splits_only_when_remainder_exceeds_1mib() {
 
 #[test]
 fn blocks_belong_to_their_stream() {
-    let dev = Device::cpu(0);
+    let dev = pytorch();
     let (s1, s2) = (dev.default_stream().clone(), dev.new_stream("other"));
     let a = dev.alloc(4 * KIB, &s1).unwrap();
     let loc = a.data().location();
@@ -211,7 +227,7 @@ fn record_stream_defers_reuse_until_the_event_completes() {
 
 #[test]
 fn retry_releases_other_streams_cached_segments() {
-    let dev = capped(2 * SMALL_BUFFER);
+    let dev = capped_pytorch(2 * SMALL_BUFFER);
     let (a, b, c) = (
         dev.new_stream("a"),
         dev.new_stream("b"),
@@ -231,7 +247,7 @@ fn retry_releases_other_streams_cached_segments() {
 
 #[test]
 fn retry_waits_for_pending_frees() {
-    let dev = capped(SMALL_BUFFER);
+    let dev = capped_pytorch(SMALL_BUFFER);
     let comm = dev.new_stream("comm");
     let compute = dev.default_stream().clone();
     let mut a = dev.alloc(MIB, &comm).unwrap();
@@ -283,7 +299,7 @@ fn oom_is_typed_and_counted() {
 fn a_tight_segment_is_the_last_resort_under_a_cap() {
     // The standard segment (2 MiB small, 20 MiB large) does not fit under the cap; a segment of
     // just the rounded request does (after one counted retry).
-    let dev = capped(MIB);
+    let dev = capped_pytorch(MIB);
     let s = dev.default_stream();
     let b = dev.alloc(100, s).unwrap();
     assert_eq!(b.allocated_size(), 512);
@@ -292,7 +308,7 @@ fn a_tight_segment_is_the_last_resort_under_a_cap() {
         (st.reserved_bytes, st.num_alloc_retries, st.num_ooms),
         (512, 1, 0)
     );
-    let dev = capped(8 * MIB);
+    let dev = capped_pytorch(8 * MIB);
     let big = dev.alloc(3 * MIB, dev.default_stream()).unwrap();
     assert_eq!(dev.memory_stats().reserved_bytes, 3 * MIB);
     drop((b, big));
@@ -302,7 +318,7 @@ fn a_tight_segment_is_the_last_resort_under_a_cap() {
 fn a_small_request_may_use_a_free_large_block_under_a_cap() {
     // A 20 MiB large segment holds one live 1.5 MiB block; a new 2 MiB small segment would
     // exceed the cap, so the small request is carved from the large segment's free block.
-    let dev = capped(20 * MIB + 256 * 1024);
+    let dev = capped_pytorch(20 * MIB + 256 * 1024);
     let s = dev.default_stream();
     let big = dev.alloc(3 * MIB / 2, s).unwrap();
     assert_eq!(dev.memory_stats().reserved_bytes, 20 * MIB);
@@ -349,7 +365,7 @@ fn non_caching_mode_mallocs_and_frees_every_time() {
 
 #[test]
 fn peaks_and_reset() {
-    let dev = Device::cpu(0);
+    let dev = pytorch();
     let s = dev.default_stream();
     let a = dev.alloc(10 * KIB, s).unwrap();
     let b = dev.alloc(20 * KIB, s).unwrap();
@@ -381,7 +397,13 @@ fn released_segment_stays_readable_through_a_buffer_ref() {
 
 #[test]
 fn concurrent_allocation_from_threads() {
-    let dev = Device::cpu(0);
+    concurrent_allocation(&pytorch(), 4);
+    // Compact: a thread may adopt another stream's free segment instead of its own.
+    concurrent_allocation(&Device::cpu(0), 0);
+}
+
+/// Four threads allocate on four streams at once; `raw` raw mallocs expected (0: at most 4).
+fn concurrent_allocation(dev: &Device, raw: u64) {
     let streams: Vec<Stream> = (0..4).map(|i| dev.new_stream(&format!("s{i}"))).collect();
     std::thread::scope(|sc| {
         for s in &streams {
@@ -396,7 +418,12 @@ fn concurrent_allocation_from_threads() {
     });
     dev.allocator().validate().unwrap();
     assert_eq!(dev.memory_stats().allocated_bytes, 0);
-    assert_eq!(dev.memory_stats().num_raw_mallocs, 4);
+    let mallocs = dev.memory_stats().num_raw_mallocs;
+    if raw == 0 {
+        assert!((1..=4).contains(&mallocs), "{mallocs}");
+    } else {
+        assert_eq!(mallocs, raw);
+    }
 }
 
 #[test]

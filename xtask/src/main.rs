@@ -97,7 +97,27 @@ fn ci() -> Result<(), String> {
             "kernels::cuda",
         ]),
     )?;
-    run("tests", cargo().args(["test", "--workspace"]))
+    run("tests", cargo().args(["test", "--workspace"]))?;
+    // The multi-process suite: FSDP over MPI against the thread backend under `mpirun`, and the
+    // kill test.
+    mpi::mpi_test()?;
+    // Every CUDA kernel source compiled by NVRTC (no GPU needed), the docs with warnings denied,
+    // and the library crates packaged as they would be published.
+    gpu_test::nvrtc()?;
+    doc()?;
+    run(
+        "package",
+        cargo().args([
+            "package",
+            "--workspace",
+            "--exclude",
+            "xtask",
+            "--exclude",
+            "fsdp-tests",
+            "--no-verify",
+            "--allow-dirty",
+        ]),
+    )
 }
 
 /// `cargo doc --workspace --no-deps` with `-D warnings` added to `RUSTDOCFLAGS`, without and
