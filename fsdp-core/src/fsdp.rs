@@ -27,7 +27,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use fsdp_alloc::{DType, Device, Event, RateLimiter, Stream};
+use fsdp_alloc::{trace, DType, Device, Event, RateLimiter, Stream};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::{
     in_backward, no_grad, queue_callback_fallible, with_stream, Parameter, Storage, Tensor,
@@ -152,7 +152,13 @@ struct State {
     sync_grads: bool,
     /// The shards are up to date once this event (after the optimizer step) completes.
     params_ready: Event,
+    /// Open timeline spans per unit (forward: pre- to post-forward hook; backward: pre- to
+    /// post-backward hook), only while `fsdp_alloc::trace` records.
+    spans: Vec<[Option<trace::Span>; 2]>,
 }
+
+const FWD: usize = 0;
+const BWD: usize = 1;
 
 pub(crate) struct Inner {
     /// Streams, groups, rate limiter and the collectives' bookkeeping.
@@ -406,6 +412,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 iter: IterState::default(),
                 sync_grads: true,
                 params_ready,
+                spans: Vec::new(),
             }),
         });
 
@@ -446,6 +453,7 @@ impl<M: Module + 'static> Fsdp<M> {
         self.inner.ctx.check_works()?;
         let inner = &self.inner;
         let ctx = &inner.ctx;
+        let _span = trace::span(ctx.device.id(), "optimizer sgd");
         let mut st = inner.lock();
         // The optimizer runs where the shards live: the compute stream, or the host stream
         // under CPU offload.
@@ -711,6 +719,26 @@ impl Inner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Opens unit `u`'s forward (`FWD`) or backward (`BWD`) timeline span, closed by
+    /// [`Inner::close_span`] from a later hook. Nothing happens unless tracing is on.
+    fn open_span(&self, st: &mut State, u: usize, kind: usize) {
+        if !trace::is_enabled() {
+            return;
+        }
+        if st.spans.len() <= u {
+            st.spans.resize_with(u + 1, || [None, None]);
+        }
+        let what = if kind == FWD { "forward" } else { "backward" };
+        st.spans[u][kind] = Some(trace::span(self.ctx.device.id(), format!("{what} u{u}")));
+    }
+
+    /// Closes (records) unit `u`'s open span of `kind`, if any.
+    fn close_span(st: &mut State, u: usize, kind: usize) {
+        if let Some(slot) = st.spans.get_mut(u) {
+            slot[kind] = None;
+        }
+    }
+
     fn pre_forward(self: &Arc<Self>, u: usize) -> Result<()> {
         let mut st = self.lock();
         if in_backward() {
@@ -732,6 +760,7 @@ impl Inner {
         if !st.iter.order.contains(&u) {
             st.iter.order.push(u);
         }
+        self.open_span(&mut st, u, FWD);
         self.unshard(&mut st, u)?;
         self.wait_unshard(&mut st, u)?;
         if self.config.forward_prefetch {
@@ -754,6 +783,7 @@ impl Inner {
             return Ok(());
         }
         let mut st = self.lock();
+        Self::close_span(&mut st, u, FWD);
         // The unit that ran last in the previous forward starts the backward: keep it.
         let starts_backward =
             self.config.keep_last_unit_unsharded && st.iter.prev_order.last() == Some(&u);
@@ -781,6 +811,7 @@ impl Inner {
         if st.units[u].post_backward_done {
             return Ok(());
         }
+        self.open_span(&mut st, u, BWD);
         self.unshard(&mut st, u)?;
         self.wait_unshard(&mut st, u)?;
         if self.config.backward_prefetch == BackwardPrefetch::BackwardPre {
@@ -812,6 +843,7 @@ impl Inner {
             return Ok(());
         };
         if st.sync_grads {
+            let _span = trace::span_with(ctx.device.id(), || format!("reduce-scatter u{u}"));
             let reduced = st.units[u].reduce_grad(ctx, grad)?;
             let done = st.units[u].accumulate_shard_grad(ctx, reduced)?;
             st.iter.pending_reductions.push(done);
@@ -825,12 +857,16 @@ impl Inner {
             }
         }
         self.reshard(&mut st, u);
+        Self::close_span(&mut st, u, BWD);
         Ok(())
     }
 
     fn finish_backward(self: &Arc<Self>) -> Result<()> {
         let ctx = &self.ctx;
+        let _span = trace::span(ctx.device.id(), "finish backward");
         let mut st = self.lock();
+        // Units whose post-backward hook did not run (no gradient) close their spans here.
+        st.spans.clear();
         for ev in std::mem::take(&mut st.iter.pending_reductions) {
             ctx.compute.wait_event(&ev);
             if ctx.offload {
@@ -911,6 +947,7 @@ impl Inner {
     /// Issues unit `u`'s all-gather ([`FlatParamHandle::unshard`]) after the last update of the
     /// shards.
     fn unshard(&self, st: &mut State, u: usize) -> Result<()> {
+        let _span = trace::span_with(self.ctx.device.id(), || format!("unshard u{u}"));
         let ready = st.params_ready.clone();
         st.units[u].unshard(&self.ctx, &ready)
     }
