@@ -36,8 +36,8 @@
 //!     dev.synchronize().unwrap();
 //! }
 //! let t = trace::stop();
-//! assert!(t.events().iter().any(|e| e.name == "fill" && e.track == "default"));
-//! assert!(t.events().iter().any(|e| e.name == "step" && e.cat == "host"));
+//! assert!(t.events().iter().any(|e| &*e.name == "fill" && e.track == "default"));
+//! assert!(t.events().iter().any(|e| &*e.name == "step" && e.cat == "host"));
 //! let json = t.to_chrome_json();
 //! assert!(json.contains("\"traceEvents\""));
 //! ```
