@@ -492,7 +492,7 @@ fn main() -> Result<(), String> {
         let gflops = model_flops(&s.cfg, o.params, tokens) / secs / 1e9;
         rows.push(ModelRow {
             name: s.name,
-            cfg: s.cfg.clone(),
+            cfg: s.cfg,
             params: o.params,
             tokens,
             step_ms: secs * 1e3,
