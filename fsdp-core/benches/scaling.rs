@@ -16,7 +16,8 @@
 //! (b) **Time vs model size** at W = 4: GPT-mini (vocab 256, d 256, 4 layers, seq 128, 4
 //!     sequences per rank), a ~25M model (vocab 256, d 512, 8 layers, 8 heads, seq 128, 2
 //!     sequences per rank) and the 124M GPT-2 shape (vocab 50257, d 768, 12 layers, 12 heads) at a
-//!     short sequence (64, 1 sequence per rank) — median step time over the counted steps (few
+//!     short sequence (64, 1 sequence per rank) — with an untied LM head, so 162M parameters
+//!     (GPT-2 ties it to the embedding: 124M) — median step time over the counted steps (few
 //!     for the big models) and tokens/s.
 //! (c) **Model FLOP rate over the GEMM peak**: model FLOPs per step = tokens · (6Ψ + 12·L·T·d)
 //!     (Ψ = all parameters, embeddings included; the second term is attention's QKᵀ and AV,
