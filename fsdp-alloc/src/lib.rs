@@ -12,6 +12,8 @@
 //!   [`PoolStats`], [`CachingAllocator::snapshot`] and [`CachingAllocator::validate`].
 //! - [`memory`]: raw segments and the guarded [`BufferRef`]; with the CUDA module, the only
 //!   `unsafe` code, its invariants written at the top.
+//! - [`trace`]: a process-wide timeline recorder (stream work, stream waits, host spans) written
+//!   as a Chrome trace; near-zero cost when off.
 //! - [`rate_limiter`]: [`RateLimiter`], the all-gather rate limiter (FSDP1 release events and
 //!   FSDP2 explicit buffer lifetime).
 //! - [`dtype`], [`error`]: the element-type vocabulary and [`AllocError`].
@@ -56,6 +58,7 @@ pub mod error;
 pub mod memory;
 pub mod rate_limiter;
 pub mod stream;
+pub mod trace;
 
 pub use allocator::{
     AllocatorConfig, BlockInfo, BlockState, Buffer, CachingAllocator, MemoryStats, Pool, PoolStats,

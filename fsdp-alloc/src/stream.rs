@@ -24,11 +24,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::thread;
+use std::time::Instant;
 
 use crossbeam::channel::{unbounded, Sender};
 
 use crate::checked::{self, Clock, JobCtx};
 use crate::error::{AllocError, Result};
+use crate::trace;
 use crate::DeviceId;
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
@@ -60,6 +62,8 @@ enum Job {
         work: Work,
         pos: u64,
         host: Option<Arc<Clock>>,
+        /// Set when tracing was on at launch: the name this job is recorded under.
+        label: Option<trace::Label>,
     },
     Wait {
         event: Event,
@@ -72,16 +76,21 @@ enum Job {
 pub(crate) struct Health {
     id: StreamId,
     name: Arc<str>,
+    /// The device and the stream's own name (trace tracks).
+    device: DeviceId,
+    stream_name: Arc<str>,
     checked: bool,
     failure: Mutex<Option<String>>,
     clock: Mutex<Clock>,
 }
 
 impl Health {
-    fn new(id: StreamId, name: &str, checked: bool) -> Health {
+    fn new(id: StreamId, device: DeviceId, stream: &str, name: &str, checked: bool) -> Health {
         Health {
             id,
             name: Arc::from(name),
+            device,
+            stream_name: Arc::from(stream),
             checked,
             failure: Mutex::new(None),
             clock: Mutex::new(Clock::default()),
@@ -211,10 +220,48 @@ pub(crate) fn run_work(work: Work, pos: u64, host: Option<Arc<Clock>>, health: &
 
 fn run_job(job: Job, health: &Arc<Health>, label: &str) {
     match job {
-        Job::Work { work, pos, host } => run_work(work, pos, host, health),
+        Job::Work {
+            work,
+            pos,
+            host,
+            label: None,
+        } => run_work(work, pos, host, health),
+        Job::Work {
+            work,
+            pos,
+            host,
+            label: Some(label),
+        } => {
+            let begin = Instant::now();
+            run_work(work, pos, host, health);
+            let end = Instant::now();
+            trace::record(
+                health.device,
+                &health.stream_name,
+                "work",
+                label,
+                begin,
+                end,
+            );
+        }
         Job::Wait { event, pos } => {
+            let begin = trace::is_enabled().then(Instant::now);
             if let Err(e) = event.wait_raw() {
                 health.fail(format!("waited on a failed event: {e}"));
+            }
+            if let Some(begin) = begin {
+                let end = Instant::now();
+                // Only waits that actually blocked are worth a box on the timeline.
+                if end.duration_since(begin) >= std::time::Duration::from_micros(2) {
+                    trace::record(
+                        health.device,
+                        &health.stream_name,
+                        "wait",
+                        Arc::from("wait"),
+                        begin,
+                        end,
+                    );
+                }
             }
             if health.checked {
                 let mut c = health.clock();
@@ -252,7 +299,13 @@ impl Stream {
         let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
         // Checked-mode reports name streams by device too: collectives of the thread backend
         // touch other ranks' memory from streams that share their names with local ones.
-        let health = Arc::new(Health::new(id, &format!("{device}/{name}"), checked));
+        let health = Arc::new(Health::new(
+            id,
+            device,
+            name,
+            &format!("{device}/{name}"),
+            checked,
+        ));
         let tx = match mode {
             StreamMode::Inline => None,
             StreamMode::Async => {
@@ -301,7 +354,7 @@ impl Stream {
                 device,
                 mode: StreamMode::Async,
                 tx: None,
-                health: Arc::new(Health::new(id, name, false)),
+                health: Arc::new(Health::new(id, device, name, name, false)),
                 launched: AtomicU64::new(0),
                 submit_lock: Mutex::new(()),
                 cuda: Some(backend),
@@ -386,6 +439,16 @@ impl Stream {
     /// Enqueues `work`; returns at once in async mode. Work runs after everything launched before
     /// it on this stream, and after every event this stream was told to wait on before it.
     pub fn launch<F: FnOnce() + Send + 'static>(&self, work: F) {
+        self.launch_inner(None, work)
+    }
+
+    /// Like [`Stream::launch`], naming the work for the [`crate::trace`] timeline (a kernel or
+    /// collective name). The name costs nothing when tracing is off.
+    pub fn launch_named<F: FnOnce() + Send + 'static>(&self, name: &'static str, work: F) {
+        self.launch_inner(Some(name), work)
+    }
+
+    fn launch_inner<F: FnOnce() + Send + 'static>(&self, name: Option<&'static str>, work: F) {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.inner.cuda {
             let pos = self.inner.launched.fetch_add(1, Ordering::AcqRel) + 1;
@@ -400,10 +463,12 @@ impl Stream {
         } else {
             None
         };
+        let label = trace::is_enabled().then(|| trace::launch_label(name));
         self.submit(move |pos| Job::Work {
             work: Box::new(work),
             pos,
             host,
+            label,
         });
     }
 

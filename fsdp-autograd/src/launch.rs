@@ -20,13 +20,13 @@ use crate::profile;
 /// Launches `work` on `stream`, timed under `op` when the profiler is on.
 pub(crate) fn launch(stream: &Stream, op: &'static str, work: impl FnOnce() + Send + 'static) {
     if profile::is_enabled() {
-        stream.launch(move || {
+        stream.launch_named(op, move || {
             let t = Instant::now();
             work();
             profile::record(op, t.elapsed());
         });
     } else {
-        stream.launch(work);
+        stream.launch_named(op, work);
     }
 }
 

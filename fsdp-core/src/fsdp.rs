@@ -27,7 +27,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use fsdp_alloc::{DType, Device, Event, RateLimiter, Stream};
+use fsdp_alloc::{trace, DType, Device, Event, RateLimiter, Stream};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::{
     in_backward, queue_callback_fallible, with_stream, Parameter, Storage, Tensor,
@@ -152,7 +152,13 @@ struct State {
     sync_grads: bool,
     /// The shards are up to date once this event (after the optimizer step) completes.
     params_ready: Event,
+    /// Open timeline spans per unit (forward: pre- to post-forward hook; backward: pre- to
+    /// post-backward hook), only while `fsdp_alloc::trace` records.
+    spans: Vec<[Option<trace::Span>; 2]>,
 }
+
+const FWD: usize = 0;
+const BWD: usize = 1;
 
 pub(crate) struct Inner {
     /// Streams, groups, rate limiter and the collectives' bookkeeping.
@@ -406,6 +412,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 iter: IterState::default(),
                 sync_grads: true,
                 params_ready,
+                spans: Vec::new(),
             }),
         });
 
@@ -445,6 +452,7 @@ impl<M: Module + 'static> Fsdp<M> {
     pub fn sgd_step(&self, lr: f32) -> Result<()> {
         use crate::optim::ShardedOptimizer;
         self.inner.ctx.check_works()?;
+        let _span = trace::span(self.inner.ctx.device.id(), "optimizer sgd");
         // One SGD rule for the whole workspace: the sharded driver runs it on the optimizer
         // stream (the compute stream, or the host stream under CPU offload) and calls
         // `params_updated`, which records `params_ready` and drops stale gathers.
@@ -695,6 +703,26 @@ impl Inner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Opens unit `u`'s forward (`FWD`) or backward (`BWD`) timeline span, closed by
+    /// [`Inner::close_span`] from a later hook. Nothing happens unless tracing is on.
+    fn open_span(&self, st: &mut State, u: usize, kind: usize) {
+        if !trace::is_enabled() {
+            return;
+        }
+        if st.spans.len() <= u {
+            st.spans.resize_with(u + 1, || [None, None]);
+        }
+        let what = if kind == FWD { "forward" } else { "backward" };
+        st.spans[u][kind] = Some(trace::span(self.ctx.device.id(), format!("{what} u{u}")));
+    }
+
+    /// Closes (records) unit `u`'s open span of `kind`, if any.
+    fn close_span(st: &mut State, u: usize, kind: usize) {
+        if let Some(slot) = st.spans.get_mut(u) {
+            slot[kind] = None;
+        }
+    }
+
     fn pre_forward(self: &Arc<Self>, u: usize) -> Result<()> {
         let mut st = self.lock();
         if in_backward() {
@@ -716,6 +744,7 @@ impl Inner {
         if !st.iter.order.contains(&u) {
             st.iter.order.push(u);
         }
+        self.open_span(&mut st, u, FWD);
         self.unshard(&mut st, u)?;
         self.wait_unshard(&mut st, u)?;
         if self.config.forward_prefetch {
@@ -738,6 +767,7 @@ impl Inner {
             return Ok(());
         }
         let mut st = self.lock();
+        Self::close_span(&mut st, u, FWD);
         // The unit that ran last in the previous forward starts the backward: keep it.
         let starts_backward =
             self.config.keep_last_unit_unsharded && st.iter.prev_order.last() == Some(&u);
@@ -765,6 +795,7 @@ impl Inner {
         if st.units[u].post_backward_done {
             return Ok(());
         }
+        self.open_span(&mut st, u, BWD);
         self.unshard(&mut st, u)?;
         self.wait_unshard(&mut st, u)?;
         if self.config.backward_prefetch == BackwardPrefetch::BackwardPre {
@@ -796,6 +827,7 @@ impl Inner {
             return Ok(());
         };
         if st.sync_grads {
+            let _span = trace::span_with(ctx.device.id(), || format!("reduce-scatter u{u}"));
             let reduced = st.units[u].reduce_grad(ctx, grad)?;
             let done = st.units[u].accumulate_shard_grad(ctx, reduced)?;
             st.iter.pending_reductions.push(done);
@@ -809,12 +841,16 @@ impl Inner {
             }
         }
         self.reshard(&mut st, u);
+        Self::close_span(&mut st, u, BWD);
         Ok(())
     }
 
     fn finish_backward(self: &Arc<Self>) -> Result<()> {
         let ctx = &self.ctx;
+        let _span = trace::span(ctx.device.id(), "finish backward");
         let mut st = self.lock();
+        // Units whose post-backward hook did not run (no gradient) close their spans here.
+        st.spans.clear();
         for ev in std::mem::take(&mut st.iter.pending_reductions) {
             ctx.compute.wait_event(&ev);
             if ctx.offload {
@@ -895,6 +931,7 @@ impl Inner {
     /// Issues unit `u`'s all-gather ([`FlatParamHandle::unshard`]) after the last update of the
     /// shards.
     fn unshard(&self, st: &mut State, u: usize) -> Result<()> {
+        let _span = trace::span_with(self.ctx.device.id(), || format!("unshard u{u}"));
         let ready = st.params_ready.clone();
         st.units[u].unshard(&self.ctx, &ready)
     }

@@ -141,7 +141,7 @@ pub(crate) fn launch_f32(
     writes: Vec<BufferRef>,
     f: impl FnOnce(&[&[f32]], &mut [&mut [f32]]) + Send + 'static,
 ) {
-    stream.launch(move || {
+    stream.launch_named(op, move || {
         let rg: Vec<_> = reads
             .iter()
             .map(|r| {

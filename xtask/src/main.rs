@@ -28,6 +28,7 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("autograd", "fsdp-autograd", "fsdp-autograd"),
     ("init", "fsdp-init", "fsdp-init"),
     ("fsdp", "fsdp-core", "fsdp-core"),
+    ("scaling", "fsdp-core", "fsdp-core"),
 ];
 
 fn root() -> PathBuf {
