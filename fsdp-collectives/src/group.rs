@@ -1,11 +1,12 @@
 //! The [`ProcessGroup`] trait every backend implements.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use fsdp_alloc::{DType, Stream};
 
-use crate::error::Result;
-use crate::types::{default_accum, DeviceSlice, ReduceOp, Work};
+use crate::desc::{BufferProblem, OpDesc};
+use crate::error::{CollectiveError, Result};
+use crate::types::{default_accum, DeviceSlice, OpKind, Outcome, ReduceOp, Work};
 
 /// A group of ranks that run collectives together.
 ///
@@ -127,3 +128,153 @@ pub(crate) fn locate_in_partition(
         .find_map(|(i, p)| p.iter().position(|&r| r == rank).map(|j| (i, j)))
         .ok_or_else(|| format!("rank {rank} is in no part of the partition"))
 }
+
+/// [`locate_in_partition`] with its message turned into the typed error every backend returns.
+pub(crate) fn locate_part(
+    parts: &[Vec<usize>],
+    world: usize,
+    rank: usize,
+    group: &str,
+) -> Result<(usize, usize)> {
+    locate_in_partition(parts, world, rank).map_err(|detail| CollectiveError::InvalidGroup {
+        group: group.to_string(),
+        rank,
+        detail,
+    })
+}
+
+/// Marks `desc` as a placement problem when the buffers are not host memory (for backends whose
+/// collectives run on host threads: thread, MPI). Every rank agrees on it through validation.
+pub(crate) fn require_host(
+    mut desc: OpDesc,
+    input: Option<&DeviceSlice>,
+    output: Option<&DeviceSlice>,
+) -> OpDesc {
+    let on_device = |s: Option<&DeviceSlice>| s.is_some_and(|s| s.data().device_ptr().is_some());
+    if desc.bad_buffer.is_none() && (on_device(input) || on_device(output)) {
+        desc.bad_buffer = Some(BufferProblem::Placement);
+    }
+    desc
+}
+
+/// Stores `r` as the collective's outcome and, if it failed, fails the stream it runs on (like
+/// an asynchronous device error, without the panic hook's noise): later work on that stream is
+/// skipped instead of consuming a bad output. Call it from inside work launched on a stream.
+pub(crate) fn finish_on_stream(outcome: &Outcome, r: Result<()>) {
+    let failed = r.as_ref().err().map(ToString::to_string);
+    *outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+    if let Some(message) = failed {
+        std::panic::resume_unwind(Box::new(message));
+    }
+}
+
+/// Launches `run` on `stream` as one collective and returns its [`Work`]: the outcome is
+/// stored and a failure fails the stream ([`finish_on_stream`]).
+pub(crate) fn launch_collective(
+    op: OpKind,
+    rank: usize,
+    seq: u64,
+    stream: &Stream,
+    run: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Work {
+    let outcome: Outcome = Arc::new(Mutex::new(None));
+    let slot = Arc::clone(&outcome);
+    stream.launch(move || finish_on_stream(&slot, run()));
+    Work::new(op, rank, seq, stream.record_event(), outcome)
+}
+
+/// A collective that failed before anything ran on the device: the error is the outcome and the
+/// stream is failed after the work already on it, so later work is skipped as for a failure
+/// during the collective.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn fail_on_stream(
+    op: OpKind,
+    rank: usize,
+    seq: u64,
+    stream: &Stream,
+    outcome: Outcome,
+    error: CollectiveError,
+) -> Work {
+    let message = error.to_string();
+    *outcome.lock().unwrap_or_else(|x| x.into_inner()) = Some(Err(error));
+    stream.launch(move || std::panic::resume_unwind(Box::new(message)));
+    Work::new(op, rank, seq, stream.record_event(), outcome)
+}
+
+/// The one thing a backend writes for the four stream collectives: issue a validated-later
+/// descriptor with its buffers on a stream. [`collectives_via_issue!`] turns it into the
+/// [`ProcessGroup`] methods, so the descriptor construction (and with it the in-place and
+/// even-size rules) is written once for every backend.
+pub(crate) trait Issue {
+    /// This rank in the group (for the descriptors).
+    fn issue_rank(&self) -> usize;
+
+    /// Launches the collective described by `desc` on `stream`.
+    fn issue(
+        &self,
+        desc: OpDesc,
+        input: Option<&DeviceSlice>,
+        output: Option<&DeviceSlice>,
+        stream: &Stream,
+    ) -> Work;
+}
+
+/// Expands, inside an `impl ProcessGroup for X` where `X: Issue`, to the four stream
+/// collectives (`all_gather_into`, `reduce_scatter_with`, `all_reduce_with`, `broadcast`).
+macro_rules! collectives_via_issue {
+    () => {
+        fn all_gather_into(
+            &self,
+            input: &$crate::types::DeviceSlice,
+            output: &$crate::types::DeviceSlice,
+            stream: &fsdp_alloc::Stream,
+        ) -> $crate::types::Work {
+            let desc = $crate::desc::OpDesc::all_gather(
+                input,
+                output,
+                $crate::group::Issue::issue_rank(self),
+            );
+            $crate::group::Issue::issue(self, desc, Some(input), Some(output), stream)
+        }
+
+        fn reduce_scatter_with(
+            &self,
+            input: &$crate::types::DeviceSlice,
+            output: &$crate::types::DeviceSlice,
+            op: $crate::types::ReduceOp,
+            accum: fsdp_alloc::DType,
+            stream: &fsdp_alloc::Stream,
+        ) -> $crate::types::Work {
+            let desc = $crate::desc::OpDesc::reduce_scatter(
+                input,
+                output,
+                op,
+                accum,
+                $crate::group::Issue::issue_rank(self),
+            );
+            $crate::group::Issue::issue(self, desc, Some(input), Some(output), stream)
+        }
+
+        fn all_reduce_with(
+            &self,
+            buf: &$crate::types::DeviceSlice,
+            op: $crate::types::ReduceOp,
+            accum: fsdp_alloc::DType,
+            stream: &fsdp_alloc::Stream,
+        ) -> $crate::types::Work {
+            let desc = $crate::desc::OpDesc::all_reduce(buf, op, accum);
+            $crate::group::Issue::issue(self, desc, None, Some(buf), stream)
+        }
+
+        fn broadcast(
+            &self,
+            buf: &$crate::types::DeviceSlice,
+            root: usize,
+            stream: &fsdp_alloc::Stream,
+        ) -> $crate::types::Work {
+            let desc = $crate::desc::OpDesc::broadcast(buf, root);
+            $crate::group::Issue::issue(self, desc, None, Some(buf), stream)
+        }
+    };
+}
+pub(crate) use collectives_via_issue;

@@ -367,3 +367,56 @@ pub(crate) fn reduce(
         ))),
     }
 }
+
+fn reduce_from_bytes<T: bytemuck::Pod, A: Accum<T>>(
+    srcs: &[&[u8]],
+    dst: &BufferRef,
+    op: ReduceOp,
+    world: usize,
+) -> Result<(), AllocError> {
+    let views = srcs
+        .iter()
+        .map(|s| {
+            bytemuck::try_cast_slice::<u8, T>(s)
+                .map_err(|e| AllocError::BadAccess(format!("reduction source: {e}")))
+        })
+        .collect::<Result<Vec<&[T]>, _>>()?;
+    fold_into::<T, A>(&views, &mut dst.write::<T>()?, op, world);
+    Ok(())
+}
+
+/// [`reduce`] with the sources given as raw bytes (one range per rank, in rank order, each as
+/// long as `dst`, aligned for the dtype): the same fold, so the same bits.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn reduce_bytes(
+    dtype: DType,
+    accum: DType,
+    srcs: &[&[u8]],
+    dst: &BufferRef,
+    op: ReduceOp,
+    world: usize,
+) -> Result<(), AllocError> {
+    if srcs.is_empty() || dst.is_empty() {
+        return Ok(());
+    }
+    if let Some(s) = srcs.iter().find(|s| s.len() != dst.len()) {
+        return Err(AllocError::BadAccess(format!(
+            "reduction of a {}-byte source into a {}-byte range",
+            s.len(),
+            dst.len()
+        )));
+    }
+    use DType::*;
+    match (dtype, accum) {
+        (F32, F32) => reduce_from_bytes::<f32, f32>(srcs, dst, op, world),
+        (F16, F32) => reduce_from_bytes::<f16, f32>(srcs, dst, op, world),
+        (F16, F16) => reduce_from_bytes::<f16, f16>(srcs, dst, op, world),
+        (BF16, F32) => reduce_from_bytes::<bf16, f32>(srcs, dst, op, world),
+        (BF16, BF16) => reduce_from_bytes::<bf16, bf16>(srcs, dst, op, world),
+        (I32, I32) => reduce_from_bytes::<i32, i32>(srcs, dst, op, world),
+        (I64, I64) => reduce_from_bytes::<i64, i64>(srcs, dst, op, world),
+        _ => Err(AllocError::BadAccess(format!(
+            "no reduction kernel for {dtype} buffers with {accum} accumulation"
+        ))),
+    }
+}

@@ -46,11 +46,13 @@ use std::time::{Duration, Instant};
 
 use fsdp_alloc::{AllocError, BufferRef, DType, OrderPoint, Stream};
 
-use crate::desc::{validate, BufferProblem, OpDesc};
+use crate::desc::{validate, OpDesc};
 use crate::error::{CollectiveError, Result};
-use crate::group::{locate_in_partition, ProcessGroup};
+use crate::group::{
+    collectives_via_issue, launch_collective, locate_part, require_host, Issue, ProcessGroup,
+};
 use crate::kernels;
-use crate::types::{DeviceSlice, OpKind, Outcome, ReduceOp, Work};
+use crate::types::{DeviceSlice, OpKind, ReduceOp, Work};
 
 static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 
@@ -738,12 +740,12 @@ impl ThreadGroup {
         config: GroupConfig,
     ) -> Result<ThreadGroup> {
         let world = self.shared.world;
+        let (part, local) = locate_part(parts, world, self.rank, &self.shared.name)?;
         let invalid = |detail: String| CollectiveError::InvalidGroup {
             group: self.shared.name.clone(),
             rank: self.rank,
             detail,
         };
-        let (part, local) = locate_in_partition(parts, world, self.rank).map_err(invalid)?;
         let mut st = self.shared.lock();
         let k = st.next_split[self.rank];
         st.next_split[self.rank] += 1;
@@ -774,6 +776,12 @@ impl ThreadGroup {
             rank: local,
         })
     }
+}
+
+impl Issue for ThreadGroup {
+    fn issue_rank(&self) -> usize {
+        self.rank
+    }
 
     fn issue(
         &self,
@@ -782,13 +790,8 @@ impl ThreadGroup {
         output: Option<&DeviceSlice>,
         stream: &Stream,
     ) -> Work {
-        let mut desc = desc;
-        let on_device =
-            |s: Option<&DeviceSlice>| s.is_some_and(|s| s.data().device_ptr().is_some());
-        if desc.bad_buffer.is_none() && (on_device(input) || on_device(output)) {
-            // Host threads cannot touch device memory: agreed on as an error by every rank.
-            desc.bad_buffer = Some(BufferProblem::Placement);
-        }
+        // Host threads cannot touch device memory: agreed on as an error by every rank.
+        let desc = require_host(desc, input, output);
         let seq = self.shared.post(
             self.rank,
             Posted {
@@ -797,7 +800,6 @@ impl ThreadGroup {
                 output: output.map(|s| s.data().clone()),
             },
         );
-        let outcome: Outcome = Arc::new(Mutex::new(None));
         let ticket = Ticket {
             shared: Arc::clone(&self.shared),
             rank: self.rank,
@@ -805,20 +807,11 @@ impl ThreadGroup {
             stream: stream.name().to_string(),
             armed: true,
         };
-        let slot = Arc::clone(&outcome);
-        stream.launch(move || {
+        launch_collective(desc.kind, self.rank, seq, stream, move || {
             let mut ticket = ticket;
             ticket.armed = false;
-            let r = ticket.shared.run(ticket.rank, ticket.seq);
-            let failed = r.as_ref().err().map(ToString::to_string);
-            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-            if let Some(message) = failed {
-                // Fail the stream (like an asynchronous device error) without the panic hook's
-                // noise: later work on it is skipped instead of consuming a bad output.
-                std::panic::resume_unwind(Box::new(message));
-            }
-        });
-        Work::new(desc.kind, self.rank, seq, stream.record_event(), outcome)
+            ticket.shared.run(ticket.rank, ticket.seq)
+        })
     }
 }
 
@@ -835,36 +828,7 @@ impl ProcessGroup for ThreadGroup {
         self.shared.name.clone()
     }
 
-    fn all_gather_into(&self, input: &DeviceSlice, output: &DeviceSlice, stream: &Stream) -> Work {
-        let desc = OpDesc::all_gather(input, output, self.rank);
-        self.issue(desc, Some(input), Some(output), stream)
-    }
-
-    fn reduce_scatter_with(
-        &self,
-        input: &DeviceSlice,
-        output: &DeviceSlice,
-        op: ReduceOp,
-        accum: DType,
-        stream: &Stream,
-    ) -> Work {
-        let desc = OpDesc::reduce_scatter(input, output, op, accum, self.rank);
-        self.issue(desc, Some(input), Some(output), stream)
-    }
-
-    fn all_reduce_with(
-        &self,
-        buf: &DeviceSlice,
-        op: ReduceOp,
-        accum: DType,
-        stream: &Stream,
-    ) -> Work {
-        self.issue(OpDesc::all_reduce(buf, op, accum), None, Some(buf), stream)
-    }
-
-    fn broadcast(&self, buf: &DeviceSlice, root: usize, stream: &Stream) -> Work {
-        self.issue(OpDesc::broadcast(buf, root), None, Some(buf), stream)
-    }
+    collectives_via_issue!();
 
     fn barrier(&self) -> Result<()> {
         let desc = OpDesc::barrier();

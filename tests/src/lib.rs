@@ -1,6 +1,7 @@
 //! Shared helpers for fsdp-rs's cross-crate tests (the tests themselves live in `tests/tests`):
-//! running W thread ranks, deterministic synthetic batches, and the plain local reference that
-//! FSDP must match bit for bit.
+//! running W ranks on a backend ([`Ranks`]: thread ranks here, or this process's rank of a
+//! multi-process group such as MPI), deterministic synthetic batches, and the plain local
+//! reference that FSDP must match bit for bit.
 #![deny(missing_docs)]
 
 use std::sync::Arc;
@@ -9,6 +10,40 @@ use fsdp_alloc::Device;
 use fsdp_autograd::nn::{named_parameters, Module};
 use fsdp_autograd::{cross_entropy, no_grad, Tensor};
 use fsdp_collectives::{ProcessGroup, ThreadGroup};
+
+/// The group factory the laws take: where a run's ranks come from.
+#[derive(Debug, Clone)]
+pub enum Ranks {
+    /// `W` ranks as threads of this process, over a fresh [`ThreadGroup`].
+    Threads(usize),
+    /// This process is one rank of a multi-process group (MPI, later NCCL): only that rank runs
+    /// here; the other processes run theirs.
+    Process(Arc<dyn ProcessGroup>),
+}
+
+impl Ranks {
+    /// Number of ranks of the run.
+    pub fn world(&self) -> usize {
+        match self {
+            Ranks::Threads(w) => *w,
+            Ranks::Process(g) => g.size(),
+        }
+    }
+}
+
+/// Runs `f(rank, group)` for every rank of `ranks` that lives in this process, returning
+/// `(rank, result)` pairs in rank order: all of them for [`Ranks::Threads`], this process's own
+/// for [`Ranks::Process`]. The same law body therefore runs on every backend.
+pub fn run_on<T, F>(ranks: &Ranks, f: F) -> Vec<(usize, T)>
+where
+    T: Send + 'static,
+    F: Fn(usize, Arc<dyn ProcessGroup>) -> T + Send + Sync + 'static,
+{
+    match ranks {
+        Ranks::Threads(w) => run_ranks(*w, f).into_iter().enumerate().collect(),
+        Ranks::Process(g) => vec![(g.rank(), f(g.rank(), Arc::clone(g)))],
+    }
+}
 
 /// Runs `f(rank, group)` on `world` threads, one per rank, and returns the results in rank order.
 /// A panic on any rank is re-raised with its rank.

@@ -1,0 +1,186 @@
+//! The shared-memory path: steps over an MPI-3 shared window.
+//!
+//! Segment of rank `r` (one per rank, mapped in every process of the group):
+//! `[0, 4096)` header — an `AtomicU64` step counter at offset 0 (`u64::MAX`: the rank failed);
+//! then two staging slots of `slot` bytes each. Step `g` uses slot `g % 2`: a rank writes its
+//! contribution into its own slot, publishes `counter = g + 1` (release), waits until every
+//! counter is `≥ g + 1` (acquire), then reads the peers' slots. A rank writes slot `g % 2` again
+//! only in step `g + 2`, after passing barrier `g + 1`, which every peer reaches only after it
+//! finished reading step `g`: so one barrier per step orders writers and readers.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::raw::SharedWindow;
+use super::{Exec, Pattern};
+use crate::error::{CollectiveError, Result};
+
+const HEADER: usize = 4096;
+const FAILED: u64 = u64::MAX;
+
+fn round_up(n: usize) -> usize {
+    n.div_ceil(HEADER) * HEADER
+}
+
+/// Bytes of one rank's segment for `slot_bytes` slots.
+pub(super) fn segment_bytes(slot_bytes: usize) -> usize {
+    HEADER + 2 * round_up(slot_bytes)
+}
+
+/// Why a step failed.
+pub(super) enum StepError {
+    /// These ranks did not arrive in time.
+    Timeout(Vec<usize>),
+    /// This rank marked itself failed.
+    PeerFailed(usize),
+    /// This rank's own contribution failed.
+    Local(CollectiveError),
+}
+
+/// The window plus the group's geometry.
+pub(super) struct Shm {
+    win: SharedWindow,
+    rank: usize,
+    size: usize,
+    slot: usize,
+    timeout: Duration,
+}
+
+impl Shm {
+    pub(super) fn new(
+        win: SharedWindow,
+        rank: usize,
+        size: usize,
+        slot_bytes: usize,
+        timeout: Duration,
+    ) -> Shm {
+        debug_assert!(win.seg_bytes() >= segment_bytes(slot_bytes));
+        Shm {
+            win,
+            rank,
+            size,
+            slot: round_up(slot_bytes),
+            timeout,
+        }
+    }
+
+    fn counter(&self, r: usize) -> &AtomicU64 {
+        // SAFETY: every segment starts with 4096 header bytes, page-aligned (MPI allocates the
+        // segments page-aligned and `seg_bytes` is a multiple of 4096), so offset 0 holds an
+        // aligned u64 that lives as long as the window (`&self`); it is only ever accessed
+        // atomically, by every process of the group.
+        unsafe { &*(self.win.base(r) as *const AtomicU64) }
+    }
+
+    fn slot_ptr(&self, r: usize, parity: usize) -> *mut u8 {
+        // SAFETY (of the arithmetic): HEADER + 2 slots fit in the segment (`segment_bytes`).
+        self.win.base(r).wrapping_add(HEADER + parity * self.slot)
+    }
+
+    /// Publishes that this rank failed: peers waiting in a step fail with
+    /// [`StepError::PeerFailed`] instead of waiting for the timeout.
+    pub(super) fn fail(&self, _ex: &mut Exec) {
+        self.counter(self.rank).store(FAILED, Ordering::Release);
+    }
+
+    fn wait_all(&self, target: u64) -> std::result::Result<(), StepError> {
+        let start = Instant::now();
+        let mut tries = 0u32;
+        loop {
+            let mut all = true;
+            for p in 0..self.size {
+                let c = self.counter(p).load(Ordering::Acquire);
+                if c == FAILED && p != self.rank {
+                    return Err(StepError::PeerFailed(p));
+                }
+                all &= c >= target;
+            }
+            if all {
+                return Ok(());
+            }
+            tries = tries.saturating_add(1);
+            if tries < 64 {
+                std::hint::spin_loop();
+            } else if tries < 256 {
+                std::thread::yield_now();
+            } else {
+                // Sleep rather than spin: the peers need the cores to produce their data.
+                let pause = if tries < 2048 { 5 } else { 50 };
+                std::thread::sleep(Duration::from_micros(pause));
+                if start.elapsed() > self.timeout {
+                    let missing = (0..self.size)
+                        .filter(|&p| self.counter(p).load(Ordering::Acquire) < target)
+                        .collect();
+                    return Err(StepError::Timeout(missing));
+                }
+            }
+        }
+    }
+
+    /// One step: `fill` writes this rank's contribution (`len` bytes, or `size × len` for
+    /// [`Pattern::ToAll`]; not called for a non-root rank of [`Pattern::FromRoot`]) into its
+    /// slot; after the barrier the returned views are every rank's piece for this rank, in rank
+    /// order. The views are valid until this rank's next step (callers consume them at once).
+    pub(super) fn step<'s>(
+        &'s self,
+        ex: &mut Exec,
+        pattern: Pattern,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> std::result::Result<Vec<&'s [u8]>, StepError> {
+        let g = ex.step;
+        let parity = (g % 2) as usize;
+        let contrib = match pattern {
+            Pattern::ToAll => self.size * len,
+            _ => len,
+        };
+        if contrib > self.slot {
+            return Err(StepError::Local(CollectiveError::Mpi {
+                call: "shared-memory step",
+                rank: self.rank,
+                message: format!(
+                    "a {contrib}-byte piece does not fit a {}-byte slot",
+                    self.slot
+                ),
+            }));
+        }
+        let contributes = !matches!(pattern, Pattern::FromRoot(root) if root != self.rank);
+        if contributes {
+            // SAFETY: this rank's slot `parity` is `self.slot ≥ contrib` bytes inside its own
+            // segment, and no peer reads it now: they finished reading it (step g − 2) before
+            // arriving at barrier g − 1, which this rank has passed; nobody else writes it.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(self.slot_ptr(self.rank, parity), contrib)
+            };
+            if let Err(e) = fill(dst) {
+                self.fail(ex);
+                return Err(StepError::Local(e));
+            }
+        }
+        ex.step = g + 1;
+        self.counter(self.rank).store(g + 1, Ordering::Release);
+        if let Err(e) = self.wait_all(g + 1) {
+            self.fail(ex);
+            return Err(e);
+        }
+        let view = |r: usize, offset: usize| {
+            // SAFETY: rank r wrote these bytes of its slot `parity` before publishing counter
+            // g + 1, which we observed with acquire ordering; it will not write that slot again
+            // before this rank arrives at barrier g + 1 (its next step), and the window outlives
+            // `&'s self`. The range lies inside the slot (`offset + len ≤ contrib ≤ slot`).
+            unsafe {
+                std::slice::from_raw_parts(
+                    self.slot_ptr(r, parity).wrapping_add(offset) as *const u8,
+                    len,
+                )
+            }
+        };
+        Ok((0..self.size)
+            .map(|p| match pattern {
+                Pattern::Gather => view(p, 0),
+                Pattern::ToAll => view(p, self.rank * len),
+                Pattern::FromRoot(root) => view(root, 0),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,286 @@
+//! `cargo xtask mpi-test` and `cargo xtask bench mpi`: the multi-process (MPI) suite and bench.
+//!
+//! Both need OpenMPI (`mpirun`, `libopenmpi-dev`) and libclang (bindgen) installed.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{cargo, root, run};
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// `mpirun -n W` with the flags this machine needs: `--oversubscribe` (more ranks than cores)
+/// and `--allow-run-as-root` when running as root.
+fn mpirun(w: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["-n", &w.to_string(), "--oversubscribe"]);
+    if is_root() {
+        c.arg("--allow-run-as-root");
+    }
+    // Waiting ranks yield the core instead of spinning in MPI progress.
+    c.env("OMPI_MCA_mpi_yield_when_idle", "1");
+    c.current_dir(root());
+    c
+}
+
+fn check_mpirun() -> Result<(), String> {
+    match Command::new("mpirun").arg("--version").output() {
+        Ok(o) if o.status.success() => Ok(()),
+        _ => Err(
+            "mpirun was not found: install OpenMPI (Debian: openmpi-bin libopenmpi-dev, \
+                  and libclang-dev for the bindings)"
+                .into(),
+        ),
+    }
+}
+
+fn example(profile: &str, name: &str) -> PathBuf {
+    target_dir().join(profile).join("examples").join(name)
+}
+
+/// Builds the MPI test binaries, runs the conformance and parity suites on W = 1..=4 processes
+/// (both data paths), and the kill test.
+pub fn mpi_test() -> Result<(), String> {
+    check_mpirun()?;
+    run(
+        "build MPI test binaries",
+        cargo().args([
+            "build",
+            "-p",
+            "fsdp-collectives",
+            "-p",
+            "fsdp-tests",
+            "--features",
+            "fsdp-collectives/mpi,fsdp-tests/mpi",
+            "--example",
+            "mpi_conformance",
+            "--example",
+            "mpi_parity",
+        ]),
+    )?;
+    let conformance = example("debug", "mpi_conformance");
+    let parity = example("debug", "mpi_parity");
+    for w in 1..=4 {
+        run(
+            &format!("mpi conformance W={w} (shared memory)"),
+            mpirun(w).arg(&conformance),
+        )?;
+        run(
+            &format!("mpi conformance W={w} (MPI collectives)"),
+            mpirun(w).args(["-x", "FSDP_MPI_SHM=0"]).arg(&conformance),
+        )?;
+        run(&format!("mpi parity W={w}"), mpirun(w).arg(&parity))?;
+    }
+    run(
+        "mpi parity W=3 (MPI collectives)",
+        mpirun(3).args(["-x", "FSDP_MPI_SHM=0"]).arg(&parity),
+    )?;
+    kill_test(&parity)?;
+    eprintln!("xtask: mpi-test passed");
+    Ok(())
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie still has a /proc entry; count only processes that are not zombies.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|rest| !rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+/// `kill -9` one rank of a 4-process training job; every process must be gone and `mpirun`
+/// must exit non-zero within a bounded time.
+fn kill_test(parity: &Path) -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("fsdp-mpi-kill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!(
+        "xtask: kill test: mpirun -n 4 {} --kill-test",
+        parity.display()
+    );
+    let mut job = mpirun(4)
+        .arg(parity)
+        .arg("--kill-test")
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("kill test: cannot start mpirun: {e}"))?;
+    let fail = |job: &mut std::process::Child, msg: String| {
+        let _ = job.kill();
+        let _ = job.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        Err(msg)
+    };
+    // Wait for every rank to be training (pid files), then a little more.
+    let start = Instant::now();
+    let pids: Vec<u32> = loop {
+        let pids: Vec<u32> = (0..4)
+            .filter_map(|r| std::fs::read_to_string(dir.join(format!("rank{r}.pid"))).ok())
+            .filter_map(|s| s.trim().parse().ok())
+            .collect();
+        if pids.len() == 4 {
+            break pids;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            return fail(
+                &mut job,
+                "kill test: the ranks did not start within 120 s".into(),
+            );
+        }
+        if let Ok(Some(status)) = job.try_wait() {
+            return fail(
+                &mut job,
+                format!("kill test: the job ended before the kill ({status})"),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    let victim = pids[1];
+    let killed = Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .map_err(|e| format!("kill test: cannot run kill: {e}"))?;
+    if !killed.success() {
+        return fail(&mut job, format!("kill test: kill -9 {victim} failed"));
+    }
+    let t0 = Instant::now();
+    let bound = Duration::from_secs(30);
+    let status = loop {
+        if let Ok(Some(status)) = job.try_wait() {
+            break status;
+        }
+        if t0.elapsed() > bound {
+            return fail(
+                &mut job,
+                format!("kill test: the job did not end within {bound:?} of killing rank 1"),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let ended = t0.elapsed();
+    // The launcher is gone; the other ranks must be too (give the OS a moment to reap them).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let survivors: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    if status.success() {
+        return Err("kill test: mpirun exited 0 after a rank was killed".into());
+    }
+    if !survivors.is_empty() {
+        return Err(format!(
+            "kill test: processes {survivors:?} survived the job's end"
+        ));
+    }
+    eprintln!(
+        "xtask: kill test passed: rank 1 (pid {victim}) killed, job ended in {:.2} s ({status}), \
+         no process left",
+        ended.as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The value of `"key": number` in a JSON line (the benches print flat objects).
+fn json_number(line: &str, key: &str) -> Option<f64> {
+    let pat = format!("\"{key}\":");
+    let at = line.find(&pat)? + pat.len();
+    let rest = line[at..].trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | 'e' | 'E' | '+')))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+fn last_json_line(out: &[u8]) -> Option<String> {
+    String::from_utf8_lossy(out)
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .map(str::to_string)
+}
+
+fn capture(step: &str, cmd: &mut Command) -> Result<String, String> {
+    eprintln!("xtask: {step}: {cmd:?}");
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{step}: could not start: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{step} failed ({})", out.status));
+    }
+    last_json_line(&out.stdout).ok_or_else(|| format!("{step}: no JSON line in its output"))
+}
+
+/// `cargo xtask bench mpi`: collective throughput over MPI vs threads, and train_gpt tokens/s
+/// over MPI vs threads, in one run; prints one JSON object as the last line.
+pub fn bench_mpi() -> Result<(), String> {
+    check_mpirun()?;
+    run(
+        "build MPI bench binaries",
+        cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "fsdp-collectives",
+            "-p",
+            "fsdp-core",
+            "--features",
+            "fsdp-collectives/mpi,fsdp-core/mpi",
+            "--example",
+            "mpi_bench",
+            "--example",
+            "train_gpt",
+        ]),
+    )?;
+    let coll = capture(
+        "mpi collectives bench",
+        mpirun(4).arg(example("release", "mpi_bench")),
+    )?;
+    let field =
+        |line: &str, k: &str| json_number(line, k).ok_or_else(|| format!("no {k} in {line}"));
+    let train_gpt = example("release", "train_gpt");
+    let steps = ["--steps", "10", "--json"];
+    let thread_line = capture(
+        "train_gpt threads W=4",
+        Command::new(&train_gpt)
+            .current_dir(root())
+            .args(["--ranks", "4"])
+            .args(steps),
+    )?;
+    let mpi_line = capture(
+        "train_gpt mpi W=4",
+        mpirun(4)
+            .arg(&train_gpt)
+            .args(["--backend", "mpi"])
+            .args(steps),
+    )?;
+    println!(
+        "{{\"mpi_all_gather_gbps\": {:.4}, \"mpi_reduce_scatter_gbps\": {:.4}, \
+         \"thread_all_gather_gbps\": {:.4}, \"mpi_tokens_per_s\": {:.1}, \
+         \"thread_tokens_per_s\": {:.1}}}",
+        field(&coll, "mpi_all_gather_gbps")?,
+        field(&coll, "mpi_reduce_scatter_gbps")?,
+        field(&coll, "thread_all_gather_gbps")?,
+        field(&mpi_line, "tokens_per_s")?,
+        field(&thread_line, "tokens_per_s")?,
+    );
+    Ok(())
+}
