@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::GptConfig;
+use fsdp_autograd::nn::{Gelu, GptConfig};
 use fsdp_core::{BackwardPrefetch, ShardingStrategy};
 
 use crate::data::DataFormat;
@@ -71,7 +71,7 @@ pub struct ModelArgs {
     #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1_048_576))]
     pub vocab: Option<u64>,
     /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
-    #[arg(long, value_enum, default_value_t = GeluArg::Tanh)]
+    #[arg(long, value_enum, default_value_t = GeluArg::Exact)]
     pub gelu: GeluArg,
     /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
     #[arg(long)]
@@ -397,16 +397,11 @@ pub fn gpt_params(c: &GptConfig) -> u64 {
 }
 
 /// Applies `--gelu` to the model configuration.
-///
-/// TODO(H7): exact GELU lands in `nn::Gpt` as `GptConfig.gelu`; until this branch has it, an
-/// exact request is a usage error instead of silently training with tanh.
-fn apply_gelu(_cfg: &mut GptConfig, gelu: GeluArg) -> Result<(), UsageError> {
-    match gelu {
-        GeluArg::Tanh => Ok(()),
-        GeluArg::Exact => {
-            usage("--gelu exact: this build's nn::Gpt has only the tanh GELU; use --gelu tanh")
-        }
-    }
+fn apply_gelu(cfg: &mut GptConfig, gelu: GeluArg) {
+    cfg.gelu = match gelu {
+        GeluArg::Exact => Gelu::Exact,
+        GeluArg::Tanh => Gelu::Tanh,
+    };
 }
 
 impl Cli {
@@ -432,7 +427,7 @@ impl Cli {
         if m.tied {
             gpt = gpt.with_tied(true);
         }
-        apply_gelu(&mut gpt, m.gelu)?;
+        apply_gelu(&mut gpt, m.gelu);
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
                 "--d-model {} is not divisible by --heads {}",
@@ -632,6 +627,8 @@ mod tests {
         assert_eq!(c.batch, 4);
         assert_eq!(c.lr, 0.05);
         assert_eq!(c.gpt.d_model, GptConfig::mini().d_model);
+        assert_eq!(c.gpt.gelu, Gelu::Exact);
+        assert_eq!(parse(&["--gelu", "tanh"]).unwrap().gpt.gelu, Gelu::Tanh);
         assert_eq!(c.strategy, ShardingStrategy::FullShard);
         assert!(c.limit_all_gathers);
         assert!(matches!(c.data, DataSpec::Synthetic));

@@ -157,7 +157,7 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
         extras.push_str(" | checked devices");
     }
     format!(
-        "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} ({} parameters) | data: {data} | \
+        "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} gelu {} ({} parameters) | data: {data} | \
          {} ranks × batch {} | {}{shard}, Block units, backward prefetch {}, forward prefetch {}, \
          limit all-gathers {} | {} lr {} | {} steps | seed {} | {cores} cores, {threads} matmul \
          thread(s)/rank{extras}",
@@ -166,6 +166,7 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
         g.n_layers,
         g.n_heads,
         g.seq_len,
+        g.gelu.name(),
         thousands(params),
         c.ranks,
         c.batch,

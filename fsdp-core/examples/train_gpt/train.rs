@@ -282,8 +282,8 @@ pub struct Report {
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
     let g = &cfg.gpt;
     json!({
-        "model": format!("vocab {} d {} layers {} heads {} seq {} tied {}",
-                         g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied),
+        "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
+                         g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
         "optimizer": format!("{:?}", cfg.optimizer),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
