@@ -113,10 +113,14 @@ pub struct DataArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
-    /// Number of thread ranks
+    /// Number of thread ranks (with --backend mpi: the launcher's process count instead)
     #[arg(long, value_name = "N", default_value_t = 4,
           value_parser = clap::value_parser!(u64).range(1..=64))]
     pub ranks: u64,
+    /// Collectives backend: thread (W thread ranks in this process) or mpi (one process per
+    /// rank under mpirun/srun; needs a build with --features fsdp-core/mpi)
+    #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
+    pub backend: BackendArg,
     /// Sharding strategy
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
     pub strategy: StrategyArg,
@@ -261,6 +265,15 @@ pub enum DataFormatArg {
     Text,
     /// little-endian u16 token ids (nanoGPT's train.bin/val.bin)
     U16,
+}
+
+/// `--backend`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendArg {
+    /// in-process thread ranks
+    Thread,
+    /// one MPI process per rank
+    Mpi,
 }
 
 /// `--strategy`.
@@ -474,7 +487,18 @@ impl Cli {
         };
 
         let p = &self.parallel;
-        let ranks = p.ranks as usize;
+        let mpi = p.backend == BackendArg::Mpi;
+        if mpi && !cfg!(feature = "mpi") {
+            return usage(
+                "--backend mpi: this binary was built without MPI; build it with \
+                 `--features fsdp-core/mpi` and launch it with mpirun",
+            );
+        }
+        let ranks = if mpi {
+            mpi_world_size()?
+        } else {
+            p.ranks as usize
+        };
         let strategy = match p.strategy {
             StrategyArg::FullShard => ShardingStrategy::FullShard,
             StrategyArg::ShardGradOp => ShardingStrategy::ShardGradOp,
@@ -555,6 +579,7 @@ impl Cli {
             batch: d.batch as usize,
             seed: d.seed,
             ranks,
+            mpi,
             strategy,
             shard_size,
             backward_prefetch: match p.backward_prefetch {
@@ -588,6 +613,25 @@ impl Cli {
             stop_after: None,
         })
     }
+}
+
+/// The MPI job's size, from the launcher's environment (OpenMPI, MPICH/PMI, Slurm), so every
+/// size-dependent check runs before MPI starts.
+fn mpi_world_size() -> Result<usize, UsageError> {
+    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"] {
+        if let Ok(v) = std::env::var(var) {
+            return match v.trim().parse::<usize>() {
+                Ok(n) if (1..=64).contains(&n) => Ok(n),
+                _ => usage(format!(
+                    "--backend mpi: {var}={v} is not a rank count in 1..=64"
+                )),
+            };
+        }
+    }
+    usage(
+        "--backend mpi: not launched by an MPI launcher (no OMPI_COMM_WORLD_SIZE, PMI_SIZE or \
+           SLURM_NTASKS); run it under mpirun -n W",
+    )
 }
 
 /// The `--strategy` spelling of a strategy.
@@ -741,5 +785,11 @@ mod tests {
         assert!(parse(&["--warmup-steps", "60"]).is_err());
         assert!(parse(&["--plot", "x.pdf"]).is_err());
         assert!(parse(&["--data", "x.txt", "--vocab", "100"]).is_err());
+        // Not under an MPI launcher (or built without MPI): a usage error, not a hang.
+        if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
+            assert!(parse(&["--backend", "mpi"])
+                .unwrap_err()
+                .contains("--backend mpi"));
+        }
     }
 }

@@ -193,9 +193,22 @@ fn json_num(x: f64) -> serde_json::Value {
     }
 }
 
+/// Whether this process prints: always with thread ranks; with `--backend mpi`, rank 0 (from
+/// the launcher's environment).
+fn primary_process(c: &TrainConfig) -> bool {
+    if !c.mpi {
+        return true;
+    }
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok())
+        .is_none_or(|r| r.trim() == "0")
+}
+
 fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     check_outputs(&cli, &c)?;
-    let metrics = match &cli.logging.metrics {
+    let primary = primary_process(&c);
+    let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
         Some(p) => Some((
             p.clone(),
             std::fs::File::create(p).map_err(|e| format!("--metrics {}: {e}", p.display()))?,
@@ -213,13 +226,15 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
     let params = cli::gpt_params(&c.gpt);
     let data = train::open_data(&c).map_err(|e| e.to_string())?;
-    println!("{}", banner(&c, &data.describe(), cores, threads, params));
+    if primary {
+        println!("{}", banner(&c, &data.describe(), cores, threads, params));
+    }
 
     let every = cli
         .logging
         .log_every
         .map_or((c.steps / 12).max(1), |n| n as usize);
-    let progress = std::io::stdout().is_terminal() && !cli.logging.no_progress;
+    let progress = primary && std::io::stdout().is_terminal() && !cli.logging.no_progress;
     let console = Console::new(progress, every, metrics);
     let start = Instant::now();
     let mut rep = train::run_job(&c, Box::new(console), false).map_err(|e| e.to_string())?;
@@ -227,6 +242,10 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     rep.observer
         .finish()
         .map_err(|e| format!("--metrics: {e}"))?;
+    if rep.rank != 0 {
+        // Another process of an MPI job: rank 0 reports.
+        return Ok(());
+    }
 
     if let Some(p) = &cli.logging.plot {
         report::plot(p, &rep.history)?;

@@ -68,8 +68,10 @@ pub struct TrainConfig {
     pub batch: usize,
     /// Init and data seed.
     pub seed: u64,
-    /// Thread ranks.
+    /// Ranks (threads, or MPI processes with `mpi`).
     pub ranks: usize,
+    /// One MPI process per rank (`--backend mpi`) instead of thread ranks.
+    pub mpi: bool,
     /// Sharding strategy.
     pub strategy: ShardingStrategy,
     /// Hybrid shard-group size.
@@ -250,6 +252,8 @@ impl Observer for Quiet {}
 
 /// What rank 0 returns.
 pub struct Report {
+    /// The rank that returned it (0 except in the other processes of an MPI job).
+    pub rank: usize,
     /// This run's steps.
     pub steps: Vec<StepRecord>,
     /// The metric history since step 1 (resumed runs include the saved part): objects with
@@ -316,6 +320,9 @@ pub fn run_job(
     gather_final: bool,
 ) -> Result<Report, TrainError> {
     let data = open_data(cfg)?;
+    if cfg.mpi {
+        return run_mpi_rank(cfg, data, observer, gather_final);
+    }
     let mut observer = Some(observer);
     let handles: Vec<_> = ThreadGroup::new(cfg.ranks)
         .into_iter()
@@ -356,6 +363,37 @@ pub fn run_job(
         return Err(errors.swap_remove(pos));
     }
     report.ok_or_else(|| TrainError::Thread("rank 0 returned no report".into()))
+}
+
+/// This process's rank of an MPI job (`--backend mpi`): rank 0 feeds `observer`.
+#[cfg(feature = "mpi")]
+fn run_mpi_rank(
+    cfg: &TrainConfig,
+    data: Dataset,
+    observer: Box<dyn Observer>,
+    gather_final: bool,
+) -> Result<Report, TrainError> {
+    let g = fsdp_collectives::MpiGroup::world().map_err(|e| TrainError::Fsdp {
+        rank: 0,
+        context: "joining the MPI job".into(),
+        source: Box::new(FsdpError::from(e)),
+    })?;
+    let rank = g.rank();
+    let obs = if rank == 0 { observer } else { Box::new(Quiet) };
+    Rank::new(rank, Arc::new(g), cfg, data, obs)?.train(gather_final)
+}
+
+/// Without the `mpi` feature `--backend mpi` is refused at parse time; this is never reached.
+#[cfg(not(feature = "mpi"))]
+fn run_mpi_rank(
+    _cfg: &TrainConfig,
+    _data: Dataset,
+    _observer: Box<dyn Observer>,
+    _gather_final: bool,
+) -> Result<Report, TrainError> {
+    Err(TrainError::Thread(
+        "--backend mpi: built without the `mpi` feature".into(),
+    ))
 }
 
 /// One rank's state.
@@ -785,6 +823,7 @@ impl Rank {
         };
         let total = self.fsdp.comm_stats();
         Ok(Report {
+            rank,
             steps: records,
             history,
             first_step: done + 1,
