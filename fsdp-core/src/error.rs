@@ -5,6 +5,8 @@ use fsdp_autograd::AutogradError;
 use fsdp_collectives::CollectiveError;
 use fsdp_flatparam::LayoutError;
 
+use crate::state_dict::error::StateDictError;
+
 /// Everything that can go wrong in FSDP.
 #[derive(Debug, thiserror::Error)]
 pub enum FsdpError {
@@ -51,7 +53,7 @@ pub enum FsdpError {
     Init(#[from] fsdp_init::MaterializeError),
     /// Saving or loading a state dict failed.
     #[error(transparent)]
-    StateDict(Box<crate::state_dict::StateDictError>),
+    StateDict(Box<StateDictError>),
     /// A flat-parameter layout error.
     #[error(transparent)]
     Layout(#[from] LayoutError),
@@ -125,12 +127,65 @@ impl FsdpError {
 /// Shorthand for results of this crate.
 pub type Result<T, E = FsdpError> = std::result::Result<T, E>;
 
-impl From<crate::state_dict::StateDictError> for FsdpError {
-    fn from(e: crate::state_dict::StateDictError) -> FsdpError {
+impl From<StateDictError> for FsdpError {
+    fn from(e: StateDictError) -> FsdpError {
         match e {
             // A runtime error that passed through a state-dict call: hand back the original.
-            crate::state_dict::StateDictError::Fsdp(inner) => *inner,
+            StateDictError::Fsdp(inner) => match inner.downcast::<FsdpError>() {
+                Ok(fsdp) => *fsdp,
+                // Only FsdpErrors are ever boxed there (see `From<FsdpError>` below); keep any
+                // other error whole rather than lose it.
+                Err(other) => FsdpError::StateDict(Box::new(StateDictError::Fsdp(other))),
+            },
             other => FsdpError::StateDict(Box::new(other)),
+        }
+    }
+}
+
+// The state-dict error module is a leaf (it imports nothing from this module); the conversions
+// that need `FsdpError` live here.
+
+impl From<FsdpError> for StateDictError {
+    fn from(e: FsdpError) -> Self {
+        match e {
+            // A state-dict error that passed through an FSDP call: hand back the original.
+            FsdpError::StateDict(inner) => *inner,
+            other => StateDictError::Fsdp(Box::new(other)),
+        }
+    }
+}
+
+impl From<AllocError> for StateDictError {
+    fn from(e: AllocError) -> Self {
+        FsdpError::from(e).into()
+    }
+}
+
+impl From<AutogradError> for StateDictError {
+    fn from(e: AutogradError) -> Self {
+        FsdpError::from(e).into()
+    }
+}
+
+impl From<CollectiveError> for StateDictError {
+    fn from(e: CollectiveError) -> Self {
+        FsdpError::from(e).into()
+    }
+}
+
+impl From<LayoutError> for StateDictError {
+    fn from(e: LayoutError) -> Self {
+        FsdpError::from(e).into()
+    }
+}
+
+impl StateDictError {
+    /// The runtime error behind [`StateDictError::Fsdp`] (a collective, device, tensor or layout
+    /// error raised during a state-dict call), by type.
+    pub fn fsdp_error(&self) -> Option<&FsdpError> {
+        match self {
+            StateDictError::Fsdp(inner) => inner.downcast_ref::<FsdpError>(),
+            _ => None,
         }
     }
 }

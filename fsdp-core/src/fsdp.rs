@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use fsdp_alloc::{DType, Device, Event, RateLimiter, Stream};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::{
-    in_backward, no_grad, queue_callback_fallible, with_stream, Parameter, Storage, Tensor,
+    in_backward, queue_callback_fallible, with_stream, Parameter, Storage, Tensor,
 };
 use fsdp_collectives::{DeviceMesh, ProcessGroup};
 use fsdp_flatparam::FlatParamLayout;
@@ -443,28 +443,12 @@ impl<M: Module + 'static> Fsdp<M> {
     /// gradient, on the compute stream (the same elementwise operation as
     /// `Tensor::add_scaled_(grad, -lr)` on unsharded parameters).
     pub fn sgd_step(&self, lr: f32) -> Result<()> {
+        use crate::optim::ShardedOptimizer;
         self.inner.ctx.check_works()?;
-        let inner = &self.inner;
-        let ctx = &inner.ctx;
-        let mut st = inner.lock();
-        // The optimizer runs where the shards live: the compute stream, or the host stream
-        // under CPU offload.
-        with_stream(&ctx.host_stream, || {
-            no_grad(|| -> Result<()> {
-                for h in &st.units {
-                    if let Some(g) = &h.shard_grad {
-                        h.shard.add_scaled_(g, -lr)?;
-                        // The gradient came from the reduce stream; it is read here.
-                        g.storage()
-                            .with_buffer(|b| b.record_stream(&ctx.host_stream));
-                    }
-                }
-                Ok(())
-            })
-        })?;
-        st.params_ready = ctx.host_stream.record_event();
-        inner.drop_stale_gathers(&mut st);
-        Ok(())
+        // One SGD rule for the whole workspace: the sharded driver runs it on the optimizer
+        // stream (the compute stream, or the host stream under CPU offload) and calls
+        // `params_updated`, which records `params_ready` and drops stale gathers.
+        crate::optim::Sgd::new(lr).step(self)
     }
 
     /// Every unit's sharded state on this rank (cheap handles; see [`UnitShard`]).

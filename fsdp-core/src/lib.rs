@@ -10,7 +10,8 @@
 //! - [`optim`]: update rules (SGD, AdamW, LAMB) run by a sharded driver (state sharded like the
 //!   parameters) and a local one; [`clip`]: global and exact per-parameter gradient norms across shards;
 //!   [`scaler`]: the sharded gradient scaler; [`state_dict`]: full, sharded and local state dicts
-//!   (safetensors on disk), optimizer state likewise.
+//!   (safetensors on disk), optimizer state likewise; [`checkpoint`]: all-or-nothing training
+//!   checkpoints (model, optimizer, scaler, metadata) with keep-last-K and resume.
 //! - `sharded` (private, below `optim`, `clip` and `scaler`): [`ShardedParams`], the f32 kernel
 //!   launches and the sum over the shard group they share.
 //! - [`plumbing`]: low-level helpers for code that issues its own collectives on tensors.
@@ -39,6 +40,7 @@ pub use optim::{
     ShardedOptimizer, ShardedParams,
 };
 pub use scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
+pub use state_dict::checkpoint;
 pub use state_dict::{FullStateDict, OptimState, ShardedStateDict, StateDictError};
 pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
 

@@ -162,6 +162,27 @@ impl Schedule {
         }
     }
 
+    /// Before a step: the inf/NaN check unscale recorded this iteration (`None`: none yet, the
+    /// caller unscales first).
+    ///
+    /// # Errors
+    /// [`FsdpError::State`] when this iteration already stepped.
+    fn recorded_check(&self, op: &str) -> Result<Option<bool>> {
+        match self.stage {
+            Stage::Ready => Ok(None),
+            Stage::Unscaled { found_inf } => Ok(Some(found_inf)),
+            Stage::Stepped { .. } => Err(FsdpError::State(format!(
+                "{op}: already stepped since the last update(); call update() once per iteration"
+            ))),
+        }
+    }
+
+    /// Records the step (taken unless `found_inf`); returns whether it was taken.
+    fn stepped(&mut self, found_inf: bool) -> bool {
+        self.stage = Stage::Stepped { found_inf };
+        !found_inf
+    }
+
     fn update(&mut self) -> Result<f32> {
         let found_inf = match self.stage {
             Stage::Stepped { found_inf } | Stage::Unscaled { found_inf } => found_inf,
@@ -343,22 +364,14 @@ impl ShardedGradScaler {
         model: &dyn ShardedParams,
         optimizer: &mut dyn ShardedOptimizer,
     ) -> Result<bool> {
-        let found_inf = match self.sched.stage {
-            Stage::Ready => self.unscale(model)?,
-            Stage::Unscaled { found_inf } => found_inf,
-            Stage::Stepped { .. } => {
-                return Err(FsdpError::State(
-                    "ShardedGradScaler::step: already stepped since the last update(); call \
-                     update() once per iteration"
-                        .into(),
-                ))
-            }
+        let found_inf = match self.sched.recorded_check("ShardedGradScaler::step")? {
+            Some(found_inf) => found_inf,
+            None => self.unscale(model)?,
         };
         if !found_inf {
             optimizer.step(model)?;
         }
-        self.sched.stage = Stage::Stepped { found_inf };
-        Ok(!found_inf)
+        Ok(self.sched.stepped(found_inf))
     }
 
     /// Ends the iteration: backs the scale off after an inf/NaN, or grows it after
@@ -473,25 +486,17 @@ impl LocalGradScaler {
     /// # Errors
     /// A second step before update; the unscale's and the optimizer's errors.
     pub fn step(&mut self, optimizer: &mut dyn LocalOptimizer) -> Result<bool> {
-        let found_inf = match self.sched.stage {
-            Stage::Ready => {
+        let found_inf = match self.sched.recorded_check("LocalGradScaler::step")? {
+            Some(found_inf) => found_inf,
+            None => {
                 let params = optimizer.params().to_vec();
                 self.unscale(&params)?
-            }
-            Stage::Unscaled { found_inf } => found_inf,
-            Stage::Stepped { .. } => {
-                return Err(FsdpError::State(
-                    "LocalGradScaler::step: already stepped since the last update(); call \
-                     update() once per iteration"
-                        .into(),
-                ))
             }
         };
         if !found_inf {
             optimizer.step()?;
         }
-        self.sched.stage = Stage::Stepped { found_inf };
-        Ok(!found_inf)
+        Ok(self.sched.stepped(found_inf))
     }
 
     /// Ends the iteration (see [`ShardedGradScaler::update`]). Returns the new scale.

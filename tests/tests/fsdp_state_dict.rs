@@ -456,7 +456,9 @@ fn load_sharded_reads_only_the_files_a_rank_needs() {
         state_dict::save_sharded(&fsdp, &c).unwrap();
     });
     // Corrupt rank 3's data (not its piece index): at the same world size and wrapping only
-    // loading rank 3 needs that file, so ranks 0-2 load fine and rank 3 names the bad file.
+    // loading rank 3 needs that file, so only rank 3 reads it and names it; ranks 0-2 learn of
+    // it through the load's agreement and refuse too (no rank loads a partial checkpoint),
+    // naming the file rank 3 refused.
     let bad = ckpt.join("rank-00003-of-00004.safetensors");
     assert!(bad.exists());
     std::fs::write(&bad, b"corrupted").unwrap();
@@ -466,11 +468,15 @@ fn load_sharded_reads_only_the_files_a_rank_needs() {
         state_dict::load_sharded(&fsdp, &c).map_err(|e| e.to_string())
     });
     for (r, res) in results.iter().enumerate().take(3) {
-        assert!(res.is_ok(), "rank {r}: {res:?}");
+        let err = res.as_ref().unwrap_err();
+        assert!(
+            err.contains("rank 3 refused") && err.contains("rank-00003-of-00004.safetensors"),
+            "rank {r}: {err}"
+        );
     }
     let err = results[3].as_ref().unwrap_err();
     assert!(
-        err.contains("rank-00003-of-00004.safetensors"),
+        !err.contains("refused") && err.contains("rank-00003-of-00004.safetensors"),
         "error should name the file: {err}"
     );
 }

@@ -6,17 +6,17 @@
 //! ## Design
 //! - One **communicator thread** per rank owns the CUDA context, a dedicated CUDA *comm stream*
 //!   and every communicator of the rank (the world communicator and those made by
-//!   [`ProcessGroup::split`] with `ncclCommSplit`). cudarc's communicators are raw pointers that
+//!   [`ProcessGroup::split`](crate::ProcessGroup::split) with `ncclCommSplit`). cudarc's communicators are raw pointers that
 //!   are not `Send`, so they never leave that thread; [`NcclGroup`] handles talk to it through a
 //!   channel and are `Send + Sync`.
-//! - Creation: rank 0 makes the NCCL unique id and publishes it in the [`TcpStore`]; the others
+//! - Creation: rank 0 makes the NCCL unique id and publishes it in the [`TcpStore`](crate::TcpStore); the others
 //!   read it from there (torchrun-style `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` with
 //!   [`NcclGroup::from_env`]).
-//! - **Device path** (the FSDP case): buffers in device memory ([`BufferRef::device_ptr`]) and a
-//!   CUDA stream of the group's device ([`Stream::cuda_stream`]). The communicator thread agrees
+//! - **Device path** (the FSDP case): buffers in device memory ([`BufferRef::device_ptr`](fsdp_alloc::BufferRef::device_ptr)) and a
+//!   CUDA stream of the group's device ([`Stream::cuda_stream`](fsdp_alloc::Stream::cuda_stream)). The communicator thread agrees
 //!   on the descriptors with the other ranks (below), then enqueues the NCCL kernel directly on
 //!   the caller's CUDA stream, reading and writing the buffers in place, and returns; the
-//!   issuing thread records the [`Work`]'s event after it. So issuing blocks until every rank
+//!   issuing thread records the [`Work`](crate::Work)'s event after it. So issuing blocks until every rank
 //!   has *issued* the same collective (a small host rendezvous), never until it has *run*. The
 //!   communicator thread keeps the buffers alive until the kernel's completion event fires and
 //!   acts as watchdog (polling once per millisecond while kernels are pending).

@@ -7,6 +7,7 @@ use std::ops::{Deref, DerefMut, Range};
 
 use fsdp_alloc::{BufferRef, Device, Stream};
 use fsdp_autograd::{current_stream, Parameter, Tensor};
+use fsdp_collectives::Work;
 
 use super::rule::{ElementwiseRule, Rule};
 use super::state::{local_sizes, OptimizerState, Slots};
@@ -158,10 +159,13 @@ fn bump(tensors: &[Tensor]) {
 /// memory divided by the shard-group size like the parameters). [`super::Sgd`] and
 /// [`super::AdamW`] are this driver with their rule. The rule's hyper-parameters read and write
 /// through the driver (`opt.lr`, `opt.hyper`).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Sharded<R> {
-    rule: R,
-    slots: Slots,
+    pub(crate) rule: R,
+    pub(crate) slots: Slots,
+    /// The optimizer's own collectives of the previous step (LAMB's norm all-reduce), checked
+    /// at the next step.
+    pub(crate) pending: Vec<Work>,
 }
 
 impl<R: Rule> Sharded<R> {
@@ -170,7 +174,71 @@ impl<R: Rule> Sharded<R> {
         Sharded {
             rule,
             slots: Slots::new(R::SLOTS),
+            pending: Vec::new(),
         }
+    }
+}
+
+impl<R> Sharded<R> {
+    /// Waits for this optimizer's own collectives (LAMB's norm all-reduce; elementwise rules
+    /// issue none) and reports their errors.
+    ///
+    /// # Errors
+    /// A failed all-reduce.
+    pub fn synchronize(&mut self) -> Result<()> {
+        for w in self.pending.drain(..) {
+            w.wait()?;
+        }
+        Ok(())
+    }
+}
+
+/// A clone shares the state tensors' handles (like a clone of the state) and has no pending
+/// collectives.
+impl<R: Clone> Clone for Sharded<R> {
+    fn clone(&self) -> Sharded<R> {
+        Sharded {
+            rule: self.rule.clone(),
+            slots: self.slots.clone(),
+            pending: Vec::new(),
+        }
+    }
+}
+
+/// How [`Sharded`] steps with a rule: every [`ElementwiseRule`] on the trainable pieces of the
+/// shards, and [`super::LambRule`] in two halves around the all-reduce of its norms.
+pub trait ShardedStep: Rule + Sized {
+    /// One step of `opt` over `model`'s shards.
+    ///
+    /// # Errors
+    /// As [`ShardedOptimizer::step`].
+    fn sharded_step(opt: &mut Sharded<Self>, model: &dyn ShardedParams) -> Result<()>;
+}
+
+impl<R: ElementwiseRule> ShardedStep for R {
+    fn sharded_step(opt: &mut Sharded<R>, model: &dyn ShardedParams) -> Result<()> {
+        let op = format!("{}::step", R::NAME);
+        opt.rule.check(&op)?;
+        let shards = model.shards();
+        opt.slots.ensure(shards.len(), &op)?;
+        let stream = model.optimizer_stream().clone();
+        let dev = model.shard_device();
+        let keeps_state = opt.rule.keeps_state();
+        for (u, s) in shards.iter().enumerate() {
+            let Some(o) = unit_operands(s, &op, &stream)? else {
+                continue;
+            };
+            let n = s.shard.numel();
+            let (state, mems, fresh) =
+                state_operands(&mut opt.slots, keeps_state, u, n, dev, &stream, &op)?;
+            opt.slots.steps[u] += 1;
+            let c = opt.rule.coeffs(opt.slots.steps[u]);
+            launch_rule::<R>(&stream, c, o.ranges, o.param, o.grad, mems, fresh);
+            s.shard.storage().bump_version();
+            bump(&state);
+        }
+        model.params_updated();
+        Ok(())
     }
 }
 
@@ -187,30 +255,10 @@ impl<R> DerefMut for Sharded<R> {
     }
 }
 
-impl<R: ElementwiseRule> ShardedOptimizer for Sharded<R> {
+impl<R: ShardedStep> ShardedOptimizer for Sharded<R> {
     fn step(&mut self, model: &dyn ShardedParams) -> Result<()> {
-        let op = format!("{}::step", R::NAME);
-        self.rule.check(&op)?;
-        let shards = model.shards();
-        self.slots.ensure(shards.len(), &op)?;
-        let stream = model.optimizer_stream().clone();
-        let dev = model.shard_device();
-        let keeps_state = self.rule.keeps_state();
-        for (u, s) in shards.iter().enumerate() {
-            let Some(o) = unit_operands(s, &op, &stream)? else {
-                continue;
-            };
-            let n = s.shard.numel();
-            let (state, mems, fresh) =
-                state_operands(&mut self.slots, keeps_state, u, n, dev, &stream, &op)?;
-            self.slots.steps[u] += 1;
-            let c = self.rule.coeffs(self.slots.steps[u]);
-            launch_rule::<R>(&stream, c, o.ranges, o.param, o.grad, mems, fresh);
-            s.shard.storage().bump_version();
-            bump(&state);
-        }
-        model.params_updated();
-        Ok(())
+        self.synchronize()?;
+        R::sharded_step(self, model)
     }
 
     fn slot_names(&self) -> &'static [&'static str] {

@@ -7,13 +7,10 @@ use std::ops::Range;
 
 use fsdp_alloc::BufferRef;
 use fsdp_autograd::{Parameter, Tensor};
-use fsdp_collectives::Work;
 
 use super::adamw::{moments, AdamCoeffs, AdamParams};
-use super::driver::{state_operands, unit_operands, Local, UnitOperands};
+use super::driver::{state_operands, unit_operands, Local, Sharded, ShardedStep, UnitOperands};
 use super::rule::Rule;
-use super::state::{OptimizerState, Slots};
-use super::ShardedOptimizer;
 use crate::error::Result;
 use crate::sharded::{all_reduce_sum, f32_mem, launch_f32, sum_sq, zeros_on, ShardedParams};
 
@@ -116,34 +113,13 @@ impl Rule for LambRule {
 ///
 /// Compared with [`LocalLamb`], only the trust ratios differ, by the rounding of the norm sums
 /// (f64 per rank, rounded to f32, summed in rank order in f32), a relative 1e-7-scale difference.
-#[derive(Debug)]
-pub struct Lamb {
-    /// Hyper-parameters.
-    pub hyper: AdamParams,
-    slots: Slots,
-    /// The previous step's all-reduce, checked at the next step.
-    pending: Vec<Work>,
-}
+/// `opt.hyper` holds the hyper-parameters.
+pub type Lamb = Sharded<LambRule>;
 
-impl Lamb {
+impl Sharded<LambRule> {
     /// LAMB with hyper-parameters `hp`.
     pub fn new(hp: AdamParams) -> Lamb {
-        Lamb {
-            hyper: hp,
-            slots: Slots::new(LambRule::SLOTS),
-            pending: Vec::new(),
-        }
-    }
-
-    /// Waits for this optimizer's collectives and reports their errors.
-    ///
-    /// # Errors
-    /// A failed all-reduce.
-    pub fn synchronize(&mut self) -> Result<()> {
-        for w in self.pending.drain(..) {
-            w.wait()?;
-        }
-        Ok(())
+        Sharded::from_rule(LambRule { hyper: hp })
     }
 }
 
@@ -155,14 +131,13 @@ struct Job {
     dir: Tensor,
 }
 
-impl ShardedOptimizer for Lamb {
-    fn step(&mut self, model: &dyn ShardedParams) -> Result<()> {
+impl ShardedStep for LambRule {
+    fn sharded_step(opt: &mut Lamb, model: &dyn ShardedParams) -> Result<()> {
         const OP: &str = "Lamb::step";
-        self.synchronize()?;
-        let rule = LambRule { hyper: self.hyper };
+        let rule = opt.rule;
         rule.check(OP)?;
         let shards = model.shards();
-        self.slots.ensure(shards.len(), OP)?;
+        opt.slots.ensure(shards.len(), OP)?;
         let stream = model.optimizer_stream().clone();
         let dev = model.shard_device().clone();
         let num_params: usize = shards.iter().map(|s| s.layout.num_params()).sum();
@@ -189,11 +164,11 @@ impl ShardedOptimizer for Lamb {
                 .collect();
             let n = s.shard.numel();
             let (state, mut writes, _) =
-                state_operands(&mut self.slots, true, u, n, &dev, &stream, OP)?;
+                state_operands(&mut opt.slots, true, u, n, &dev, &stream, OP)?;
             let dir = zeros_on(n, &dev, &stream)?;
             writes.push(f32_mem(&dir, OP, "the LAMB direction", &stream)?);
-            self.slots.steps[u] += 1;
-            let c = rule.coeffs(self.slots.steps[u]);
+            opt.slots.steps[u] += 1;
+            let c = rule.coeffs(opt.slots.steps[u]);
             launch_f32(
                 &stream,
                 "lamb_direction",
@@ -250,7 +225,7 @@ impl ShardedOptimizer for Lamb {
             },
         );
         if let Some(w) = all_reduce_sum(model, &sums, &stream)? {
-            self.pending.push(w);
+            opt.pending.push(w);
         }
         // Phase 3: p += (−lr·ratio)·u per parameter piece, the ratios read on the stream.
         let sums_mem = f32_mem(&sums, OP, "the norm sums", &stream)?;
@@ -280,34 +255,6 @@ impl ShardedOptimizer for Lamb {
         }
         model.params_updated();
         Ok(())
-    }
-
-    fn slot_names(&self) -> &'static [&'static str] {
-        LambRule::SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
-
-    fn load_state(
-        &mut self,
-        model: &dyn ShardedParams,
-        state: OptimizerState,
-        steps: Vec<u64>,
-    ) -> Result<()> {
-        let numel: Vec<usize> = model.shards().iter().map(|s| s.shard.numel()).collect();
-        self.slots.import(
-            "Lamb::load_state",
-            state,
-            steps,
-            &numel,
-            model.shard_device(),
-        )
     }
 }
 

@@ -64,9 +64,10 @@
 //! An optimizer is a [`Rule`] — what it does to one flat f32 tensor given its gradient and its
 //! state slots ([`SgdRule`], [`AdamWRule`], [`LambRule`]) — run by a driver: [`Sharded`] over every
 //! unit's shard of a wrapped model (for [`ElementwiseRule`]s), [`Local`] over plain parameters.
-//! [`Sgd`], [`AdamW`], [`LocalSgd`], [`LocalAdamW`] and [`LocalLamb`] are those drivers with their
-//! rule; [`Lamb`] drives [`LambRule`]'s halves itself because its trust ratio needs norms across
-//! shards. A new elementwise optimizer adds a rule, not a driver. `state` holds the state slots
+//! [`Sgd`], [`AdamW`], [`Lamb`], [`LocalSgd`], [`LocalAdamW`] and [`LocalLamb`] are those drivers
+//! with their rule; how [`Sharded`] steps is the rule's [`ShardedStep`]: elementwise rules run on
+//! the shards' pieces, [`LambRule`] in two halves around the all-reduce of its per-parameter
+//! norms. A new elementwise optimizer adds a rule, not a driver. `state` holds the state slots
 //! shared by all of them; [`ShardedParams`] (what they need from the model) lives in a module
 //! below `optim`, `clip` and `scaler`.
 
@@ -78,7 +79,7 @@ mod sgd;
 mod state;
 
 pub use adamw::{AdamCoeffs, AdamParams, AdamW, AdamWRule, LocalAdamW};
-pub use driver::{Local, Sharded};
+pub use driver::{Local, Sharded, ShardedStep};
 pub use lamb::{Lamb, LambCoeffs, LambRule, LocalLamb};
 pub use rule::{ElementwiseRule, Rule};
 pub use sgd::{LocalSgd, Sgd, SgdRule};

@@ -1,0 +1,458 @@
+//! Training checkpoints: model + optimizer state + gradient-scaler state + user metadata (step,
+//! data position, …) saved together as one all-or-nothing sharded checkpoint
+//! `ROOT/step_000123/`, keeping the last K; [`latest_complete`] finds the newest complete one to
+//! resume from, at the same or another number of ranks.
+//!
+//! # How to use
+//! ```
+//! use std::collections::BTreeMap;
+//! use std::sync::Arc;
+//! use fsdp_alloc::Device;
+//! use fsdp_autograd::{nn::Linear, InitContext};
+//! use fsdp_collectives::{ProcessGroup, ThreadGroup};
+//! use fsdp_core::checkpoint::{self, CheckpointManager};
+//! use fsdp_core::{Fsdp, FsdpConfig, Sgd};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dev = Device::cpu(0);
+//! let group: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new(1).remove(0));
+//! let model = Linear::new(&InitContext::eager(&dev, 7), 3, 2, true)?;
+//! let fsdp = Fsdp::wrap(model, &dev, Arc::clone(&group), FsdpConfig::default())?;
+//! let mut opt = Sgd::new(0.1).with_momentum(0.9);
+//! let root = std::env::temp_dir().join(format!("fsdp-ckpt-doc-{}", std::process::id()));
+//!
+//! // Before training: fail early if the directory cannot be written.
+//! let manager = CheckpointManager::new(&root, 2)?; // keep the last 2
+//! manager.check_target()?;
+//!
+//! // Every N steps (a collective: every rank calls it).
+//! let mut meta = BTreeMap::new();
+//! meta.insert("data_position".to_string(), "4096".to_string());
+//! let saved = manager.save(&fsdp, 10, Some(&opt), None, &meta)?;
+//! assert!(saved.ends_with("step_000000000010"));
+//!
+//! // On resume (possibly with another number of ranks): the newest complete checkpoint.
+//! if let Some(dir) = checkpoint::latest_complete(&root)? {
+//!     let loaded = checkpoint::load(&fsdp, &dir, Some(&mut opt), None)?;
+//!     assert_eq!(loaded.step, 10);
+//!     assert_eq!(loaded.metadata["data_position"], "4096");
+//! }
+//! # std::fs::remove_dir_all(&root)?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Guarantees
+//! - A checkpoint directory `step_N` appears only complete (staging directory + one atomic
+//!   rename after every rank wrote and fsynced its files); a crash at any point leaves the
+//!   previous checkpoints loadable, plus at most a hidden staging directory that the next save
+//!   removes.
+//! - Every file carries the save id and per-tensor CRC-32s; [`load`] refuses a checkpoint with a
+//!   missing, stale or corrupted file on every rank, before any rank changes its model.
+//! - Non-finite parameters or optimizer state are refused at save
+//!   ([`StateDictError::NonFinite`]), so a diverged run never replaces a good checkpoint.
+//!
+//! # Layout
+//! `step_N/model/` and `step_N/optim/` are sharded state-dict directories (see
+//! [`crate::state_dict`]); `step_N/checkpoint.json` holds the format tag, the save id, the step,
+//! the scaler state (scale as f32 bits, growth tracker) and the user metadata (string map).
+//!
+//! # Limitations
+//! Rank 0 removes old checkpoints beyond `keep_last` after a successful save; user metadata is a
+//! string map (serialize richer data yourself).
+
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::optim::{ShardedOptimizer, ShardedParams};
+use crate::scaler::ShardedGradScaler;
+
+const MANIFEST: &str = "checkpoint.json";
+const MANIFEST_FORMAT: &str = "fsdp-rs-checkpoint";
+const PREFIX: &str = "step_";
+
+/// The directory name of step `step`'s checkpoint (`step_` and 12 digits, so names sort by step).
+pub fn step_dir_name(step: u64) -> String {
+    format!("{PREFIX}{step:012}")
+}
+
+/// Saves checkpoints under one root directory and keeps the last few.
+#[derive(Debug, Clone)]
+pub struct CheckpointManager {
+    root: PathBuf,
+    keep_last: usize,
+}
+
+/// What [`load`] restored besides the model and optimizer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedCheckpoint {
+    /// The step given to [`CheckpointManager::save`].
+    pub step: u64,
+    /// The user metadata given to [`CheckpointManager::save`].
+    pub metadata: BTreeMap<String, String>,
+    /// The gradient scaler's `(scale, growth_tracker)` if one was saved (also loaded into the
+    /// scaler passed to [`load`]).
+    pub scaler: Option<(f32, u32)>,
+}
+
+impl CheckpointManager {
+    /// A manager for checkpoints under `root` keeping the newest `keep_last` (at least 1).
+    ///
+    /// # Errors
+    /// [`StateDictError::TargetUnusable`] when `keep_last` is 0.
+    pub fn new(root: impl Into<PathBuf>, keep_last: usize) -> Result<CheckpointManager> {
+        let root = root.into();
+        if keep_last == 0 {
+            return Err(StateDictError::TargetUnusable {
+                path: root,
+                reason: "keep_last must be at least 1 (the newest checkpoint is always kept)"
+                    .into(),
+            });
+        }
+        Ok(CheckpointManager { root, keep_last })
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Fail-early check before training ([`check_save_target`] of the root; the free space
+    /// needed is the size of the newest complete checkpoint, when there is one). Rank-local.
+    ///
+    /// # Errors
+    /// [`StateDictError::TargetUnusable`].
+    pub fn check_target(&self) -> Result<()> {
+        let need = match latest_complete(&self.root) {
+            Ok(Some(dir)) => Some(disk_usage(dir)?),
+            _ => None,
+        };
+        check_save_target(self.root.join(step_dir_name(0)), need)
+    }
+
+    /// Saves the model's sharded state, `optimizer`'s state (if given), `scaler`'s state (if
+    /// given), `step` and `metadata` as `ROOT/step_N/`, all-or-nothing, then removes checkpoints
+    /// older than the newest `keep_last`. A **collective** over the model's groups: every rank
+    /// calls it with the same `step`. Saving a step that already exists replaces it atomically.
+    /// Returns the checkpoint's directory.
+    ///
+    /// # Errors
+    /// [`StateDictError::NonFinite`] (nothing is written; older checkpoints stay), I/O errors,
+    /// [`StateDictError::PeerFailed`] when another rank failed.
+    pub fn save<M: Module + 'static>(
+        &self,
+        fsdp: &Fsdp<M>,
+        step: u64,
+        optimizer: Option<&dyn ShardedOptimizer>,
+        scaler: Option<&ShardedGradScaler>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<PathBuf> {
+        let ctx = Ctx::of(fsdp);
+        let dir = self.root.join(step_dir_name(step));
+        let optim = optimizer.map(|o| {
+            let mut steps = o.step_counts();
+            if steps.is_empty() {
+                // Before the optimizer's first step: no unit has taken one.
+                steps = vec![0; ctx.shards.len()];
+            }
+            let slots = o
+                .state()
+                .into_iter()
+                .map(|(name, mut t)| {
+                    if t.is_empty() {
+                        t = vec![None; ctx.shards.len()];
+                    }
+                    (name, t)
+                })
+                .collect();
+            OptimState { steps, slots }
+        });
+        let scaler = scaler.map(|s| (s.get_scale(), s.growth_tracker()));
+        if ctx.is_primary() {
+            remove_stale_staging(&self.root);
+        }
+        collective_sharded_save(&ctx, &dir, "checkpoint save", |tmp, generation| {
+            let d = sharded_state_dict(fsdp)?;
+            write_sharded_dir(
+                &tmp.join("model"),
+                KIND_SHARDED_PARAMS,
+                None,
+                &[("", &d)],
+                &d.ranks,
+                generation,
+            )?;
+            if let Some(state) = &optim {
+                let d = sharded_optim_state_dict(fsdp, state)?;
+                let slots: Vec<(&str, &ShardedStateDict)> =
+                    d.slots.iter().map(|(s, d)| (s.as_str(), d)).collect();
+                let ranks = optim_ranks(&d.slots)?;
+                write_sharded_dir(
+                    &tmp.join("optim"),
+                    KIND_SHARDED_OPTIM,
+                    Some(&d.steps),
+                    &slots,
+                    &ranks,
+                    generation,
+                )?;
+            }
+            if ctx.is_primary() {
+                let manifest = serde_json::json!({
+                    "format": MANIFEST_FORMAT,
+                    "format_version": FORMAT_VERSION,
+                    "generation": generation,
+                    "step": step,
+                    "has_optim": optim.is_some(),
+                    "scaler": scaler.map(|(s, g)| vec![s.to_bits(), g]),
+                    "metadata": metadata,
+                });
+                atomic_write(&tmp.join(MANIFEST), manifest.to_string().as_bytes())?;
+            }
+            Ok(())
+        })?;
+        if ctx.is_primary() {
+            self.prune()?;
+        }
+        Ok(dir)
+    }
+
+    /// Removes complete or incomplete checkpoints beyond the newest `keep_last` (by step).
+    fn prune(&self) -> Result<()> {
+        let mut steps = step_dirs(&self.root)?;
+        steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
+        for (_, dir) in steps.into_iter().skip(self.keep_last) {
+            std::fs::remove_dir_all(&dir).map_err(|source| StateDictError::Io {
+                op: "remove an old checkpoint",
+                path: dir,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Removes staging directories that a crashed save left behind (best effort).
+fn remove_stale_staging(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(&format!(".{PREFIX}")) && name.contains(".staging-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// `(step, dir)` of every `step_N` directory under `root` (none if `root` does not exist).
+fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(StateDictError::Io {
+                op: "list",
+                path: root.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        if let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(PREFIX))
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            out.push((step, e.path()));
+        }
+    }
+    Ok(out)
+}
+
+struct Manifest {
+    generation: String,
+    step: u64,
+    has_optim: bool,
+    scaler: Option<(f32, u32)>,
+    metadata: BTreeMap<String, String>,
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let bytes = read_bytes(&path)?;
+    let bad = |d: &str| format_err(&path, d.to_string());
+    let v: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| bad(&format!("not JSON: {e}")))?;
+    if v["format"] != MANIFEST_FORMAT {
+        return Err(bad("not an fsdp-rs checkpoint manifest"));
+    }
+    if v["format_version"] != FORMAT_VERSION {
+        return Err(StateDictError::UnsupportedVersion {
+            path: path.clone(),
+            found: v["format_version"].to_string(),
+            supported: FORMAT_VERSION,
+        });
+    }
+    let generation = v["generation"]
+        .as_str()
+        .ok_or_else(|| bad("no generation"))?
+        .to_string();
+    let step = v["step"].as_u64().ok_or_else(|| bad("no step"))?;
+    let has_optim = v["has_optim"]
+        .as_bool()
+        .ok_or_else(|| bad("no has_optim"))?;
+    let scaler = match &v["scaler"] {
+        serde_json::Value::Null => None,
+        s => {
+            let s = s.as_array().ok_or_else(|| bad("bad scaler"))?;
+            match (
+                s.first().and_then(|x| x.as_u64()),
+                s.get(1).and_then(|x| x.as_u64()),
+            ) {
+                (Some(bits), Some(g)) => Some((
+                    f32::from_bits(u32::try_from(bits).map_err(|_| bad("bad scaler"))?),
+                    u32::try_from(g).map_err(|_| bad("bad scaler"))?,
+                )),
+                _ => return Err(bad("bad scaler")),
+            }
+        }
+    };
+    let metadata = v["metadata"]
+        .as_object()
+        .ok_or_else(|| bad("no metadata"))?
+        .iter()
+        .map(|(k, v)| {
+            v.as_str()
+                .map(|s| (k.clone(), s.to_string()))
+                .ok_or_else(|| bad("metadata values must be strings"))
+        })
+        .collect::<Result<_>>()?;
+    Ok(Manifest {
+        generation,
+        step,
+        has_optim,
+        scaler,
+        metadata,
+    })
+}
+
+/// Checks (rank-locally, reading only headers) that a sharded directory exists with every
+/// rank's files from save `generation`.
+fn check_sharded_complete(dir: &Path, kind: &str, generation: &str) -> Result<()> {
+    let meta = read_sharded_meta(dir, kind)?;
+    check_generation(
+        &read_file_meta(&dir.join(META_FILE), &format!("{kind}-meta"))?.0,
+        &dir.join(META_FILE),
+        generation,
+    )?;
+    for r in 0..meta.world_size {
+        for index in [true, false] {
+            let path = rank_path(dir, r, meta.world_size, index);
+            let k = if index {
+                format!("{kind}-pieces")
+            } else {
+                kind.to_string()
+            };
+            let (m, _) = read_file_meta(&path, &k)?;
+            check_generation(&m, &path, generation)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `dir` is a complete checkpoint: its manifest, and every file of its model (and
+/// optimizer) directories, present and from the same save. Reads headers only (checksums are
+/// verified by [`load`]).
+///
+/// # Errors
+/// The first problem found, naming the file.
+pub fn check_complete(dir: impl AsRef<Path>) -> Result<()> {
+    let dir = dir.as_ref();
+    let m = read_manifest(dir)?;
+    check_sharded_complete(&dir.join("model"), KIND_SHARDED_PARAMS, &m.generation)?;
+    if m.has_optim {
+        check_sharded_complete(&dir.join("optim"), KIND_SHARDED_OPTIM, &m.generation)?;
+    }
+    Ok(())
+}
+
+/// The newest complete checkpoint under `root` (by step; incomplete or damaged ones are
+/// skipped), or `None`. Rank-local; every rank sees the same answer on a shared file system.
+///
+/// # Errors
+/// [`StateDictError::Io`] when `root` exists but cannot be listed.
+pub fn latest_complete(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+    let mut steps = step_dirs(root.as_ref())?;
+    steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
+    Ok(steps
+        .into_iter()
+        .map(|(_, d)| d)
+        .find(|d| check_complete(d).is_ok()))
+}
+
+/// Loads checkpoint `dir` (saved at any number of ranks): the model's parameters, `optimizer`'s
+/// state (when given; the checkpoint must hold one) and `scaler`'s state (when given and saved).
+/// A **collective**: every rank calls it; the ranks agree before any of them changes its model,
+/// so a missing, stale or corrupted file is refused on every rank.
+///
+/// # Errors
+/// As [`load_sharded`] / [`load_sharded_optim`]; [`StateDictError::Format`] for a bad manifest
+/// or a checkpoint without optimizer state when `optimizer` is given.
+pub fn load<M: Module + 'static>(
+    fsdp: &Fsdp<M>,
+    dir: impl AsRef<Path>,
+    optimizer: Option<&mut dyn ShardedOptimizer>,
+    scaler: Option<&mut ShardedGradScaler>,
+) -> Result<LoadedCheckpoint> {
+    let ctx = Ctx::of(fsdp);
+    let dir = dir.as_ref();
+    // Agreed like the data files, so a bad manifest on one rank's view stops every rank.
+    let manifest = read_manifest(dir).and_then(|m| {
+        if optimizer.is_some() && !m.has_optim {
+            Err(format_err(
+                &dir.join(MANIFEST),
+                "the checkpoint holds no optimizer state",
+            ))
+        } else {
+            Ok(m)
+        }
+    });
+    let manifest = agree_load(&ctx, dir, None, "checkpoint load", manifest)?;
+    let model_dir = dir.join("model");
+    for (sub, kind) in [
+        (&model_dir, KIND_SHARDED_PARAMS),
+        (&dir.join("optim"), KIND_SHARDED_OPTIM),
+    ] {
+        if kind == KIND_SHARDED_OPTIM && optimizer.is_none() {
+            continue;
+        }
+        let local = read_sharded_meta(sub, kind).and_then(|m| {
+            check_generation(
+                &read_file_meta(&sub.join(META_FILE), &format!("{kind}-meta"))?.0,
+                &sub.join(META_FILE),
+                &manifest.generation,
+            )
+            .map(|_| m.world_size)
+        });
+        let world = local.as_ref().ok().copied();
+        agree_load(&ctx, sub, world, "checkpoint load", local)?;
+    }
+    let state = match &optimizer {
+        Some(_) => Some(load_sharded_optim(fsdp, dir.join("optim"))?),
+        None => None,
+    };
+    load_sharded(fsdp, &model_dir)?;
+    if let (Some(opt), Some(st)) = (optimizer, state) {
+        opt.load_state(fsdp as &dyn ShardedParams, st.slots, st.steps)?;
+    }
+    if let (Some(s), Some((scale, tracker))) = (scaler, manifest.scaler) {
+        s.load_state(scale, tracker)?;
+    }
+    Ok(LoadedCheckpoint {
+        step: manifest.step,
+        metadata: manifest.metadata,
+        scaler: manifest.scaler,
+    })
+}
