@@ -69,6 +69,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use fsdp_core::checkpoint::CheckpointManager;
+use fsdp_core::state_dict::check_save_target;
 use fsdp_core::{BackwardPrefetch, ShardingStrategy};
 use serde_json::json;
 
@@ -103,16 +105,23 @@ fn predicted_peak(c: &TrainConfig, total: usize, max_unit: usize) -> (usize, u64
     }
 }
 
-/// Checks every output location before step 1.
+/// Checks every output location before step 1 (fsdp-core's fail-early checks: the directory
+/// exists or can be created, a file can be created in it, the target is not a symlink or device,
+/// and for checkpoints there is room for another one the size of the newest).
 fn check_outputs(cli: &Cli, c: &TrainConfig) -> Result<(), String> {
     if let Some(d) = &c.checkpoint_dir {
-        ckpt::check_writable_dir(d).map_err(|e| format!("--checkpoint-dir: {e}"))?;
+        CheckpointManager::new(d, c.keep_checkpoints)
+            .and_then(|m| m.check_target())
+            .map_err(|e| format!("--checkpoint-dir: {e}"))?;
     }
-    if let Some(p) = &c.save {
-        ckpt::check_writable_file(p).map_err(|e| format!("--save: {e}"))?;
-    }
-    if let Some(p) = &cli.logging.plot {
-        ckpt::check_writable_file(p).map_err(|e| format!("--plot: {e}"))?;
+    for (flag, p) in [
+        ("--save", &c.save),
+        ("--plot", &cli.logging.plot),
+        ("--metrics", &cli.logging.metrics),
+    ] {
+        if let Some(p) = p {
+            check_save_target(p, None).map_err(|e| format!("{flag}: {e}"))?;
+        }
     }
     Ok(())
 }
