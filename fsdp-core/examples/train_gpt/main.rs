@@ -7,7 +7,13 @@
 //!     --metrics m.jsonl --plot loss.svg
 //! cargo run --release --example train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
 //! cargo run --release --example train_gpt -- --help
+//! cargo build --release -p fsdp-core --features mpi --example train_gpt &&
+//!     mpirun -n 4 target/release/examples/train_gpt --backend mpi   # one process per rank
 //! ```
+//!
+//! Checkpoints (`--checkpoint-dir`) go through `fsdp_core::checkpoint::CheckpointManager`
+//! (all-or-nothing, checksummed, keep the last `--keep-checkpoints`); `--resume` loads the newest
+//! complete one at any rank count with the same global batch (module [`ckpt`]).
 //!
 //! Every rank is a thread with its own `Device` (allocator, streams) and a handle to one
 //! in-process `ThreadGroup`. Each rank builds the same model from the same seed, wraps it with
