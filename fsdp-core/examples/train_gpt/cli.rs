@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::GptConfig;
+use fsdp_autograd::nn::{Gelu, GptConfig};
 use fsdp_core::{BackwardPrefetch, ShardingStrategy};
 
 use crate::data::DataFormat;
@@ -71,7 +71,7 @@ pub struct ModelArgs {
     #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1_048_576))]
     pub vocab: Option<u64>,
     /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
-    #[arg(long, value_enum, default_value_t = GeluArg::Tanh)]
+    #[arg(long, value_enum, default_value_t = GeluArg::Exact)]
     pub gelu: GeluArg,
     /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
     #[arg(long)]
@@ -113,10 +113,14 @@ pub struct DataArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
-    /// Number of thread ranks
+    /// Number of thread ranks (with --backend mpi: the launcher's process count instead)
     #[arg(long, value_name = "N", default_value_t = 4,
           value_parser = clap::value_parser!(u64).range(1..=64))]
     pub ranks: u64,
+    /// Collectives backend: thread (W thread ranks in this process) or mpi (one process per
+    /// rank under mpirun/srun; needs a build with --features fsdp-core/mpi)
+    #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
+    pub backend: BackendArg,
     /// Sharding strategy
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
     pub strategy: StrategyArg,
@@ -263,6 +267,15 @@ pub enum DataFormatArg {
     U16,
 }
 
+/// `--backend`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendArg {
+    /// in-process thread ranks
+    Thread,
+    /// one MPI process per rank
+    Mpi,
+}
+
 /// `--strategy`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StrategyArg {
@@ -397,16 +410,11 @@ pub fn gpt_params(c: &GptConfig) -> u64 {
 }
 
 /// Applies `--gelu` to the model configuration.
-///
-/// TODO(H7): exact GELU lands in `nn::Gpt` as `GptConfig.gelu`; until this branch has it, an
-/// exact request is a usage error instead of silently training with tanh.
-fn apply_gelu(_cfg: &mut GptConfig, gelu: GeluArg) -> Result<(), UsageError> {
-    match gelu {
-        GeluArg::Tanh => Ok(()),
-        GeluArg::Exact => {
-            usage("--gelu exact: this build's nn::Gpt has only the tanh GELU; use --gelu tanh")
-        }
-    }
+fn apply_gelu(cfg: &mut GptConfig, gelu: GeluArg) {
+    cfg.gelu = match gelu {
+        GeluArg::Exact => Gelu::Exact,
+        GeluArg::Tanh => Gelu::Tanh,
+    };
 }
 
 impl Cli {
@@ -432,7 +440,7 @@ impl Cli {
         if m.tied {
             gpt = gpt.with_tied(true);
         }
-        apply_gelu(&mut gpt, m.gelu)?;
+        apply_gelu(&mut gpt, m.gelu);
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
                 "--d-model {} is not divisible by --heads {}",
@@ -479,7 +487,18 @@ impl Cli {
         };
 
         let p = &self.parallel;
-        let ranks = p.ranks as usize;
+        let mpi = p.backend == BackendArg::Mpi;
+        if mpi && !cfg!(feature = "mpi") {
+            return usage(
+                "--backend mpi: this binary was built without MPI; build it with \
+                 `--features fsdp-core/mpi` and launch it with mpirun",
+            );
+        }
+        let ranks = if mpi {
+            mpi_world_size()?
+        } else {
+            p.ranks as usize
+        };
         let strategy = match p.strategy {
             StrategyArg::FullShard => ShardingStrategy::FullShard,
             StrategyArg::ShardGradOp => ShardingStrategy::ShardGradOp,
@@ -560,6 +579,7 @@ impl Cli {
             batch: d.batch as usize,
             seed: d.seed,
             ranks,
+            mpi,
             strategy,
             shard_size,
             backward_prefetch: match p.backward_prefetch {
@@ -593,6 +613,25 @@ impl Cli {
             stop_after: None,
         })
     }
+}
+
+/// The MPI job's size, from the launcher's environment (OpenMPI, MPICH/PMI, Slurm), so every
+/// size-dependent check runs before MPI starts.
+fn mpi_world_size() -> Result<usize, UsageError> {
+    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"] {
+        if let Ok(v) = std::env::var(var) {
+            return match v.trim().parse::<usize>() {
+                Ok(n) if (1..=64).contains(&n) => Ok(n),
+                _ => usage(format!(
+                    "--backend mpi: {var}={v} is not a rank count in 1..=64"
+                )),
+            };
+        }
+    }
+    usage(
+        "--backend mpi: not launched by an MPI launcher (no OMPI_COMM_WORLD_SIZE, PMI_SIZE or \
+           SLURM_NTASKS); run it under mpirun -n W",
+    )
 }
 
 /// The `--strategy` spelling of a strategy.
@@ -632,6 +671,8 @@ mod tests {
         assert_eq!(c.batch, 4);
         assert_eq!(c.lr, 0.05);
         assert_eq!(c.gpt.d_model, GptConfig::mini().d_model);
+        assert_eq!(c.gpt.gelu, Gelu::Exact);
+        assert_eq!(parse(&["--gelu", "tanh"]).unwrap().gpt.gelu, Gelu::Tanh);
         assert_eq!(c.strategy, ShardingStrategy::FullShard);
         assert!(c.limit_all_gathers);
         assert!(matches!(c.data, DataSpec::Synthetic));
@@ -744,5 +785,11 @@ mod tests {
         assert!(parse(&["--warmup-steps", "60"]).is_err());
         assert!(parse(&["--plot", "x.pdf"]).is_err());
         assert!(parse(&["--data", "x.txt", "--vocab", "100"]).is_err());
+        // Not under an MPI launcher (or built without MPI): a usage error, not a hang.
+        if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
+            assert!(parse(&["--backend", "mpi"])
+                .unwrap_err()
+                .contains("--backend mpi"));
+        }
     }
 }

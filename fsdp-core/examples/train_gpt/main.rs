@@ -7,7 +7,13 @@
 //!     --metrics m.jsonl --plot loss.svg
 //! cargo run --release --example train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
 //! cargo run --release --example train_gpt -- --help
+//! cargo build --release -p fsdp-core --features mpi --example train_gpt &&
+//!     mpirun -n 4 target/release/examples/train_gpt --backend mpi   # one process per rank
 //! ```
+//!
+//! Checkpoints (`--checkpoint-dir`) go through `fsdp_core::checkpoint::CheckpointManager`
+//! (all-or-nothing, checksummed, keep the last `--keep-checkpoints`); `--resume` loads the newest
+//! complete one at any rank count with the same global batch (module [`ckpt`]).
 //!
 //! Every rank is a thread with its own `Device` (allocator, streams) and a handle to one
 //! in-process `ThreadGroup`. Each rank builds the same model from the same seed, wraps it with
@@ -69,6 +75,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use fsdp_core::checkpoint::CheckpointManager;
+use fsdp_core::state_dict::check_save_target;
 use fsdp_core::{BackwardPrefetch, ShardingStrategy};
 use serde_json::json;
 
@@ -103,16 +111,23 @@ fn predicted_peak(c: &TrainConfig, total: usize, max_unit: usize) -> (usize, u64
     }
 }
 
-/// Checks every output location before step 1.
+/// Checks every output location before step 1 (fsdp-core's fail-early checks: the directory
+/// exists or can be created, a file can be created in it, the target is not a symlink or device,
+/// and for checkpoints there is room for another one the size of the newest).
 fn check_outputs(cli: &Cli, c: &TrainConfig) -> Result<(), String> {
     if let Some(d) = &c.checkpoint_dir {
-        ckpt::check_writable_dir(d).map_err(|e| format!("--checkpoint-dir: {e}"))?;
+        CheckpointManager::new(d, c.keep_checkpoints)
+            .and_then(|m| m.check_target())
+            .map_err(|e| format!("--checkpoint-dir: {e}"))?;
     }
-    if let Some(p) = &c.save {
-        ckpt::check_writable_file(p).map_err(|e| format!("--save: {e}"))?;
-    }
-    if let Some(p) = &cli.logging.plot {
-        ckpt::check_writable_file(p).map_err(|e| format!("--plot: {e}"))?;
+    for (flag, p) in [
+        ("--save", &c.save),
+        ("--plot", &cli.logging.plot),
+        ("--metrics", &cli.logging.metrics),
+    ] {
+        if let Some(p) = p {
+            check_save_target(p, None).map_err(|e| format!("{flag}: {e}"))?;
+        }
     }
     Ok(())
 }
@@ -157,7 +172,7 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
         extras.push_str(" | checked devices");
     }
     format!(
-        "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} ({} parameters) | data: {data} | \
+        "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} gelu {} ({} parameters) | data: {data} | \
          {} ranks × batch {} | {}{shard}, Block units, backward prefetch {}, forward prefetch {}, \
          limit all-gathers {} | {} lr {} | {} steps | seed {} | {cores} cores, {threads} matmul \
          thread(s)/rank{extras}",
@@ -166,6 +181,7 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
         g.n_layers,
         g.n_heads,
         g.seq_len,
+        g.gelu.name(),
         thousands(params),
         c.ranks,
         c.batch,
@@ -192,9 +208,22 @@ fn json_num(x: f64) -> serde_json::Value {
     }
 }
 
+/// Whether this process prints: always with thread ranks; with `--backend mpi`, rank 0 (from
+/// the launcher's environment).
+fn primary_process(c: &TrainConfig) -> bool {
+    if !c.mpi {
+        return true;
+    }
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok())
+        .is_none_or(|r| r.trim() == "0")
+}
+
 fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     check_outputs(&cli, &c)?;
-    let metrics = match &cli.logging.metrics {
+    let primary = primary_process(&c);
+    let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
         Some(p) => Some((
             p.clone(),
             std::fs::File::create(p).map_err(|e| format!("--metrics {}: {e}", p.display()))?,
@@ -212,13 +241,15 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
     let params = cli::gpt_params(&c.gpt);
     let data = train::open_data(&c).map_err(|e| e.to_string())?;
-    println!("{}", banner(&c, &data.describe(), cores, threads, params));
+    if primary {
+        println!("{}", banner(&c, &data.describe(), cores, threads, params));
+    }
 
     let every = cli
         .logging
         .log_every
         .map_or((c.steps / 12).max(1), |n| n as usize);
-    let progress = std::io::stdout().is_terminal() && !cli.logging.no_progress;
+    let progress = primary && std::io::stdout().is_terminal() && !cli.logging.no_progress;
     let console = Console::new(progress, every, metrics);
     let start = Instant::now();
     let mut rep = train::run_job(&c, Box::new(console), false).map_err(|e| e.to_string())?;
@@ -226,6 +257,10 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     rep.observer
         .finish()
         .map_err(|e| format!("--metrics: {e}"))?;
+    if rep.rank != 0 {
+        // Another process of an MPI job: rank 0 reports.
+        return Ok(());
+    }
 
     if let Some(p) = &cli.logging.plot {
         report::plot(p, &rep.history)?;

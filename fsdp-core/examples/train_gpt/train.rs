@@ -16,8 +16,9 @@ use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
+use fsdp_core::checkpoint::{self, CheckpointManager};
 use fsdp_core::plumbing::tensor_slice;
-use fsdp_core::state_dict::{self, FullStateDict, OptimState};
+use fsdp_core::state_dict::{self, FullStateDict};
 use fsdp_core::{
     clip_grad_norm, grad_norm, param_norms_per_param, AdamW, BackwardPrefetch, Comm, Fsdp,
     FsdpConfig, FsdpError, MixedPrecision, ParamBytes, ShardedOptimizer, ShardingStrategy,
@@ -68,8 +69,10 @@ pub struct TrainConfig {
     pub batch: usize,
     /// Init and data seed.
     pub seed: u64,
-    /// Thread ranks.
+    /// Ranks (threads, or MPI processes with `mpi`).
     pub ranks: usize,
+    /// One MPI process per rank (`--backend mpi`) instead of thread ranks.
+    pub mpi: bool,
     /// Sharding strategy.
     pub strategy: ShardingStrategy,
     /// Hybrid shard-group size.
@@ -250,6 +253,8 @@ impl Observer for Quiet {}
 
 /// What rank 0 returns.
 pub struct Report {
+    /// The rank that returned it (0 except in the other processes of an MPI job).
+    pub rank: usize,
     /// This run's steps.
     pub steps: Vec<StepRecord>,
     /// The metric history since step 1 (resumed runs include the saved part): objects with
@@ -282,8 +287,8 @@ pub struct Report {
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
     let g = &cfg.gpt;
     json!({
-        "model": format!("vocab {} d {} layers {} heads {} seq {} tied {}",
-                         g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied),
+        "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
+                         g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
         "optimizer": format!("{:?}", cfg.optimizer),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
@@ -316,6 +321,9 @@ pub fn run_job(
     gather_final: bool,
 ) -> Result<Report, TrainError> {
     let data = open_data(cfg)?;
+    if cfg.mpi {
+        return run_mpi_rank(cfg, data, observer, gather_final);
+    }
     let mut observer = Some(observer);
     let handles: Vec<_> = ThreadGroup::new(cfg.ranks)
         .into_iter()
@@ -356,6 +364,37 @@ pub fn run_job(
         return Err(errors.swap_remove(pos));
     }
     report.ok_or_else(|| TrainError::Thread("rank 0 returned no report".into()))
+}
+
+/// This process's rank of an MPI job (`--backend mpi`): rank 0 feeds `observer`.
+#[cfg(feature = "mpi")]
+fn run_mpi_rank(
+    cfg: &TrainConfig,
+    data: Dataset,
+    observer: Box<dyn Observer>,
+    gather_final: bool,
+) -> Result<Report, TrainError> {
+    let g = fsdp_collectives::MpiGroup::world().map_err(|e| TrainError::Fsdp {
+        rank: 0,
+        context: "joining the MPI job".into(),
+        source: Box::new(FsdpError::from(e)),
+    })?;
+    let rank = g.rank();
+    let obs = if rank == 0 { observer } else { Box::new(Quiet) };
+    Rank::new(rank, Arc::new(g), cfg, data, obs)?.train(gather_final)
+}
+
+/// Without the `mpi` feature `--backend mpi` is refused at parse time; this is never reached.
+#[cfg(not(feature = "mpi"))]
+fn run_mpi_rank(
+    _cfg: &TrainConfig,
+    _data: Dataset,
+    _observer: Box<dyn Observer>,
+    _gather_final: bool,
+) -> Result<Report, TrainError> {
+    Err(TrainError::Thread(
+        "--backend mpi: built without the `mpi` feature".into(),
+    ))
 }
 
 /// One rank's state.
@@ -553,13 +592,6 @@ impl Rank {
         Ok(tot[0] / tot[1])
     }
 
-    fn optim_state(&self) -> Option<OptimState> {
-        self.adamw.as_ref().map(|o| OptimState {
-            steps: o.step_counts(),
-            slots: o.state(),
-        })
-    }
-
     /// Refuses to persist non-finite parameters (a collective: every rank agrees).
     fn check_params_finite(&self, step: usize) -> Result<(), TrainError> {
         let norms = param_norms_per_param(&self.fsdp).map_err(self.err("parameter norms"))?;
@@ -574,36 +606,23 @@ impl Rank {
         Ok(())
     }
 
-    /// Writes checkpoint `step` (all ranks).
+    /// Writes checkpoint `step` through fsdp-core's manager (all ranks).
     fn save_checkpoint(&mut self, step: usize, history: &[Value]) -> Result<(), TrainError> {
         let Some(dir) = self.cfg.checkpoint_dir.clone() else {
             return Ok(());
         };
+        // The manager refuses non-finite values too; checking first names the step.
         self.check_params_finite(step)?;
-        let prep = if self.rank == 0 {
-            ckpt::prepare(&dir, step).map_err(TrainError::from)
-        } else {
-            Ok(ckpt::tmp_dir(&dir, step))
-        };
-        let tmp = self.agree(prep, "preparing the checkpoint directory")?;
-        state_dict::save_sharded(&self.fsdp, tmp.join("model"))
-            .map_err(self.sd_err(format!("saving the model to {}", tmp.display())))?;
-        if let Some(st) = self.optim_state() {
-            state_dict::save_sharded_optim(&self.fsdp, &st, tmp.join("optim"))
-                .map_err(self.sd_err(format!("saving the optimizer to {}", tmp.display())))?;
-        }
-        let published = if self.rank == 0 {
-            let meta = ckpt::meta(
-                step,
-                self.cfg.ranks,
-                fingerprint(&self.cfg),
-                Value::Array(history.to_vec()),
-            );
-            ckpt::publish(&dir, step, &meta, self.cfg.keep_checkpoints).map_err(TrainError::from)
-        } else {
-            Ok(PathBuf::new())
-        };
-        let fin = self.agree(published, "publishing the checkpoint")?;
+        let manager = CheckpointManager::new(&dir, self.cfg.keep_checkpoints)
+            .map_err(self.sd_err("--checkpoint-dir"))?;
+        let meta = ckpt::metadata(self.cfg.ranks, fingerprint(&self.cfg), history);
+        let opt = self.adamw.as_ref().map(|o| o as &dyn ShardedOptimizer);
+        let fin = manager
+            .save(&self.fsdp, step as u64, opt, None, &meta)
+            .map_err(self.sd_err(format!(
+                "saving checkpoint step {step} in {}",
+                dir.display()
+            )))?;
         if self.rank == 0 {
             self.observer
                 .note(&format!("checkpoint: step {step} -> {}", fin.display()));
@@ -616,16 +635,18 @@ impl Rank {
         let Some(dir) = self.cfg.checkpoint_dir.clone() else {
             return Ok((0, Vec::new()));
         };
-        let found = ckpt::latest(&dir).and_then(|l| match l {
-            None => Ok(None),
-            Some((step, path)) => {
-                let meta = ckpt::read_meta(&path)?;
-                ckpt::check_fingerprint(&path, &meta, &fingerprint(&self.cfg))?;
-                Ok(Some((step, path, meta)))
-            }
-        });
-        let found = self.agree(found.map_err(TrainError::from), "finding the checkpoint")?;
-        let Some((step, path, meta)) = found else {
+        let found = checkpoint::latest_complete(&dir)
+            .map_err(self.sd_err(format!("looking for a checkpoint in {}", dir.display())))
+            .and_then(|l| match l {
+                None => Ok(None),
+                Some(path) => {
+                    let meta = ckpt::peek(&path)?;
+                    ckpt::check_fingerprint(&path, &meta, &fingerprint(&self.cfg))?;
+                    Ok(Some(path))
+                }
+            });
+        let found = self.agree(found, "finding the checkpoint")?;
+        let Some(path) = found else {
             if self.rank == 0 {
                 self.observer.note(&format!(
                     "resume: no checkpoint in {}, starting at step 1",
@@ -634,19 +655,29 @@ impl Rank {
             }
             return Ok((0, Vec::new()));
         };
-        state_dict::load_sharded(&self.fsdp, path.join("model"))
-            .map_err(self.sd_err(format!("loading {}", path.join("model").display())))?;
-        if let Some(mut opt) = self.adamw.take() {
-            let st = state_dict::load_sharded_optim(&self.fsdp, path.join("optim"))
-                .map_err(self.sd_err(format!("loading {}", path.join("optim").display())))?;
-            opt.load_state(&self.fsdp, st.slots, st.steps)
-                .map_err(self.err("loading the optimizer state"))?;
-            self.adamw = Some(opt);
-        }
+        let mut opt = self.adamw.take();
+        let loaded = checkpoint::load(
+            &self.fsdp,
+            &path,
+            opt.as_mut().map(|o| o as &mut dyn ShardedOptimizer),
+            None,
+        );
+        self.adamw = opt;
+        let loaded = loaded.map_err(self.sd_err(format!("loading {}", path.display())))?;
+        let meta = ckpt::parse(
+            &path,
+            loaded.metadata.get(ckpt::META_KEY).map(String::as_str),
+        )?;
         let history = match meta.get("history") {
             Some(Value::Array(h)) => h.clone(),
             _ => Vec::new(),
         };
+        let step = usize::try_from(loaded.step).map_err(|_| {
+            TrainError::Checkpoint(CheckpointError::Format {
+                path: path.clone(),
+                reason: format!("step {} does not fit this machine", loaded.step),
+            })
+        })?;
         if self.rank == 0 {
             self.observer.note(&format!(
                 "resumed from {} (step {step}, saved by {} ranks)",
@@ -785,6 +816,7 @@ impl Rank {
         };
         let total = self.fsdp.comm_stats();
         Ok(Report {
+            rank,
             steps: records,
             history,
             first_step: done + 1,
@@ -994,7 +1026,7 @@ mod tests {
         let part1 = run_job(&first, Box::new(Quiet), false).unwrap();
         assert_eq!(part1.steps.len(), 10);
         // Kept the last 2 of steps 5 and 10.
-        assert!(ckpt::step_dir(&ck, 10).is_dir() && ckpt::step_dir(&ck, 5).is_dir());
+        assert!(step_dir(&ck, 10).is_dir() && step_dir(&ck, 5).is_dir());
 
         let mut r = b.clone();
         r.push("--resume");
@@ -1022,13 +1054,13 @@ mod tests {
         // The resumed run carries the whole history.
         assert_eq!(part2.history.len(), 20);
         // Only steps 15 and 20 remain (keep 2).
-        assert!(!ckpt::step_dir(&ck, 10).exists() && ckpt::step_dir(&ck, 20).is_dir());
+        assert!(!step_dir(&ck, 10).exists() && step_dir(&ck, 20).is_dir());
 
         // Resume from the W = 4 step-15 checkpoint at W = 2 (batch 4: the same global batch).
         let ck2 = dir.path().join("ck2");
         std::fs::create_dir_all(&ck2).unwrap();
-        let from = ckpt::step_dir(&ck, 15);
-        let to = ckpt::step_dir(&ck2, 15);
+        let from = step_dir(&ck, 15);
+        let to = step_dir(&ck2, 15);
         copy_dir(&from, &to);
         let mut w2: Vec<&str> = common.to_vec();
         w2.extend(["--ranks", "2", "--batch", "4", "--resume"]);
@@ -1077,6 +1109,10 @@ mod tests {
         );
     }
 
+    fn step_dir(root: &std::path::Path, step: usize) -> std::path::PathBuf {
+        root.join(checkpoint::step_dir_name(step as u64))
+    }
+
     fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         std::fs::create_dir_all(to).unwrap();
         for e in std::fs::read_dir(from).unwrap() {
@@ -1119,8 +1155,8 @@ mod tests {
         assert!(step >= 1);
         assert_eq!(std::fs::read(&save).unwrap(), b"previous contents");
         // Every published checkpoint is from before the failing step and holds finite values.
-        if let Some((last, _)) = ckpt::latest(&ck).unwrap() {
-            assert!(last < step);
+        if let Some(last) = checkpoint::latest_complete(&ck).unwrap() {
+            assert!(last < step_dir(&ck, step), "{}", last.display());
         }
     }
 
