@@ -1,46 +1,4 @@
-//! # fsdp-alloc: the device runtime of fsdp-rs
-//!
-//! Devices, asynchronous streams and events, and the per-device caching allocator that owns all
-//! of a device's memory — the layer that lets FSDP's stream choreography and memory behaviour be
-//! reproduced (and tested) on a CPU exactly as on a GPU.
-//!
-//! ## How to use
-//!
-//! Make a [`Device`] per rank (`Device::cpu(rank)`, or [`Device::cpu_with`] a [`DeviceConfig`]
-//! to cap its memory like an 80 GB GPU, turn on the checked mode or turn off caching). Allocate
-//! with [`Device::alloc`]`(bytes, &stream)`: the [`Buffer`] is an RAII handle owned by that
-//! stream; launched work captures its [`BufferRef`] and reads or writes through
-//! [`BufferRef::read`] / [`BufferRef::write`] guards. Order streams with
-//! [`Stream::record_event`] + [`Stream::wait_event`]. Before dropping a buffer another stream
-//! used, call [`Buffer::record_stream`] on that stream (or keep the buffer alive until that
-//! stream's event, e.g. with [`RateLimiter::release_buffer`]).
-//!
-//! ```
-//! use fsdp_alloc::{Device, Event};
-//!
-//! let dev = Device::cpu(0);
-//! let compute = dev.default_stream().clone();
-//! let comm = dev.new_stream("comm");
-//!
-//! // Fill a buffer on the comm stream, then read it on the compute stream after an event.
-//! let mut buf = dev.alloc(4 * 1024, &comm).unwrap();
-//! let data = buf.data().clone();
-//! comm.launch(move || data.write::<f32>().unwrap().fill(1.5));
-//! let filled: Event = comm.record_event();
-//! compute.wait_event(&filled);
-//! let (tx, rx) = std::sync::mpsc::channel();
-//! let data = buf.data().clone();
-//! compute.launch(move || tx.send(data.read::<f32>().unwrap().iter().sum::<f32>()).unwrap());
-//! assert_eq!(rx.recv().unwrap(), 1536.0);
-//!
-//! // Compute used it: the block goes back to comm's free list once compute's event completes.
-//! buf.record_stream(&compute);
-//! drop(buf);
-//! dev.synchronize().unwrap();
-//! let stats = dev.memory_stats();
-//! assert_eq!(stats.allocated_bytes, 0);
-//! assert_eq!(stats.reserved_bytes, 2 << 20); // one cached 2 MiB small-pool segment
-//! ```
+#![doc = include_str!("../README.md")]
 //!
 //! ## Crate layout
 //!

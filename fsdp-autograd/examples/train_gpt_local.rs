@@ -60,11 +60,12 @@ fn parse() -> std::result::Result<Args, String> {
             }
             "--tied" => a.cfg.tied = true,
             "--checkpoint" => a.cfg.checkpoint = true,
+            "--gelu" => a.cfg.gelu = val("--gelu")?.parse()?,
             "-h" | "--help" => {
                 return Err(
                     "usage: train_gpt_local [--steps N] [--batch B] [--lr LR] [--vocab V] \
                             [--d-model D] [--layers L] [--heads H] [--seq T] [--tied] \
-                            [--checkpoint] [--seed S]"
+                            [--checkpoint] [--seed S] [--gelu exact|tanh]"
                         .into(),
                 )
             }
@@ -90,8 +91,8 @@ fn run(a: &Args) -> Result<()> {
     let model = Gpt::new(&InitContext::eager(&dev, a.seed), &a.cfg)?;
     let n_params: usize = parameters(&model).iter().map(|p| p.numel()).sum();
     println!(
-        "GPT: vocab {} d_model {} layers {} heads {} seq {} tied {} checkpoint {} — {n_params} parameters",
-        a.cfg.vocab, a.cfg.d_model, a.cfg.n_layers, a.cfg.n_heads, a.cfg.seq_len, a.cfg.tied, a.cfg.checkpoint
+        "GPT: vocab {} d_model {} layers {} heads {} seq {} tied {} checkpoint {} gelu {} — {n_params} parameters",
+        a.cfg.vocab, a.cfg.d_model, a.cfg.n_layers, a.cfg.n_heads, a.cfg.seq_len, a.cfg.tied, a.cfg.checkpoint, a.cfg.gelu
     );
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ a.seed);
     let mut perm: Vec<usize> = (0..a.cfg.vocab).collect();

@@ -80,6 +80,27 @@ pub enum AutogradError {
         /// Why not.
         detail: String,
     },
+    /// A CUDA device was used by a build of this crate without the `cuda` feature.
+    #[error(
+        "`{op}` on {device}: this build of fsdp-autograd was built without CUDA support; rebuild \
+         with `--features cuda` (and a CUDA driver) or use a CPU device"
+    )]
+    CudaNotBuilt {
+        /// The operation.
+        op: &'static str,
+        /// The CUDA device.
+        device: String,
+    },
+    /// A device backend (CUDA: driver, NVRTC, cuBLAS or a kernel's device-side check) failed.
+    #[error("`{op}` on the {backend} backend: {detail}")]
+    Backend {
+        /// The backend's name.
+        backend: &'static str,
+        /// The operation.
+        op: &'static str,
+        /// The backend's error, with what to do.
+        detail: String,
+    },
     /// The operation is not available for this device or configuration.
     #[error("`{op}`: not supported: {detail}")]
     Unsupported {

@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use bytemuck::Pod;
-use fsdp_alloc::{BufferRef, DType, Stream};
+use fsdp_alloc::{DType, Stream};
 use half::{bf16, f16};
 
 use crate::kernels::cpu;
@@ -37,15 +37,12 @@ pub(crate) fn fail(op: &'static str, msg: impl std::fmt::Display) -> ! {
 }
 
 /// A kernel argument: a tensor's elements as a memory range, captured at launch time.
-#[derive(Clone)]
-pub(crate) struct Arg {
-    pub buf: BufferRef,
-    pub dtype: DType,
-}
+pub(crate) type Arg = crate::kernels::backend::Operand;
 
+/// Typed host access inside CPU stream work.
 impl Arg {
     /// Reads the range as `f32` (converted from half dtypes into a temporary).
-    pub fn f32<R>(&self, op: &'static str, f: impl FnOnce(&[f32]) -> R) -> R {
+    pub(crate) fn f32<R>(&self, op: &'static str, f: impl FnOnce(&[f32]) -> R) -> R {
         match self.dtype {
             DType::F32 => {
                 let g = self.buf.read::<f32>().unwrap_or_else(|e| fail(op, e));
@@ -71,7 +68,12 @@ impl Arg {
 
     /// Writes the range as `f32`. For half dtypes `f` works on an `f32` temporary that holds the
     /// current values if `load` (for accumulating kernels) and is converted back afterwards.
-    pub fn f32_mut<R>(&self, op: &'static str, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    pub(crate) fn f32_mut<R>(
+        &self,
+        op: &'static str,
+        load: bool,
+        f: impl FnOnce(&mut [f32]) -> R,
+    ) -> R {
         match self.dtype {
             DType::F32 => {
                 let mut g = self.buf.write::<f32>().unwrap_or_else(|e| fail(op, e));
@@ -102,13 +104,17 @@ impl Arg {
     }
 
     /// Reads the range as `T` (the caller checked the dtype at launch time).
-    pub fn typed<T: Pod, R>(&self, op: &'static str, f: impl FnOnce(&[T]) -> R) -> R {
+    pub(crate) fn typed<T: Pod, R>(&self, op: &'static str, f: impl FnOnce(&[T]) -> R) -> R {
         let g = self.buf.read::<T>().unwrap_or_else(|e| fail(op, e));
         f(&g)
     }
 
     /// Writes the range as `T` (the caller checked the dtype at launch time).
-    pub fn typed_mut<T: Pod, R>(&self, op: &'static str, f: impl FnOnce(&mut [T]) -> R) -> R {
+    pub(crate) fn typed_mut<T: Pod, R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut [T]) -> R,
+    ) -> R {
         let mut g = self.buf.write::<T>().unwrap_or_else(|e| fail(op, e));
         f(&mut g)
     }

@@ -1,24 +1,4 @@
-//! # fsdp-autograd: tensors, kernels, reverse-mode autograd with FSDP's hook points, nn layers
-//!
-//! The compute layer of fsdp-rs. Every tensor's memory comes from its device's caching
-//! allocator ([`fsdp_alloc`]), every kernel is *launched* on a stream (the issuing thread returns
-//! at once and only waits when it reads data back), and the autograd engine exposes the three
-//! hook points FSDP is built on (see [`autograd`]).
-//!
-//! ```
-//! use fsdp_alloc::{DType, Device};
-//! use fsdp_autograd::{cross_entropy, nn::{Gpt, GptConfig, Module}, InitContext, Tensor};
-//!
-//! let dev = Device::cpu(0);
-//! let cfg = GptConfig { vocab: 16, d_model: 16, n_layers: 1, n_heads: 2, seq_len: 8, tied: false, checkpoint: false };
-//! let model = Gpt::new(&InitContext::eager(&dev, 0), &cfg)?;
-//! let ids = Tensor::from_vec((0..16).map(|i| i % 16).collect::<Vec<i64>>(), &[2, 8], &dev)?;
-//! let logits = model.call(&ids)?; // [2, 8, 16]
-//! let loss = cross_entropy(&logits, &ids)?;
-//! loss.backward()?;
-//! assert!(loss.item()? > 0.0);
-//! # Ok::<(), fsdp_autograd::AutogradError>(())
-//! ```
+#![doc = include_str!("../README.md")]
 //!
 //! # Crate layout
 //! - [`Tensor`], [`Storage`]: layout, storage release/attach (FSDP's `resize_(0)`), version
@@ -30,7 +10,8 @@
 //! - [`Parameter`], [`InitContext`]: named parameters with recorded [`init::InitOp`]s, created
 //!   eagerly on a device or on a fake device (recorded only).
 //! - [`nn`]: the `Module` trait with forward hooks, layers and a small GPT; [`optim::Sgd`].
-//! - [`kernels`]: the pure CPU kernels; [`init`]: init ops and the counter-based RNG.
+//! - [`kernels`]: the backend seam, the CPU kernels (and CUDA kernels with the `cuda` feature);
+//!   [`init`]: init ops and the counter-based RNG.
 //! - [`profile`]: per-operation kernel timing.
 //!
 //! # Streams and memory
@@ -46,8 +27,15 @@
 //! checkable at launch is returned as an [`AutogradError`] at once.
 //!
 //! # Limitations
-//! - Kernels run on CPU devices only: the `cuda` feature compiles, but operations on a CUDA device
-//!   return [`AutogradError::Unsupported`].
+//! - CUDA: with the `cuda` feature, operations on a CUDA device run the CUDA kernels through the
+//!   backend seam ([`kernels::backend`]); this has **never run on a GPU** (none exists where it
+//!   was written; the kernels run on a host emulator in tests, `cargo xtask gpu-test` runs them on
+//!   a GPU). Without the feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
+//!   CUDA, the general broadcast-undoing sum and copies into non-contiguous destinations (split
+//!   backward along an inner dimension) return [`AutogradError::Unsupported`], and so does eager
+//!   parameter init on a CUDA device (init runs on the host: create the model on a CPU device and
+//!   move it, or use the fake device; materializing deferred init directly on a CUDA device is
+//!   not implemented).
 //! - `matmul` needs operands with at least two dimensions and equal batch dimensions (or a 2-D
 //!   right operand); there is no general batch broadcasting. Binary operations need equal dtypes.
 //! - See [`autograd`] for the engine's limitations (no `retain_graph`, no higher-order
@@ -76,6 +64,7 @@ pub use context::{
     current_stream, enable_grad, is_grad_enabled, no_grad, with_stream, GradModeGuard,
 };
 pub use error::{AutogradError, HookError, Result};
+pub use kernels::Gelu;
 pub use ops::{causal_attention, cross_entropy, embedding, layer_norm, linear};
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

@@ -1,13 +1,88 @@
-//! A plain (local, unsharded) SGD optimizer with optional momentum and weight decay, for
-//! single-device training and tests. fsdp-core has the sharded optimizers.
+//! SGD: the update rule ([`SgdRule`], on one flat f32 slice) and a plain (local, unsharded)
+//! optimizer running it over [`Parameter`]s ([`Sgd`]), for single-device training and tests.
+//!
+//! [`SgdRule`] is the one SGD rule of the workspace: fsdp-core's sharded `Sgd`, its `LocalSgd`
+//! and `Fsdp::sgd_step` run the same [`SgdRule::update`], which is what makes FSDP training with
+//! SGD equal local training bit for bit.
 
 use crate::context::no_grad;
 use crate::error::Result;
+use crate::launch::launch;
+use crate::ops::{check_pair, Ctx};
 use crate::param::Parameter;
 use crate::tensor::Tensor;
 
-/// Stochastic gradient descent: `v = μ·v + (g + λ·p)`, `p -= lr·v` (PyTorch's formulation;
-/// with `μ = 0` simply `p -= lr·(g + λ·p)`). Updates run as kernels on the current stream.
+/// SGD's update (PyTorch's formulation, no dampening, no Nesterov) of one flat tensor, element
+/// by element: `d = g + λ·p`; with momentum `b = d` on the first step, else `b = μ·b + d`, and
+/// `d = b`; then `p = p + (−lr)·d`. Each operation rounds to f32 (no fused multiply-add), so
+/// running it on any piece of a tensor gives exactly that piece of the whole update.
+///
+/// ```
+/// use fsdp_autograd::optim::SgdRule;
+///
+/// let rule = SgdRule { lr: 0.1, momentum: 0.5, weight_decay: 0.0 };
+/// let (mut p, mut b) = (vec![1.0f32], vec![0.0f32]);
+/// rule.update(&mut p, &[2.0], Some(&mut b), true); // b = 2, p = 1 − 0.2
+/// rule.update(&mut p, &[2.0], Some(&mut b), false); // b = 0.5·2 + 2 = 3, p −= 0.3
+/// assert_eq!(b, [3.0]);
+/// assert_eq!(p, [(1.0f32 + -0.1 * 2.0) + -0.1 * 3.0]);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdRule {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum factor μ (0 disables momentum and its buffer).
+    pub momentum: f32,
+    /// Weight decay λ (L2, added to the gradient).
+    pub weight_decay: f32,
+}
+
+impl SgdRule {
+    /// Plain SGD with learning rate `lr` (no momentum, no weight decay).
+    pub fn new(lr: f32) -> SgdRule {
+        SgdRule {
+            lr,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// Whether the rule keeps a momentum buffer.
+    pub fn has_momentum(&self) -> bool {
+        self.momentum != 0.0
+    }
+
+    /// Updates `p` in place from the gradient `g` (same length). `buf` is the momentum buffer
+    /// (used only with momentum; `first` says it holds no history yet and is overwritten).
+    pub fn update(&self, p: &mut [f32], g: &[f32], buf: Option<&mut [f32]>, first: bool) {
+        let neg_lr = -self.lr;
+        match buf.filter(|_| self.has_momentum()) {
+            Some(b) => {
+                for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
+                    let mut d = g;
+                    if self.weight_decay != 0.0 {
+                        d += self.weight_decay * *p;
+                    }
+                    *b = if first { d } else { self.momentum * *b + d };
+                    *p += neg_lr * *b;
+                }
+            }
+            None => {
+                for (p, &g) in p.iter_mut().zip(g) {
+                    let mut d = g;
+                    if self.weight_decay != 0.0 {
+                        d += self.weight_decay * *p;
+                    }
+                    *p += neg_lr * d;
+                }
+            }
+        }
+    }
+}
+
+/// Stochastic gradient descent over plain parameters: [`SgdRule`] as one kernel per parameter on
+/// the current stream. Half-precision parameters are updated in f32 and rounded once per step
+/// (their momentum buffer is kept in the parameter's dtype).
 ///
 /// ```
 /// use fsdp_alloc::{DType, Device};
@@ -63,32 +138,51 @@ impl Sgd {
         &self.params
     }
 
+    /// The rule this optimizer runs (its current hyper-parameters).
+    pub fn rule(&self) -> SgdRule {
+        SgdRule {
+            lr: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+        }
+    }
+
     /// One update of every parameter that has a gradient.
     ///
     /// # Errors
-    /// Errors of the update kernels (released storage, dtype mismatch).
+    /// A gradient of another dtype or device than its parameter, a non-float or non-contiguous
+    /// parameter, released storage, device memory.
     pub fn step(&mut self) -> Result<()> {
+        const OP: &str = "Sgd::step";
+        let rule = self.rule();
         no_grad(|| {
             for (p, v) in self.params.iter().zip(self.velocity.iter_mut()) {
                 let Some(t) = p.try_get() else { continue };
                 let Some(g) = t.grad() else { continue };
-                let mut d = g;
-                if self.weight_decay != 0.0 {
-                    let dd = d.contiguous_copy()?;
-                    dd.add_scaled_(&t, self.weight_decay)?;
-                    d = dd;
+                check_pair(OP, &t, &g)?;
+                let g = g.contig()?;
+                let ctx = Ctx::of(&t);
+                let mut first = false;
+                if rule.has_momentum() && v.is_none() {
+                    *v = Some(Tensor::zeros(t.shape(), t.dtype(), t.device())?);
+                    first = true;
                 }
-                if self.momentum != 0.0 {
-                    match v {
-                        Some(buf) => {
-                            buf.scale_(self.momentum)?;
-                            buf.add_(&d)?;
-                        }
-                        None => *v = Some(d.contiguous_copy()?),
-                    }
-                    d = v.clone().expect("velocity set above");
+                let buf = v.as_ref().filter(|_| rule.has_momentum());
+                let pa = t.arg(OP, &ctx.stream)?;
+                let ga = g.arg(OP, &ctx.stream)?;
+                let ba = buf.map(|b| b.arg(OP, &ctx.stream)).transpose()?;
+                launch(&ctx.stream, "sgd", move || {
+                    ga.f32(OP, |g| {
+                        pa.f32_mut(OP, true, |p| match &ba {
+                            Some(ba) => ba.f32_mut(OP, true, |b| rule.update(p, g, Some(b), first)),
+                            None => rule.update(p, g, None, first),
+                        })
+                    })
+                });
+                t.storage().bump_version();
+                if let Some(b) = buf {
+                    b.storage().bump_version();
                 }
-                t.add_scaled_(&d, -self.lr)?;
             }
             Ok(())
         })
@@ -101,5 +195,40 @@ impl Sgd {
                 t.zero_grad();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rule_momentum_and_weight_decay_follow_pytorch() {
+        let rule = SgdRule {
+            lr: 0.1,
+            momentum: 0.5,
+            weight_decay: 0.2,
+        };
+        let mut p = vec![1.0f32];
+        let mut b = vec![0.0f32];
+        rule.update(&mut p, &[1.0], Some(&mut b), true);
+        // d = 1 + 0.2 = 1.2, b = 1.2, p = 1 − 0.12
+        assert_eq!(b[0], 1.2f32);
+        assert_eq!(p[0], 1.0 + -0.1 * 1.2f32);
+        let p1 = p[0];
+        rule.update(&mut p, &[1.0], Some(&mut b), false);
+        let d = 1.0 + 0.2 * p1;
+        let b1 = 0.5 * 1.2f32 + d;
+        assert_eq!(b[0], b1);
+        assert_eq!(p[0], p1 + -0.1 * b1);
+    }
+
+    #[test]
+    fn rule_without_momentum_ignores_the_buffer() {
+        let rule = SgdRule::new(0.5);
+        let (mut p, mut b) = (vec![1.0f32, 2.0], vec![7.0f32, 7.0]);
+        rule.update(&mut p, &[1.0, -1.0], Some(&mut b), false);
+        assert_eq!(p, [0.5, 2.5]);
+        assert_eq!(b, [7.0, 7.0]);
     }
 }

@@ -12,7 +12,8 @@ use half::{bf16, f16};
 use crate::autograd::node::{Edge, Node, PostHookFn, TensorHookFn};
 use crate::context::{current_stream, is_grad_enabled};
 use crate::error::{arg_err, shape_err, AutogradError, Result};
-use crate::launch::{contiguous_strides, launch, strided_copy, Arg};
+use crate::kernels::backend::{Kernels, Operand, View};
+use crate::launch::{contiguous_strides, strided_copy, Arg};
 use crate::storage::Storage;
 
 static NEXT_TENSOR_ID: AtomicU64 = AtomicU64::new(1);
@@ -253,8 +254,8 @@ impl Tensor {
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         let stream = current_stream(device);
         let t = Tensor::empty_on(shape, dtype, device, &stream)?;
-        let a = t.arg("full", &stream)?;
-        launch(&stream, "fill", move || fill_arg("full", &a, value));
+        let a = t.operand_on("full", &stream)?;
+        Kernels::for_device(device)?.fill(&stream, t.numel(), value, &a)?;
         Ok(t)
     }
 
@@ -277,14 +278,8 @@ impl Tensor {
     pub fn arange(n: usize, device: &Device) -> Result<Tensor> {
         let stream = current_stream(device);
         let t = Tensor::empty_on(&[n], DType::I64, device, &stream)?;
-        let a = t.arg("arange", &stream)?;
-        launch(&stream, "arange", move || {
-            a.typed_mut::<i64, _>("arange", |d| {
-                for (i, x) in d.iter_mut().enumerate() {
-                    *x = i as i64;
-                }
-            })
-        });
+        let a = t.operand_on("arange", &stream)?;
+        Kernels::for_device(device)?.arange(&stream, n, &a)?;
         Ok(t)
     }
 
@@ -305,10 +300,9 @@ impl Tensor {
         }
         let stream = current_stream(device);
         let t = Tensor::empty_on(shape, T::DTYPE, device, &stream)?;
-        let a = t.arg("from_vec", &stream)?;
-        launch(&stream, "from_vec", move || {
-            a.typed_mut::<T, _>("from_vec", |d| d.copy_from_slice(&data))
-        });
+        let a = t.operand_on("from_vec", &stream)?;
+        let bytes = bytemuck::cast_slice::<T, u8>(&data).to_vec();
+        Kernels::for_device(device)?.write(&stream, bytes, &a)?;
         Ok(t)
     }
 
@@ -573,8 +567,8 @@ impl Tensor {
             return Err(AutogradError::Unsupported {
                 op,
                 detail: format!(
-                    "tensor kernels run on CPU devices only; {} is a CUDA device (CUDA kernels \
-                     are not implemented in this crate yet)",
+                    "this step runs host code on the tensor's memory, and {} is a CUDA device; \
+                     create the tensor on a CPU device and move it with `Tensor::to`",
                     self.device().id()
                 ),
             });
@@ -582,14 +576,31 @@ impl Tensor {
         Ok(())
     }
 
-    /// The tensor's elements for a kernel on `stream` (contiguous tensors only).
+    /// The tensor's elements for host code launched on a CPU `stream` (contiguous tensors only;
+    /// CUDA tensors are refused). Kernels go through [`Tensor::operand`] and the backend seam.
     pub(crate) fn arg(&self, op: &'static str, stream: &Stream) -> Result<Arg> {
         self.check_host_kernels(op)?;
+        self.operand_on(op, stream)
+    }
+
+    /// The tensor's elements as a kernel [`Operand`] on the current stream of its device
+    /// (recording that stream on the memory). Contiguous tensors only.
+    ///
+    /// # Errors
+    /// [`AutogradError::Shape`] for a non-contiguous view (use `.contiguous()`);
+    /// [`AutogradError::StorageReleased`] if the storage is released.
+    pub fn operand(&self) -> Result<Operand> {
+        self.operand_on("operand", &current_stream(self.device()))
+    }
+
+    /// [`Tensor::operand`] for a kernel launched on `stream`.
+    pub(crate) fn operand_on(&self, op: &'static str, stream: &Stream) -> Result<Operand> {
         if !self.is_contiguous() {
             return Err(shape_err(
                 op,
                 format!(
-                    "internal: kernel argument with shape {:?} and strides {:?} is not contiguous",
+                    "a kernel operand must be contiguous; shape {:?} has strides {:?} \
+                     (call `.contiguous()` first)",
                     self.shape(),
                     self.strides()
                 ),
@@ -598,24 +609,33 @@ impl Tensor {
         let buf = self.inner.storage.use_on(stream, op)?;
         let sz = self.dtype().size();
         let buf = buf.slice(self.inner.offset * sz, self.numel() * sz)?;
-        Ok(Arg {
+        Ok(Operand {
             buf,
             dtype: self.dtype(),
         })
     }
 
     /// The memory spanned by this (possibly strided) view, starting at its first element; the
-    /// element at index `i` sits at `Σ i·strides` in it.
-    pub(crate) fn span_arg(&self, op: &'static str, stream: &Stream) -> Result<Arg> {
-        self.check_host_kernels(op)?;
+    /// element at index `i` sits at `Σ i·strides` in it. With [`Tensor::span_view`] it describes
+    /// the view to the layout kernels.
+    pub(crate) fn span_operand(&self, op: &'static str, stream: &Stream) -> Result<Operand> {
         let buf = self.inner.storage.use_on(stream, op)?;
         let sz = self.dtype().size();
         let span = span_of(self.shape(), self.strides());
         let buf = buf.slice(self.inner.offset * sz, span * sz)?;
-        Ok(Arg {
+        Ok(Operand {
             buf,
             dtype: self.dtype(),
         })
+    }
+
+    /// This tensor's layout relative to [`Tensor::span_operand`].
+    pub(crate) fn span_view(&self) -> View {
+        View {
+            shape: self.shape().to_vec(),
+            strides: self.strides().to_vec(),
+            offset: 0,
+        }
     }
 
     pub(crate) fn check_same_device(&self, other: &Tensor, op: &'static str) -> Result<()> {
@@ -669,24 +689,37 @@ impl Tensor {
             });
         }
         let stream = current_stream(self.device());
-        let src = self.span_arg("to_vec", &stream)?;
+        let src = self.span_operand("to_vec", &stream)?;
         let shape = self.shape().to_vec();
         let strides = self.strides().to_vec();
         let contiguous = self.is_contiguous();
         let (tx, rx) = mpsc::channel();
-        launch(&stream, "to_vec", move || {
-            src.typed::<T, _>("to_vec", |s| {
-                let out = if contiguous {
-                    s.to_vec()
-                } else {
-                    let mut out = vec![T::zeroed(); numel_of(&shape)];
-                    let cs = contiguous_strides(&shape);
-                    strided_copy(s, 0, &strides, &mut out, 0, &cs, &shape);
-                    out
-                };
-                let _ = tx.send(out);
-            })
-        });
+        let read = move |bytes: &[u8]| {
+            let mut s = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+            bytemuck::cast_slice_mut::<T, u8>(&mut s).copy_from_slice(bytes);
+            let out = if contiguous {
+                s
+            } else {
+                let mut out = vec![T::zeroed(); numel_of(&shape)];
+                let cs = contiguous_strides(&shape);
+                strided_copy(&s, 0, &strides, &mut out, 0, &cs, &shape);
+                out
+            };
+            let _ = tx.send(out);
+        };
+        Kernels::for_device(self.device())?.read(&stream, &src, Box::new(read))?;
+        recv(rx, &stream)
+    }
+
+    /// The bytes of a contiguous tensor on the host (waits for the work producing them).
+    pub(crate) fn read_bytes(&self, op: &'static str) -> Result<Vec<u8>> {
+        let stream = current_stream(self.device());
+        let src = self.operand_on(op, &stream)?;
+        let (tx, rx) = mpsc::channel();
+        let read = move |bytes: &[u8]| {
+            let _ = tx.send(bytes.to_vec());
+        };
+        Kernels::for_device(self.device())?.read(&stream, &src, Box::new(read))?;
         recv(rx, &stream)
     }
 
@@ -752,6 +785,19 @@ pub(crate) fn span_of(shape: &[usize], strides: &[usize]) -> usize {
         .zip(strides)
         .map(|(&n, &s)| (n - 1) * s)
         .sum::<usize>()
+}
+
+/// `value` converted to `dtype`, as the bytes of one element.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn host_scalar_bytes(dtype: DType, value: f64) -> Vec<u8> {
+    match dtype {
+        DType::F32 => (value as f32).to_ne_bytes().to_vec(),
+        DType::F16 => f16::from_f64(value).to_bits().to_ne_bytes().to_vec(),
+        DType::BF16 => bf16::from_f64(value).to_bits().to_ne_bytes().to_vec(),
+        DType::I64 => (value as i64).to_ne_bytes().to_vec(),
+        DType::I32 => (value as i32).to_ne_bytes().to_vec(),
+        DType::U8 => vec![value as u8],
+    }
 }
 
 /// Fills a kernel argument with `value` converted to its dtype.

@@ -61,6 +61,7 @@ fn add_mul_sub_scale_with_broadcasting() {
 fn unary_and_reductions() {
     let mut r = Rng::new(2);
     gradcheck("gelu", &[inp(&mut r, &[3, 5])], |x| x[0].gelu());
+    gradcheck("gelu_exact", &[inp(&mut r, &[3, 5])], |x| x[0].gelu_exact());
     gradcheck("softmax", &[inp(&mut r, &[3, 5])], |x| x[0].softmax());
     gradcheck("sum", &[inp(&mut r, &[3, 4])], |x| x[0].sum());
     gradcheck("mean", &[inp(&mut r, &[3, 4])], |x| x[0].mean());

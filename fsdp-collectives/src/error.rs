@@ -244,8 +244,8 @@ pub enum CollectiveError {
     // ----- rendezvous store -----
     /// A required environment variable is not set.
     #[error(
-        "environment variable {var} is not set; launch with torchrun-style RANK, WORLD_SIZE, \
-         MASTER_ADDR and MASTER_PORT"
+        "environment variable {var} is not set; launch with torchrun, mpirun (Open MPI or MPICH) \
+         or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
     )]
     MissingEnv {
         /// The variable.
@@ -260,6 +260,21 @@ pub enum CollectiveError {
         value: String,
         /// Why it is unusable.
         reason: String,
+    },
+    /// Two launchers' variables disagree (e.g. `mpirun` started inside a Slurm batch script).
+    #[error(
+        "launch environment is contradictory: {var_a}={value_a:?} but {var_b}={value_b:?}; set \
+         FSDP_LAUNCHER to torchrun, openmpi, pmi or slurm to say which launcher to believe"
+    )]
+    EnvConflict {
+        /// The variable of the launcher that is believed first.
+        var_a: &'static str,
+        /// Its value.
+        value_a: String,
+        /// The variable that contradicts it.
+        var_b: &'static str,
+        /// Its value.
+        value_b: String,
     },
     /// A socket operation of the store failed.
     #[error("rendezvous store at {addr}: {action} failed: {message}")]
@@ -283,6 +298,52 @@ pub enum CollectiveError {
         key: String,
         /// How long we waited.
         waited: Duration,
+    },
+    /// The store refused this client, or this client refused the store, in the shared-secret
+    /// handshake.
+    #[error(
+        "rendezvous store at {addr}: authentication failed: {detail}; every rank (and the host) \
+         needs the same FSDP_STORE_SECRET"
+    )]
+    StoreAuth {
+        /// Store address.
+        addr: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// A key, a value or the store's total size is over the store's limit.
+    #[error(
+        "rendezvous store at {addr}: {what} of {size} bytes exceeds the limit of {limit} bytes; \
+         store less (the store is for rendezvous metadata) or raise the limit in StoreLimits on \
+         the host"
+    )]
+    StoreLimit {
+        /// Store address.
+        addr: String,
+        /// `"key"`, `"value"` or `"total stored bytes"`.
+        what: &'static str,
+        /// The size that was refused (for the total: what it would have become).
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A barrier was entered with a world size other than the job's (or other callers').
+    #[error(
+        "rendezvous store at {addr}: barrier {name:?} entered with world size {got}, but the \
+         {source_of_expected} is {expected}; pass the job's world size and use a fresh name per \
+         barrier"
+    )]
+    StoreBarrier {
+        /// Store address.
+        addr: String,
+        /// The barrier's name.
+        name: String,
+        /// The world size this caller passed.
+        got: usize,
+        /// The world size the store expected.
+        expected: usize,
+        /// Where `expected` came from: the job's world size or an earlier caller of the barrier.
+        source_of_expected: &'static str,
     },
     /// The store peer sent something that is not this crate's protocol.
     #[error("rendezvous store at {addr}: protocol error: {detail}")]

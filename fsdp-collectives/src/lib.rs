@@ -1,46 +1,4 @@
-//! # fsdp-collectives: even-sized collectives for fsdp-rs
-//!
-//! The communication layer of FSDP: all-gather, reduce-scatter, all-reduce and broadcast over
-//! one contiguous input and one contiguous output whose lengths obey the *even-size rule*
-//! (output = world × input for all-gather, the reverse for reduce-scatter), issued
-//! asynchronously on `fsdp-alloc` streams, plus the device mesh of hybrid sharding and a TCP
-//! rendezvous store.
-//!
-//! ## How to use
-//! Create a group, give each rank thread its handle, and issue collectives on a stream; each
-//! returns a [`Work`] to wait on (host) or to order another stream after ([`Work::event`]).
-//!
-//! ```
-//! use fsdp_alloc::{DType, Device};
-//! use fsdp_collectives::{DeviceSlice, ProcessGroup, ThreadGroup};
-//!
-//! let ranks = ThreadGroup::new(2);
-//! let gathered: Vec<Vec<f32>> = std::thread::scope(|s| {
-//!     let threads: Vec<_> = ranks
-//!         .into_iter()
-//!         .map(|pg| {
-//!             s.spawn(move || {
-//!                 let rank = pg.rank();
-//!                 let dev = Device::cpu(rank);
-//!                 let comm = dev.new_stream("comm");
-//!                 // Each rank holds a shard of 3 elements and gathers 2 × 3.
-//!                 let shard = dev.alloc(3 * 4, &comm).unwrap();
-//!                 shard.data().write::<f32>().unwrap().fill(rank as f32 + 1.0);
-//!                 let full = dev.alloc(6 * 4, &comm).unwrap();
-//!                 let input = DeviceSlice::from_buffer(&shard, DType::F32).unwrap();
-//!                 let output = DeviceSlice::from_buffer(&full, DType::F32).unwrap();
-//!                 let work = pg.all_gather_into(&input, &output, &comm); // returns at once
-//!                 work.wait().unwrap();
-//!                 let v = full.data().read::<f32>().unwrap().to_vec();
-//!                 v
-//!             })
-//!         })
-//!         .collect();
-//!     threads.into_iter().map(|t| t.join().unwrap()).collect()
-//! });
-//! assert_eq!(gathered[0], [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]);
-//! assert_eq!(gathered[1], gathered[0]);
-//! ```
+#![doc = include_str!("../README.md")]
 //!
 //! ## Crate layout
 //! - [`ProcessGroup`] ([`group`]): the backend-independent trait; [`Work`], [`DeviceSlice`],
@@ -49,8 +7,10 @@
 //!   directly between ranks' buffers, reductions fold in rank order (bitwise deterministic),
 //!   dropped or failed ranks and timeouts become errors, optional [`LinkModel`].
 //! - [`DeviceMesh`] ([`mesh`]): shard groups and replicate groups for hybrid sharding.
-//! - [`TcpStore`] ([`store`]): rendezvous through `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-//!   `MASTER_PORT`.
+//! - [`TcpStore`] ([`store`]): rendezvous at `MASTER_ADDR:MASTER_PORT`, authenticated by a
+//!   shared secret (`FSDP_STORE_SECRET`), bounded against hostile clients;
+//!   [`store::LaunchEnv`] / [`RendezvousEnv`] read rank, world size and local rank from torchrun,
+//!   `mpirun` (Open MPI, MPICH/PMI) or `srun`.
 //! - `MpiGroup` (`mpi`, with the `mpi` feature): one rank per process over MPI; shared-memory
 //!   windows inside a node, rank-ordered reductions (bit-equal to the thread backend).
 //! - `NcclGroup` (`nccl`, with the `cuda` feature): the same trait over NCCL.

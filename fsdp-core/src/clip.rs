@@ -54,45 +54,12 @@
 
 use std::sync::mpsc;
 
-use fsdp_alloc::{DType, Stream};
-use fsdp_autograd::{current_stream, with_stream, Parameter, Tensor};
-use fsdp_collectives::{DeviceSlice, ReduceOp, Work};
+use fsdp_autograd::{current_stream, Parameter, Tensor};
 
 use crate::error::{FsdpError, Result};
-use crate::optim::{f32_mem, launch_f32, zeros_on, ShardedParams};
-
-/// Σ x² accumulated in f64, sequentially.
-pub(crate) fn sum_sq(x: &[f32]) -> f64 {
-    x.iter().map(|&v| v as f64 * v as f64).sum()
-}
-
-/// All-reduces (sum) the f32 tensor `t` over the model's shard group on `stream` and returns
-/// the collective; `None` when there is nothing to reduce (`NoShard`: every rank holds whole
-/// parameters; or a group of one). Replicas (hybrid sharding) hold identical reduced gradients
-/// and shards, so they never take part.
-pub(crate) fn all_reduce_sum(
-    model: &dyn ShardedParams,
-    t: &Tensor,
-    stream: &Stream,
-) -> Result<Option<Work>> {
-    let group = model.shard_group();
-    if !model.is_sharded() || group.size() == 1 {
-        return Ok(None);
-    }
-    let mem = f32_mem(t, "all_reduce", "a reduction buffer", stream)?;
-    let slice = DeviceSlice::new(mem, DType::F32)?;
-    Ok(Some(group.all_reduce(&slice, ReduceOp::Sum, stream)))
-}
-
-/// Reads an f32 tensor on `stream` (after everything launched there), then reports `work`'s
-/// error if the collective failed.
-fn read_after(t: &Tensor, stream: &Stream, work: Option<Work>) -> Result<Vec<f32>> {
-    let v = with_stream(stream, || t.to_vec::<f32>());
-    if let Some(w) = work {
-        w.wait()?;
-    }
-    Ok(v?)
-}
+use crate::sharded::{
+    all_reduce_sum, f32_mem, launch_f32, read_after, sum_sq, zeros_on, ShardedParams,
+};
 
 /// Per-parameter sums of squares of either the gradients (`grads`) or the shards, completed
 /// across the shard group; one entry per parameter in unit order, with its name.
@@ -106,7 +73,7 @@ fn per_param_sq(model: &dyn ShardedParams, grads: bool, op: &str) -> Result<Vec<
     let mut base = 0;
     for s in &shards {
         if s.names.len() != s.layout.num_params() {
-            return Err(FsdpError::Config(format!(
+            return Err(FsdpError::InvalidArgument(format!(
                 "{op}: unit `{}` names {} parameters but its layout has {}",
                 s.path,
                 s.names.len(),
@@ -124,7 +91,7 @@ fn per_param_sq(model: &dyn ShardedParams, grads: bool, op: &str) -> Result<Vec<
             &s.shard
         };
         if t.numel() != s.layout.chunk_numel() {
-            return Err(FsdpError::Config(format!(
+            return Err(FsdpError::InvalidArgument(format!(
                 "{op}: unit `{}` has {} elements where its layout has a chunk of {}",
                 s.path,
                 t.numel(),
@@ -240,7 +207,7 @@ fn check_max_norm(op: &str, max_norm: f64) -> Result<()> {
     if max_norm.is_finite() && max_norm >= 0.0 {
         Ok(())
     } else {
-        Err(FsdpError::Config(format!(
+        Err(FsdpError::InvalidArgument(format!(
             "{op}: max_norm is {max_norm}; it must be finite and non-negative"
         )))
     }
@@ -321,7 +288,7 @@ fn local_sq(tensors: &[Tensor], op: &'static str) -> Result<Vec<f64>> {
         Ok(v) => Ok(v),
         Err(_) => {
             stream.synchronize()?;
-            Err(FsdpError::Config(format!(
+            Err(FsdpError::State(format!(
                 "{op}: the norm kernel did not run and the stream reports no failure"
             )))
         }
@@ -418,16 +385,11 @@ mod tests {
         assert_eq!(clip_coef(1.0, f64::NAN), None);
         let c = clip_coef(1.0, 4.0).unwrap();
         assert!((c - 0.25).abs() < 1e-6);
-        assert!(check_max_norm("t", -1.0).is_err());
+        assert!(matches!(
+            check_max_norm("t", -1.0),
+            Err(FsdpError::InvalidArgument(_))
+        ));
         assert!(check_max_norm("t", f64::NAN).is_err());
         assert!(check_max_norm("t", 0.0).is_ok());
-    }
-
-    #[test]
-    fn sum_of_squares_is_f64() {
-        // 1e20² overflows f32 but not f64.
-        assert_eq!(sum_sq(&[1e20, 0.0]), 1e20f32 as f64 * 1e20f32 as f64);
-        assert_eq!(sum_sq(&[]), 0.0);
-        assert_eq!(sum_sq(&[3.0, 4.0]), 25.0);
     }
 }

@@ -1,10 +1,4 @@
-//! # fsdp-core: Fully Sharded Data Parallel for Rust
-//!
-//! Wrap a model built from [`fsdp_autograd::nn`] modules with [`Fsdp::wrap`] on every rank; each
-//! FSDP *unit* (chosen by a [`WrapPolicy`]) is flattened with the flatten-concat-chunk layout of
-//! [`fsdp_flatparam`], sharded over the ranks of a [`fsdp_collectives::ProcessGroup`], gathered
-//! just before it computes and freed right after, and its gradient is reduce-scattered as soon as
-//! it is final — communication on its own streams, overlapping compute.
+#![doc = include_str!("../README.md")]
 //!
 //! # Crate layout
 //! - [`wrap`]: unit planning (policies, the paper's assignment rule, shared parameters).
@@ -13,10 +7,12 @@
 //!   unit's own work (unshard, reshard, reduce its gradient, mixed precision, CPU offload copies)
 //!   is done by its `FlatParamHandle` within a communication context (streams, groups, rate
 //!   limiter); gradient accumulation with and without communication; SGD on shards.
-//! - [`optim`]: sharded SGD / AdamW / LAMB (state sharded like the parameters) and their local
-//!   twins; [`clip`]: global and exact per-parameter gradient norms across shards;
+//! - [`optim`]: update rules (SGD, AdamW, LAMB) run by a sharded driver (state sharded like the
+//!   parameters) and a local one; [`clip`]: global and exact per-parameter gradient norms across shards;
 //!   [`scaler`]: the sharded gradient scaler; [`state_dict`]: full, sharded and local state dicts
 //!   (safetensors on disk), optimizer state likewise.
+//! - `sharded` (private, below `optim`, `clip` and `scaler`): [`ShardedParams`], the f32 kernel
+//!   launches and the sum over the shard group they share.
 //! - [`plumbing`]: low-level helpers for code that issues its own collectives on tensors.
 #![deny(missing_docs)]
 
@@ -28,6 +24,7 @@ mod fsdp;
 mod handle;
 pub mod optim;
 pub mod scaler;
+mod sharded;
 pub mod state_dict;
 pub mod wrap;
 

@@ -57,9 +57,8 @@ use fsdp_autograd::{current_stream, with_stream, Parameter, Tensor};
 use fsdp_collectives::{DeviceSlice, ReduceOp};
 
 use crate::error::{FsdpError, Result};
-use crate::optim::{
-    f32_mem, launch_f32, zeros_on, LocalOptimizer, ShardedOptimizer, ShardedParams,
-};
+use crate::optim::{LocalOptimizer, ShardedOptimizer};
+use crate::sharded::{f32_mem, launch_f32, zeros_on, ShardedParams};
 
 /// Loss-scaling hyper-parameters (PyTorch's `GradScaler` defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -156,7 +155,7 @@ impl Schedule {
     fn inv_scale(&self, op: &str) -> Result<f32> {
         match self.stage {
             Stage::Ready => Ok((1.0 / self.scale as f64) as f32),
-            _ => Err(FsdpError::Config(format!(
+            _ => Err(FsdpError::State(format!(
                 "{op}: the gradients were already unscaled since the last update(); call \
                  update() once per iteration after step()"
             ))),
@@ -167,7 +166,7 @@ impl Schedule {
         let found_inf = match self.stage {
             Stage::Stepped { found_inf } | Stage::Unscaled { found_inf } => found_inf,
             Stage::Ready => {
-                return Err(FsdpError::Config(
+                return Err(FsdpError::State(
                     "grad scaler update(): no inf/NaN check was recorded since the last \
                      update(); call unscale() or step() first"
                         .into(),
@@ -193,12 +192,12 @@ impl Schedule {
 
     fn load(&mut self, scale: f32, tracker: u32) -> Result<()> {
         if !(scale.is_finite() && scale > 0.0) {
-            return Err(FsdpError::Config(format!(
+            return Err(FsdpError::InvalidArgument(format!(
                 "grad scaler load_state: scale {scale} must be positive and finite"
             )));
         }
         if tracker >= self.cfg.growth_interval {
-            return Err(FsdpError::Config(format!(
+            return Err(FsdpError::InvalidArgument(format!(
                 "grad scaler load_state: growth tracker {tracker} must be below the growth \
                  interval {}",
                 self.cfg.growth_interval
@@ -348,7 +347,7 @@ impl ShardedGradScaler {
             Stage::Ready => self.unscale(model)?,
             Stage::Unscaled { found_inf } => found_inf,
             Stage::Stepped { .. } => {
-                return Err(FsdpError::Config(
+                return Err(FsdpError::State(
                     "ShardedGradScaler::step: already stepped since the last update(); call \
                      update() once per iteration"
                         .into(),
@@ -481,7 +480,7 @@ impl LocalGradScaler {
             }
             Stage::Unscaled { found_inf } => found_inf,
             Stage::Stepped { .. } => {
-                return Err(FsdpError::Config(
+                return Err(FsdpError::State(
                     "LocalGradScaler::step: already stepped since the last update(); call \
                      update() once per iteration"
                         .into(),

@@ -1,8 +1,4 @@
-//! # fsdp-init: deferred initialization, bit-identical to eager init
-//!
-//! Build a model far larger than one device without allocating anything, then materialize it —
-//! whole, one FSDP unit at a time, or only one rank's shard of each unit — with exactly the
-//! values eager init would have produced.
+#![doc = include_str!("../README.md")]
 //!
 //! ## How
 //!
@@ -66,31 +62,6 @@
 //! ([`InitPlan::cross_unit_dependencies`]): replayed when the source is position-wise, refused
 //! with [`MaterializeError::CrossUnitDependency`] (naming both parameters and suggesting one
 //! unit) when the source needs a whole-tensor op.
-//!
-//! ```
-//! use fsdp_alloc::Device;
-//! use fsdp_autograd::{nn::{named_parameters, Gpt, GptConfig}, InitContext};
-//! use fsdp_flatparam::FlatParamLayout;
-//! use fsdp_init::InitPlan;
-//!
-//! // Build on the fake device: nothing is allocated.
-//! let model = Gpt::new(&InitContext::fake(0), &GptConfig::tiny())?;
-//! let plan = InitPlan::from_module(&model)?;
-//!
-//! // One FSDP unit: block 0's parameters, sharded over 2 ranks.
-//! let unit: Vec<_> = named_parameters(&model)
-//!     .into_iter()
-//!     .filter(|(n, _)| n.starts_with("blocks.0."))
-//!     .map(|(_, p)| p)
-//!     .collect();
-//! let shapes: Vec<Vec<usize>> = unit.iter().map(|p| p.shape().to_vec()).collect();
-//! let layout = FlatParamLayout::new(&shapes, 2)?;
-//! let dev = Device::cpu(1);
-//! let shard = plan.materialize_shard(&unit, &layout, 1, &dev)?; // rank 1's chunk only
-//! assert_eq!(shard.numel(), layout.chunk_numel());
-//! assert!(unit.iter().all(|p| !p.is_materialized()));
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
 //!
 //! ## Limitations
 //!

@@ -160,6 +160,30 @@ fn full_shard_matches_local_on_1_2_3_4_8_ranks() {
 }
 
 #[test]
+fn exact_and_tanh_gelu_gpts_match_local() {
+    use fsdp_autograd::Gelu;
+    // The default GPT uses exact (erf) GELU; both activations must keep FSDP's bit-for-bit
+    // equality with local training, and they must actually differ from each other.
+    assert_eq!(untied().gelu, Gelu::Exact);
+    let config = FsdpConfig {
+        wrap_policy: blocks(),
+        ..FsdpConfig::default()
+    };
+    let mut params = Vec::new();
+    for gelu in [Gelu::Exact, Gelu::Tanh] {
+        let model_cfg = untied().with_gelu(gelu);
+        check_with(3, None, config.clone(), false, &model_cfg);
+        params.push(sorted(local(3, 3, &model_cfg).1));
+    }
+    // At this init (weights ~ N(0, 0.02)) the two activations differ by far less than the
+    // losses' precision, but the trained parameters must differ.
+    assert!(
+        first_difference(&params[0], &params[1]).is_some(),
+        "exact and tanh GELU trained to the same parameters"
+    );
+}
+
+#[test]
 fn every_strategy_prefetch_and_limiter_setting_matches_local() {
     for strategy in [
         ShardingStrategy::FullShard,
@@ -471,6 +495,7 @@ fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool,
                 seq_len: seq,
                 tied,
                 checkpoint,
+                gelu: fsdp_autograd::Gelu::Exact,
             },
         );
     let knobs = (

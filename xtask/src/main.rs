@@ -2,13 +2,19 @@
 //!
 //! - `ci`: format check, clippy with `-D warnings` (default and `cuda` features), the `cuda`
 //!   compile check, and the workspace tests.
-//! - `gpu-test`: looks for a CUDA driver and a GPU without panicking; runs the workspace tests with
-//!   `--features cuda` (GPU-only tests included) if found, otherwise says so and fails.
+//! - `gpu-test`: looks for a CUDA driver and a GPU without panicking; runs the suite of 4 (ops,
+//!   NCCL, FSDP parity and memory, bench) if found, otherwise says so and fails. `--list` prints
+//!   the suite without running it. Nothing in it has ever run on a GPU.
+//! - `nvrtc`: compiles every CUDA kernel source with NVRTC from the `nvidia-cuda-nvrtc-cu12`
+//!   wheel (compile only; no GPU or driver needed).
 //! - `bench [NAME]`: runs the named bench (or all of them) in release mode.
 //! - `soak`: runs the slow `#[ignore]`d tests.
+//! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
+//!   links, missing docs), without and with the `cuda` feature.
 //! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4) and the kill test;
 //!   `bench mpi`: MPI vs thread collectives and train_gpt tokens/s (see `mpi.rs`).
 
+mod gpu_test;
 mod mpi;
 
 use std::path::{Path, PathBuf};
@@ -79,55 +85,44 @@ fn ci() -> Result<(), String> {
         "cuda compile check",
         cargo().args(["check", "--workspace", "--features", "fsdp-tests/cuda"]),
     )?;
+    run(
+        "cuda kernels on the host emulator",
+        cargo().env("FSDP_EMU_REQUIRED", "1").args([
+            "test",
+            "-p",
+            "fsdp-autograd",
+            "--features",
+            "cuda",
+            "--lib",
+            "kernels::cuda",
+        ]),
+    )?;
     run("tests", cargo().args(["test", "--workspace"]))
 }
 
-/// Looks for a CUDA driver and at least one device, without letting cudarc panic.
-fn find_gpu() -> Result<usize, String> {
-    // SAFETY: `is_culib_present` only tries to dlopen the driver library and reports whether
-    // that worked; it has no preconditions.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err("libcuda (the CUDA driver library) was not found".into());
-    }
-    // SAFETY: the driver library is present (checked above); cuInit and cuDeviceGetCount take
-    // plain integer arguments and an out-pointer to a local.
-    unsafe {
-        let r = cudarc::driver::sys::cuInit(0);
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuInit failed: {r:?}"));
-        }
-        let mut n: std::os::raw::c_int = 0;
-        let r = cudarc::driver::sys::cuDeviceGetCount(&mut n);
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuDeviceGetCount failed: {r:?}"));
-        }
-        if n < 1 {
-            return Err("the CUDA driver reports no device".into());
-        }
-        Ok(n as usize)
-    }
-}
-
-fn gpu_test() -> Result<(), String> {
-    match find_gpu() {
-        Err(why) => Err(format!(
-            "no CUDA driver/GPU found: GPU tests not run ({why})"
-        )),
-        Ok(n) => {
-            eprintln!("xtask: found {n} CUDA device(s); running the suite with --features cuda");
-            run(
-                "gpu tests",
-                cargo().env("FSDP_GPU_TESTS", "1").args([
-                    "test",
-                    "--workspace",
-                    "--features",
-                    "fsdp-tests/cuda",
-                    "--",
-                    "--include-ignored",
-                ]),
-            )
-        }
-    }
+/// `cargo doc --workspace --no-deps` with `-D warnings` added to `RUSTDOCFLAGS`, without and
+/// with the optional `cuda` feature.
+fn doc() -> Result<(), String> {
+    let flags = match std::env::var("RUSTDOCFLAGS") {
+        Ok(f) if !f.trim().is_empty() => format!("{f} -D warnings"),
+        _ => "-D warnings".to_string(),
+    };
+    run(
+        "doc",
+        cargo()
+            .env("RUSTDOCFLAGS", &flags)
+            .args(["doc", "--workspace", "--no-deps"]),
+    )?;
+    run(
+        "doc (cuda)",
+        cargo().env("RUSTDOCFLAGS", &flags).args([
+            "doc",
+            "--workspace",
+            "--no-deps",
+            "--features",
+            "fsdp-tests/cuda",
+        ]),
+    )
 }
 
 fn bench(name: Option<&str>) -> Result<(), String> {
@@ -182,7 +177,7 @@ fn soak() -> Result<(), String> {
 }
 
 const USAGE: &str =
-    "usage: cargo xtask <ci | gpu-test | bench [NAME] | bench mpi | soak | mpi-test>";
+    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc | mpi-test>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -193,12 +188,16 @@ fn main() {
         .as_slice()
     {
         ["ci"] => ci(),
-        ["gpu-test"] => gpu_test(),
+        ["gpu-test"] => gpu_test::gpu_test(),
+        ["gpu-test", "--list"] => gpu_test::list(),
+        ["gpu-launch-2"] => gpu_test::launch_2(),
+        ["nvrtc"] => gpu_test::nvrtc(),
         ["bench"] => bench(None),
         ["bench", "mpi"] => mpi::bench_mpi(),
         ["bench", name] => bench(Some(name)),
         ["mpi-test"] => mpi::mpi_test(),
         ["soak"] => soak(),
+        ["doc"] => doc(),
         _ => Err(USAGE.to_string()),
     };
     if let Err(e) = result {

@@ -1,24 +1,73 @@
-//! Compute kernels: pure functions on slices, with no tensors, streams or autograd in sight.
-//!
-//! The tensor layer launches these on a stream; they only see contiguous, row-major `f32` data
-//! (plus `i64` ids/targets and `f16`/`bf16` for casts). Every kernel checks that the slices it is
-//! given match the shape arguments and returns a [`KernelError`] naming the kernel, the argument
-//! and the sizes otherwise — kernels never panic on bad input.
+//! Compute kernels and the backend seam the tensor layer reaches them through.
 //!
 //! # Layout
-//! - [`cpu`]: the CPU implementations. Matrix products go through the [`gemm`] crate; everything
-//!   else is plain Rust that processes whole rows in a fixed order.
+//! - [`backend`]: the seam — the [`backend::Backend`] trait (one method per kernel a `Tensor`
+//!   needs, each with a shape struct), [`backend::Kernels`] (the front that checks every operand
+//!   once, for all backends), [`backend::CpuBackend`] and [`backend::CudaBackend`]. Every tensor
+//!   operation, fill, copy, upload and readback goes through it.
+//! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices. Matrix products go
+//!   through the [`gemm`] crate; everything else is plain Rust that processes whole rows in a
+//!   fixed order. As public slice functions they still reject slices that do not match their
+//!   shape arguments ([`KernelError`], never a panic), through the same checks the CUDA kernels
+//!   use.
+//! - `cuda` (feature `cuda`): the CUDA kernels (NVRTC-compiled source, cuBLAS), run on a host
+//!   emulator in tests, compiled by NVRTC in `cargo xtask nvrtc`, never run on a GPU here.
 //!
 //! # Determinism
 //! Every CPU kernel returns bit-identical results for bit-identical inputs, on every call and
 //! (for matrix products) under every parallelism setting and at every slice alignment; see
 //! [`cpu::matmul`] for how this was established for `gemm` and what it rests on.
 
+pub mod backend;
+mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod cuda_backend;
 
 use thiserror::Error;
+
+/// Which GELU: the exact form `x·Φ(x)` (PyTorch's default, `approximate="none"`) or GPT-2's tanh
+/// approximation (`approximate="tanh"`). The default is [`Gelu::Exact`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Gelu {
+    /// `x·Φ(x) = ½·x·(1 + erf(x/√2))`.
+    #[default]
+    Exact,
+    /// `½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    Tanh,
+}
+
+impl Gelu {
+    /// The name PyTorch's `approximate=` argument uses for it with `Exact` as `"none"`; here
+    /// `"exact"` or `"tanh"` (as `train_gpt --gelu` spells them).
+    pub fn name(self) -> &'static str {
+        match self {
+            Gelu::Exact => "exact",
+            Gelu::Tanh => "tanh",
+        }
+    }
+}
+
+impl std::str::FromStr for Gelu {
+    type Err = String;
+    /// Parses `"exact"` (also `"none"`, `"erf"`) or `"tanh"`.
+    fn from_str(s: &str) -> Result<Gelu, String> {
+        match s {
+            "exact" | "none" | "erf" => Ok(Gelu::Exact),
+            "tanh" => Ok(Gelu::Tanh),
+            other => Err(format!(
+                "unknown GELU `{other}`: use `exact` (erf, PyTorch's default) or `tanh`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Gelu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// A kernel was called with arguments that do not describe a valid computation.
 ///

@@ -13,6 +13,7 @@ use fsdp_alloc::DType;
 use crate::autograd::checkpoint;
 use crate::error::{shape_err, AutogradError, Result};
 use crate::init::InitOp;
+use crate::kernels::Gelu;
 use crate::nn::{Embedding, LayerNorm, Linear, Module, ModuleHooks, Sequential};
 use crate::ops;
 use crate::param::{InitContext, Parameter};
@@ -48,10 +49,13 @@ pub struct GptConfig {
     pub tied: bool,
     /// Activation checkpointing of every block.
     pub checkpoint: bool,
+    /// The MLP's activation: exact (erf) GELU by default, as PyTorch's `nn.GELU()`; GPT-2's tanh
+    /// approximation on request.
+    pub gelu: Gelu,
 }
 
 impl GptConfig {
-    /// A configuration without tying or checkpointing.
+    /// A configuration without tying or checkpointing, with exact GELU.
     pub fn new(
         vocab: usize,
         d_model: usize,
@@ -67,6 +71,7 @@ impl GptConfig {
             seq_len,
             tied: false,
             checkpoint: false,
+            gelu: Gelu::Exact,
         }
     }
 
@@ -89,6 +94,12 @@ impl GptConfig {
     /// With `checkpoint` set.
     pub fn with_checkpoint(mut self, checkpoint: bool) -> GptConfig {
         self.checkpoint = checkpoint;
+        self
+    }
+
+    /// With the MLP activation `gelu`.
+    pub fn with_gelu(mut self, gelu: Gelu) -> GptConfig {
+        self.gelu = gelu;
         self
     }
 
@@ -196,6 +207,8 @@ pub struct Mlp {
     pub fc: Linear,
     /// `[d, 4d]`.
     pub proj: Linear,
+    /// The activation (exact GELU unless set otherwise).
+    pub gelu: Gelu,
     hooks: ModuleHooks,
 }
 
@@ -223,14 +236,21 @@ impl Mlp {
                 proj_init,
                 zeros(),
             )?,
+            gelu: Gelu::Exact,
             hooks: ModuleHooks::new(),
         })
+    }
+
+    /// With the activation `gelu`.
+    pub fn with_gelu(mut self, gelu: Gelu) -> Mlp {
+        self.gelu = gelu;
+        self
     }
 }
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.proj.call(&self.fc.call(x)?.gelu()?)
+        self.proj.call(&self.fc.call(x)?.gelu_with(self.gelu)?)
     }
     fn visit_params(&self, _f: &mut dyn FnMut(&str, &Parameter)) {}
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(&str, &'a dyn Module)) {
@@ -271,7 +291,7 @@ pub struct Block {
 }
 
 impl Block {
-    /// A block of width `d` with `n_heads` heads in a model of `n_layers` blocks.
+    /// A block of width `d` with `n_heads` heads in a model of `n_layers` blocks (exact GELU).
     pub fn new(
         ctx: &InitContext,
         d: usize,
@@ -279,13 +299,25 @@ impl Block {
         n_layers: usize,
         checkpoint: bool,
     ) -> Result<Block> {
+        Block::with_gelu(ctx, d, n_heads, n_layers, checkpoint, Gelu::Exact)
+    }
+
+    /// As [`Block::new`] with the MLP activation `gelu`.
+    pub fn with_gelu(
+        ctx: &InitContext,
+        d: usize,
+        n_heads: usize,
+        n_layers: usize,
+        checkpoint: bool,
+        gelu: Gelu,
+    ) -> Result<Block> {
         let proj_scale = 1.0 / (2.0 * n_layers.max(1) as f32).sqrt();
         Ok(Block {
             layers: Arc::new(BlockLayers {
                 ln1: LayerNorm::new(&ctx.child("ln1"), d)?,
                 attn: CausalSelfAttention::new(&ctx.child("attn"), d, n_heads, proj_scale)?,
                 ln2: LayerNorm::new(&ctx.child("ln2"), d)?,
-                mlp: Mlp::new(&ctx.child("mlp"), d, proj_scale)?,
+                mlp: Mlp::new(&ctx.child("mlp"), d, proj_scale)?.with_gelu(gelu),
             }),
             checkpoint,
             hooks: ModuleHooks::new(),
@@ -365,12 +397,13 @@ impl Gpt {
         let blocks_ctx = ctx.child("blocks");
         let mut blocks: Vec<Box<dyn Module>> = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
-            blocks.push(Box::new(Block::new(
+            blocks.push(Box::new(Block::with_gelu(
                 &blocks_ctx.child(&i.to_string()),
                 d,
                 config.n_heads,
                 config.n_layers,
                 config.checkpoint,
+                config.gelu,
             )?));
         }
         let ln_f = LayerNorm::new(&ctx.child("ln_f"), d)?;

@@ -30,6 +30,8 @@
 mod gpt;
 mod layers;
 
+/// The GELU variants an [`Mlp`] (and [`GptConfig::gelu`]) can use.
+pub use crate::kernels::Gelu;
 pub use gpt::{Block, CausalSelfAttention, Gpt, GptConfig, Mlp};
 pub use layers::{Embedding, LayerNorm, Linear, Sequential};
 

@@ -5,11 +5,11 @@ use fsdp_alloc::DType;
 
 use crate::autograd::{needs_grad, record1, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::launch::{fail, launch};
-use crate::ops::kern;
+use crate::kernels::backend::{BinaryOp, Rows, View};
+use crate::kernels::Gelu;
 use crate::ops::reduce::sum_to;
 use crate::ops::{check_pair, Ctx};
-use crate::tensor::{fill_arg, numel_of, Tensor};
+use crate::tensor::{numel_of, Tensor};
 
 /// NumPy broadcasting of two shapes (aligned from the right; sizes equal or one of them 1).
 pub(crate) fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
@@ -62,10 +62,10 @@ impl Bin {
             Bin::Mul => "mul",
         }
     }
-    fn run(self, a: &[f32], b: &[f32], out: &mut [f32]) -> kern::KResult {
+    fn op(self) -> BinaryOp {
         match self {
-            Bin::Add => kern::add(a, b, out),
-            Bin::Mul => kern::mul(a, b, out),
+            Bin::Add => BinaryOp::Add,
+            Bin::Mul => BinaryOp::Mul,
         }
     }
 }
@@ -95,29 +95,24 @@ fn binary_raw(op: Bin, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     };
     let out = ctx.empty(&out_shape, a.dtype())?;
     let (fa, sa, oa) = (
-        full.arg(name, &ctx.stream)?,
-        small.arg(name, &ctx.stream)?,
-        out.arg(name, &ctx.stream)?,
+        full.operand_on(name, &ctx.stream)?,
+        small.operand_on(name, &ctx.stream)?,
+        out.operand_on(name, &ctx.stream)?,
     );
-    let cols = small.numel();
-    launch(&ctx.stream, name, move || {
-        fa.f32(name, |f| {
-            sa.f32(name, |s| {
-                oa.f32_mut(name, false, |o| {
-                    let r = if cols == 0 || cols == f.len() {
-                        op.run(f, s, o)
-                    } else if op == Bin::Add {
-                        kern::add_bias(f, s, o)
-                    } else {
-                        f.chunks(cols)
-                            .zip(o.chunks_mut(cols))
-                            .try_for_each(|(fr, or)| op.run(fr, s, or))
-                    };
-                    r.unwrap_or_else(|e| fail(name, e))
-                })
-            })
-        })
-    });
+    let (n, cols) = (full.numel(), small.numel());
+    if n == 0 {
+        return Ok(out);
+    }
+    // `small` is either full-size (one row of n) or one row repeated over the leading dims.
+    let rows = if cols == n {
+        Rows { rows: 1, cols: n }
+    } else {
+        Rows {
+            rows: n / cols,
+            cols,
+        }
+    };
+    ctx.k()?.binary(&ctx.stream, op.op(), rows, &fa, &sa, &oa)?;
     Ok(out)
 }
 
@@ -185,14 +180,11 @@ impl Tensor {
         let ctx = Ctx::of(self);
         let x = self.contig()?;
         let out = ctx.empty(self.shape(), self.dtype())?;
-        let (xa, oa) = (x.arg("scale", &ctx.stream)?, out.arg("scale", &ctx.stream)?);
-        launch(&ctx.stream, "scale", move || {
-            xa.f32("scale", |x| {
-                oa.f32_mut("scale", false, |o| {
-                    kern::scale(x, s, o).unwrap_or_else(|e| fail("scale", e))
-                })
-            })
-        });
+        let (xa, oa) = (
+            x.operand_on("scale", &ctx.stream)?,
+            out.operand_on("scale", &ctx.stream)?,
+        );
+        ctx.k()?.scale(&ctx.stream, x.numel(), s, &xa, &oa)?;
         if !needs_grad(&[self]) {
             return Ok(out);
         }
@@ -206,20 +198,27 @@ impl Tensor {
         ))
     }
 
-    /// GELU (tanh approximation, as GPT-2).
+    /// GELU, tanh approximation (as GPT-2; PyTorch's `gelu(x, approximate="tanh")`).
     pub fn gelu(&self) -> Result<Tensor> {
+        self.gelu_with(Gelu::Tanh)
+    }
+
+    /// GELU, exact (erf) form (PyTorch's default `gelu(x)`).
+    pub fn gelu_exact(&self) -> Result<Tensor> {
+        self.gelu_with(Gelu::Exact)
+    }
+
+    /// GELU of the given kind, with its backward.
+    pub fn gelu_with(&self, kind: Gelu) -> Result<Tensor> {
         self.check_float("gelu")?;
         let ctx = Ctx::of(self);
         let x = self.contig()?;
         let out = ctx.empty(self.shape(), self.dtype())?;
-        let (xa, oa) = (x.arg("gelu", &ctx.stream)?, out.arg("gelu", &ctx.stream)?);
-        launch(&ctx.stream, "gelu", move || {
-            xa.f32("gelu", |x| {
-                oa.f32_mut("gelu", false, |o| {
-                    kern::gelu(x, o).unwrap_or_else(|e| fail("gelu", e))
-                })
-            })
-        });
+        let (xa, oa) = (
+            x.operand_on("gelu", &ctx.stream)?,
+            out.operand_on("gelu", &ctx.stream)?,
+        );
+        ctx.k()?.gelu(&ctx.stream, kind, x.numel(), &xa, &oa)?;
         if !needs_grad(&[self]) {
             return Ok(out);
         }
@@ -234,21 +233,14 @@ impl Tensor {
                 let g = g.contig()?;
                 let ctx = Ctx::of(&x);
                 let dx = ctx.empty(x.shape(), x.dtype())?;
+                let op = "gelu_backward";
                 let (xa, ga, da) = (
-                    x.arg("gelu_backward", &ctx.stream)?,
-                    g.arg("gelu_backward", &ctx.stream)?,
-                    dx.arg("gelu_backward", &ctx.stream)?,
+                    x.operand_on(op, &ctx.stream)?,
+                    g.operand_on(op, &ctx.stream)?,
+                    dx.operand_on(op, &ctx.stream)?,
                 );
-                launch(&ctx.stream, "gelu_backward", move || {
-                    xa.f32("gelu_backward", |x| {
-                        ga.f32("gelu_backward", |g| {
-                            da.f32_mut("gelu_backward", false, |d| {
-                                kern::gelu_backward(x, g, d)
-                                    .unwrap_or_else(|e| fail("gelu_backward", e))
-                            })
-                        })
-                    })
-                });
+                ctx.k()?
+                    .gelu_backward(&ctx.stream, kind, x.numel(), &xa, &ga, &da)?;
                 Ok(vec![Some(dx)])
             },
         ))
@@ -271,13 +263,11 @@ impl Tensor {
         let ctx = Ctx::of(self);
         let x = self.contig()?;
         let out = ctx.empty(self.shape(), dtype)?;
-        let (xa, oa) = (x.arg("cast", &ctx.stream)?, out.arg("cast", &ctx.stream)?);
-        // Through f32: the half → f32 and f32 → half conversions are `kernels::cpu::cast_*`.
-        launch(&ctx.stream, "cast", move || {
-            xa.f32("cast", |x| {
-                oa.f32_mut("cast", false, |o| o.copy_from_slice(x))
-            })
-        });
+        let (xa, oa) = (
+            x.operand_on("cast", &ctx.stream)?,
+            out.operand_on("cast", &ctx.stream)?,
+        );
+        ctx.k()?.cast(&ctx.stream, x.numel(), &xa, &oa)?;
         if !needs_grad(&[self]) {
             return Ok(out);
         }
@@ -326,25 +316,20 @@ impl Tensor {
         }
         let ctx = Ctx::of(self);
         let mut src = other.contig()?;
-        let mut sa = src.arg(op, &ctx.stream)?;
-        let da = dst.arg(op, &ctx.stream)?;
+        let mut sa = src.operand_on(op, &ctx.stream)?;
+        let da = dst.operand_on(op, &ctx.stream)?;
         if sa.buf.overlaps(&da.buf) {
             src = src.copy_raw(op)?;
-            sa = src.arg(op, &ctx.stream)?;
+            sa = src.operand_on(op, &ctx.stream)?;
         }
         let cols = src.numel();
-        launch(&ctx.stream, "axpy", move || {
-            sa.f32(op, |s| {
-                da.f32_mut(op, true, |d| {
-                    if cols == 0 {
-                        return;
-                    }
-                    d.chunks_mut(cols)
-                        .try_for_each(|row| kern::axpy(alpha, s, row))
-                        .unwrap_or_else(|e| fail(op, e))
-                })
-            })
-        });
+        if cols > 0 && dst.numel() > 0 {
+            let rows = Rows {
+                rows: dst.numel() / cols,
+                cols,
+            };
+            ctx.k()?.axpy_rows(&ctx.stream, rows, alpha, &sa, &da)?;
+        }
         self.storage().bump_version();
         Ok(())
     }
@@ -355,14 +340,8 @@ impl Tensor {
         self.check_float("scale_")?;
         let dst = self.inplace_dst("scale_")?;
         let ctx = Ctx::of(self);
-        let da = dst.arg("scale_", &ctx.stream)?;
-        launch(&ctx.stream, "scale", move || {
-            da.f32_mut("scale_", true, |d| {
-                for v in d.iter_mut() {
-                    *v *= s;
-                }
-            })
-        });
+        let da = dst.operand_on("scale_", &ctx.stream)?;
+        ctx.k()?.scale_inplace(&ctx.stream, dst.numel(), s, &da)?;
         self.storage().bump_version();
         Ok(())
     }
@@ -372,8 +351,8 @@ impl Tensor {
         self.check_inplace("fill_")?;
         let dst = self.inplace_dst("fill_")?;
         let ctx = Ctx::of(self);
-        let da = dst.arg("fill_", &ctx.stream)?;
-        launch(&ctx.stream, "fill", move || fill_arg("fill_", &da, value));
+        let da = dst.operand_on("fill_", &ctx.stream)?;
+        ctx.k()?.fill(&ctx.stream, dst.numel(), value, &da)?;
         self.storage().bump_version();
         Ok(())
     }
@@ -406,16 +385,15 @@ impl Tensor {
             src.to_dtype(self.dtype())?
         };
         let mut src = src.contig()?;
-        let mut sa = src.arg("copy_", &ctx.stream)?;
-        let da = dst.arg("copy_", &ctx.stream)?;
+        let mut sa = src.operand_on("copy_", &ctx.stream)?;
+        let da = dst.operand_on("copy_", &ctx.stream)?;
         if sa.buf.overlaps(&da.buf) {
             src = src.copy_raw("copy_")?;
-            sa = src.arg("copy_", &ctx.stream)?;
+            sa = src.operand_on("copy_", &ctx.stream)?;
         }
         let n = numel_of(self.shape());
-        launch(&ctx.stream, "copy", move || {
-            crate::launch::strided_copy_arg("copy_", &sa, 0, &[1], &da, 0, &[1], &[n])
-        });
+        let v = View::contiguous(&[n], 0);
+        ctx.k()?.copy(&ctx.stream, &v, &sa, &v, &da)?;
         self.storage().bump_version();
         Ok(())
     }

@@ -5,8 +5,8 @@
 
 use crate::autograd::{needs_grad, record1, SavedTensor};
 use crate::error::{shape_err, Result};
-use crate::launch::{fail, launch, Arg};
-use crate::ops::{check_pair, kern, Ctx};
+use crate::kernels::backend::{Gemm, Operand, View};
+use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
 fn layout_is_contiguous(shape: &[usize], strides: &[usize]) -> bool {
@@ -48,30 +48,26 @@ fn prep(t: &Tensor) -> Result<(Tensor, bool)> {
 #[allow(clippy::too_many_arguments)]
 fn launch_mm(
     ctx: &Ctx,
-    a: Arg,
+    a: Operand,
     ta: bool,
-    b: Arg,
+    b: Operand,
     tb: bool,
-    c: Arg,
+    c: Operand,
     batch: usize,
     m: usize,
     k: usize,
     n: usize,
-) {
-    launch(&ctx.stream, "matmul", move || {
-        a.f32("matmul", |a| {
-            b.f32("matmul", |b| {
-                c.f32_mut("matmul", false, |c| {
-                    let r = if batch == 1 {
-                        kern::matmul(a, b, c, m, k, n, ta, tb, false)
-                    } else {
-                        kern::bmm(a, b, c, batch, m, k, n, ta, tb, false)
-                    };
-                    r.unwrap_or_else(|e| fail("matmul", e))
-                })
-            })
-        })
-    });
+) -> Result<()> {
+    let g = Gemm {
+        batch,
+        m,
+        k,
+        n,
+        trans_a: ta,
+        trans_b: tb,
+        accumulate: false,
+    };
+    ctx.k()?.gemm(&ctx.stream, &g, &a, &b, &c)
 }
 
 impl Tensor {
@@ -122,16 +118,16 @@ impl Tensor {
         let (kb, km) = if fold { (1, batch * m) } else { (batch, m) };
         launch_mm(
             &ctx,
-            pa.span_arg("matmul", &ctx.stream)?,
+            pa.span_operand("matmul", &ctx.stream)?,
             ta,
-            pb.span_arg("matmul", &ctx.stream)?,
+            pb.span_operand("matmul", &ctx.stream)?,
             tb,
-            out.arg("matmul", &ctx.stream)?,
+            out.operand_on("matmul", &ctx.stream)?,
             kb.max(1),
             km,
             k,
             n,
-        );
+        )?;
         if !needs_grad(&[a, b]) {
             return Ok(out);
         }
@@ -158,16 +154,16 @@ impl Tensor {
                     let da = ctx.empty(&a_shape, g.dtype())?;
                     launch_mm(
                         &ctx,
-                        g.arg("matmul", s)?,
+                        g.operand_on("matmul", s)?,
                         false,
-                        pb.span_arg("matmul", s)?,
+                        pb.span_operand("matmul", s)?,
                         !tb,
-                        da.arg("matmul", s)?,
+                        da.operand_on("matmul", s)?,
                         if fold { 1 } else { bs },
                         km,
                         n,
                         k,
-                    );
+                    )?;
                     Some(da)
                 } else {
                     None
@@ -177,16 +173,16 @@ impl Tensor {
                     let db = ctx.empty(&b_shape, g.dtype())?;
                     launch_mm(
                         &ctx,
-                        pa.span_arg("matmul", s)?,
+                        pa.span_operand("matmul", s)?,
                         !ta,
-                        g.arg("matmul", s)?,
+                        g.operand_on("matmul", s)?,
                         false,
-                        db.arg("matmul", s)?,
+                        db.operand_on("matmul", s)?,
                         if fold { 1 } else { bs },
                         k,
                         km,
                         n,
-                    );
+                    )?;
                     Some(db)
                 } else {
                     None
@@ -249,30 +245,38 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let out = ctx.empty(&out_shape, x.dtype())?;
     {
         let s = &ctx.stream;
+        let k = ctx.k()?;
         let (xa, wa, oa) = (
-            xc.arg("linear", s)?,
-            pw.span_arg("linear", s)?,
-            out.arg("linear", s)?,
+            xc.operand_on("linear", s)?,
+            pw.span_operand("linear", s)?,
+            out.operand_on("linear", s)?,
         );
-        let ba = bc.as_ref().map(|b| b.arg("linear", s)).transpose()?;
-        launch(s, "matmul", move || {
-            xa.f32("linear", |xv| {
-                wa.f32("linear", |wv| {
-                    let has_bias = ba.is_some();
-                    oa.f32_mut("linear", false, |o| {
-                        if let Some(ba) = &ba {
-                            ba.f32("linear", |bv| {
-                                for row in o.chunks_mut(out_f.max(1)) {
-                                    row.copy_from_slice(bv);
-                                }
-                            });
-                        }
-                        kern::matmul(xv, wv, o, rows, in_f, out_f, false, w_rows_out, has_bias)
-                            .unwrap_or_else(|e| fail("linear", e))
-                    })
-                })
-            })
-        });
+        if let Some(b) = &bc {
+            // The bias on every row (a stride-0 copy), then the product accumulated onto it.
+            let rows_view = View {
+                shape: vec![rows, out_f],
+                strides: vec![0, 1],
+                offset: 0,
+            };
+            let ba = b.operand_on("linear", s)?;
+            k.copy(
+                s,
+                &rows_view,
+                &ba,
+                &View::contiguous(&[rows, out_f], 0),
+                &oa,
+            )?;
+        }
+        let g = Gemm {
+            batch: 1,
+            m: rows,
+            k: in_f,
+            n: out_f,
+            trans_a: false,
+            trans_b: w_rows_out,
+            accumulate: bc.is_some(),
+        };
+        k.gemm(s, &g, &xa, &wa, &oa)?;
     }
     let inputs: Vec<&Tensor> = match bias {
         Some(b) => vec![x, weight, b],
@@ -305,16 +309,16 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
                 let dx = ctx.empty(&x_shape, g.dtype())?;
                 launch_mm(
                     &ctx,
-                    g.arg("linear", s)?,
+                    g.operand_on("linear", s)?,
                     false,
-                    pw.span_arg("linear", s)?,
+                    pw.span_operand("linear", s)?,
                     !w_rows_out,
-                    dx.arg("linear", s)?,
+                    dx.operand_on("linear", s)?,
                     1,
                     rows,
                     out_f,
                     in_f,
-                );
+                )?;
                 Some(dx)
             } else {
                 None
@@ -324,16 +328,16 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
                 let dw = ctx.empty(&w_shape, g.dtype())?;
                 launch_mm(
                     &ctx,
-                    g.arg("linear", s)?,
+                    g.operand_on("linear", s)?,
                     true,
-                    xc.arg("linear", s)?,
+                    xc.operand_on("linear", s)?,
                     false,
-                    dw.arg("linear", s)?,
+                    dw.operand_on("linear", s)?,
                     1,
                     out_f,
                     rows,
                     in_f,
-                );
+                )?;
                 Some(dw)
             } else {
                 None

@@ -1,5 +1,6 @@
-//! Differentiable tensor operations. Each launches `kernels::cpu` functions on the current
-//! stream (capturing memory handles, never tensors) and records a backward node when needed.
+//! Differentiable tensor operations. Each checks its tensors, launches its kernels through the
+//! device's backend seam ([`crate::kernels::backend::Kernels`]) on the current stream, and records
+//! a backward node when needed.
 //!
 //! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
 //! ([`linear`], [`layer_norm`], [`embedding`], [`causal_attention`], [`cross_entropy`]).
@@ -7,11 +8,11 @@
 //! equal dtypes.
 
 pub(crate) mod elementwise;
-pub(crate) mod kern;
 pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod reduce;
 pub(crate) mod shape;
+pub(crate) mod transfer;
 
 pub use matmul::linear;
 pub use nn::{causal_attention, cross_entropy, embedding, layer_norm};
@@ -20,6 +21,7 @@ use fsdp_alloc::{Device, Stream};
 
 use crate::context::current_stream;
 use crate::error::{AutogradError, Result};
+use crate::kernels::backend::Kernels;
 use crate::tensor::Tensor;
 
 /// Device and current stream of an operation.
@@ -33,6 +35,11 @@ impl Ctx {
         let device = t.device().clone();
         let stream = current_stream(&device);
         Ctx { device, stream }
+    }
+
+    /// The device's kernels (behind the seam's argument checks).
+    pub(crate) fn k(&self) -> Result<Kernels> {
+        Kernels::for_device(&self.device)
     }
 
     pub(crate) fn empty(&self, shape: &[usize], dtype: fsdp_alloc::DType) -> Result<Tensor> {

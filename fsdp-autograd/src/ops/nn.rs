@@ -5,8 +5,8 @@ use fsdp_alloc::DType;
 
 use crate::autograd::{needs_grad, record, record1, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::launch::{fail, launch};
-use crate::ops::{check_pair, kern, Ctx};
+use crate::kernels::backend::{Attention, EmbeddingShape, LayerNormShape, Rows};
+use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
 fn last_dim(t: &Tensor, op: &'static str) -> Result<usize> {
@@ -30,17 +30,15 @@ impl Tensor {
         let ctx = Ctx::of(self);
         let x = self.contig()?;
         let y = ctx.empty(self.shape(), self.dtype())?;
+        let rows = Rows {
+            rows: x.numel() / cols,
+            cols,
+        };
         let (xa, ya) = (
-            x.arg("softmax", &ctx.stream)?,
-            y.arg("softmax", &ctx.stream)?,
+            x.operand_on("softmax", &ctx.stream)?,
+            y.operand_on("softmax", &ctx.stream)?,
         );
-        launch(&ctx.stream, "softmax", move || {
-            xa.f32("softmax", |x| {
-                ya.f32_mut("softmax", false, |y| {
-                    kern::softmax_rows(x, y, cols).unwrap_or_else(|e| fail("softmax", e))
-                })
-            })
-        });
+        ctx.k()?.softmax(&ctx.stream, rows, &xa, &ya)?;
         if !needs_grad(&[self]) {
             return Ok(y);
         }
@@ -61,20 +59,12 @@ impl Tensor {
                 let dx = ctx.empty(y.shape(), y.dtype())?;
                 let op = "softmax_backward";
                 let (ya, ga, da) = (
-                    y.arg(op, &ctx.stream)?,
-                    g.arg(op, &ctx.stream)?,
-                    dx.arg(op, &ctx.stream)?,
+                    y.operand_on(op, &ctx.stream)?,
+                    g.operand_on(op, &ctx.stream)?,
+                    dx.operand_on(op, &ctx.stream)?,
                 );
-                launch(&ctx.stream, op, move || {
-                    ya.f32(op, |y| {
-                        ga.f32(op, |g| {
-                            da.f32_mut(op, false, |d| {
-                                kern::softmax_rows_backward(y, g, d, cols)
-                                    .unwrap_or_else(|e| fail(op, e))
-                            })
-                        })
-                    })
-                });
+                ctx.k()?
+                    .softmax_backward(&ctx.stream, rows, &ya, &ga, &da)?;
                 Ok(vec![Some(dx)])
             },
         ))
@@ -106,30 +96,19 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
     let mean = ctx.empty(&[rows], DType::F32)?;
     let rstd = ctx.empty(&[rows], DType::F32)?;
     let op = "layer_norm";
+    let ln = LayerNormShape {
+        rows: Rows { rows, cols },
+        eps,
+    };
     let (xa, ga, ba, ya, ma, ra) = (
-        xc.arg(op, s)?,
-        gc.arg(op, s)?,
-        bc.arg(op, s)?,
-        y.arg(op, s)?,
-        mean.arg(op, s)?,
-        rstd.arg(op, s)?,
+        xc.operand_on(op, s)?,
+        gc.operand_on(op, s)?,
+        bc.operand_on(op, s)?,
+        y.operand_on(op, s)?,
+        mean.operand_on(op, s)?,
+        rstd.operand_on(op, s)?,
     );
-    launch(s, op, move || {
-        xa.f32(op, |x| {
-            ga.f32(op, |g| {
-                ba.f32(op, |b| {
-                    ya.f32_mut(op, false, |y| {
-                        ma.f32_mut(op, false, |m| {
-                            ra.f32_mut(op, false, |r| {
-                                kern::layer_norm(x, g, b, y, m, r, cols, eps)
-                                    .unwrap_or_else(|e| fail(op, e))
-                            })
-                        })
-                    })
-                })
-            })
-        })
-    });
+    ctx.k()?.layer_norm(s, ln, &xa, &ga, &ba, &ya, &ma, &ra)?;
     if !needs_grad(&[x, gamma, beta]) {
         return Ok(y);
     }
@@ -168,37 +147,17 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
             let dg = ctx.empty(&[cols], x.dtype())?;
             let db = ctx.empty(&[cols], x.dtype())?;
             let (xa, ga, ma, ra, dya, dxa, dga, dba) = (
-                x.arg(op, s)?,
-                gamma.arg(op, s)?,
-                mean.arg(op, s)?,
-                rstd.arg(op, s)?,
-                dy.arg(op, s)?,
-                dx.arg(op, s)?,
-                dg.arg(op, s)?,
-                db.arg(op, s)?,
+                x.operand_on(op, s)?,
+                gamma.operand_on(op, s)?,
+                mean.operand_on(op, s)?,
+                rstd.operand_on(op, s)?,
+                dy.operand_on(op, s)?,
+                dx.operand_on(op, s)?,
+                dg.operand_on(op, s)?,
+                db.operand_on(op, s)?,
             );
-            launch(s, op, move || {
-                xa.f32(op, |x| {
-                    ga.f32(op, |g| {
-                        ma.f32(op, |m| {
-                            ra.f32(op, |r| {
-                                dya.f32(op, |dy| {
-                                    dxa.f32_mut(op, false, |dx| {
-                                        dga.f32_mut(op, false, |dg| {
-                                            dba.f32_mut(op, false, |db| {
-                                                kern::layer_norm_backward(
-                                                    x, g, m, r, dy, dx, dg, db, cols,
-                                                )
-                                                .unwrap_or_else(|e| fail(op, e))
-                                            })
-                                        })
-                                    })
-                                })
-                            })
-                        })
-                    })
-                })
-            });
+            ctx.k()?
+                .layer_norm_backward(s, ln, &xa, &ga, &ma, &ra, &dya, &dxa, &dga, &dba)?;
             Ok(vec![
                 needs[0].then_some(dx),
                 needs[1].then_some(dg),
@@ -235,16 +194,17 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     out_shape.push(dim);
     let out = ctx.empty(&out_shape, table.dtype())?;
     let op = "embedding";
-    let (ia, ta, oa) = (ic.arg(op, s)?, tc.arg(op, s)?, out.arg(op, s)?);
-    launch(s, op, move || {
-        ia.typed::<i64, _>(op, |i| {
-            ta.f32(op, |t| {
-                oa.f32_mut(op, false, |o| {
-                    kern::embedding(i, t, o, dim).unwrap_or_else(|e| fail(op, e))
-                })
-            })
-        })
-    });
+    let es = EmbeddingShape {
+        ids: ic.numel(),
+        vocab: table.shape()[0],
+        dim,
+    };
+    let (ia, ta, oa) = (
+        ic.operand_on(op, s)?,
+        tc.operand_on(op, s)?,
+        out.operand_on(op, s)?,
+    );
+    ctx.k()?.embedding(s, es, &ia, &ta, &oa)?;
     if !needs_grad(&[table]) {
         return Ok(out);
     }
@@ -262,16 +222,12 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         let ctx = Ctx::of(&dy);
         let s = &ctx.stream;
         let dt = ctx.empty(&t_shape, dy.dtype())?;
-        let (ia, ga, da) = (ids.arg(op, s)?, dy.arg(op, s)?, dt.arg(op, s)?);
-        launch(s, op, move || {
-            ia.typed::<i64, _>(op, |i| {
-                ga.f32(op, |g| {
-                    da.f32_mut(op, false, |d| {
-                        kern::embedding_backward(i, g, d, dim).unwrap_or_else(|e| fail(op, e))
-                    })
-                })
-            })
-        });
+        let (ia, ga, da) = (
+            ids.operand_on(op, s)?,
+            dy.operand_on(op, s)?,
+            dt.operand_on(op, s)?,
+        );
+        ctx.k()?.embedding_backward(s, es, &ia, &ga, &da)?;
         Ok(vec![Some(dt)])
     }))
 }
@@ -300,27 +256,20 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let out = ctx.empty(q.shape(), q.dtype())?;
     let probs = ctx.empty(&[b, h, t, t], DType::F32)?;
     let op = "attention";
+    let at = Attention {
+        batch: b,
+        heads: h,
+        t,
+        d,
+    };
     let (qa, ka, va, oa, pa) = (
-        qc.arg(op, s)?,
-        kc.arg(op, s)?,
-        vc.arg(op, s)?,
-        out.arg(op, s)?,
-        probs.arg(op, s)?,
+        qc.operand_on(op, s)?,
+        kc.operand_on(op, s)?,
+        vc.operand_on(op, s)?,
+        out.operand_on(op, s)?,
+        probs.operand_on(op, s)?,
     );
-    launch(s, op, move || {
-        qa.f32(op, |q| {
-            ka.f32(op, |k| {
-                va.f32(op, |v| {
-                    oa.f32_mut(op, false, |o| {
-                        pa.f32_mut(op, false, |p| {
-                            kern::causal_attention(q, k, v, o, p, b, h, t, d)
-                                .unwrap_or_else(|e| fail(op, e))
-                        })
-                    })
-                })
-            })
-        })
-    });
+    ctx.k()?.attention(s, at, &qa, &ka, &va, &oa, &pa)?;
     if !needs_grad(&[q, k, v]) {
         return Ok(out);
     }
@@ -356,37 +305,17 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
             let dk = ctx.empty(q.shape(), q.dtype())?;
             let dv = ctx.empty(q.shape(), q.dtype())?;
             let (qa, ka, va, pa, ga, dqa, dka, dva) = (
-                q.arg(op, s)?,
-                k.arg(op, s)?,
-                v.arg(op, s)?,
-                p.arg(op, s)?,
-                dout.arg(op, s)?,
-                dq.arg(op, s)?,
-                dk.arg(op, s)?,
-                dv.arg(op, s)?,
+                q.operand_on(op, s)?,
+                k.operand_on(op, s)?,
+                v.operand_on(op, s)?,
+                p.operand_on(op, s)?,
+                dout.operand_on(op, s)?,
+                dq.operand_on(op, s)?,
+                dk.operand_on(op, s)?,
+                dv.operand_on(op, s)?,
             );
-            launch(s, op, move || {
-                qa.f32(op, |q| {
-                    ka.f32(op, |k| {
-                        va.f32(op, |v| {
-                            pa.f32(op, |p| {
-                                ga.f32(op, |g| {
-                                    dqa.f32_mut(op, false, |dq| {
-                                        dka.f32_mut(op, false, |dk| {
-                                            dva.f32_mut(op, false, |dv| {
-                                                kern::causal_attention_backward(
-                                                    q, k, v, p, g, dq, dk, dv, b, h, t, d,
-                                                )
-                                                .unwrap_or_else(|e| fail(op, e))
-                                            })
-                                        })
-                                    })
-                                })
-                            })
-                        })
-                    })
-                })
-            });
+            ctx.k()?
+                .attention_backward(s, at, &qa, &ka, &va, &pa, &ga, &dqa, &dka, &dva)?;
             Ok(vec![
                 needs[0].then_some(dq),
                 needs[1].then_some(dk),
@@ -427,22 +356,14 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let loss = ctx.empty(&[], logits.dtype())?;
     let lse = ctx.empty(&[rows], DType::F32)?;
     let op = "cross_entropy";
+    let rs = Rows { rows, cols };
     let (la, ta, oa, sa) = (
-        lc.arg(op, s)?,
-        tc.arg(op, s)?,
-        loss.arg(op, s)?,
-        lse.arg(op, s)?,
+        lc.operand_on(op, s)?,
+        tc.operand_on(op, s)?,
+        loss.operand_on(op, s)?,
+        lse.operand_on(op, s)?,
     );
-    launch(s, op, move || {
-        la.f32(op, |l| {
-            ta.typed::<i64, _>(op, |t| {
-                let v = sa.f32_mut(op, false, |e| {
-                    kern::cross_entropy(l, t, cols, e).unwrap_or_else(|e| fail(op, e))
-                });
-                oa.f32_mut(op, false, |o| o[0] = v)
-            })
-        })
-    });
+    ctx.k()?.cross_entropy(s, rs, &la, &ta, &oa, &sa)?;
     if !needs_grad(&[logits]) {
         return Ok(loss);
     }
@@ -468,26 +389,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             let ctx = Ctx::of(&l);
             let s = &ctx.stream;
             let dlogits = ctx.empty(&l_shape, l.dtype())?;
+            let dl = dl.contig()?;
             let (la, ta, ea, ga, da) = (
-                l.arg(op, s)?,
-                t.arg(op, s)?,
-                e.arg(op, s)?,
-                dl.contig()?.arg(op, s)?,
-                dlogits.arg(op, s)?,
+                l.operand_on(op, s)?,
+                t.operand_on(op, s)?,
+                e.operand_on(op, s)?,
+                dl.operand_on(op, s)?,
+                dlogits.operand_on(op, s)?,
             );
-            launch(s, op, move || {
-                let dloss = ga.f32(op, |g| g[0]);
-                la.f32(op, |l| {
-                    ta.typed::<i64, _>(op, |t| {
-                        ea.f32(op, |e| {
-                            da.f32_mut(op, false, |d| {
-                                kern::cross_entropy_backward(l, t, e, dloss, d, cols)
-                                    .unwrap_or_else(|e| fail(op, e))
-                            })
-                        })
-                    })
-                })
-            });
+            ctx.k()?
+                .cross_entropy_backward(s, rs, &la, &ta, &ea, &ga, &da)?;
             Ok(vec![Some(dlogits)])
         })
         .pop()

@@ -2,20 +2,40 @@
 
 use crate::autograd::{needs_grad, record1};
 use crate::error::{shape_err, Result};
-use crate::launch::{contiguous_strides, fail, launch, Arg};
-use crate::ops::{kern, Ctx};
+use crate::kernels::backend::{Rows, SumTo, View};
+use crate::launch::contiguous_strides;
+use crate::ops::Ctx;
 use crate::tensor::{numel_of, Tensor};
 
 /// A tensor of `shape` (dtype of `g`) filled with `g`'s single value times `factor`.
 pub(crate) fn fill_like_scalar(g: &Tensor, shape: &[usize], factor: f32) -> Result<Tensor> {
     let ctx = Ctx::of(g);
     let out = ctx.empty(shape, g.dtype())?;
-    let ga = g.contig()?.arg("sum_backward", &ctx.stream)?;
-    let oa = out.arg("sum_backward", &ctx.stream)?;
-    launch(&ctx.stream, "sum_backward", move || {
-        let v = ga.f32("sum_backward", |g| g[0]) * factor;
-        oa.f32_mut("sum_backward", false, |o| o.fill(v))
-    });
+    let g = g.contig()?;
+    let n = out.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let ga = g.operand_on("sum_backward", &ctx.stream)?;
+    let oa = out.operand_on("sum_backward", &ctx.stream)?;
+    let k = ctx.k()?;
+    // g's one value on every element (a stride-0 copy), then scaled: `g·factor` per element,
+    // one rounding, as a fill with the product would give.
+    let broadcast = View {
+        shape: vec![n],
+        strides: vec![0],
+        offset: 0,
+    };
+    k.copy(
+        &ctx.stream,
+        &broadcast,
+        &ga,
+        &View::contiguous(&[n], 0),
+        &oa,
+    )?;
+    if factor != 1.0 {
+        k.scale_inplace(&ctx.stream, n, factor, &oa)?;
+    }
     Ok(out)
 }
 
@@ -24,13 +44,12 @@ fn reduce_all(t: &Tensor, op: &'static str, mean: bool) -> Result<Tensor> {
     let ctx = Ctx::of(t);
     let x = t.contig()?;
     let out = ctx.empty(&[], t.dtype())?;
-    let (xa, oa) = (x.arg(op, &ctx.stream)?, out.arg(op, &ctx.stream)?);
+    let (xa, oa) = (
+        x.operand_on(op, &ctx.stream)?,
+        out.operand_on(op, &ctx.stream)?,
+    );
     let n = t.numel();
-    launch(&ctx.stream, op, move || {
-        let s = xa.f32(op, kern::sum);
-        let v = if mean { s / n as f32 } else { s };
-        oa.f32_mut(op, false, |o| o[0] = v)
-    });
+    ctx.k()?.sum(&ctx.stream, n, mean, &xa, &oa)?;
     if !needs_grad(&[t]) {
         return Ok(out);
     }
@@ -86,50 +105,27 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
     let x = g.contig()?;
     let out = ctx.empty(shape, g.dtype())?;
     let (xa, oa) = (
-        x.arg("sum_to", &ctx.stream)?,
-        out.arg("sum_to", &ctx.stream)?,
+        x.operand_on("sum_to", &ctx.stream)?,
+        out.operand_on("sum_to", &ctx.stream)?,
     );
+    let k = ctx.k()?;
     // Row broadcast (the common case: bias and positional-embedding gradients): column sums.
     let first = shape.iter().position(|&n| n != 1).unwrap_or(shape.len());
     let suffix = &shape[first..];
     if gs[gs.len() - suffix.len()..] == *suffix {
-        launch(&ctx.stream, "col_sums", move || {
-            xa.f32("sum_to", |x| {
-                oa.f32_mut("sum_to", false, |o| {
-                    kern::col_sums(x, o).unwrap_or_else(|e| fail("sum_to", e))
-                })
-            })
-        });
+        let cols = numel_of(shape);
+        let rows = Rows {
+            rows: x.numel() / cols,
+            cols,
+        };
+        k.col_sums(&ctx.stream, rows, &xa, &oa)?;
         return Ok(out);
     }
-    launch(&ctx.stream, "sum_to", move || {
-        general_sum_to(&xa, &oa, &gs, &tstrides)
-    });
+    let st = SumTo {
+        shape: gs,
+        target_strides: tstrides,
+        out_numel: numel_of(shape),
+    };
+    k.sum_to(&ctx.stream, &st, &xa, &oa)?;
     Ok(out)
-}
-
-fn general_sum_to(xa: &Arg, oa: &Arg, gs: &[usize], tstrides: &[usize]) {
-    xa.f32("sum_to", |x| {
-        oa.f32_mut("sum_to", false, |o| {
-            o.fill(0.0);
-            let nd = gs.len();
-            let mut idx = vec![0usize; nd];
-            let mut t = 0usize;
-            for &v in x {
-                o[t] += v;
-                // odometer over g's index space
-                let mut d = nd;
-                while d > 0 {
-                    d -= 1;
-                    idx[d] += 1;
-                    t += tstrides[d];
-                    if idx[d] < gs[d] {
-                        break;
-                    }
-                    t -= tstrides[d] * gs[d];
-                    idx[d] = 0;
-                }
-            }
-        })
-    })
 }

@@ -8,8 +8,9 @@ use crate::autograd::node::BackwardFn;
 use crate::autograd::{needs_grad, record, record1};
 use crate::context::current_stream;
 use crate::error::{arg_err, shape_err, Result};
-use crate::launch::{contiguous_strides, launch, strided_copy_arg};
-use crate::tensor::{checked_numel, fill_arg, numel_of, Tensor};
+use crate::kernels::backend::{Kernels, View};
+use crate::launch::contiguous_strides;
+use crate::tensor::{checked_numel, numel_of, Tensor};
 
 impl Tensor {
     /// The same elements with another shape, sharing storage when the tensor is contiguous
@@ -169,14 +170,15 @@ impl Tensor {
     pub(crate) fn copy_raw(&self, op: &'static str) -> Result<Tensor> {
         let stream = current_stream(self.device());
         let out = Tensor::empty_on(self.shape(), self.dtype(), self.device(), &stream)?;
-        let src = self.span_arg(op, &stream)?;
-        let dst = out.arg(op, &stream)?;
-        let shape = self.shape().to_vec();
-        let strides = self.strides().to_vec();
-        let cs = contiguous_strides(&shape);
-        launch(&stream, "copy", move || {
-            strided_copy_arg(op, &src, 0, &strides, &dst, 0, &cs, &shape)
-        });
+        let src = self.span_operand(op, &stream)?;
+        let dst = out.operand_on(op, &stream)?;
+        Kernels::for_device(self.device())?.copy(
+            &stream,
+            &self.span_view(),
+            &src,
+            &View::contiguous(self.shape(), 0),
+            &dst,
+        )?;
         Ok(out)
     }
 
@@ -426,7 +428,8 @@ impl Tensor {
 }
 
 /// A contiguous tensor of `shape` whose slices `start..start+len` along `dim` hold the given
-/// gradients (zeros where `None` and outside every piece). One kernel launch.
+/// gradients (zeros where `None` and outside every piece): a fill if needed, then one copy per
+/// piece.
 fn scatter_pieces(
     shape: &[usize],
     dtype: DType,
@@ -437,7 +440,7 @@ fn scatter_pieces(
     let dev = like.device().clone();
     let stream = current_stream(&dev);
     let out = Tensor::empty_on(shape, dtype, &dev, &stream)?;
-    let dst = out.arg("split_backward", &stream)?;
+    let dst = out.operand_on("split_backward", &stream)?;
     let cs = contiguous_strides(shape);
     let covered: usize = pieces.iter().filter(|p| p.2.is_some()).map(|p| p.1).sum();
     let zero_all = covered != shape[dim];
@@ -452,17 +455,22 @@ fn scatter_pieces(
                 format!("piece gradient {:?}, expected {pshape:?}", g.shape()),
             ));
         }
-        let src = g.span_arg("split_backward", &stream)?;
-        copies.push((src, g.strides().to_vec(), start * cs[dim], pshape));
+        let src = g.span_operand("split_backward", &stream)?;
+        let src_view = g.span_view();
+        let dst_view = View {
+            shape: pshape,
+            strides: cs.clone(),
+            offset: start * cs[dim],
+        };
+        copies.push((src, src_view, dst_view));
     }
-    launch(&stream, "split_backward", move || {
-        if zero_all {
-            fill_arg("split_backward", &dst, 0.0);
-        }
-        for (src, sstrides, doff, pshape) in &copies {
-            strided_copy_arg("split_backward", src, 0, sstrides, &dst, *doff, &cs, pshape);
-        }
-    });
+    let k = Kernels::for_device(&dev)?;
+    if zero_all {
+        k.fill(&stream, out.numel(), 0.0, &dst)?;
+    }
+    for (src, src_view, dst_view) in &copies {
+        k.copy(&stream, src_view, src, dst_view, &dst)?;
+    }
     Ok(out)
 }
 

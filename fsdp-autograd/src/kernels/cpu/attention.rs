@@ -1,8 +1,8 @@
 //! Causal scaled-dot-product attention on `[batch, heads, t, d]`, built on `gemm`.
 
-use super::check;
 use super::matmul::{gemm_checked, matmul_parallelism};
 use super::norm::softmax_row_inplace;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// Checks q/k/v-shaped and probs-shaped arguments; returns `(batch·heads, t·d, t·t)`.

@@ -4,7 +4,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::check;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// `dst[i] = f16::from_f32(src[i])`: round to nearest, ties to even; values beyond f16's range

@@ -1,7 +1,7 @@
 //! Elementwise kernels, reductions, row-bias broadcast and GELU.
 
-use super::check;
 use super::math::exp;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// Number of interleaved accumulators in the fixed-order reductions below. Independent lanes let
@@ -320,6 +320,61 @@ pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), Kernel
     Ok(())
 }
 
+/// 1/√2.
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// 1/√(2π), the standard normal density at 0.
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// `Φ(x) = ½·erfc(−x/√2)`, the standard normal CDF (erfc instead of `1 + erf` so that negative
+/// `x` suffers no cancellation). `erfcf` is the `libm` crate's (pure Rust, < 1 ulp-class error,
+/// the same bits on every platform).
+#[inline(always)]
+fn normal_cdf(x: f32) -> f32 {
+    0.5 * libm::erfcf(-x * FRAC_1_SQRT_2)
+}
+
+/// GELU, exact form (PyTorch's default `approximate="none"`): `y = x·Φ(x)` with `Φ` the
+/// standard normal CDF, evaluated as `½·x·erfc(−x/√2)`.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] unless `x` and `y` have the same length.
+///
+/// ```
+/// let mut y = [0.0; 3];
+/// fsdp_autograd::kernels::cpu::gelu_exact(&[0.0, 10.0, -10.0], &mut y).unwrap();
+/// assert_eq!(y[0], 0.0);
+/// assert!((y[1] - 10.0).abs() < 1e-6 && y[2].abs() < 1e-6);
+/// ```
+pub fn gelu_exact(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+    check::same_len("gelu_exact", "y", y.len(), "x", x.len())?;
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = v * normal_cdf(v);
+    }
+    Ok(())
+}
+
+/// Gradient of [`gelu_exact`]: `dx = dy·(Φ(x) + x·φ(x))`, `φ(x) = exp(−x²/2)/√(2π)`, where `x`
+/// is the forward input.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] unless `x`, `dy` and `dx` have the same length.
+///
+/// ```
+/// let mut dx = [0.0];
+/// fsdp_autograd::kernels::cpu::gelu_exact_backward(&[0.0], &[2.0], &mut dx).unwrap();
+/// assert_eq!(dx, [1.0]); // GELU'(0) = ½
+/// ```
+pub fn gelu_exact_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
+    check::same_len("gelu_exact_backward", "dy", dy.len(), "x", x.len())?;
+    check::same_len("gelu_exact_backward", "dx", dx.len(), "x", x.len())?;
+    for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+        // −x²/2 capped below so exp never sees −∞ (the density is 0 in f32 long before).
+        let pdf = INV_SQRT_2PI * exp((-0.5 * v * v).max(-104.0));
+        *o = g * (normal_cdf(v) + v * pdf);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,6 +509,64 @@ mod tests {
     fn gelu_ref(x: f64) -> f64 {
         let c = (2.0 / std::f64::consts::PI).sqrt();
         0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+    }
+
+    /// erf in f64 by its Maclaurin series (|x| ≤ 3) or the continued fraction of erfc (|x| > 3),
+    /// independent of the kernel's `libm` call.
+    fn erf_ref(x: f64) -> f64 {
+        let a = x.abs();
+        let r = if a <= 3.0 {
+            let (mut term, mut sum, mut n) = (a, a, 0.0f64);
+            while term.abs() > 1e-18 * sum.abs() {
+                n += 1.0;
+                term *= -a * a / n;
+                sum += term / (2.0 * n + 1.0);
+            }
+            2.0 / std::f64::consts::PI.sqrt() * sum
+        } else {
+            // erfc(a) = exp(-a²)/√π · 1/(a + 1/2/(a + 1/(a + 3/2/(a + 2/(a + ...)))))
+            let mut f = a;
+            for k in (1..60).rev() {
+                f = a + (k as f64 / 2.0) / f;
+            }
+            1.0 - (-a * a).exp() / std::f64::consts::PI.sqrt() / f
+        };
+        r.copysign(x)
+    }
+
+    fn gelu_exact_ref(x: f64) -> f64 {
+        0.5 * x * (1.0 + erf_ref(x / std::f64::consts::SQRT_2))
+    }
+
+    #[test]
+    fn gelu_exact_matches_f64_reference_and_finite_differences() {
+        let mut rng = Rng::new(29);
+        let mut x = rng.vec_scaled(300, 6.0);
+        x.extend_from_slice(&[
+            0.0, -0.0, 1e-30, -1e-30, 3.0, -3.0, 20.0, -20.0, 80.0, -80.0,
+        ]);
+        let mut y = vec![0.0; x.len()];
+        gelu_exact(&x, &mut y).unwrap();
+        let want: Vec<f64> = x.iter().map(|&v| gelu_exact_ref(v as f64)).collect();
+        // erfcf is within a few ulp; one product and one halving after it.
+        assert_close("gelu_exact", &y, &want, 1e-5, 1e-6);
+        assert!(y.iter().all(|v| v.is_finite()));
+        // The exact form differs from the tanh approximation (by up to ~5e-4 near |x| = 2).
+        let mut tanh = vec![0.0; x.len()];
+        gelu(&x, &mut tanh).unwrap();
+        assert!(y.iter().zip(&tanh).any(|(a, b)| (a - b).abs() > 1e-5));
+
+        let dy = rng.vec(x.len());
+        let mut dx = vec![0.0; x.len()];
+        gelu_exact_backward(&x, &dy, &mut dx).unwrap();
+        let xs = f64s(&x);
+        let dys = f64s(&dy);
+        let want: Vec<f64> = (0..x.len())
+            .map(|i| dys[i] * fd_grad(|v| gelu_exact_ref(v[0]), &[xs[i]], 1e-6)[0])
+            .collect();
+        assert_close("gelu_exact_backward", &dx, &want, 1e-4, 1e-5);
+        assert!(gelu_exact(&[1.0; 2], &mut [0.0; 3]).is_err());
+        assert!(gelu_exact_backward(&[1.0; 3], &[1.0; 2], &mut [0.0; 3]).is_err());
     }
 
     #[test]

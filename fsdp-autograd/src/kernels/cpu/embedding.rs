@@ -1,6 +1,6 @@
 //! Embedding lookup and its (deterministic) scatter-add backward.
 
-use super::check;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// Checks every id against `0..rows` before anything is written, returning the row indices.

@@ -1,7 +1,7 @@
 //! Strided gather/scatter between a strided view and a contiguous buffer: what `contiguous()`
 //! of a transposed/narrowed/permuted view needs, and the gradient of such a view.
 
-use super::check;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// Validates a strided view `(offset, shape, strides)` into a buffer of `len` elements and

@@ -1,9 +1,9 @@
 //! Cross-entropy with integer class targets.
 
-use super::check;
 use super::elementwise::max_f32;
 use super::embedding::check_targets;
 use super::math::exp;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// Shape checks shared by forward and backward; returns the number of rows.

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use gemm::Parallelism;
 
-use super::check;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// `0` = every thread of rayon's global pool (gemm's `Parallelism::Rayon(0)`).

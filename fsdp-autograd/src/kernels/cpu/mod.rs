@@ -3,7 +3,7 @@
 //! | group | functions |
 //! | --- | --- |
 //! | matrix products (`gemm`) | [`matmul`], [`bmm`], [`set_matmul_threads`], [`matmul_threads`], [`matmul_parallelism`] |
-//! | elementwise | [`add`], [`mul`], [`scale`], [`scale_inplace`], [`add_scaled`] (axpy), [`gelu`], [`gelu_backward`] |
+//! | elementwise | [`add`], [`mul`], [`scale`], [`scale_inplace`], [`add_scaled`] (axpy), [`gelu`], [`gelu_backward`], [`gelu_exact`], [`gelu_exact_backward`] |
 //! | reductions / broadcasts | [`sum`], [`mean`], [`add_row_bias`], [`add_row_bias_inplace`], [`col_sums`] |
 //! | row-wise | [`softmax_rows`], [`softmax_rows_backward`], [`layer_norm`], [`layer_norm_backward`] |
 //! | lookup / loss | [`embedding`], [`embedding_backward`], [`cross_entropy`], [`cross_entropy_backward`] |
@@ -36,8 +36,8 @@
 //! element-wise kernels are single-threaded and vectorized for baseline x86-64 (SSE2).
 
 mod attention;
+pub(crate) mod backend;
 mod cast;
-mod check;
 mod elementwise;
 mod embedding;
 mod layout;
@@ -49,8 +49,8 @@ mod norm;
 pub use attention::{causal_attention, causal_attention_backward};
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
 pub use elementwise::{
-    add, add_row_bias, add_row_bias_inplace, add_scaled, col_sums, gelu, gelu_backward, mean, mul,
-    scale, scale_inplace, sum,
+    add, add_row_bias, add_row_bias_inplace, add_scaled, col_sums, gelu, gelu_backward, gelu_exact,
+    gelu_exact_backward, mean, mul, scale, scale_inplace, sum,
 };
 pub use embedding::{embedding, embedding_backward};
 pub use layout::{strided_add_assign, strided_copy};

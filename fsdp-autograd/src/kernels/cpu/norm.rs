@@ -1,8 +1,8 @@
 //! Row softmax and layer norm, with their backward passes.
 
-use super::check;
 use super::elementwise::{dot_f64, max_f32, sum_f64};
 use super::math::exp;
+use crate::kernels::check;
 use crate::kernels::KernelError;
 
 /// Softmax of one row in place: `row[j] ← exp(row[j] − max) / Σ exp(row − max)`.

@@ -11,7 +11,7 @@ use super::error::{CudaKernelError, Result};
 use super::layout::ViewDesc;
 use super::plan::{PArg, Plan, Ptr, Step};
 use super::program::{module_for, ArgKind, LoadedModule, BLOCK, MAX_GRID};
-use crate::kernels::KernelError;
+use crate::kernels::{check, KernelError};
 
 /// A resolved kernel parameter (pointers are plain `u64` addresses by now).
 #[derive(Debug, Clone, Copy)]
@@ -74,47 +74,22 @@ pub(crate) fn bytes_of(op: &'static str, count: usize, elem: Elem) -> Result<usi
         })
 }
 
-/// `a · b` or [`KernelError::InvalidShape`] (as the CPU kernels report overflow).
+/// `a · b` or [`KernelError::InvalidShape`] (the shared check of every kernel).
 pub(crate) fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
-    a.checked_mul(b).ok_or_else(|| {
-        KernelError::InvalidShape {
-            op,
-            reason: format!("the size product {a} * {b} overflows usize"),
-        }
-        .into()
-    })
+    Ok(check::mul(op, a, b)?)
 }
 
-/// `len / cols` rows, with the CPU kernels' errors for `cols == 0` or a partial row.
+/// `len / cols` rows (the shared check: errors for `cols == 0` or a partial row).
 pub(crate) fn rows_of(
     op: &'static str,
     arg: &'static str,
     len: usize,
     cols: usize,
 ) -> Result<usize> {
-    if cols == 0 {
-        return Err(KernelError::InvalidShape {
-            op,
-            reason: format!(
-                "cols must be positive (got 0 for `{arg}` of {len} elements); skip empty tensors \
-                 before calling the kernel"
-            ),
-        }
-        .into());
-    }
-    if len % cols != 0 {
-        return Err(KernelError::InvalidShape {
-            op,
-            reason: format!(
-                "`{arg}` has {len} elements, which is not a whole number of rows of {cols} columns"
-            ),
-        }
-        .into());
-    }
-    Ok(len / cols)
+    Ok(check::rows(op, arg, len, cols)?)
 }
 
-/// `Ok` if `actual == expected`, else the CPU kernels' [`KernelError::LengthMismatch`].
+/// `Ok` if `actual == expected`, else the shared [`KernelError::LengthMismatch`].
 pub(crate) fn expect_len(
     op: &'static str,
     arg: &'static str,
@@ -122,18 +97,7 @@ pub(crate) fn expect_len(
     expected: usize,
     shape: impl FnOnce() -> String,
 ) -> Result<()> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(KernelError::LengthMismatch {
-            op,
-            arg,
-            expected,
-            actual,
-            shape: shape(),
-        }
-        .into())
-    }
+    Ok(check::len(op, arg, actual, expected, shape)?)
 }
 
 /// A grid for `n` grid-strided work items.

@@ -6,7 +6,7 @@ use super::context::{expect_len, grid_for, rows_of, CudaKernels, Elem};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::{Kernel, BLOCK};
-use crate::kernels::KernelError;
+use crate::kernels::{Gelu, KernelError};
 
 /// One grid-strided launch over `n` elements (nothing for `n == 0`).
 pub(crate) fn plan_map(kernel: Kernel, n: u64, args: Vec<PArg>) -> Plan {
@@ -121,18 +121,24 @@ pub(crate) fn plan_sum(n: u64, x: Ptr, out: Ptr, divisor: f64) -> Plan {
 }
 
 /// GELU forward.
-pub(crate) fn plan_gelu(n: u64, x: Ptr, y: Ptr) -> Plan {
+pub(crate) fn plan_gelu(kind: Gelu, n: u64, x: Ptr, y: Ptr) -> Plan {
     plan_map(
-        Kernel::GeluFwd,
+        match kind {
+            Gelu::Tanh => Kernel::GeluFwd,
+            Gelu::Exact => Kernel::GeluExactFwd,
+        },
         n,
         vec![PArg::U64(n), PArg::Ptr(x), PArg::Ptr(y)],
     )
 }
 
 /// GELU backward.
-pub(crate) fn plan_gelu_backward(n: u64, x: Ptr, dy: Ptr, dx: Ptr) -> Plan {
+pub(crate) fn plan_gelu_backward(kind: Gelu, n: u64, x: Ptr, dy: Ptr, dx: Ptr) -> Plan {
     plan_map(
-        Kernel::GeluBwd,
+        match kind {
+            Gelu::Tanh => Kernel::GeluBwd,
+            Gelu::Exact => Kernel::GeluExactBwd,
+        },
         n,
         vec![PArg::U64(n), PArg::Ptr(x), PArg::Ptr(dy), PArg::Ptr(dx)],
     )
@@ -384,31 +390,35 @@ impl CudaKernels {
         self.reduce("mean", stream, x, out, true)
     }
 
-    /// GELU, tanh approximation, in the CPU kernel's form `x / (1 + exp(−2u))` (CPU:
-    /// [`cpu::gelu`](crate::kernels::cpu::gelu)). Uses CUDA's `expf` (≤ 2 ulp), so results
-    /// differ from the CPU by a few ulp.
+    /// GELU of `kind`: the tanh approximation in the CPU kernel's form `x / (1 + exp(−2u))`
+    /// (CPU: [`cpu::gelu`](crate::kernels::cpu::gelu)), or the exact form `½·x·erfc(−x/√2)`
+    /// (CPU: [`cpu::gelu_exact`](crate::kernels::cpu::gelu_exact)). Uses CUDA's `expf` /
+    /// `erfcf` (a few ulp), so results differ from the CPU by a few ulp.
     ///
     /// # Errors
     /// Length mismatch; buffer/stream errors; overlap of `y` and `x`.
-    pub fn gelu(&self, stream: &Stream, x: &BufferRef, y: &BufferRef) -> Result<()> {
+    pub fn gelu(&self, stream: &Stream, kind: Gelu, x: &BufferRef, y: &BufferRef) -> Result<()> {
         let op = "gelu";
         let c = self.call(op, stream)?;
         let (dx, dy) = (c.buf("x", x, Elem::F32)?, c.buf("y", y, Elem::F32)?);
         expect_len(op, "y", dy.len, dx.len, || format!("len(x)={}", dx.len))?;
         c.disjoint(&[("y", y)], &[("x", x)])?;
-        let plan = plan_gelu(dx.len as u64, Ptr::Dev(dx.ptr), Ptr::Dev(dy.ptr));
+        let plan = plan_gelu(kind, dx.len as u64, Ptr::Dev(dx.ptr), Ptr::Dev(dy.ptr));
         // SAFETY: x and y hold n f32 each on this device and do not overlap.
         unsafe { c.exec(&plan) }.map(drop)
     }
 
-    /// Gradient of [`CudaKernels::gelu`] from the forward input `x` (CPU:
-    /// [`cpu::gelu_backward`](crate::kernels::cpu::gelu_backward)); same formula as the CPU.
+    /// Gradient of [`CudaKernels::gelu`] of `kind` from the forward input `x` (CPU:
+    /// [`cpu::gelu_backward`](crate::kernels::cpu::gelu_backward),
+    /// [`cpu::gelu_exact_backward`](crate::kernels::cpu::gelu_exact_backward)); same formulas
+    /// as the CPU.
     ///
     /// # Errors
     /// Length mismatch; buffer/stream errors; overlap of `dx` with `x` or `dy`.
     pub fn gelu_backward(
         &self,
         stream: &Stream,
+        kind: Gelu,
         x: &BufferRef,
         dy: &BufferRef,
         dx: &BufferRef,
@@ -425,6 +435,7 @@ impl CudaKernels {
         expect_len(op, "dx", bdx.len, bx.len, shape)?;
         c.disjoint(&[("dx", dx)], &[("x", x), ("dy", dy)])?;
         let plan = plan_gelu_backward(
+            kind,
             bx.len as u64,
             Ptr::Dev(bx.ptr),
             Ptr::Dev(bdy.ptr),

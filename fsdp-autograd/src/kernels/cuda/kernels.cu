@@ -151,6 +151,30 @@ extern "C" __global__ void gelu_bwd(u64 n, const float* x, const float* dy, floa
 }
 
 // ---------------------------------------------------------------------------------------------
+// GELU, exact form: y = x * Phi(x), Phi(x) = erfc(-x / sqrt 2) / 2 (no cancellation for x < 0);
+// dx = dy * (Phi(x) + x * phi(x)), phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
+
+#define FRAC_1_SQRT_2 0.70710677f
+#define INV_SQRT_2PI 0.3989423f
+
+__device__ float normal_cdf(float x) { return 0.5f * erfcf(-x * FRAC_1_SQRT_2); }
+
+extern "C" __global__ void gelu_exact_fwd(u64 n, const float* x, float* y) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        y[i] = v * normal_cdf(v);
+    }
+}
+
+extern "C" __global__ void gelu_exact_bwd(u64 n, const float* x, const float* dy, float* dx) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float pdf = INV_SQRT_2PI * expf(fmaxf(-0.5f * v * v, -104.0f));
+        dx[i] = dy[i] * (normal_cdf(v) + v * pdf);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Row softmax (one block per row), plain and causal.
 
 extern "C" __global__ void softmax_fwd(u64 rows, u64 cols, const float* x, float* y) {

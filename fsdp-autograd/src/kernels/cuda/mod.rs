@@ -123,7 +123,9 @@
 //!   views, and views have at most [`MAX_VIEW_RANK`] dims.
 //! - Limits: matrix dimensions and batch counts up to `i32::MAX` (cuBLAS), embedding id lists up
 //!   to `u32::MAX` entries.
-//! - Not wired into `Tensor` ops: the tensor layer still runs the CPU kernels only.
+//! - Reached from `Tensor` operations through [`CudaBackend`](super::backend::CudaBackend) (the
+//!   backend seam), which casts half-precision operands to `f32` temporaries around these
+//!   kernels; that glue is compile-checked only.
 
 mod attention;
 mod cast;

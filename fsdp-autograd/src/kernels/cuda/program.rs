@@ -82,6 +82,8 @@ kernels! {
     SumFinal => "sum_final" [U64, Ptr, F64, Ptr];
     GeluFwd => "gelu_fwd" [U64, Ptr, Ptr];
     GeluBwd => "gelu_bwd" [U64, Ptr, Ptr, Ptr];
+    GeluExactFwd => "gelu_exact_fwd" [U64, Ptr, Ptr];
+    GeluExactBwd => "gelu_exact_bwd" [U64, Ptr, Ptr, Ptr];
     SoftmaxFwd => "softmax_fwd" [U64, U64, Ptr, Ptr];
     SoftmaxBwd => "softmax_bwd" [U64, U64, Ptr, Ptr, Ptr];
     CausalSoftmax => "causal_softmax" [U64, U64, Ptr];

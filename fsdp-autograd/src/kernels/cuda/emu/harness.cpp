@@ -170,6 +170,7 @@ static Runner runner(void (*f)(P...)) {
 static const std::map<std::string, Runner> g_kernels = {
     K(ew_add), K(ew_mul), K(ew_scale), K(ew_scale_inplace), K(ew_axpy), K(add_row_bias),
     K(add_row_bias_inplace), K(col_sums), K(sum_partial), K(sum_final), K(gelu_fwd), K(gelu_bwd),
+    K(gelu_exact_fwd), K(gelu_exact_bwd),
     K(softmax_fwd), K(softmax_bwd), K(causal_softmax), K(causal_softmax_bwd), K(layer_norm_fwd),
     K(layer_norm_bwd_dx), K(layer_norm_bwd_params), K(check_ids), K(embedding_fwd), K(emb_rank),
     K(emb_scan), K(emb_scatter), K(emb_accum), K(ce_fwd), K(ce_bwd), K(cast_f32_f16),

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use crate::kernels::cpu;
 use crate::kernels::cuda::CudaKernelError;
-use crate::kernels::KernelError;
+use crate::kernels::{Gelu, KernelError};
 
 use super::exec::{
     down_f32, down_u16, down_u64, nan_f32, run, up_f32, up_i64, up_u16, up_u64, CastKind, Exec, Op,
@@ -207,14 +207,53 @@ pub(super) fn gelu(e: &mut dyn Exec) {
     let dy = r.vec(x.len(), 1.0);
     let (hx, hdy) = (up_f32(e, &x), up_f32(e, &dy));
     let y = nan_f32(e, x.len());
-    run(e, Op::Gelu { x: hx, y });
+    let kind = Gelu::Tanh;
+    run(e, Op::Gelu { kind, x: hx, y });
     let mut want = vec![0.0; x.len()];
     cpu::gelu(&x, &mut want).unwrap();
     assert_close("gelu", &down_f32(e, y), &want, 2e-6, 1e-37);
     let dx = nan_f32(e, x.len());
-    run(e, Op::GeluBackward { x: hx, dy: hdy, dx });
+    run(
+        e,
+        Op::GeluBackward {
+            kind,
+            x: hx,
+            dy: hdy,
+            dx,
+        },
+    );
     cpu::gelu_backward(&x, &dy, &mut want).unwrap();
     assert_close("gelu_backward", &down_f32(e, dx), &want, 1e-5, 1e-6);
+}
+
+/// Exact (erf) GELU and its backward: the device's erfcf/expf vs libm's erfcf and the CPU's
+/// polynomial exp (a few ulp each).
+pub(super) fn gelu_exact(e: &mut dyn Exec) {
+    let mut r = Rng::new(41);
+    let mut x = r.vec(2000, 6.0);
+    x.extend([
+        0.0, -0.0, 1e-3, -1e-3, 3.0, -3.0, 10.0, -10.0, 50.0, -50.0, 100.0, -100.0,
+    ]);
+    let dy = r.vec(x.len(), 1.0);
+    let (hx, hdy) = (up_f32(e, &x), up_f32(e, &dy));
+    let y = nan_f32(e, x.len());
+    let kind = Gelu::Exact;
+    run(e, Op::Gelu { kind, x: hx, y });
+    let mut want = vec![0.0; x.len()];
+    cpu::gelu_exact(&x, &mut want).unwrap();
+    assert_close("gelu_exact", &down_f32(e, y), &want, 4e-6, 1e-37);
+    let dx = nan_f32(e, x.len());
+    run(
+        e,
+        Op::GeluBackward {
+            kind,
+            x: hx,
+            dy: hdy,
+            dx,
+        },
+    );
+    cpu::gelu_exact_backward(&x, &dy, &mut want).unwrap();
+    assert_close("gelu_exact_backward", &down_f32(e, dx), &want, 1e-5, 1e-6);
 }
 
 /// Row softmax and its backward (the backward is fed the CPU's forward output).

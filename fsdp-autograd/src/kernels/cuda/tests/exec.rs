@@ -67,10 +67,12 @@ pub(super) enum Op {
         out: H,
     },
     Gelu {
+        kind: crate::kernels::Gelu,
         x: H,
         y: H,
     },
     GeluBackward {
+        kind: crate::kernels::Gelu,
         x: H,
         dy: H,
         dx: H,

@@ -88,8 +88,8 @@ impl Exec for GpuExec {
             Op::ColSums { x, out } => k.col_sums(s, b(x), b(out)),
             Op::Sum { x, out } => k.sum(s, b(x), b(out)),
             Op::Mean { x, out } => k.mean(s, b(x), b(out)),
-            Op::Gelu { x, y } => k.gelu(s, b(x), b(y)),
-            Op::GeluBackward { x, dy, dx } => k.gelu_backward(s, b(x), b(dy), b(dx)),
+            Op::Gelu { kind, x, y } => k.gelu(s, *kind, b(x), b(y)),
+            Op::GeluBackward { kind, x, dy, dx } => k.gelu_backward(s, *kind, b(x), b(dy), b(dx)),
             Op::Softmax { x, y, cols } => k.softmax_rows(s, b(x), b(y), *cols),
             Op::SoftmaxBackward { y, dy, dx, cols } => {
                 k.softmax_rows_backward(s, b(y), b(dy), b(dx), *cols)

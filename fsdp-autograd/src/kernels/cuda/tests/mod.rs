@@ -67,6 +67,7 @@ on_both!(
     row_bias_and_col_sums,
     sum_and_mean,
     gelu,
+    gelu_exact,
     softmax,
     layer_norm,
     embedding,
@@ -304,7 +305,7 @@ fn plans_are_well_formed() {
         plan_binary(Kernel::Add, 1000, p(1), p(2), p(3)),
         plan_col_sums(7, 3, p(1), p(2)),
         plan_sum(100_000, p(1), p(2), 1.0),
-        plan_gelu_backward(5, p(1), p(2), p(3)),
+        plan_gelu_backward(crate::kernels::Gelu::Tanh, 5, p(1), p(2), p(3)),
         plan_softmax(100_000, 3, p(1), p(2)),
         plan_layer_norm(4, 4, 1e-5, [1, 2, 3, 4, 5, 6].map(p)),
         plan_layer_norm_backward(4, 4, [1, 2, 3, 4, 5, 6, 7, 8].map(p)),
@@ -384,6 +385,10 @@ fn no_driver_is_a_typed_error() {
 fn nvrtc_compiles_the_kernels() {
     // SAFETY: `is_culib_present` only tries to load the library; no precondition.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        // `cargo xtask nvrtc` sets FSDP_NVRTC_REQUIRED=1: there a missing library is a failure.
+        if std::env::var("FSDP_NVRTC_REQUIRED").as_deref() == Ok("1") {
+            panic!("FSDP_NVRTC_REQUIRED=1 but libnvrtc could not be loaded (LD_LIBRARY_PATH?)");
+        }
         eprintln!(
             "SKIPPED nvrtc_compiles_the_kernels: libnvrtc not found (e.g. `pip install \
              nvidia-cuda-nvrtc-cu12` and put its lib directory on LD_LIBRARY_PATH)"

@@ -1,0 +1,748 @@
+//! The command line (`clap` derive) and its validation into a [`TrainConfig`].
+//!
+//! Every numeric flag is bounded at parse time, so a huge value is a usage error (exit 2, one
+//! line), never an allocation failure or an abort later on.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, ValueEnum};
+use fsdp_alloc::DType;
+use fsdp_autograd::nn::GptConfig;
+use fsdp_core::{BackwardPrefetch, ShardingStrategy};
+
+use crate::data::DataFormat;
+use crate::train::{DataSpec, Optimizer, TrainConfig};
+
+/// Largest `--steps`, `--warmup-steps`, `--eval-every`, `--checkpoint-every`.
+pub const MAX_STEPS: u64 = 10_000_000;
+/// Largest model `--model`/overrides may build (parameters).
+pub const MAX_PARAMS: u64 = 4_000_000_000;
+
+/// Trains a GPT with FSDP on CPU thread ranks (fsdp-rs's main job).
+///
+/// Without flags: GPT-mini (vocab 256, d_model 256, 4 layers, 4 heads, seq 128) on 4 thread
+/// ranks, FullShard, SGD, 60 steps on an embedded synthetic stream (sequences that count up by a
+/// per-sequence stride, so the next token follows from the previous two).
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "train_gpt",
+    version,
+    about = "Trains a GPT with FSDP on CPU thread ranks (default: GPT-mini, 4 ranks, FullShard, 60 SGD steps on a synthetic stream)",
+    max_term_width = 100
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub data: DataArgs,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
+    #[command(flatten)]
+    pub optim: OptimArgs,
+    #[command(flatten)]
+    pub checkpoint: CheckpointArgs,
+    #[command(flatten)]
+    pub logging: LoggingArgs,
+}
+
+/// Model shape.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Model")]
+pub struct ModelArgs {
+    /// Model preset: mini (vocab 256, d 256, 4 layers, 4 heads, seq 128), small (~25M: vocab
+    /// 256, d 512, 8 layers, 8 heads, seq 256), gpt2 (124M: vocab 50257, d 768, 12 layers, 12
+    /// heads, seq 1024, embedding tied to the head as in GPT-2)
+    #[arg(long, value_enum, default_value_t = ModelPreset::Mini)]
+    pub model: ModelPreset,
+    /// Override the preset's model width (divisible by --heads)
+    #[arg(long, value_name = "D", value_parser = clap::value_parser!(u64).range(1..=16_384))]
+    pub d_model: Option<u64>,
+    /// Override the preset's number of transformer blocks
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub layers: Option<u64>,
+    /// Override the preset's attention heads per block
+    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub heads: Option<u64>,
+    /// Override the preset's sequence length (tokens per sequence)
+    #[arg(long, value_name = "T", value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub seq_len: Option<u64>,
+    /// Override the preset's vocabulary size (a text --data needs >= 256; a .bin needs more than
+    /// its largest token id)
+    #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1_048_576))]
+    pub vocab: Option<u64>,
+    /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
+    #[arg(long, value_enum, default_value_t = GeluArg::Tanh)]
+    pub gelu: GeluArg,
+    /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
+    #[arg(long)]
+    pub tied: bool,
+}
+
+/// Training data.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Data")]
+pub struct DataArgs {
+    /// Train on this file (memory-mapped): text read as bytes (vocab 256), or a nanoGPT-style
+    /// .bin of little-endian u16 token ids. Without it, the embedded synthetic stream is used
+    #[arg(long, value_name = "PATH")]
+    pub data: Option<PathBuf>,
+    /// How to read --data: auto (.bin = u16 tokens, anything else = text bytes), text, u16
+    #[arg(long, value_enum, default_value_t = DataFormatArg::Auto)]
+    pub data_format: DataFormatArg,
+    /// Fraction of --data held out (at its end) as the validation split
+    #[arg(long, value_name = "F", default_value_t = 0.1, value_parser = parse_fraction)]
+    pub val_fraction: f64,
+    /// Evaluate the validation loss every N steps and at the last step (0: never)
+    #[arg(long, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
+    pub eval_every: u64,
+    /// Validation sequences per evaluation (a fixed set: the same on every rank count)
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub eval_seqs: u64,
+    /// Sequences per rank per micro-batch
+    #[arg(long, value_name = "B", default_value_t = 4,
+          value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub batch: u64,
+    /// Seed of the model init and of the data order
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Ranks and FSDP.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Parallelism")]
+pub struct ParallelArgs {
+    /// Number of thread ranks
+    #[arg(long, value_name = "N", default_value_t = 4,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub ranks: u64,
+    /// Sharding strategy
+    #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
+    pub strategy: StrategyArg,
+    /// Shard-group size for hybrid-shard (must divide --ranks)
+    #[arg(long, value_name = "F", value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub shard_size: Option<u64>,
+    /// Backward prefetch
+    #[arg(long, value_enum, default_value_t = PrefetchArg::Pre)]
+    pub backward_prefetch: PrefetchArg,
+    /// Issue the next unit's all-gather before the current forward
+    #[arg(long)]
+    pub forward_prefetch: bool,
+    /// Rate-limit in-flight all-gathers (on|off)
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = parse_on_off,
+          action = clap::ArgAction::Set)]
+    pub limit_all_gathers: bool,
+    /// Build the model on the fake device and let FSDP materialize only each rank's shards
+    #[arg(long)]
+    pub deferred_init: bool,
+    /// Gather and compute in D (bf16 | f16), reduce in D, keep f32 shards
+    #[arg(long, value_enum, value_name = "D")]
+    pub mixed_precision: Option<MixedPrecisionArg>,
+    /// Keep shards and sharded gradients on a separate host device; the optimizer steps there
+    #[arg(long)]
+    pub cpu_offload: bool,
+    /// Run on checked (race-detecting) devices (slower; a violation stops training with both
+    /// streams named)
+    #[arg(long)]
+    pub checked: bool,
+}
+
+/// Optimizer and schedule.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Optimizer")]
+pub struct OptimArgs {
+    /// Optimizer steps: the total of the run (with --resume, training continues up to it)
+    #[arg(long, value_name = "N", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+    pub steps: u64,
+    /// Sharded optimizer (state sharded like the parameters)
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
+    pub optimizer: OptimizerArg,
+    /// Peak learning rate (default 0.05 for sgd, 0.001 for adamw)
+    #[arg(long, value_name = "X", value_parser = parse_lr)]
+    pub lr: Option<f32>,
+    /// Linear warm-up from lr/N to lr over the first N steps
+    #[arg(long, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
+    pub warmup_steps: u64,
+    /// Cosine decay from --lr after the warm-up to this value at --steps (default: no decay)
+    #[arg(long, value_name = "X", value_parser = parse_min_lr)]
+    pub min_lr: Option<f32>,
+    /// Micro-batches per rank per optimizer step
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub grad_accum: u64,
+    /// With --grad-accum: accumulate unsharded gradients locally and reduce once, at the last
+    /// micro-batch
+    #[arg(long)]
+    pub no_sync: bool,
+    /// Clip the global gradient norm (across all shards) to X
+    #[arg(long, value_name = "X", value_parser = parse_positive)]
+    pub clip_grad_norm: Option<f64>,
+}
+
+/// Checkpoints and state dicts.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Checkpointing")]
+pub struct CheckpointArgs {
+    /// Directory of sharded checkpoints (model, optimizer state, step, data position)
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint every N steps (and at the last step); needs --checkpoint-dir
+    #[arg(long, value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+    pub checkpoint_every: Option<u64>,
+    /// Keep the last K checkpoints
+    #[arg(long, value_name = "K", default_value_t = 3,
+          value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub keep_checkpoints: u64,
+    /// Continue from the newest complete checkpoint in --checkpoint-dir (from scratch if there is
+    /// none)
+    #[arg(long)]
+    pub resume: bool,
+    /// Load a full state dict (safetensors) before training
+    #[arg(long, value_name = "PATH")]
+    pub load: Option<PathBuf>,
+    /// Save a full state dict (safetensors) after training
+    #[arg(long, value_name = "PATH")]
+    pub save: Option<PathBuf>,
+}
+
+/// Output.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Logging")]
+pub struct LoggingArgs {
+    /// Print one JSON object as the last line
+    #[arg(long)]
+    pub json: bool,
+    /// Write one JSON object per step to PATH (JSON lines)
+    #[arg(long, value_name = "PATH")]
+    pub metrics: Option<PathBuf>,
+    /// Draw train/validation loss and tokens/s against step into PATH (.svg, or .png without
+    /// text)
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
+    /// Print a step line every N steps (default: about 12 lines per run)
+    #[arg(long, value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+    pub log_every: Option<u64>,
+    /// No progress bar even on a terminal (plain step lines)
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// `--model`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelPreset {
+    /// vocab 256, d 256, 4 layers, 4 heads, seq 128 (3.3M parameters)
+    Mini,
+    /// vocab 256, d 512, 8 layers, 8 heads, seq 256 (25M parameters)
+    Small,
+    /// GPT-2 small: vocab 50257, d 768, 12 layers, 12 heads, seq 1024, tied head (124M)
+    Gpt2,
+}
+
+/// `--gelu`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeluArg {
+    /// 0.5·x·(1 + erf(x/√2)), PyTorch's default
+    Exact,
+    /// 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+    Tanh,
+}
+
+/// `--data-format`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataFormatArg {
+    /// .bin: u16 token ids; any other file: text bytes
+    Auto,
+    /// every byte is a token (vocab 256)
+    Text,
+    /// little-endian u16 token ids (nanoGPT's train.bin/val.bin)
+    U16,
+}
+
+/// `--strategy`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StrategyArg {
+    /// shard parameters, gradients and optimizer state; reshard after forward
+    FullShard,
+    /// shard gradients and optimizer state; keep parameters unsharded forward to backward
+    ShardGradOp,
+    /// replicate everything (DDP-like all-reduce)
+    NoShard,
+    /// shard within groups of --shard-size, replicate across them
+    HybridShard,
+}
+
+/// `--backward-prefetch`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchArg {
+    /// no prefetch
+    None,
+    /// all-gather the next unit before the current unit's gradient computation
+    Pre,
+    /// all-gather the next unit after the current unit's gradient computation
+    Post,
+}
+
+/// `--optimizer`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerArg {
+    /// plain SGD (no state)
+    Sgd,
+    /// AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01)
+    Adamw,
+}
+
+/// `--mixed-precision`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MixedPrecisionArg {
+    /// bfloat16
+    Bf16,
+    /// float16
+    F16,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" | "1" => Ok(true),
+        "off" | "false" | "0" => Ok(false),
+        v => Err(format!("expected on or off, got `{v}`")),
+    }
+}
+
+fn parse_finite(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if x.is_finite() {
+        Ok(x)
+    } else {
+        Err(format!("`{s}` is not a finite number"))
+    }
+}
+
+fn parse_positive(s: &str) -> Result<f64, String> {
+    let x = parse_finite(s)?;
+    if x > 0.0 && x <= 1e12 {
+        Ok(x)
+    } else {
+        Err(format!("must be in (0, 1e12], got {s}"))
+    }
+}
+
+fn parse_lr(s: &str) -> Result<f32, String> {
+    let x = parse_finite(s)?;
+    if x > 0.0 && x <= 1e9 {
+        Ok(x as f32)
+    } else {
+        Err(format!("must be in (0, 1e9], got {s}"))
+    }
+}
+
+fn parse_min_lr(s: &str) -> Result<f32, String> {
+    let x = parse_finite(s)?;
+    if (0.0..=1e9).contains(&x) {
+        Ok(x as f32)
+    } else {
+        Err(format!("must be in [0, 1e9], got {s}"))
+    }
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let x = parse_finite(s)?;
+    if x > 0.0 && x <= 0.5 {
+        Ok(x)
+    } else {
+        Err(format!("must be in (0, 0.5], got {s}"))
+    }
+}
+
+/// A command line that parses but does not make sense (exit 2, like clap's own errors).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn usage<T>(msg: impl Into<String>) -> Result<T, UsageError> {
+    Err(UsageError(msg.into()))
+}
+
+impl ModelPreset {
+    fn config(self) -> GptConfig {
+        match self {
+            ModelPreset::Mini => GptConfig::mini(),
+            ModelPreset::Small => GptConfig::new(256, 512, 8, 8, 256),
+            // GPT-2 ties its token embedding and LM head (124M parameters).
+            ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024).with_tied(true),
+        }
+    }
+}
+
+/// Parameters of a GPT of this shape (token + position embeddings, blocks, final norm, head).
+pub fn gpt_params(c: &GptConfig) -> u64 {
+    let (v, d, l, t) = (
+        c.vocab as u64,
+        c.d_model as u64,
+        c.n_layers as u64,
+        c.seq_len as u64,
+    );
+    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+    let head = if c.tied { 0 } else { v * d };
+    v * d + t * d + l * block + 2 * d + head
+}
+
+/// Applies `--gelu` to the model configuration.
+///
+/// TODO(H7): exact GELU lands in `nn::Gpt` as `GptConfig.gelu`; until this branch has it, an
+/// exact request is a usage error instead of silently training with tanh.
+fn apply_gelu(_cfg: &mut GptConfig, gelu: GeluArg) -> Result<(), UsageError> {
+    match gelu {
+        GeluArg::Tanh => Ok(()),
+        GeluArg::Exact => {
+            usage("--gelu exact: this build's nn::Gpt has only the tanh GELU; use --gelu tanh")
+        }
+    }
+}
+
+impl Cli {
+    /// Checks the combination of flags and resolves presets and defaults.
+    pub fn into_config(self) -> Result<TrainConfig, UsageError> {
+        let m = &self.model;
+        let mut gpt = m.model.config();
+        if let Some(d) = m.d_model {
+            gpt.d_model = d as usize;
+        }
+        if let Some(l) = m.layers {
+            gpt.n_layers = l as usize;
+        }
+        if let Some(h) = m.heads {
+            gpt.n_heads = h as usize;
+        }
+        if let Some(t) = m.seq_len {
+            gpt.seq_len = t as usize;
+        }
+        if let Some(v) = m.vocab {
+            gpt.vocab = v as usize;
+        }
+        if m.tied {
+            gpt = gpt.with_tied(true);
+        }
+        apply_gelu(&mut gpt, m.gelu)?;
+        if gpt.d_model % gpt.n_heads != 0 {
+            return usage(format!(
+                "--d-model {} is not divisible by --heads {}",
+                gpt.d_model, gpt.n_heads
+            ));
+        }
+        let params = gpt_params(&gpt);
+        if params > MAX_PARAMS {
+            return usage(format!(
+                "the model would have {params} parameters (more than {MAX_PARAMS}); pick a smaller \
+                 --model or smaller --d-model/--layers/--vocab"
+            ));
+        }
+
+        let d = &self.data;
+        let data = match &d.data {
+            None => DataSpec::Synthetic,
+            Some(path) => {
+                let format = match d.data_format {
+                    DataFormatArg::Text => DataFormat::Text,
+                    DataFormatArg::U16 => DataFormat::U16,
+                    DataFormatArg::Auto => {
+                        if path.extension().is_some_and(|e| e == "bin") {
+                            DataFormat::U16
+                        } else {
+                            DataFormat::Text
+                        }
+                    }
+                };
+                if format == DataFormat::Text && gpt.vocab < 256 {
+                    return usage(format!(
+                        "--data {} is read as bytes (ids 0..=255) but --vocab is {}; use --vocab 256 \
+                         or more",
+                        path.display(),
+                        gpt.vocab
+                    ));
+                }
+                DataSpec::File {
+                    path: path.clone(),
+                    format,
+                    val_fraction: d.val_fraction,
+                }
+            }
+        };
+
+        let p = &self.parallel;
+        let ranks = p.ranks as usize;
+        let strategy = match p.strategy {
+            StrategyArg::FullShard => ShardingStrategy::FullShard,
+            StrategyArg::ShardGradOp => ShardingStrategy::ShardGradOp,
+            StrategyArg::NoShard => ShardingStrategy::NoShard,
+            StrategyArg::HybridShard => ShardingStrategy::HybridShard,
+        };
+        let shard_size = p.shard_size.map(|f| f as usize);
+        match (strategy, shard_size) {
+            (ShardingStrategy::HybridShard, None) => {
+                return usage("--strategy hybrid-shard needs --shard-size F (F dividing --ranks)")
+            }
+            (ShardingStrategy::HybridShard, Some(f)) if ranks % f != 0 => {
+                return usage(format!(
+                    "--shard-size {f} does not divide --ranks {ranks}; pick a divisor"
+                ))
+            }
+            (ShardingStrategy::HybridShard, Some(_)) | (_, None) => {}
+            (_, Some(_)) => {
+                return usage(format!(
+                    "--shard-size only applies to --strategy hybrid-shard (got {})",
+                    strategy_name(strategy)
+                ))
+            }
+        }
+        if p.cpu_offload && strategy == ShardingStrategy::NoShard {
+            return usage("--cpu-offload needs a sharded strategy (not no-shard)");
+        }
+        if p.mixed_precision.is_some() && strategy == ShardingStrategy::NoShard {
+            return usage("--mixed-precision needs a sharded strategy (not no-shard)");
+        }
+
+        let o = &self.optim;
+        let optimizer = match o.optimizer {
+            OptimizerArg::Sgd => Optimizer::Sgd,
+            OptimizerArg::Adamw => Optimizer::AdamW,
+        };
+        let lr = o.lr.unwrap_or(match optimizer {
+            Optimizer::Sgd => 0.05,
+            Optimizer::AdamW => 1e-3,
+        });
+        if let Some(min) = o.min_lr {
+            if min > lr {
+                return usage(format!("--min-lr {min} is above --lr {lr}"));
+            }
+        }
+        if o.warmup_steps >= o.steps && o.warmup_steps > 0 {
+            return usage(format!(
+                "--warmup-steps {} must be below --steps {}",
+                o.warmup_steps, o.steps
+            ));
+        }
+        if o.no_sync && o.grad_accum < 2 {
+            return usage(
+                "--no-sync needs --grad-accum N with N >= 2 (it skips the reduction of all but the \
+                 last micro-batch)",
+            );
+        }
+
+        let c = &self.checkpoint;
+        if c.checkpoint_every.is_some() && c.checkpoint_dir.is_none() {
+            return usage("--checkpoint-every needs --checkpoint-dir DIR");
+        }
+        if c.resume && c.checkpoint_dir.is_none() {
+            return usage("--resume needs --checkpoint-dir DIR (the directory to resume from)");
+        }
+        if c.resume && c.load.is_some() {
+            return usage("--resume and --load both set the starting state; pick one");
+        }
+        let l = &self.logging;
+        if let Some(plot) = &l.plot {
+            crate::report::plot_kind(plot).map_err(UsageError)?;
+        }
+        Ok(TrainConfig {
+            gpt,
+            data,
+            eval_every: d.eval_every as usize,
+            eval_seqs: d.eval_seqs as usize,
+            batch: d.batch as usize,
+            seed: d.seed,
+            ranks,
+            strategy,
+            shard_size,
+            backward_prefetch: match p.backward_prefetch {
+                PrefetchArg::None => BackwardPrefetch::None,
+                PrefetchArg::Pre => BackwardPrefetch::BackwardPre,
+                PrefetchArg::Post => BackwardPrefetch::BackwardPost,
+            },
+            forward_prefetch: p.forward_prefetch,
+            limit_all_gathers: p.limit_all_gathers,
+            deferred_init: p.deferred_init,
+            mixed_precision: p.mixed_precision.map(|m| match m {
+                MixedPrecisionArg::Bf16 => DType::BF16,
+                MixedPrecisionArg::F16 => DType::F16,
+            }),
+            cpu_offload: p.cpu_offload,
+            checked: p.checked,
+            steps: o.steps as usize,
+            optimizer,
+            lr,
+            warmup_steps: o.warmup_steps as usize,
+            min_lr: o.min_lr,
+            grad_accum: o.grad_accum as usize,
+            no_sync: o.no_sync,
+            clip_grad_norm: o.clip_grad_norm,
+            checkpoint_dir: c.checkpoint_dir.clone(),
+            checkpoint_every: c.checkpoint_every.map(|n| n as usize),
+            keep_checkpoints: c.keep_checkpoints as usize,
+            resume: c.resume,
+            load: c.load.clone(),
+            save: c.save.clone(),
+            stop_after: None,
+        })
+    }
+}
+
+/// The `--strategy` spelling of a strategy.
+pub fn strategy_name(s: ShardingStrategy) -> &'static str {
+    match s {
+        ShardingStrategy::FullShard => "full-shard",
+        ShardingStrategy::ShardGradOp => "shard-grad-op",
+        ShardingStrategy::NoShard => "no-shard",
+        ShardingStrategy::HybridShard => "hybrid-shard",
+    }
+}
+
+/// The `--backward-prefetch` spelling.
+pub fn prefetch_name(p: BackwardPrefetch) -> &'static str {
+    match p {
+        BackwardPrefetch::None => "none",
+        BackwardPrefetch::BackwardPre => "pre",
+        BackwardPrefetch::BackwardPost => "post",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<TrainConfig, String> {
+        let cli = Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        cli.into_config().map_err(|e| e.0)
+    }
+
+    #[test]
+    fn defaults_are_the_main_job() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.ranks, 4);
+        assert_eq!(c.steps, 60);
+        assert_eq!(c.batch, 4);
+        assert_eq!(c.lr, 0.05);
+        assert_eq!(c.gpt.d_model, GptConfig::mini().d_model);
+        assert_eq!(c.strategy, ShardingStrategy::FullShard);
+        assert!(c.limit_all_gathers);
+        assert!(matches!(c.data, DataSpec::Synthetic));
+    }
+
+    #[test]
+    fn huge_numbers_are_usage_errors() {
+        for v in ["18446744073709551615", "1000000000000", "0", "x"] {
+            let e = parse(&["--steps", v]).unwrap_err();
+            assert!(e.contains("--steps"), "{e}");
+        }
+        assert!(parse(&["--steps", "-1"]).is_err());
+        assert!(parse(&["--ranks", "100000"]).is_err());
+        assert!(parse(&["--batch", "99999999"]).is_err());
+        assert!(parse(&["--lr", "inf"]).is_err());
+        assert!(parse(&["--lr", "NaN"]).is_err());
+        assert!(parse(&["--d-model", "100000", "--layers", "512"]).is_err());
+        assert!(
+            parse(&["--model", "gpt2", "--layers", "512", "--d-model", "1536"])
+                .unwrap_err()
+                .contains("parameters")
+        );
+    }
+
+    #[test]
+    fn every_old_flag_keeps_its_meaning() {
+        let c = parse(&[
+            "--ranks",
+            "2",
+            "--strategy",
+            "hybrid-shard",
+            "--shard-size",
+            "2",
+            "--backward-prefetch",
+            "post",
+            "--forward-prefetch",
+            "--limit-all-gathers",
+            "off",
+            "--deferred-init",
+            "--steps",
+            "7",
+            "--lr",
+            "0.5",
+            "--optimizer",
+            "adamw",
+            "--mixed-precision",
+            "bf16",
+            "--grad-accum",
+            "2",
+            "--no-sync",
+            "--clip-grad-norm",
+            "1.5",
+            "--tied",
+            "--cpu-offload",
+            "--checked",
+            "--load",
+            "a.st",
+            "--save",
+            "b.st",
+            "--batch",
+            "3",
+            "--seed",
+            "9",
+            "--json",
+        ])
+        .unwrap();
+        assert_eq!(c.ranks, 2);
+        assert_eq!(c.strategy, ShardingStrategy::HybridShard);
+        assert_eq!(c.shard_size, Some(2));
+        assert_eq!(c.backward_prefetch, BackwardPrefetch::BackwardPost);
+        assert!(c.forward_prefetch && !c.limit_all_gathers && c.deferred_init);
+        assert_eq!((c.steps, c.lr, c.optimizer), (7, 0.5, Optimizer::AdamW));
+        assert_eq!(c.mixed_precision, Some(DType::BF16));
+        assert_eq!((c.grad_accum, c.no_sync), (2, true));
+        assert_eq!(c.clip_grad_norm, Some(1.5));
+        assert!(c.gpt.tied && c.cpu_offload && c.checked);
+        assert_eq!((c.batch, c.seed), (3, 9));
+        assert_eq!(parse(&["--optimizer", "adamw"]).unwrap().lr, 1e-3);
+    }
+
+    #[test]
+    fn presets_and_overrides() {
+        let g = parse(&["--model", "gpt2"]).unwrap().gpt;
+        assert_eq!(
+            (g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len),
+            (50257, 768, 12, 12, 1024)
+        );
+        // GPT-2 small: 124,439,808 parameters (tied head).
+        assert!(g.tied);
+        assert_eq!(gpt_params(&g), 124_439_808);
+        let s = parse(&["--model", "small"]).unwrap().gpt;
+        let p = gpt_params(&s);
+        assert!((20_000_000..30_000_000).contains(&p), "{p}");
+        let o = parse(&["--model", "gpt2", "--seq-len", "256", "--vocab", "1000"])
+            .unwrap()
+            .gpt;
+        assert_eq!((o.seq_len, o.vocab), (256, 1000));
+        assert!(parse(&["--d-model", "100", "--heads", "3"]).is_err());
+    }
+
+    #[test]
+    fn inconsistent_combinations_are_refused() {
+        assert!(parse(&["--strategy", "hybrid-shard"]).is_err());
+        assert!(parse(&["--strategy", "hybrid-shard", "--shard-size", "3"]).is_err());
+        assert!(parse(&["--shard-size", "2"]).is_err());
+        assert!(parse(&["--no-sync"]).is_err());
+        assert!(parse(&["--resume"]).is_err());
+        assert!(parse(&["--checkpoint-every", "5"]).is_err());
+        assert!(parse(&["--min-lr", "1", "--lr", "0.1"]).is_err());
+        assert!(parse(&["--warmup-steps", "60"]).is_err());
+        assert!(parse(&["--plot", "x.pdf"]).is_err());
+        assert!(parse(&["--data", "x.txt", "--vocab", "100"]).is_err());
+    }
+}

@@ -1,0 +1,1155 @@
+//! The training loop: W thread ranks, each with its own [`Device`] and a handle to one
+//! [`ThreadGroup`], wrap the same GPT with [`Fsdp`] and train it.
+//!
+//! Per step every rank: builds its micro-batches (see [`crate::data`]), runs forward/backward
+//! (with `no_sync` where asked), computes the global gradient norm (exact across shards; clipped
+//! with `--clip-grad-norm`), stops with [`TrainError::NonFinite`] if it is not finite, steps the
+//! optimizer at the scheduled learning rate, and all-reduces the loss and the memory statistics.
+//! Every value a stop decision depends on is the same on every rank (all-reduced), so all ranks
+//! stop together.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use fsdp_alloc::{DType, Device, DeviceConfig};
+use fsdp_autograd::nn::{Gpt, GptConfig};
+use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
+use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
+use fsdp_core::plumbing::tensor_slice;
+use fsdp_core::state_dict::{self, FullStateDict, OptimState};
+use fsdp_core::{
+    clip_grad_norm, grad_norm, param_norms_per_param, AdamW, BackwardPrefetch, Comm, Fsdp,
+    FsdpConfig, FsdpError, MixedPrecision, ParamBytes, ShardedOptimizer, ShardingStrategy,
+    WrapPolicy,
+};
+use serde_json::{json, Value};
+
+use crate::ckpt::{self, CheckpointError};
+use crate::data::{DataError, DataFormat, Dataset};
+
+/// The optimizer `--optimizer` picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Optimizer {
+    /// Plain SGD (no state).
+    Sgd,
+    /// Sharded AdamW.
+    AdamW,
+}
+
+/// Where the training data comes from.
+#[derive(Debug, Clone)]
+pub enum DataSpec {
+    /// The embedded counting sequences.
+    Synthetic,
+    /// A memory-mapped file.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// How to read it.
+        format: DataFormat,
+        /// The held-out tail.
+        val_fraction: f64,
+    },
+}
+
+/// Everything a run needs (the validated command line).
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Model shape.
+    pub gpt: GptConfig,
+    /// Data source.
+    pub data: DataSpec,
+    /// Evaluate every N steps (0: never).
+    pub eval_every: usize,
+    /// Validation sequences per evaluation.
+    pub eval_seqs: usize,
+    /// Sequences per rank per micro-batch.
+    pub batch: usize,
+    /// Init and data seed.
+    pub seed: u64,
+    /// Thread ranks.
+    pub ranks: usize,
+    /// Sharding strategy.
+    pub strategy: ShardingStrategy,
+    /// Hybrid shard-group size.
+    pub shard_size: Option<usize>,
+    /// Backward prefetch.
+    pub backward_prefetch: BackwardPrefetch,
+    /// Forward prefetch.
+    pub forward_prefetch: bool,
+    /// Rate limiter.
+    pub limit_all_gathers: bool,
+    /// Build on the fake device.
+    pub deferred_init: bool,
+    /// Low-precision dtype.
+    pub mixed_precision: Option<DType>,
+    /// CPU offload.
+    pub cpu_offload: bool,
+    /// Checked devices.
+    pub checked: bool,
+    /// Total optimizer steps.
+    pub steps: usize,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Peak learning rate.
+    pub lr: f32,
+    /// Linear warm-up steps.
+    pub warmup_steps: usize,
+    /// Cosine floor (None: no decay).
+    pub min_lr: Option<f32>,
+    /// Micro-batches per step.
+    pub grad_accum: usize,
+    /// Local accumulation.
+    pub no_sync: bool,
+    /// Gradient clipping.
+    pub clip_grad_norm: Option<f64>,
+    /// Checkpoint directory.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint period (with a directory but no period: only at the end).
+    pub checkpoint_every: Option<usize>,
+    /// Checkpoints kept.
+    pub keep_checkpoints: usize,
+    /// Resume from the newest complete checkpoint.
+    pub resume: bool,
+    /// Full state dict to load.
+    pub load: Option<PathBuf>,
+    /// Full state dict to save.
+    pub save: Option<PathBuf>,
+    /// Stop after this step as if the process died there (tests of resume); `None` in real runs.
+    pub stop_after: Option<usize>,
+}
+
+impl TrainConfig {
+    /// Learning rate of step `s` (0-based): linear warm-up to `lr` over `warmup_steps`, then
+    /// constant, or with `min_lr` a cosine decay reaching `min_lr` at the last step.
+    pub fn lr_at(&self, s: usize) -> f32 {
+        let w = self.warmup_steps;
+        if s < w {
+            return self.lr * (s + 1) as f32 / w as f32;
+        }
+        match self.min_lr {
+            None => self.lr,
+            Some(min) => {
+                let span = (self.steps - w).saturating_sub(1).max(1) as f64;
+                let progress = ((s - w) as f64 / span).min(1.0);
+                let c = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                (min as f64 + (self.lr - min) as f64 * c) as f32
+            }
+        }
+    }
+
+    /// Tokens of one optimizer step (global batch × sequence length).
+    pub fn tokens_per_step(&self) -> usize {
+        self.ranks * self.grad_accum * self.batch * self.gpt.seq_len
+    }
+}
+
+/// Why a run stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A non-finite value: the run stops there and saves nothing.
+    #[error("step {step}: the {what} is {value} (not finite); training stopped, no checkpoint or state dict was written after it — lower --lr, add --warmup-steps or --clip-grad-norm")]
+    NonFinite {
+        /// 1-based step.
+        step: usize,
+        /// `loss`, `gradient norm` or `parameter norm`.
+        what: &'static str,
+        /// The value.
+        value: f64,
+    },
+    /// The data.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// The checkpoint directory.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// FSDP, a collective or a device.
+    #[error("rank {rank}: {context}: {source}")]
+    Fsdp {
+        /// Rank.
+        rank: usize,
+        /// What it was doing.
+        context: String,
+        /// The cause.
+        source: Box<FsdpError>,
+    },
+    /// The state-dict functions.
+    #[error("rank {rank}: {context}: {source}")]
+    StateDict {
+        /// Rank.
+        rank: usize,
+        /// What it was doing.
+        context: String,
+        /// The cause.
+        source: Box<fsdp_core::StateDictError>,
+    },
+    /// Another rank failed (its error is reported by it).
+    #[error("rank {rank}: stopped because another rank failed at {what}")]
+    PeerFailed {
+        /// Rank.
+        rank: usize,
+        /// Where.
+        what: &'static str,
+    },
+    /// A rank thread could not be started or panicked.
+    #[error("{0}")]
+    Thread(String),
+}
+
+/// One step as rank 0 reports it (values reduced over all ranks).
+#[derive(Debug, Clone)]
+pub struct StepRecord {
+    /// 1-based step.
+    pub step: usize,
+    /// Global-batch mean cross-entropy.
+    pub loss: f32,
+    /// Validation loss when evaluated at this step.
+    pub val_loss: Option<f32>,
+    /// Learning rate used.
+    pub lr: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Rank 0's wall time of the step.
+    pub secs: f64,
+    /// Tokens of the global batch over `secs`.
+    pub tokens_per_s: f64,
+    /// Max over ranks of the step's peak allocated bytes.
+    pub peak_allocated: u64,
+    /// Max over ranks of the peak reserved bytes (the allocator's footprint).
+    pub peak_reserved: u64,
+    /// Sum over ranks of allocation retries.
+    pub retries: u64,
+    /// Max over ranks of the bytes allocated after the optimizer step (before zero_grad).
+    pub state_bytes: u64,
+    /// Rank 0's all-gather bytes in the step.
+    pub ag: u64,
+    /// Rank 0's reduce-scatter bytes.
+    pub rs: u64,
+    /// Rank 0's all-reduce bytes.
+    pub ar: u64,
+}
+
+/// Rank 0's view of progress (progress bar, metrics file, plain lines).
+pub trait Observer: Send {
+    /// Training starts at 1-based step `first` of `total`.
+    fn start(&mut self, _first: usize, _total: usize) {}
+    /// A step finished.
+    fn step(&mut self, _rec: &StepRecord) {}
+    /// A line of information (checkpoint written, resumed from ...).
+    fn note(&mut self, _line: &str) {}
+    /// The run ended: clear the bar, flush files; an output error is returned.
+    fn finish(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Does nothing (tests).
+pub struct Quiet;
+impl Observer for Quiet {}
+
+/// What rank 0 returns.
+pub struct Report {
+    /// This run's steps.
+    pub steps: Vec<StepRecord>,
+    /// The metric history since step 1 (resumed runs include the saved part): objects with
+    /// `step`, `loss`, `val_loss`, `tokens_per_s`.
+    pub history: Vec<Value>,
+    /// First step of this run (1-based).
+    pub first_step: usize,
+    /// Units.
+    pub units: usize,
+    /// Bytes of all f32 parameters (4Ψ).
+    pub total_param_bytes: usize,
+    /// Bytes of the largest unit.
+    pub max_unit_bytes: usize,
+    /// Number of optimizer state slots.
+    pub optim_slots: usize,
+    /// Rank 0's totals over the run.
+    pub total_ag: u64,
+    /// Rank 0's totals over the run.
+    pub total_rs: u64,
+    /// Rank 0's totals over the run.
+    pub total_ar: u64,
+    /// The observer, handed back.
+    pub observer: Box<dyn Observer>,
+    /// The final parameters, gathered (only when asked for: the resume tests compare them).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub final_params: Option<FullStateDict>,
+}
+
+/// Settings a resumed run must share with the checkpoint.
+pub fn fingerprint(cfg: &TrainConfig) -> Value {
+    let g = &cfg.gpt;
+    json!({
+        "model": format!("vocab {} d {} layers {} heads {} seq {} tied {}",
+                         g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied),
+        "optimizer": format!("{:?}", cfg.optimizer),
+        "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
+        "data": match &cfg.data {
+            DataSpec::Synthetic => "synthetic".to_string(),
+            DataSpec::File { path, .. } => path.display().to_string(),
+        },
+        "seed": cfg.seed,
+    })
+}
+
+/// Opens the data set of `cfg`.
+pub fn open_data(cfg: &TrainConfig) -> Result<Dataset, DataError> {
+    match &cfg.data {
+        DataSpec::Synthetic => Ok(Dataset::Synthetic {
+            vocab: cfg.gpt.vocab,
+        }),
+        DataSpec::File {
+            path,
+            format,
+            val_fraction,
+        } => Dataset::open(path, *format, *val_fraction, cfg.gpt.seq_len, cfg.gpt.vocab),
+    }
+}
+
+/// Runs the whole job on `cfg.ranks` threads; rank 0 feeds `observer`. With `gather_final`,
+/// the report holds the final parameters (a full state dict).
+pub fn run_job(
+    cfg: &TrainConfig,
+    observer: Box<dyn Observer>,
+    gather_final: bool,
+) -> Result<Report, TrainError> {
+    let data = open_data(cfg)?;
+    let mut observer = Some(observer);
+    let handles: Vec<_> = ThreadGroup::new(cfg.ranks)
+        .into_iter()
+        .enumerate()
+        .map(|(r, g)| {
+            let cfg = cfg.clone();
+            let data = data.clone();
+            let obs = if r == 0 { observer.take() } else { None };
+            std::thread::Builder::new()
+                .name(format!("rank{r}"))
+                .spawn(move || {
+                    Rank::new(r, Arc::new(g), &cfg, data, obs.unwrap_or(Box::new(Quiet)))?
+                        .train(gather_final)
+                })
+                .map_err(|e| TrainError::Thread(format!("spawning rank {r}: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut report = None;
+    let mut errors = Vec::new();
+    for (r, h) in handles.into_iter().enumerate() {
+        match h.join() {
+            Ok(Ok(rep)) => {
+                if r == 0 {
+                    report = Some(rep)
+                }
+            }
+            Ok(Err(e)) => errors.push(e),
+            Err(_) => errors.push(TrainError::Thread(format!("rank {r} panicked"))),
+        }
+    }
+    if !errors.is_empty() {
+        // Every rank stops on the same non-finite value: report it once. Otherwise the first
+        // error that is not a peer's echo is the cause.
+        let pos = errors
+            .iter()
+            .position(|e| !matches!(e, TrainError::PeerFailed { .. }))
+            .unwrap_or(0);
+        return Err(errors.swap_remove(pos));
+    }
+    report.ok_or_else(|| TrainError::Thread("rank 0 returned no report".into()))
+}
+
+/// One rank's state.
+struct Rank {
+    rank: usize,
+    pg: Arc<dyn ProcessGroup>,
+    cfg: TrainConfig,
+    data: Dataset,
+    dev: Device,
+    host: Option<Device>,
+    fsdp: Fsdp<Gpt>,
+    adamw: Option<AdamW>,
+    observer: Box<dyn Observer>,
+}
+
+fn slice_of(t: &Tensor) -> Result<DeviceSlice, FsdpError> {
+    tensor_slice(t)
+}
+
+impl Rank {
+    fn new(
+        rank: usize,
+        pg: Arc<dyn ProcessGroup>,
+        cfg: &TrainConfig,
+        data: Dataset,
+        observer: Box<dyn Observer>,
+    ) -> Result<Rank, TrainError> {
+        let fsdp_err = |context: &str| {
+            let context = context.to_string();
+            move |source: FsdpError| TrainError::Fsdp {
+                rank,
+                context,
+                source: Box::new(source),
+            }
+        };
+        let world = cfg.ranks;
+        let devices = DeviceConfig::default().with_checked(cfg.checked);
+        let dev = Device::cpu_with(rank, devices);
+        let init = if cfg.deferred_init {
+            InitContext::fake(cfg.seed)
+        } else {
+            InitContext::eager(&dev, cfg.seed)
+        };
+        let model = Gpt::new(&init, &cfg.gpt)
+            .map_err(|e| fsdp_err("building the model")(FsdpError::from(e)))?;
+        let comm: Comm = match cfg.strategy {
+            ShardingStrategy::HybridShard => {
+                let f = cfg.shard_size.unwrap_or(world);
+                DeviceMesh::new(Arc::clone(&pg), f)
+                    .map_err(|e| fsdp_err("building the device mesh")(FsdpError::from(e)))?
+                    .into()
+            }
+            _ => Arc::clone(&pg).into(),
+        };
+        // Each rank's own host device for CPU offload (ids apart from the compute devices).
+        let host = cfg
+            .cpu_offload
+            .then(|| Device::cpu_with(10_000 + rank, devices));
+        let config = FsdpConfig {
+            strategy: cfg.strategy,
+            wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
+            backward_prefetch: cfg.backward_prefetch,
+            forward_prefetch: cfg.forward_prefetch,
+            limit_all_gathers: cfg.limit_all_gathers,
+            mixed_precision: cfg.mixed_precision.map(MixedPrecision::uniform),
+            cpu_offload: host.clone(),
+            ..FsdpConfig::default()
+        };
+        // With --deferred-init the parameters live on the fake device (recorded init ops only)
+        // and Fsdp::wrap generates just this rank's shards.
+        let fsdp = Fsdp::wrap(model, &dev, comm, config).map_err(fsdp_err("wrapping the model"))?;
+        let adamw = (cfg.optimizer == Optimizer::AdamW).then(|| AdamW::new(cfg.lr));
+        Ok(Rank {
+            rank,
+            pg,
+            cfg: cfg.clone(),
+            data,
+            dev,
+            host,
+            fsdp,
+            adamw,
+            observer,
+        })
+    }
+
+    fn err(&self, context: impl Into<String>) -> impl FnOnce(FsdpError) -> TrainError {
+        let (rank, context) = (self.rank, context.into());
+        move |source| TrainError::Fsdp {
+            rank,
+            context,
+            source: Box::new(source),
+        }
+    }
+
+    fn sd_err(
+        &self,
+        context: impl Into<String>,
+    ) -> impl FnOnce(fsdp_core::StateDictError) -> TrainError {
+        let (rank, context) = (self.rank, context.into());
+        move |source| TrainError::StateDict {
+            rank,
+            context,
+            source: Box::new(source),
+        }
+    }
+
+    /// Sums `values` over ranks (f32 all-reduce on the compute stream; waits).
+    fn all_reduce_sum(&self, values: Vec<f32>) -> Result<Vec<f32>, FsdpError> {
+        let n = values.len();
+        let t = Tensor::from_vec(values, &[n], &self.dev)?;
+        let stream = fsdp_autograd::current_stream(&self.dev);
+        self.pg
+            .all_reduce(&slice_of(&t)?, ReduceOp::Sum, &stream)
+            .wait()?;
+        Ok(t.to_vec::<f32>()?)
+    }
+
+    /// Every rank learns whether any rank's `local` failed; a failing rank returns its own
+    /// error, the others [`TrainError::PeerFailed`].
+    fn agree<T>(&self, local: Result<T, TrainError>, what: &'static str) -> Result<T, TrainError> {
+        let failed = self
+            .all_reduce_sum(vec![if local.is_err() { 1.0 } else { 0.0 }])
+            .map_err(self.err(format!("agreeing on {what}")))?[0];
+        let v = local?;
+        if failed > 0.0 {
+            return Err(TrainError::PeerFailed {
+                rank: self.rank,
+                what,
+            });
+        }
+        Ok(v)
+    }
+
+    /// This rank's micro-batch `micro` of step `s` (0-based).
+    fn batch(&self, s: usize, micro: usize) -> Result<(Tensor, Tensor), TrainError> {
+        let c = &self.cfg;
+        let g = (c.ranks * c.batch) as u64;
+        let first = (s * c.grad_accum + micro) as u64 * g + (self.rank * c.batch) as u64;
+        let mut ids = Vec::with_capacity(c.batch * c.gpt.seq_len);
+        let mut tg = Vec::with_capacity(c.batch * c.gpt.seq_len);
+        for b in 0..c.batch as u64 {
+            let (i, t) = self.data.train_sequence(first + b, c.gpt.seq_len, c.seed)?;
+            ids.extend(i);
+            tg.extend(t);
+        }
+        let shape = [c.batch, c.gpt.seq_len];
+        let x =
+            Tensor::from_vec(ids, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
+        let y = Tensor::from_vec(tg, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
+        Ok((x, y))
+    }
+
+    /// Mean validation loss over the fixed evaluation set (all ranks; every rank gets it).
+    fn evaluate(&self) -> Result<f32, TrainError> {
+        let c = &self.cfg;
+        let (n, b, w, seq) = (c.eval_seqs, c.batch, c.ranks, c.gpt.seq_len);
+        let rounds = n.div_ceil(w * b);
+        let mut sum = 0.0f32;
+        let mut count = 0.0f32;
+        for round in 0..rounds {
+            let first = round * w * b + self.rank * b;
+            let mine: Vec<usize> = (first..first + b).filter(|&i| i < n).collect();
+            // Every rank runs the same number of forwards (their all-gathers pair up); a rank
+            // without a sequence this round runs one with weight 0.
+            let (idx, weight) = if mine.is_empty() {
+                (vec![0], 0.0)
+            } else {
+                (mine, 1.0)
+            };
+            let mut ids = Vec::with_capacity(idx.len() * seq);
+            let mut tg = Vec::with_capacity(idx.len() * seq);
+            let local: Result<(), TrainError> = idx.iter().try_for_each(|&i| {
+                let (a, t) = self.data.val_sequence(i as u64, n as u64, seq, c.seed)?;
+                ids.extend(a);
+                tg.extend(t);
+                Ok(())
+            });
+            self.agree(local, "reading validation data")?;
+            let k = idx.len();
+            let ce = no_grad(|| -> Result<f32, FsdpError> {
+                let x = Tensor::from_vec(ids, &[k, seq], &self.dev)?;
+                let y = Tensor::from_vec(tg, &[k * seq], &self.dev)?;
+                let logits = self.fsdp.forward(&x)?;
+                let vocab = c.gpt.vocab;
+                let flat = logits.reshape(&[k * seq, vocab])?;
+                Ok(cross_entropy(&flat, &y)?.item()?)
+            })
+            .map_err(self.err("evaluating"))?;
+            sum += weight * ce * (k * seq) as f32;
+            count += weight * (k * seq) as f32;
+        }
+        let tot = self
+            .all_reduce_sum(vec![sum, count])
+            .map_err(self.err("reducing the validation loss"))?;
+        Ok(tot[0] / tot[1])
+    }
+
+    fn optim_state(&self) -> Option<OptimState> {
+        self.adamw.as_ref().map(|o| OptimState {
+            steps: o.step_counts(),
+            slots: o.state(),
+        })
+    }
+
+    /// Refuses to persist non-finite parameters (a collective: every rank agrees).
+    fn check_params_finite(&self, step: usize) -> Result<(), TrainError> {
+        let norms = param_norms_per_param(&self.fsdp).map_err(self.err("parameter norms"))?;
+        let total: f64 = norms.iter().map(|(_, n)| n * n).sum::<f64>().sqrt();
+        if !total.is_finite() {
+            return Err(TrainError::NonFinite {
+                step,
+                what: "parameter norm",
+                value: total,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes checkpoint `step` (all ranks).
+    fn save_checkpoint(&mut self, step: usize, history: &[Value]) -> Result<(), TrainError> {
+        let Some(dir) = self.cfg.checkpoint_dir.clone() else {
+            return Ok(());
+        };
+        self.check_params_finite(step)?;
+        let prep = if self.rank == 0 {
+            ckpt::prepare(&dir, step).map_err(TrainError::from)
+        } else {
+            Ok(ckpt::tmp_dir(&dir, step))
+        };
+        let tmp = self.agree(prep, "preparing the checkpoint directory")?;
+        state_dict::save_sharded(&self.fsdp, tmp.join("model"))
+            .map_err(self.sd_err(format!("saving the model to {}", tmp.display())))?;
+        if let Some(st) = self.optim_state() {
+            state_dict::save_sharded_optim(&self.fsdp, &st, tmp.join("optim"))
+                .map_err(self.sd_err(format!("saving the optimizer to {}", tmp.display())))?;
+        }
+        let published = if self.rank == 0 {
+            let meta = ckpt::meta(
+                step,
+                self.cfg.ranks,
+                fingerprint(&self.cfg),
+                Value::Array(history.to_vec()),
+            );
+            ckpt::publish(&dir, step, &meta, self.cfg.keep_checkpoints).map_err(TrainError::from)
+        } else {
+            Ok(PathBuf::new())
+        };
+        let fin = self.agree(published, "publishing the checkpoint")?;
+        if self.rank == 0 {
+            self.observer
+                .note(&format!("checkpoint: step {step} -> {}", fin.display()));
+        }
+        Ok(())
+    }
+
+    /// Loads the newest complete checkpoint, if any: returns (steps done, history).
+    fn resume(&mut self) -> Result<(usize, Vec<Value>), TrainError> {
+        let Some(dir) = self.cfg.checkpoint_dir.clone() else {
+            return Ok((0, Vec::new()));
+        };
+        let found = ckpt::latest(&dir).and_then(|l| match l {
+            None => Ok(None),
+            Some((step, path)) => {
+                let meta = ckpt::read_meta(&path)?;
+                ckpt::check_fingerprint(&path, &meta, &fingerprint(&self.cfg))?;
+                Ok(Some((step, path, meta)))
+            }
+        });
+        let found = self.agree(found.map_err(TrainError::from), "finding the checkpoint")?;
+        let Some((step, path, meta)) = found else {
+            if self.rank == 0 {
+                self.observer.note(&format!(
+                    "resume: no checkpoint in {}, starting at step 1",
+                    dir.display()
+                ));
+            }
+            return Ok((0, Vec::new()));
+        };
+        state_dict::load_sharded(&self.fsdp, path.join("model"))
+            .map_err(self.sd_err(format!("loading {}", path.join("model").display())))?;
+        if let Some(mut opt) = self.adamw.take() {
+            let st = state_dict::load_sharded_optim(&self.fsdp, path.join("optim"))
+                .map_err(self.sd_err(format!("loading {}", path.join("optim").display())))?;
+            opt.load_state(&self.fsdp, st.slots, st.steps)
+                .map_err(self.err("loading the optimizer state"))?;
+            self.adamw = Some(opt);
+        }
+        let history = match meta.get("history") {
+            Some(Value::Array(h)) => h.clone(),
+            _ => Vec::new(),
+        };
+        if self.rank == 0 {
+            self.observer.note(&format!(
+                "resumed from {} (step {step}, saved by {} ranks)",
+                path.display(),
+                meta.get("world_size").cloned().unwrap_or(Value::Null)
+            ));
+        }
+        Ok((step, history))
+    }
+
+    fn train(mut self, gather_final: bool) -> Result<Report, TrainError> {
+        let rank = self.rank;
+        if let Some(path) = self.cfg.load.clone() {
+            state_dict::load_full(&self.fsdp, &path)
+                .map_err(self.sd_err(format!("loading {}", path.display())))?;
+            if rank == 0 {
+                self.observer.note(&format!(
+                    "loaded the full state dict from {}",
+                    path.display()
+                ));
+            }
+        }
+        let (done, mut history) = if self.cfg.resume {
+            self.resume()?
+        } else {
+            (0, Vec::new())
+        };
+        let ParamBytes {
+            max_unit: max_unit_bytes,
+            total: total_param_bytes,
+        } = self.fsdp.param_bytes();
+        let units = self.fsdp.num_units();
+        let optim_slots = self.adamw.as_ref().map_or(0, |o| o.slot_names().len());
+        let steps = self.cfg.steps;
+        let last = self.cfg.stop_after.map_or(steps, |s| s.min(steps));
+        if rank == 0 {
+            self.observer.start(done + 1, steps);
+        }
+        let tokens = self.cfg.tokens_per_step() as f64;
+        let mut records = Vec::new();
+        let mut prev = self.fsdp.comm_stats();
+        for s in done..last {
+            let step = s + 1;
+            let retries_before = self.dev.memory_stats().num_alloc_retries;
+            self.dev.reset_peak_stats();
+            let t0 = Instant::now();
+            let lr = self.cfg.lr_at(s);
+            // This step's batches, read first so a data error stops every rank together.
+            let batches: Result<Vec<_>, _> =
+                (0..self.cfg.grad_accum).map(|m| self.batch(s, m)).collect();
+            let batches = self.agree(batches, "reading training data")?;
+            let (scaled, norm) = self
+                .step(batches, lr)
+                .map_err(self.err(format!("step {step}")))?;
+            if !norm.is_finite() {
+                return Err(TrainError::NonFinite {
+                    step,
+                    what: "gradient norm",
+                    value: norm,
+                });
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            let (loss, peaks) = self
+                .reduce_metrics(scaled, retries_before)
+                .map_err(self.err(format!("step {step}: reducing metrics")))?;
+            if !loss.is_finite() {
+                return Err(TrainError::NonFinite {
+                    step,
+                    what: "loss",
+                    value: loss as f64,
+                });
+            }
+            let val_loss =
+                if self.cfg.eval_every > 0 && (step % self.cfg.eval_every == 0 || step == steps) {
+                    let v = self.evaluate()?;
+                    if !v.is_finite() {
+                        return Err(TrainError::NonFinite {
+                            step,
+                            what: "validation loss",
+                            value: v as f64,
+                        });
+                    }
+                    Some(v)
+                } else {
+                    None
+                };
+            let now = self.fsdp.comm_stats();
+            let rec = StepRecord {
+                step,
+                loss,
+                val_loss,
+                lr,
+                grad_norm: norm,
+                secs,
+                tokens_per_s: tokens / secs,
+                peak_allocated: peaks[0],
+                peak_reserved: peaks[1],
+                retries: peaks[2],
+                state_bytes: peaks[3],
+                ag: now.all_gather_bytes - prev.all_gather_bytes,
+                rs: now.reduce_scatter_bytes - prev.reduce_scatter_bytes,
+                ar: now.all_reduce_bytes - prev.all_reduce_bytes,
+            };
+            prev = now;
+            history.push(json!({
+                "step": step,
+                "loss": loss,
+                "val_loss": val_loss,
+                "tokens_per_s": rec.tokens_per_s,
+            }));
+            if rank == 0 {
+                self.observer.step(&rec);
+            }
+            records.push(rec);
+            let periodic = self.cfg.checkpoint_every.is_some_and(|n| step % n == 0);
+            if self.cfg.checkpoint_dir.is_some() && (periodic || step == steps) {
+                self.save_checkpoint(step, &history)?;
+            }
+        }
+        if let Some(path) = self.cfg.save.clone() {
+            self.check_params_finite(last)?;
+            state_dict::save_full(&self.fsdp, &path)
+                .map_err(self.sd_err(format!("saving {}", path.display())))?;
+            if rank == 0 {
+                self.observer
+                    .note(&format!("saved the full state dict to {}", path.display()));
+            }
+        }
+        let final_params = if gather_final {
+            Some(
+                state_dict::full_state_dict(&self.fsdp, true)
+                    .map_err(self.sd_err("gathering the final parameters"))?,
+            )
+        } else {
+            None
+        };
+        let total = self.fsdp.comm_stats();
+        Ok(Report {
+            steps: records,
+            history,
+            first_step: done + 1,
+            units,
+            total_param_bytes,
+            max_unit_bytes,
+            optim_slots,
+            total_ag: total.all_gather_bytes,
+            total_rs: total.reduce_scatter_bytes,
+            total_ar: total.all_reduce_bytes,
+            observer: self.observer,
+            final_params,
+        })
+    }
+
+    /// Forward/backward of every micro-batch, the gradient norm (clipped if asked) and the
+    /// optimizer step unless the norm is not finite. Returns (this rank's summed scaled loss,
+    /// global gradient norm).
+    fn step(&mut self, batches: Vec<(Tensor, Tensor)>, lr: f32) -> Result<(f32, f64), FsdpError> {
+        let accum = batches.len();
+        let world = self.cfg.ranks;
+        let vocab = self.cfg.gpt.vocab;
+        let mut scaled = 0.0f32;
+        for (micro, (x, y)) in batches.into_iter().enumerate() {
+            let fsdp = &self.fsdp;
+            let mut fwd_bwd = || -> Result<(), FsdpError> {
+                let logits = fsdp.forward(&x)?;
+                let flat = logits.reshape(&[logits.numel() / vocab, vocab])?;
+                let t = y.reshape(&[y.numel()])?;
+                // Mean cross-entropy of the micro-batch scaled by 1/(W·accum): summing the
+                // gradients of all micro-batches gives the gradient of the global-batch mean.
+                let loss = cross_entropy(&flat, &t)?.scale(1.0 / (world * accum) as f32)?;
+                loss.backward()?;
+                scaled += loss.item()?;
+                Ok(())
+            };
+            if self.cfg.no_sync && micro + 1 < accum {
+                self.fsdp.no_sync(fwd_bwd)?;
+            } else {
+                fwd_bwd()?;
+            }
+        }
+        let norm = match self.cfg.clip_grad_norm {
+            Some(max) => clip_grad_norm(&self.fsdp, max)?,
+            None => grad_norm(&self.fsdp)?,
+        };
+        if !norm.is_finite() {
+            self.fsdp.zero_grad();
+            return Ok((scaled, norm));
+        }
+        match self.adamw.as_mut() {
+            Some(opt) => {
+                opt.hyper.lr = lr;
+                opt.step(&self.fsdp)?;
+            }
+            None => self.fsdp.sgd_step(lr)?,
+        }
+        self.fsdp.synchronize()?;
+        Ok((scaled, norm))
+    }
+
+    /// Global mean loss and, over ranks: max peak allocated, max peak reserved, sum of
+    /// retries, max bytes allocated after the optimizer step. Then drops the gradients.
+    fn reduce_metrics(
+        &self,
+        scaled_loss: f32,
+        retries_before: u64,
+    ) -> Result<(f32, [u64; 4]), FsdpError> {
+        let mem = self.dev.memory_stats();
+        let host = self.host.as_ref().map(|h| h.memory_stats());
+        // Parameters, gradients and optimizer state at rest (after the step, gradients still
+        // held): the compute device plus the offload device.
+        let state = mem.allocated_bytes + host.as_ref().map_or(0, |h| h.allocated_bytes);
+        self.fsdp.zero_grad();
+        let loss = self.all_reduce_sum(vec![scaled_loss])?[0];
+        let stream = fsdp_autograd::current_stream(&self.dev);
+        let mine = Tensor::from_vec(
+            vec![
+                mem.peak_allocated_bytes as i64,
+                mem.peak_reserved_bytes as i64,
+                (mem.num_alloc_retries - retries_before) as i64,
+                state as i64,
+            ],
+            &[4],
+            &self.dev,
+        )?;
+        let world = self.pg.size();
+        let all = Tensor::zeros(&[4 * world], DType::I64, &self.dev)?;
+        self.pg
+            .all_gather_into(&slice_of(&mine)?, &slice_of(&all)?, &stream)
+            .wait()?;
+        let v = all.to_vec::<i64>()?;
+        let col = |i: usize| v.chunks(4).map(move |c| c[i] as u64);
+        Ok((
+            loss,
+            [
+                col(0).max().unwrap_or(0),
+                col(1).max().unwrap_or(0),
+                col(2).sum(),
+                col(3).max().unwrap_or(0),
+            ],
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::Cli;
+    use clap::Parser;
+
+    fn config(args: &[&str]) -> TrainConfig {
+        Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
+            .unwrap()
+            .into_config()
+            .unwrap()
+    }
+
+    /// A small GPT so the tests take seconds.
+    const TINY: &[&str] = &[
+        "--d-model",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--vocab",
+        "64",
+    ];
+
+    fn cfg_with(extra: &[&str]) -> TrainConfig {
+        let mut a = TINY.to_vec();
+        a.extend_from_slice(extra);
+        config(&a)
+    }
+
+    fn losses(r: &Report) -> Vec<u32> {
+        r.steps.iter().map(|s| s.loss.to_bits()).collect()
+    }
+
+    #[test]
+    fn lr_schedule_warms_up_and_decays_to_min() {
+        let c = cfg_with(&[
+            "--steps",
+            "20",
+            "--lr",
+            "1",
+            "--warmup-steps",
+            "4",
+            "--min-lr",
+            "0.1",
+        ]);
+        assert_eq!(c.lr_at(0), 0.25);
+        assert_eq!(c.lr_at(3), 1.0);
+        assert_eq!(c.lr_at(4), 1.0);
+        assert!((c.lr_at(19) - 0.1).abs() < 1e-6);
+        for s in 4..19 {
+            assert!(c.lr_at(s + 1) <= c.lr_at(s));
+        }
+        let flat = cfg_with(&["--steps", "20", "--lr", "1"]);
+        assert!((0..20).all(|s| flat.lr_at(s) == 1.0));
+    }
+
+    /// 20 steps == 10 steps + a resumed 10 (W = 4, bit for bit), with AdamW (optimizer state in
+    /// the checkpoint), a cosine schedule and evaluation; then the same resumed at W = 2.
+    #[test]
+    fn resume_equals_an_uninterrupted_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck_s = ck.to_str().unwrap();
+        let common = [
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.01",
+            "--warmup-steps",
+            "3",
+            "--min-lr",
+            "0.001",
+            "--steps",
+            "20",
+            "--eval-every",
+            "5",
+            "--eval-seqs",
+            "6",
+            "--seed",
+            "3",
+        ];
+        let mut a: Vec<&str> = common.to_vec();
+        a.extend(["--ranks", "4", "--batch", "2"]);
+        let full = run_job(&cfg_with(&a), Box::new(Quiet), true).unwrap();
+        assert_eq!(full.steps.len(), 20);
+
+        let mut b = a.clone();
+        b.extend([
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "5",
+            "--keep-checkpoints",
+            "2",
+        ]);
+        let mut first = cfg_with(&b);
+        first.stop_after = Some(10);
+        let part1 = run_job(&first, Box::new(Quiet), false).unwrap();
+        assert_eq!(part1.steps.len(), 10);
+        // Kept the last 2 of steps 5 and 10.
+        assert!(ckpt::step_dir(&ck, 10).is_dir() && ckpt::step_dir(&ck, 5).is_dir());
+
+        let mut r = b.clone();
+        r.push("--resume");
+        let part2 = run_job(&cfg_with(&r), Box::new(Quiet), true).unwrap();
+        assert_eq!(part2.first_step, 11);
+        let mut joined = losses(&part1);
+        joined.extend(losses(&part2));
+        assert_eq!(
+            joined,
+            losses(&full),
+            "losses of 10 + resumed 10 differ from 20"
+        );
+        let vals = |r: &Report| -> Vec<Option<u32>> {
+            r.steps
+                .iter()
+                .map(|s| s.val_loss.map(f32::to_bits))
+                .collect()
+        };
+        assert_eq!(vals(&part2), vals(&full)[10..].to_vec());
+        assert_eq!(
+            part2.final_params, full.final_params,
+            "final parameters differ"
+        );
+        assert!(full.final_params.as_ref().unwrap().entries.len() > 5);
+        // The resumed run carries the whole history.
+        assert_eq!(part2.history.len(), 20);
+        // Only steps 15 and 20 remain (keep 2).
+        assert!(!ckpt::step_dir(&ck, 10).exists() && ckpt::step_dir(&ck, 20).is_dir());
+
+        // Resume from the W = 4 step-15 checkpoint at W = 2 (batch 4: the same global batch).
+        let ck2 = dir.path().join("ck2");
+        std::fs::create_dir_all(&ck2).unwrap();
+        let from = ckpt::step_dir(&ck, 15);
+        let to = ckpt::step_dir(&ck2, 15);
+        copy_dir(&from, &to);
+        let mut w2: Vec<&str> = common.to_vec();
+        w2.extend(["--ranks", "2", "--batch", "4", "--resume"]);
+        w2.extend(["--checkpoint-dir", ck2.to_str().unwrap()]);
+        let part3 = run_job(&cfg_with(&w2), Box::new(Quiet), true).unwrap();
+        assert_eq!(part3.first_step, 16);
+        // Tolerance: the W = 2 run sums the same per-sequence gradients in another order
+        // (2 ranks of 4 sequences instead of 4 of 2), f32 rounding only: relative 1e-4.
+        for (x, y) in part3.steps.iter().zip(&full.steps[15..]) {
+            let (x, y) = (x.loss, y.loss);
+            assert!((x - y).abs() <= 1e-4 * y.abs(), "loss {x} vs {y}");
+        }
+        // Parameters: AdamW divides by √v, which turns the rounding differences of near-zero
+        // gradients into larger relative changes of single elements, so the law is on the
+        // whole parameter vector: ‖p₃ − p‖₂ ≤ 1e-4·‖p‖₂.
+        let (p3, pf) = (part3.final_params.unwrap(), full.final_params.unwrap());
+        let (mut diff, mut norm) = (0.0f64, 0.0f64);
+        for (a, b) in p3.entries.iter().zip(&pf.entries) {
+            assert_eq!((&a.name, &a.shape), (&b.name, &b.shape));
+            for (x, y) in a.values.iter().zip(&b.values) {
+                diff += ((x - y) as f64).powi(2);
+                norm += (*y as f64).powi(2);
+            }
+        }
+        let rel = (diff / norm).sqrt();
+        assert!(rel <= 1e-4, "relative parameter difference {rel}");
+        eprintln!("resume at W=2 from a W=4 checkpoint: relative parameter difference {rel:e}");
+
+        // A different global batch is refused with a typed error.
+        let mut bad: Vec<&str> = common.to_vec();
+        bad.extend([
+            "--ranks",
+            "2",
+            "--batch",
+            "2",
+            "--resume",
+            "--checkpoint-dir",
+            ck_s,
+        ]);
+        let e = run_job(&cfg_with(&bad), Box::new(Quiet), false)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, TrainError::Checkpoint(CheckpointError::Mismatch { .. })),
+            "{e}"
+        );
+    }
+
+    fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            let dst = to.join(e.file_name());
+            if e.path().is_dir() {
+                copy_dir(&e.path(), &dst);
+            } else {
+                std::fs::copy(e.path(), dst).unwrap();
+            }
+        }
+    }
+
+    /// A diverging run stops with the step named and never replaces the last good checkpoint.
+    #[test]
+    fn divergence_stops_and_keeps_the_good_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let save = dir.path().join("model.safetensors");
+        std::fs::write(&save, b"previous contents").unwrap();
+        let mut c = cfg_with(&[
+            "--steps",
+            "30",
+            "--lr",
+            "1000000",
+            "--ranks",
+            "2",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--checkpoint-every",
+            "1",
+            "--save",
+            save.to_str().unwrap(),
+        ]);
+        c.steps = 30;
+        let e = run_job(&c, Box::new(Quiet), false).err().unwrap();
+        let TrainError::NonFinite { step, .. } = e else {
+            panic!("expected NonFinite, got {e}")
+        };
+        assert!(step >= 1);
+        assert_eq!(std::fs::read(&save).unwrap(), b"previous contents");
+        // Every published checkpoint is from before the failing step and holds finite values.
+        if let Some((last, _)) = ckpt::latest(&ck).unwrap() {
+            assert!(last < step);
+        }
+    }
+
+    /// Validation loss is the same set of sequences on every rank count.
+    #[test]
+    fn validation_loss_does_not_depend_on_the_rank_count() {
+        let v = |ranks: &str, batch: &str| {
+            let c = cfg_with(&[
+                "--steps",
+                "1",
+                "--eval-every",
+                "1",
+                "--eval-seqs",
+                "7",
+                "--ranks",
+                ranks,
+                "--batch",
+                batch,
+                "--lr",
+                "0.0000001",
+            ]);
+            run_job(&c, Box::new(Quiet), false).unwrap().steps[0]
+                .val_loss
+                .unwrap()
+        };
+        let (a, b, c) = (v("1", "8"), v("3", "2"), v("4", "1"));
+        assert!(
+            (a - b).abs() < 1e-5 * a && (a - c).abs() < 1e-5 * a,
+            "{a} {b} {c}"
+        );
+    }
+}

@@ -1,0 +1,322 @@
+//! The two drivers: [`Sharded`] runs an [`ElementwiseRule`] over every unit's shard of a
+//! wrapped model (state sharded like the parameters), [`Local`] runs a [`Rule`] over every plain
+//! parameter. Both launch one kernel per tensor on the stream where the tensor lives and never
+//! wait.
+
+use std::ops::{Deref, DerefMut, Range};
+
+use fsdp_alloc::{BufferRef, Device, Stream};
+use fsdp_autograd::{current_stream, Parameter, Tensor};
+
+use super::rule::{ElementwiseRule, Rule};
+use super::state::{local_sizes, OptimizerState, Slots};
+use super::{LocalOptimizer, ShardedOptimizer};
+use crate::error::{FsdpError, Result};
+use crate::fsdp::UnitShard;
+use crate::sharded::{f32_mem, launch_f32, trainable_ranges, ShardedParams};
+
+/// A unit's trainable ranges, shard memory and gradient memory.
+pub(crate) struct UnitOperands {
+    pub(crate) ranges: Vec<Range<usize>>,
+    pub(crate) param: BufferRef,
+    pub(crate) grad: BufferRef,
+}
+
+/// One unit's memory for a sharded step, or `None` if the unit has no gradient or nothing
+/// trainable.
+///
+/// # Errors
+/// [`FsdpError::InvalidArgument`] for a gradient of another size than the shard; as
+/// [`f32_mem`].
+pub(crate) fn unit_operands(
+    s: &UnitShard,
+    op: &str,
+    stream: &Stream,
+) -> Result<Option<UnitOperands>> {
+    let Some(g) = &s.grad else {
+        return Ok(None);
+    };
+    if g.numel() != s.shard.numel() {
+        return Err(FsdpError::InvalidArgument(format!(
+            "{op}: unit `{}` has a shard of {} elements but a gradient of {}",
+            s.path,
+            s.shard.numel(),
+            g.numel()
+        )));
+    }
+    let ranges = trainable_ranges(s)?;
+    if ranges.is_empty() {
+        return Ok(None);
+    }
+    let param = f32_mem(
+        &s.shard,
+        op,
+        &format!("the shard of unit `{}`", s.path),
+        stream,
+    )?;
+    let grad = f32_mem(g, op, &format!("the gradient of unit `{}`", s.path), stream)?;
+    Ok(Some(UnitOperands {
+        ranges,
+        param,
+        grad,
+    }))
+}
+
+/// One parameter's tensors for a local step: (stream, tensor, param memory, grad memory), or
+/// `None` if it has no tensor or no gradient.
+fn local_operands(
+    p: &Parameter,
+    op: &str,
+) -> Result<Option<(Stream, Tensor, BufferRef, BufferRef)>> {
+    let Some(t) = p.try_get() else {
+        return Ok(None);
+    };
+    let Some(g) = t.grad() else {
+        return Ok(None);
+    };
+    let g = if g.is_contiguous() {
+        g
+    } else {
+        g.contiguous_copy()?
+    };
+    if g.numel() != t.numel() {
+        return Err(FsdpError::InvalidArgument(format!(
+            "{op}: parameter `{}` has {} elements but its gradient {}",
+            p.name(),
+            t.numel(),
+            g.numel()
+        )));
+    }
+    let stream = current_stream(t.device());
+    let pm = f32_mem(&t, op, &format!("parameter `{}`", p.name()), &stream)?;
+    let gm = f32_mem(&g, op, &format!("the gradient of `{}`", p.name()), &stream)?;
+    Ok(Some((stream, t, pm, gm)))
+}
+
+/// The state of entry `i` (`n` elements) for a kernel on `stream`: every slot's memory (none
+/// when `keeps_state` is false), created as zeros where missing, and whether any was created.
+pub(crate) fn state_operands(
+    slots: &mut Slots,
+    keeps_state: bool,
+    i: usize,
+    n: usize,
+    device: &Device,
+    stream: &Stream,
+    op: &str,
+) -> Result<(Vec<Tensor>, Vec<BufferRef>, bool)> {
+    let (mut tensors, mut mems, mut fresh) = (Vec::new(), Vec::new(), false);
+    if keeps_state {
+        for slot in 0..slots.names.len() {
+            let (t, created) = slots.tensor(slot, i, n, device, stream)?;
+            mems.push(f32_mem(&t, op, slots.names[slot], stream)?);
+            fresh |= created;
+            tensors.push(t);
+        }
+    }
+    Ok((tensors, mems, fresh))
+}
+
+/// Launches `R::update` on `ranges` of the parameter (written), gradient (read) and state
+/// (written) memory.
+fn launch_rule<R: Rule>(
+    stream: &Stream,
+    c: R::Coeffs,
+    ranges: Vec<Range<usize>>,
+    param: BufferRef,
+    grad: BufferRef,
+    state: Vec<BufferRef>,
+    fresh: bool,
+) {
+    let mut writes = vec![param];
+    writes.extend(state);
+    launch_f32(stream, R::KERNEL, vec![grad], writes, move |r, w| {
+        let (p, state) = w.split_at_mut(1);
+        for range in &ranges {
+            let mut st: Vec<&mut [f32]> = state.iter_mut().map(|s| &mut s[range.clone()]).collect();
+            R::update(
+                &c,
+                &mut p[0][range.clone()],
+                &r[0][range.clone()],
+                &mut st,
+                fresh,
+            );
+        }
+    });
+}
+
+/// Marks the state tensors of a launched update as written.
+fn bump(tensors: &[Tensor]) {
+    for t in tensors {
+        t.storage().bump_version();
+    }
+}
+
+// ============================================================================ sharded
+
+/// The sharded driver: an [`ElementwiseRule`] applied to the trainable pieces of every unit's
+/// flat shard, with one state tensor of `chunk_numel` elements per unit and slot (optimizer
+/// memory divided by the shard-group size like the parameters). [`super::Sgd`] and
+/// [`super::AdamW`] are this driver with their rule. The rule's hyper-parameters read and write
+/// through the driver (`opt.lr`, `opt.hyper`).
+#[derive(Debug, Clone)]
+pub struct Sharded<R> {
+    rule: R,
+    slots: Slots,
+}
+
+impl<R: Rule> Sharded<R> {
+    /// A sharded optimizer running `rule`; its state is sized at the first step.
+    pub fn from_rule(rule: R) -> Sharded<R> {
+        Sharded {
+            rule,
+            slots: Slots::new(R::SLOTS),
+        }
+    }
+}
+
+impl<R> Deref for Sharded<R> {
+    type Target = R;
+    fn deref(&self) -> &R {
+        &self.rule
+    }
+}
+
+impl<R> DerefMut for Sharded<R> {
+    fn deref_mut(&mut self) -> &mut R {
+        &mut self.rule
+    }
+}
+
+impl<R: ElementwiseRule> ShardedOptimizer for Sharded<R> {
+    fn step(&mut self, model: &dyn ShardedParams) -> Result<()> {
+        let op = format!("{}::step", R::NAME);
+        self.rule.check(&op)?;
+        let shards = model.shards();
+        self.slots.ensure(shards.len(), &op)?;
+        let stream = model.optimizer_stream().clone();
+        let dev = model.shard_device();
+        let keeps_state = self.rule.keeps_state();
+        for (u, s) in shards.iter().enumerate() {
+            let Some(o) = unit_operands(s, &op, &stream)? else {
+                continue;
+            };
+            let n = s.shard.numel();
+            let (state, mems, fresh) =
+                state_operands(&mut self.slots, keeps_state, u, n, dev, &stream, &op)?;
+            self.slots.steps[u] += 1;
+            let c = self.rule.coeffs(self.slots.steps[u]);
+            launch_rule::<R>(&stream, c, o.ranges, o.param, o.grad, mems, fresh);
+            s.shard.storage().bump_version();
+            bump(&state);
+        }
+        model.params_updated();
+        Ok(())
+    }
+
+    fn slot_names(&self) -> &'static [&'static str] {
+        R::SLOTS
+    }
+
+    fn state(&self) -> OptimizerState {
+        self.slots.export()
+    }
+
+    fn step_counts(&self) -> Vec<u64> {
+        self.slots.steps.clone()
+    }
+
+    fn load_state(
+        &mut self,
+        model: &dyn ShardedParams,
+        state: OptimizerState,
+        steps: Vec<u64>,
+    ) -> Result<()> {
+        let op = format!("{}::load_state", R::NAME);
+        let numel: Vec<usize> = model.shards().iter().map(|s| s.shard.numel()).collect();
+        self.slots
+            .import(&op, state, steps, &numel, model.shard_device())
+    }
+}
+
+// ============================================================================ local
+
+/// The local driver: a [`Rule`] applied to every plain [`Parameter`] that has a gradient, with
+/// one state tensor per parameter and slot, on the parameter device's current stream.
+/// [`super::LocalSgd`], [`super::LocalAdamW`] and [`super::LocalLamb`] are this driver with
+/// their rule — the parity references for the sharded optimizers.
+#[derive(Debug, Clone)]
+pub struct Local<R> {
+    params: Vec<Parameter>,
+    rule: R,
+    slots: Slots,
+}
+
+impl<R: Rule> Local<R> {
+    /// A local optimizer running `rule` over `params`.
+    pub fn from_rule(params: Vec<Parameter>, rule: R) -> Local<R> {
+        let slots = Slots::sized(R::SLOTS, params.len());
+        Local {
+            params,
+            rule,
+            slots,
+        }
+    }
+}
+
+impl<R> Deref for Local<R> {
+    type Target = R;
+    fn deref(&self) -> &R {
+        &self.rule
+    }
+}
+
+impl<R> DerefMut for Local<R> {
+    fn deref_mut(&mut self) -> &mut R {
+        &mut self.rule
+    }
+}
+
+impl<R: Rule> LocalOptimizer for Local<R> {
+    fn step(&mut self) -> Result<()> {
+        let op = format!("Local{}::step", R::NAME);
+        self.rule.check(&op)?;
+        let keeps_state = self.rule.keeps_state();
+        for (i, p) in self.params.iter().enumerate() {
+            let Some((stream, t, pm, gm)) = local_operands(p, &op)? else {
+                continue;
+            };
+            let n = t.numel();
+            let (state, mems, fresh) =
+                state_operands(&mut self.slots, keeps_state, i, n, t.device(), &stream, &op)?;
+            self.slots.steps[i] += 1;
+            let c = self.rule.coeffs(self.slots.steps[i]);
+            let whole: Vec<Range<usize>> = std::iter::once(0..n).collect();
+            launch_rule::<R>(&stream, c, whole, pm, gm, mems, fresh);
+            t.storage().bump_version();
+            bump(&state);
+        }
+        Ok(())
+    }
+
+    fn params(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn slot_names(&self) -> &'static [&'static str] {
+        R::SLOTS
+    }
+
+    fn state(&self) -> OptimizerState {
+        self.slots.export()
+    }
+
+    fn step_counts(&self) -> Vec<u64> {
+        self.slots.steps.clone()
+    }
+
+    fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()> {
+        let op = format!("Local{}::load_state", R::NAME);
+        let (numel, device) = local_sizes(&self.params, &op)?;
+        self.slots.import(&op, state, steps, &numel, &device)
+    }
+}

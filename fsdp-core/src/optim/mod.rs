@@ -1,0 +1,169 @@
+//! Sharded optimizers: SGD (momentum, weight decay), AdamW and a LAMB-style trust-ratio
+//! optimizer that update FSDP's flat shards in place, with their state sharded exactly like the
+//! parameters — and their **local** counterparts for plain [`Parameter`]s.
+//!
+//! # Sharded and local, bit for bit
+//! Each rank holds, per FSDP unit, one f32 shard of `chunk_numel` elements and the reduced
+//! (summed over ranks) gradient of that shard. A sharded optimizer keeps one state tensor of
+//! `chunk_numel` elements per unit and state slot (`"momentum_buffer"`, `"exp_avg"`,
+//! `"exp_avg_sq"`), so optimizer memory is divided by the shard-group size like the parameters.
+//! Elementwise optimizers need nothing else: element `i` of a shard is updated from element `i`
+//! of the gradient and of the state, exactly as the same element of the unsharded parameter would
+//! be. [`Sgd`] / [`LocalSgd`] and [`AdamW`] / [`LocalAdamW`] call the very same per-element
+//! update rule (same operations in the same order, no fused multiply-add), so FSDP on W ranks
+//! with a sharded optimizer equals local training with W-way gradient accumulation and the local
+//! optimizer **bitwise** in f32 — the parity tests in `tests/tests/fsdp_optim.rs` check it.
+//! [`Lamb`] also needs per-parameter norms across shards (see [`crate::clip`]); those are summed
+//! in a different order than locally, so [`Lamb`] matches [`LocalLamb`] within a tolerance only.
+//!
+//! # Where the math runs
+//! Every update is a kernel *launched* on the model's optimizer stream
+//! ([`ShardedParams::optimizer_stream`]: the compute stream, or the host stream under CPU
+//! offload) or, for local optimizers, on the parameter device's current stream: the issuing
+//! thread returns at once and nothing is read back to the host. After all units are updated the
+//! optimizer calls [`ShardedParams::params_updated`], so the next all-gather waits for the update.
+//!
+//! Only the pieces of *trainable* parameters are updated (the layout's per-rank pieces); frozen
+//! parameters sharing a unit with trainable ones and the shard's padding are left untouched.
+//!
+//! # Example
+//! ```
+//! use std::sync::Arc;
+//! use fsdp_alloc::{DType, Device};
+//! use fsdp_autograd::{nn::Linear, InitContext, Tensor};
+//! use fsdp_collectives::{ProcessGroup, ThreadGroup};
+//! use fsdp_core::optim::{AdamW, ShardedOptimizer};
+//! use fsdp_core::{Fsdp, FsdpConfig};
+//!
+//! let dev = Device::cpu(0);
+//! let model = Linear::new(&InitContext::eager(&dev, 0), 4, 2, true)?;
+//! // One rank here; with W thread ranks every rank runs the same code on its own shard.
+//! let pg: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new(1).remove(0));
+//! let fsdp = Fsdp::wrap(model, &dev, pg, FsdpConfig::default())?;
+//! let mut opt = AdamW::new(1e-2).with_weight_decay(0.01);
+//! let before = fsdp.local_shards()?;
+//! let x = Tensor::ones(&[3, 4], DType::F32, &dev)?;
+//! fsdp.forward(&x)?.sum()?.backward()?;
+//! opt.step(&fsdp)?;
+//! opt.zero_grad(&fsdp);
+//! assert_ne!(fsdp.local_shards()?, before);
+//! assert_eq!(opt.step_counts(), vec![1]);
+//! # Ok::<(), fsdp_core::FsdpError>(())
+//! ```
+//!
+//! # Limitations
+//! - FSDP sees one flat gradient per unit: a trainable parameter that took no part in a backward
+//!   (an *unused* parameter) has a zero gradient piece, not no gradient, so momentum and weight
+//!   decay still move it, where a local optimizer skips a parameter without gradient (PyTorch's
+//!   FSDP with flat parameters behaves the same). Step counts are kept per unit, not per
+//!   parameter.
+//! - Kernels run on host-accessible memory (CPU devices); on a CUDA device the step returns an
+//!   error instead of launching (there are no device kernels for the optimizers yet).
+//!
+//! # Layout: rules and drivers
+//! An optimizer is a [`Rule`] — what it does to one flat f32 tensor given its gradient and its
+//! state slots ([`SgdRule`], [`AdamWRule`], [`LambRule`]) — run by a driver: [`Sharded`] over every
+//! unit's shard of a wrapped model (for [`ElementwiseRule`]s), [`Local`] over plain parameters.
+//! [`Sgd`], [`AdamW`], [`LocalSgd`], [`LocalAdamW`] and [`LocalLamb`] are those drivers with their
+//! rule; [`Lamb`] drives [`LambRule`]'s halves itself because its trust ratio needs norms across
+//! shards. A new elementwise optimizer adds a rule, not a driver. `state` holds the state slots
+//! shared by all of them; [`ShardedParams`] (what they need from the model) lives in a module
+//! below `optim`, `clip` and `scaler`.
+
+mod adamw;
+mod driver;
+mod lamb;
+mod rule;
+mod sgd;
+mod state;
+
+pub use adamw::{AdamCoeffs, AdamParams, AdamW, AdamWRule, LocalAdamW};
+pub use driver::{Local, Sharded};
+pub use lamb::{Lamb, LambCoeffs, LambRule, LocalLamb};
+pub use rule::{ElementwiseRule, Rule};
+pub use sgd::{LocalSgd, Sgd, SgdRule};
+pub use state::OptimizerState;
+
+pub use crate::sharded::ShardedParams;
+
+use fsdp_autograd::Parameter;
+
+use crate::error::Result;
+
+/// An optimizer over the flat shards of a wrapped model (see the module docs).
+pub trait ShardedOptimizer {
+    /// Updates every unit's shard that has a gradient, then calls
+    /// [`ShardedParams::params_updated`]. Launches kernels and returns; does not wait.
+    ///
+    /// # Errors
+    /// State that does not fit the model (another model's optimizer), non-f32 or released
+    /// tensors, CUDA memory, a failed earlier collective.
+    fn step(&mut self, model: &dyn ShardedParams) -> Result<()>;
+
+    /// Drops the model's sharded gradients.
+    fn zero_grad(&self, model: &dyn ShardedParams) {
+        model.zero_grad()
+    }
+
+    /// Names of the state slots, e.g. `["exp_avg", "exp_avg_sq"]`.
+    fn slot_names(&self) -> &'static [&'static str];
+
+    /// The state: per slot, one tensor of `chunk_numel` elements per unit (`None` until the
+    /// unit's first step). Handles to the live tensors: read them after the model's
+    /// `synchronize()` or on its optimizer stream.
+    fn state(&self) -> OptimizerState;
+
+    /// Steps taken per unit (AdamW's bias correction uses it).
+    fn step_counts(&self) -> Vec<u64>;
+
+    /// Replaces the state (e.g. from a state dict): every slot of [`Self::slot_names`] with one
+    /// entry per unit of `model`, each `None` or a contiguous f32 tensor of the unit's
+    /// `chunk_numel` on the shard device; one step count per unit. The tensors are adopted, not
+    /// copied.
+    ///
+    /// # Errors
+    /// Missing or unknown slots, wrong counts, sizes, dtypes or devices.
+    fn load_state(
+        &mut self,
+        model: &dyn ShardedParams,
+        state: OptimizerState,
+        steps: Vec<u64>,
+    ) -> Result<()>;
+}
+
+/// An optimizer over plain, unsharded [`Parameter`]s (the local counterparts).
+pub trait LocalOptimizer {
+    /// Updates every parameter that has a gradient (kernels on the device's current stream).
+    ///
+    /// # Errors
+    /// Non-f32 or non-contiguous parameters, released storage, CUDA memory.
+    fn step(&mut self) -> Result<()>;
+
+    /// Clears the gradients of all parameters.
+    fn zero_grad(&self) {
+        for p in self.params() {
+            if let Some(t) = p.try_get() {
+                t.zero_grad();
+            }
+        }
+    }
+
+    /// The parameters, in the order the state is kept.
+    fn params(&self) -> &[Parameter];
+
+    /// Names of the state slots.
+    fn slot_names(&self) -> &'static [&'static str];
+
+    /// The state: per slot, one tensor per parameter (flattened, `None` until its first step).
+    fn state(&self) -> OptimizerState;
+
+    /// Steps taken per parameter.
+    fn step_counts(&self) -> Vec<u64>;
+
+    /// Replaces the state: every slot with one entry per parameter (`None` or a contiguous f32
+    /// tensor of the parameter's numel on its device), one step count per parameter.
+    ///
+    /// # Errors
+    /// Missing or unknown slots, wrong counts, sizes, dtypes or devices.
+    fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()>;
+}

@@ -1,0 +1,78 @@
+//! The update-rule abstraction: what an optimizer does to **one flat f32 tensor** given its
+//! gradient and its state tensors (burn's `SimpleOptimizer` is the model). The drivers in
+//! [`super::driver`] run a rule over every unit's shard ([`super::Sharded`]) or over every plain
+//! parameter ([`super::Local`]); a new optimizer adds a rule, not a driver.
+
+use crate::error::{FsdpError, Result};
+
+/// An optimizer's update of one flat f32 tensor `p` from its gradient `g` and its state
+/// (one f32 tensor per [`Self::SLOTS`] entry, shaped like `p`).
+///
+/// The rule is the whole optimizer for [`super::Local`]: it is called once per parameter with
+/// the parameter's whole tensor. [`super::Sharded`] calls it on the trainable pieces of each
+/// unit's shard, which is only the same computation when the rule is an
+/// [`ElementwiseRule`].
+pub trait Rule: Clone + std::fmt::Debug {
+    /// The optimizer's name in error messages, e.g. `"AdamW"` (`"AdamW::step"`).
+    const NAME: &'static str;
+    /// The kernel's name (what a stream failure and the profiler report).
+    const KERNEL: &'static str;
+    /// Names of the state slots, e.g. `["exp_avg", "exp_avg_sq"]`.
+    const SLOTS: &'static [&'static str];
+    /// What one step's kernel needs, computed on the host (hyper-parameters and the
+    /// step-dependent scalars such as bias corrections).
+    type Coeffs: Copy + Send + 'static;
+
+    /// Checks the hyper-parameters.
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidArgument`] naming the bad hyper-parameter.
+    fn check(&self, op: &str) -> Result<()>;
+
+    /// Whether this configuration keeps state (SGD without momentum keeps none: no slot tensor
+    /// is created and `state` is empty in [`Self::update`]).
+    fn keeps_state(&self) -> bool {
+        true
+    }
+
+    /// The coefficients of step `step` (1 for the tensor's first step).
+    fn coeffs(&self, step: u64) -> Self::Coeffs;
+
+    /// Updates `p` in place. `state` holds one slice per slot (none if not
+    /// [`Self::keeps_state`]), `fresh` is true when the state was just created as zeros.
+    fn update(c: &Self::Coeffs, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]], fresh: bool);
+}
+
+/// A [`Rule`] whose element `i` depends only on element `i` of the parameter, the gradient and
+/// the state, so running it on any piece of a tensor equals running it on the whole tensor and
+/// keeping that piece: what lets [`super::Sharded`] run it on shards. (LAMB's trust ratio needs
+/// whole-parameter norms, so [`super::LambRule`] is not one; [`super::Lamb`] drives it.)
+pub trait ElementwiseRule: Rule {}
+
+/// Checks a learning-rate-like hyper-parameter.
+pub(crate) fn check_finite(op: &str, what: &str, v: f32) -> Result<()> {
+    if v.is_finite() {
+        Ok(())
+    } else {
+        Err(FsdpError::InvalidArgument(format!(
+            "{op}: {what} is {v}; it must be finite"
+        )))
+    }
+}
+
+/// Checks Adam's betas and eps.
+pub(crate) fn check_betas(op: &str, betas: (f32, f32), eps: f32) -> Result<()> {
+    for (what, b) in [("beta1", betas.0), ("beta2", betas.1)] {
+        if !(0.0..1.0).contains(&b) {
+            return Err(FsdpError::InvalidArgument(format!(
+                "{op}: {what} is {b}; it must lie in [0, 1)"
+            )));
+        }
+    }
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(FsdpError::InvalidArgument(format!(
+            "{op}: eps is {eps}; it must be positive and finite"
+        )));
+    }
+    Ok(())
+}
