@@ -113,10 +113,14 @@ pub struct DataArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
-    /// Number of thread ranks
+    /// Number of thread ranks (with --backend mpi: the launcher's process count instead)
     #[arg(long, value_name = "N", default_value_t = 4,
           value_parser = clap::value_parser!(u64).range(1..=64))]
     pub ranks: u64,
+    /// Data backend: thread (W thread ranks in this process) or mpi (one rank per process,
+    /// launched by `mpirun -n W`; needs a build with `--features mpi`)
+    #[arg(long, value_name = "thread|mpi", default_value = "thread")]
+    pub backend: fsdp_collectives::Backend,
     /// Sharding strategy
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
     pub strategy: StrategyArg,

@@ -192,7 +192,20 @@ fn json_num(x: f64) -> serde_json::Value {
     }
 }
 
-fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
+fn run(
+    cli: Cli,
+    c: TrainConfig,
+    process: Option<std::sync::Arc<dyn fsdp_collectives::ProcessGroup>>,
+) -> Result<(), String> {
+    if let Some(pg) = process.as_ref().filter(|pg| pg.rank() != 0) {
+        // Ranks other than 0 of a multi-process job train silently; rank 0 reports.
+        let threads =
+            (std::thread::available_parallelism().map_or(1, |n| n.get()) / c.ranks).max(1);
+        fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
+        train::run_process(&c, std::sync::Arc::clone(pg), Box::new(train::Quiet), false)
+            .map_err(|e| e.to_string())?;
+        return Ok(());
+    }
     check_outputs(&cli, &c)?;
     let metrics = match &cli.logging.metrics {
         Some(p) => Some((
@@ -221,7 +234,11 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     let progress = std::io::stdout().is_terminal() && !cli.logging.no_progress;
     let console = Console::new(progress, every, metrics);
     let start = Instant::now();
-    let mut rep = train::run_job(&c, Box::new(console), false).map_err(|e| e.to_string())?;
+    let mut rep = match &process {
+        Some(pg) => train::run_process(&c, std::sync::Arc::clone(pg), Box::new(console), false),
+        None => train::run_job(&c, Box::new(console), false),
+    }
+    .map_err(|e| e.to_string())?;
     let wall = start.elapsed().as_secs_f64();
     rep.observer
         .finish()
@@ -387,6 +404,19 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // --backend mpi: this process is one rank; the launcher decides the world size.
+    let mut cli = cli;
+    let process = match cli.parallel.backend.launch(cli.parallel.ranks as usize) {
+        Ok(fsdp_collectives::Launched::Process(pg)) => {
+            cli.parallel.ranks = pg.size() as u64;
+            Some(pg)
+        }
+        Ok(fsdp_collectives::Launched::Threads(_)) => None,
+        Err(e) => {
+            eprintln!("train_gpt: --backend {}: {e}", cli.parallel.backend);
+            return ExitCode::from(2);
+        }
+    };
     let config = match cli.clone().into_config() {
         Ok(c) => c,
         Err(e) => {
@@ -394,7 +424,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(cli, config) {
+    match run(cli, config, process) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("train_gpt: error: {e}");

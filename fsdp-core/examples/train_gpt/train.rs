@@ -358,6 +358,18 @@ pub fn run_job(
     report.ok_or_else(|| TrainError::Thread("rank 0 returned no report".into()))
 }
 
+/// Runs this process's rank of a multi-process job (`--backend mpi`) over `pg`; `cfg.ranks`
+/// must be `pg.size()`. Every rank returns its report; rank 0's observer sees the steps.
+pub fn run_process(
+    cfg: &TrainConfig,
+    pg: Arc<dyn ProcessGroup>,
+    observer: Box<dyn Observer>,
+    gather_final: bool,
+) -> Result<Report, TrainError> {
+    let data = open_data(cfg)?;
+    Rank::new(pg.rank(), pg, cfg, data, observer)?.train(gather_final)
+}
+
 /// One rank's state.
 struct Rank {
     rank: usize,
