@@ -37,8 +37,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 /// Times `REPS` repetitions of `op` (after one warm-up), each started together on every rank.
-fn time_op(pg: &dyn ProcessGroup, sync: &dyn Fn(), op: &dyn Fn() -> Duration) -> Vec<Duration> {
-    let _ = pg;
+fn time_op(sync: &dyn Fn(), op: &dyn Fn() -> Duration) -> Vec<Duration> {
     sync();
     op();
     (0..REPS)
@@ -94,11 +93,11 @@ fn main() {
     let mpi = MpiGroup::world().unwrap_or_else(|e| panic!("MPI world: {e}"));
     let w = mpi.size();
     let sync = || mpi.barrier().unwrap();
-    let ag: Vec<Duration> = time_op(&mpi, &sync, &|| all_gather_time(&mpi))
+    let ag: Vec<Duration> = time_op(&sync, &|| all_gather_time(&mpi))
         .into_iter()
         .map(|d| max_over_ranks(&mpi, d))
         .collect();
-    let rs: Vec<Duration> = time_op(&mpi, &sync, &|| reduce_scatter_time(&mpi))
+    let rs: Vec<Duration> = time_op(&sync, &|| reduce_scatter_time(&mpi))
         .into_iter()
         .map(|d| max_over_ranks(&mpi, d))
         .collect();
@@ -115,7 +114,7 @@ fn main() {
                         let sync = || {
                             bar.wait();
                         };
-                        time_op(&g, &sync, &|| all_gather_time(&g))
+                        time_op(&sync, &|| all_gather_time(&g))
                     })
                 })
                 .collect();

@@ -228,6 +228,36 @@ fn main() {
         );
         checked += 2;
     }
+    // A rank that is late by more than the timeout: the others get a typed timeout naming it.
+    if w > 1 {
+        let quick = MpiGroup::world_with_config(fsdp_collectives::MpiConfig {
+            timeout: std::time::Duration::from_millis(500),
+            ..mpi.config().clone()
+        })
+        .unwrap();
+        if r == w - 1 {
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            let late = quick.barrier();
+            // Shared memory: the others published their failure, so the late rank fails too.
+            // MPI path: their non-blocking header exchange was posted, so it may complete.
+            assert!(
+                !quick.uses_shared_memory() || late.is_err(),
+                "rank {r}: the late rank's barrier succeeded although its peers gave up"
+            );
+        } else {
+            let e = quick.barrier().unwrap_err();
+            // A typed timeout naming the late rank — or, when another waiting rank timed out
+            // first and published it, that rank's failure.
+            assert!(
+                matches!(&e, CollectiveError::Timeout { missing, .. }
+                    if missing.is_empty() || missing.contains(&(w - 1)))
+                    || matches!(&e, CollectiveError::PeerFailed { .. }),
+                "rank {r}: {e}"
+            );
+        }
+        checked += 1;
+        mpi.barrier().unwrap();
+    }
     mpi.barrier().unwrap();
     if r == 0 {
         println!("mpi_conformance: W={w} ({path}): {checked} checks per rank, all bit-equal to the thread backend");

@@ -53,14 +53,13 @@ fn config(case: &Case) -> FsdpConfig {
     }
 }
 
-fn wrap(rank: usize, pg: Arc<dyn ProcessGroup>, case: &Case, seed: u64) -> Fsdp<Gpt> {
-    let dev = Device::cpu(rank);
-    let model = Gpt::new(&InitContext::eager(&dev, seed), &cfg()).unwrap();
+fn wrap(dev: &Device, pg: Arc<dyn ProcessGroup>, case: &Case, seed: u64) -> Fsdp<Gpt> {
+    let model = Gpt::new(&InitContext::eager(dev, seed), &cfg()).unwrap();
     let comm: Comm = match case.shard {
         Some(f) => DeviceMesh::new(pg, f).unwrap().into(),
         None => pg.into(),
     };
-    Fsdp::wrap(model, &dev, comm, config(case)).unwrap()
+    Fsdp::wrap(model, dev, comm, config(case)).unwrap()
 }
 
 /// Trains `case` on `ranks`; per local rank: (every micro-batch's loss, final full parameters).
@@ -68,8 +67,8 @@ fn train(ranks: &Ranks, case: &Case) -> Vec<(usize, (Vec<f32>, Named))> {
     let world = ranks.world();
     let case = case.clone();
     run_on(ranks, move |rank, pg| {
-        let fsdp = wrap(rank, pg, &case, SEED);
         let dev = Device::cpu(rank);
+        let fsdp = wrap(&dev, pg, &case, SEED);
         let c = cfg();
         let micros = if case.no_sync { MICRO } else { 1 };
         let mut losses = Vec::new();
@@ -166,8 +165,8 @@ fn state_dict_across_world_sizes(mpi: &Arc<dyn ProcessGroup>) {
     }
     mpi.barrier().unwrap();
     let saved: Named = {
-        let fsdp = wrap(rank, Arc::clone(mpi), &case, SEED);
         let dev = Device::cpu(rank);
+        let fsdp = wrap(&dev, Arc::clone(mpi), &case, SEED);
         let c = cfg();
         let (x, y) = token_tensors(rank, 2, c.seq_len, c.vocab, &dev);
         let loss = micro_loss(&fsdp.forward(&x).unwrap(), &y, 4);
@@ -182,7 +181,7 @@ fn state_dict_across_world_sizes(mpi: &Arc<dyn ProcessGroup>) {
         let dir2 = dir.clone();
         let loaded = run_on(&Ranks::Threads(3), move |r, pg| {
             // Another seed: the values must come from the checkpoint.
-            let fsdp = wrap(r, pg, &case, SEED + 1);
+            let fsdp = wrap(&Device::cpu(r), pg, &case, SEED + 1);
             state_dict::load_sharded(&fsdp, &dir2).unwrap();
             full_named(&fsdp)
         });
@@ -205,8 +204,8 @@ fn kill_test(mpi: Arc<dyn ProcessGroup>, dir: PathBuf) {
     let rank = mpi.rank();
     let world = mpi.size();
     let case = cases(world).remove(0);
-    let fsdp = wrap(rank, mpi, &case, SEED);
     let dev = Device::cpu(rank);
+    let fsdp = wrap(&dev, mpi, &case, SEED);
     let c = cfg();
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(

@@ -403,6 +403,7 @@ impl Inner {
     /// One step of a collective's data phase: `fill` writes this rank's contribution, `consume`
     /// reads every rank's piece (in rank order). On the shared-memory path a local failure is
     /// published to the peers; on the MPI path it aborts the job (peers are inside MPI).
+    #[allow(clippy::too_many_arguments)]
     fn step(
         &self,
         ex: &mut Exec,
@@ -418,10 +419,9 @@ impl Inner {
                 let views = shm
                     .step(ex, pattern, len, fill)
                     .map_err(|e| self.on_step_error(ex, op, seq, e))?;
-                consume(&views).map_err(|e| {
+                consume(&views).inspect_err(|e| {
                     shm.fail(ex);
                     ex.broken.get_or_insert_with(|| e.clone());
-                    e
                 })
             }
             None => {
