@@ -422,6 +422,19 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if cli.parallel.device == cli::DeviceArg::Cuda {
+        // A typed error, never a panic: `Device::cuda` checks for the driver library before
+        // touching cudarc.
+        match fsdp_alloc::Device::cuda(0) {
+            Err(e) => eprintln!("train_gpt: --device cuda: {e}"),
+            Ok(_) => eprintln!(
+                "train_gpt: --device cuda: a CUDA device was found, but FSDP training on CUDA \
+                 devices is not wired into train_gpt yet (the CUDA ops exist behind the `cuda` \
+                 feature and have never run on a GPU); use --device cpu"
+            ),
+        }
+        return ExitCode::from(1);
+    }
     let config = match cli.clone().into_config() {
         Ok(c) => c,
         Err(e) => {

@@ -121,6 +121,8 @@ pub struct TrainConfig {
     pub save: Option<PathBuf>,
     /// Stop after this step as if the process died there (tests of resume); `None` in real runs.
     pub stop_after: Option<usize>,
+    /// `--profile`: write a Chrome trace (Perfetto / chrome://tracing JSON) of one step here.
+    pub profile: Option<PathBuf>,
 }
 
 impl TrainConfig {
@@ -198,6 +200,9 @@ pub enum TrainError {
     /// A rank thread could not be started or panicked.
     #[error("{0}")]
     Thread(String),
+    /// Writing the `--profile` trace failed.
+    #[error("{0}")]
+    Profile(String),
 }
 
 /// One step as rank 0 reports it (values reduced over all ranks).
@@ -722,6 +727,14 @@ impl Rank {
         for s in done..last {
             let step = s + 1;
             let retries_before = self.dev.memory_stats().num_alloc_retries;
+            // `--profile`: the run's second step (its first after warm-up), or its only one.
+            // The recorder is process-wide; rank 0 turns it on and off, and the metrics
+            // all-reduce that ends every step keeps the ranks within one step of each other.
+            let profiling =
+                rank == 0 && self.cfg.profile.is_some() && s == (done + 1).min(last - 1);
+            if profiling {
+                fsdp_alloc::trace::start();
+            }
             self.dev.reset_peak_stats();
             let t0 = Instant::now();
             let lr = self.cfg.lr_at(s);
@@ -743,6 +756,18 @@ impl Rank {
             let (loss, peaks) = self
                 .reduce_metrics(scaled, retries_before)
                 .map_err(self.err(format!("step {step}: reducing metrics")))?;
+            if profiling {
+                if let Some(path) = &self.cfg.profile {
+                    let trace = fsdp_alloc::trace::stop();
+                    trace.write_chrome_json(path).map_err(|e| {
+                        TrainError::Profile(format!("--profile: writing {}: {e}", path.display()))
+                    })?;
+                    self.observer.note(&format!(
+                        "wrote a Chrome trace of step {step} to {} (open it in Perfetto or chrome://tracing)",
+                        path.display()
+                    ));
+                }
+            }
             if !loss.is_finite() {
                 return Err(TrainError::NonFinite {
                     step,
