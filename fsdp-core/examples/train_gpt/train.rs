@@ -1213,4 +1213,85 @@ mod tests {
             "{a} {b} {c}"
         );
     }
+
+    /// Resident set size of this process, in bytes (Linux `/proc/self/statm`).
+    fn rss_bytes() -> u64 {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+        let pages: u64 = statm
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        pages * 4096
+    }
+
+    /// Soak (issue #15): 1,000 AdamW steps on 4 thread ranks with a checkpoint every 100 steps.
+    /// After warm-up, every step's per-rank peak allocated and reserved bytes are the same, and
+    /// the process RSS (sampled every 50 ms) stays flat: the second half's largest sample is
+    /// within 5% + 8 MiB of the first half's. Run by `cargo xtask soak`.
+    #[test]
+    #[ignore = "soak: ~1,000 steps; run by `cargo xtask soak`"]
+    fn soak_1000_steps_with_checkpoints_keeps_memory_flat() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let cfg = cfg_with(&[
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.003",
+            "--steps",
+            "1000",
+            "--ranks",
+            "4",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--checkpoint-every",
+            "100",
+            "--keep-checkpoints",
+            "2",
+        ]);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut samples = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    samples.push(rss_bytes());
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                samples
+            })
+        };
+        let report = run_job(&cfg, Box::new(Quiet), false).unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let samples = sampler.join().unwrap();
+        assert_eq!(report.steps.len(), 1000);
+        assert!(report.steps.iter().all(|r| r.loss.is_finite()));
+        // Warm-up: the first steps build the caches (and the first checkpoint at step 100).
+        let settled: Vec<_> = report.steps.iter().filter(|r| r.step > 110).collect();
+        let alloc: Vec<u64> = settled.iter().map(|r| r.peak_allocated).collect();
+        let reserved: Vec<u64> = settled.iter().map(|r| r.peak_reserved).collect();
+        let (amin, amax) = (*alloc.iter().min().unwrap(), *alloc.iter().max().unwrap());
+        let (rmin, rmax) = (
+            *reserved.iter().min().unwrap(),
+            *reserved.iter().max().unwrap(),
+        );
+        assert_eq!(amin, amax, "per-rank peak allocated drifts after warm-up");
+        assert_eq!(rmin, rmax, "per-rank peak reserved drifts after warm-up");
+        assert!(samples.len() >= 8, "too few RSS samples: {}", samples.len());
+        let half = samples.len() / 2;
+        let first = samples[samples.len() / 8..half]
+            .iter()
+            .max()
+            .copied()
+            .unwrap();
+        let second = samples[half..].iter().max().copied().unwrap();
+        assert!(
+            second as f64 <= first as f64 * 1.05 + 8.0 * 1048576.0,
+            "RSS grows: {first} B in the first half, {second} B in the second"
+        );
+        // The last two checkpoints are kept, and they load.
+        assert!(step_dir(&ck, 1000).is_dir() && step_dir(&ck, 900).is_dir());
+        assert!(!step_dir(&ck, 800).exists());
+    }
 }
