@@ -78,7 +78,21 @@ fn checked_mode_reports_a_missing_wait() {
 
 #[test]
 fn memory_used_on_another_stream_is_not_reused_too_early() {
-    let dev = Device::cpu(13);
+    // PyTorch's policy: the block stays out of the pool until the side stream's use completes,
+    // so the default stream gets other memory and never waits for the (blocked) side stream.
+    reuse_after_cross_stream_use(
+        Device::cpu_with(13, DeviceConfig::default().with_compact(false)),
+        false,
+    );
+    // The compact policy (the default): the default stream may take the pending block, but only
+    // behind a wait on the side stream's event — so it finishes only after the gate opens
+    // (synchronizing it with the gate closed would wait forever, which is the point).
+    reuse_after_cross_stream_use(Device::cpu(113), true);
+}
+
+/// `b` reads `a` on a blocked side stream, `a` is dropped on the host, the default stream
+/// allocates and fills new tensors: whatever memory they get, `b` must read `a`'s values.
+fn reuse_after_cross_stream_use(dev: Device, open_gate_before_sync: bool) {
     let side = dev.new_stream("side");
     let n = 1 << 16;
     let a = Tensor::full(&[n], 3.0, DType::F32, &dev).unwrap();
@@ -87,14 +101,19 @@ fn memory_used_on_another_stream_is_not_reused_too_early() {
     // `b` reads `a` on the (blocked) side stream; then `a` is dropped on the host.
     let b = with_stream(&side, || a.scale(2.0).unwrap());
     drop(a);
-    // New allocations on the default stream must not get `a`'s memory while `side` still
+    // New allocations on the default stream must not overwrite `a`'s memory while `side` still
     // needs it (the tensor layer recorded the side stream on a's buffer).
     let mut others = Vec::new();
     for _ in 0..4 {
         others.push(Tensor::full(&[n], -1.0, DType::F32, &dev).unwrap());
     }
-    dev.default_stream().synchronize().unwrap();
-    drop(g);
+    if open_gate_before_sync {
+        drop(g);
+        dev.default_stream().synchronize().unwrap();
+    } else {
+        dev.default_stream().synchronize().unwrap();
+        drop(g);
+    }
     let got = with_stream(&side, || b.to_vec::<f32>().unwrap());
     assert!(
         got.iter().all(|&v| v == 6.0),
