@@ -141,13 +141,7 @@ mod tests {
             ),
             p("q", &[4, 4], vec![InitOp::Orthogonal { gain: 1.0 }]),
             p("b", &[7], vec![InitOp::Fill(0.5)]),
-            p(
-                "c",
-                &[6, 5],
-                vec![InitOp::CopyFrom {
-                    source: "w".into(),
-                }],
-            ),
+            p("c", &[6, 5], vec![InitOp::CopyFrom { source: "w".into() }]),
         ]
     }
 
@@ -183,12 +177,19 @@ mod tests {
                 let target = Device::cpu(1);
                 let want = plan.materialize_shard(&u, &l, rank, &target).unwrap();
                 let got = via_host(|| plan.materialize_shard(&u, &l, rank, &target)).unwrap();
-                assert!(got.device() == &target, "the shard lands on the target device");
+                assert!(
+                    got.device() == &target,
+                    "the shard lands on the target device"
+                );
                 assert_eq!((got.dtype(), got.shape()), (dtype, &[l.chunk_numel()][..]));
                 assert_eq!(bits(&got), bits(&want), "{dtype} rank {rank}");
                 let got2 =
                     via_host(|| plan.materialize_unit_sharded(&u, &l, rank, &target)).unwrap();
-                assert_eq!(bits(&got2), bits(&want), "{dtype} rank {rank} (unit by unit)");
+                assert_eq!(
+                    bits(&got2),
+                    bits(&want),
+                    "{dtype} rank {rank} (unit by unit)"
+                );
             }
             assert!(u.iter().all(|p| !p.is_materialized()));
         }
@@ -200,8 +201,13 @@ mod tests {
         let u = vec![
             ctx.param("w", &[64, 64], DType::F32, vec![InitOp::Fill(1.0)])
                 .unwrap(),
-            ctx.param("q", &[32, 32], DType::F32, vec![InitOp::Orthogonal { gain: 1.0 }])
-                .unwrap(),
+            ctx.param(
+                "q",
+                &[32, 32],
+                DType::F32,
+                vec![InitOp::Orthogonal { gain: 1.0 }],
+            )
+            .unwrap(),
         ];
         let l = layout(&u, 4);
         let plan = InitPlan::new(u.clone()).unwrap();
@@ -210,7 +216,10 @@ mod tests {
         let in_place = Device::cpu(3);
         let a = plan.materialize_unit_sharded(&u, &l, 1, &in_place).unwrap();
         let in_place_peak = in_place.memory_stats().peak_allocated_bytes;
-        assert!(in_place_peak >= unit_bytes, "{in_place_peak} vs unit {unit_bytes}");
+        assert!(
+            in_place_peak >= unit_bytes,
+            "{in_place_peak} vs unit {unit_bytes}"
+        );
         // ...through the host, the target only ever holds the shard (rounded up by the
         // allocator).
         let target = Device::cpu(2);

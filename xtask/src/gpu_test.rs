@@ -123,6 +123,7 @@ fn bench(_gpus: usize) -> Vec<(String, Command)> {
                 "cuda",
                 "--steps",
                 "20",
+                "--json",
             ]);
             c
         },
