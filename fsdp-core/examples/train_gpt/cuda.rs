@@ -79,6 +79,14 @@ impl CudaLaunch {
 /// # Errors
 /// [`AllocError::CudaUnavailable`] naming what is missing.
 pub fn preflight(launch: CudaLaunch) -> Result<usize, AllocError> {
+    if !cfg!(feature = "cuda") {
+        return Err(AllocError::CudaUnavailable(format!(
+            "cuda:{}: this train_gpt was built without CUDA support, so no CUDA driver was looked \
+             for; rebuild it with `cargo build --release -p fsdp-core --features cuda --example \
+             train_gpt` (needs the NVIDIA driver and NCCL at run time)",
+            launch.ordinal(0)
+        )));
+    }
     match launch {
         CudaLaunch::Threads => {
             Device::cuda(0)?;
