@@ -8,10 +8,11 @@
 //!   `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, `mpirun`, or Slurm's `srun`; read by
 //!   [`RendezvousEnv`]); the process's GPU is its local rank.
 //!
-//! Every GPU rank runs with CPU offload: the shards, sharded gradients and optimizer state live
-//! on a host device and the optimizer, gradient-norm and clipping kernels run there (fsdp-core's
-//! optimizer kernels are host code), while forward, backward, all-gathers and reduce-scatters run
-//! on the GPU. Shards are uploaded before each all-gather and reduced gradient shards downloaded
+//! Every GPU rank runs with CPU offload: the model is built on a host device (eager init writes
+//! parameters with host code; `--deferred-init` generates only the shards, on the host); the
+//! shards, sharded gradients and optimizer state live on that host device and the optimizer,
+//! gradient-norm and clipping kernels run there (fsdp-core's optimizer kernels are host code),
+//! while forward, backward, all-gathers and reduce-scatters run on the GPU. Shards are uploaded before each all-gather and reduced gradient shards downloaded
 //! after each reduce-scatter, synchronously for the issuing thread.
 //!
 //! **Never run on a GPU**: this path is compile-checked (`cargo check -p fsdp-core --features
@@ -155,6 +156,16 @@ pub fn rank_devices(
             Device::cuda_with(launch.ordinal(rank), devices)?,
             Some(host()),
         )),
+    }
+}
+
+/// The device eager init builds the model on: the compute device, except for CUDA ranks, whose
+/// model is built on their host device (eager init writes parameters with host code, which
+/// fsdp-autograd refuses on device memory; FSDP copies the shards from there).
+pub fn init_device<'a>(cfg: &TrainConfig, dev: &'a Device, host: Option<&'a Device>) -> &'a Device {
+    match (cfg.cuda, host) {
+        (Some(_), Some(h)) => h,
+        _ => dev,
     }
 }
 

@@ -451,7 +451,9 @@ impl Rank {
         let init = if cfg.deferred_init {
             InitContext::fake(cfg.seed)
         } else {
-            InitContext::eager(&dev, cfg.seed)
+            // Eager init runs host code on the parameters' memory: CUDA ranks build the model
+            // on their host device (FSDP then uploads only the shards it gathers).
+            InitContext::eager(crate::cuda::init_device(cfg, &dev, host.as_ref()), cfg.seed)
         };
         let model = Gpt::new(&init, &cfg.gpt)
             .map_err(|e| fsdp_err("building the model")(FsdpError::from(e)))?;
