@@ -246,7 +246,8 @@ pub(crate) fn gather_flat(
 }
 
 /// Copies `src` into `dst` (contiguous f32 tensors of equal length, possibly on different CPU
-/// devices) as work launched on `stream`.
+/// devices) as work launched on `stream`. Between a CUDA device and a CPU host the copy goes
+/// through the kernel seam instead ([`crate::offload::copy_across`]).
 pub(crate) fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
     if src.numel() != dst.numel() {
         return Err(FsdpError::InvalidArgument(format!(
@@ -254,6 +255,9 @@ pub(crate) fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result
             src.numel(),
             dst.numel()
         )));
+    }
+    if crate::offload::needs_seam_copy(src.device().id(), dst.device().id()) {
+        return crate::offload::copy_across(src, dst, stream);
     }
     let (s, d) = (tensor_slice(src)?, tensor_slice(dst)?);
     let (s, d) = (s.data().clone(), d.data().clone());

@@ -165,8 +165,9 @@ pub struct FsdpConfig {
     /// CPU offload: keep the sharded parameters and sharded gradients on this host device (with
     /// its own allocator and statistics) and run the optimizer step there; each unshard copies
     /// the shard to the compute device, each reduction copies the gradient shard back.
-    /// Copies between devices are host-memory copies: CPU devices only (a CUDA compute device
-    /// is refused until host↔device copies exist).
+    /// The host must be a CPU device; the compute device a CPU device (host-memory copies) or a
+    /// CUDA device (uploads and downloads through the kernel seam, synchronous for the issuing
+    /// thread; never run on a GPU here).
     pub cpu_offload: Option<Device>,
     /// Compare the units' forward order across ranks at the end of the first this-many backward
     /// passes (one all-gather of a number per unit and a host wait, each time); a difference is

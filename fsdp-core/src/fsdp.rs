@@ -306,16 +306,7 @@ impl<M: Module + 'static> Fsdp<M> {
         let reduce_stream = device.new_stream("fsdp-reduce");
         let (host, host_stream, offload) = match &config.cpu_offload {
             Some(h) => {
-                if !matches!(device.id(), fsdp_alloc::DeviceId::Cpu(_))
-                    || !matches!(h.id(), fsdp_alloc::DeviceId::Cpu(_))
-                {
-                    return Err(FsdpError::Device(format!(
-                        "CPU offload between {} and {} needs host<->device copies, which exist \
-                         only between CPU devices so far",
-                        device.id(),
-                        h.id()
-                    )));
-                }
+                crate::offload::check_offload_devices(device.id(), h.id())?;
                 if !config.strategy.is_sharded() {
                     return Err(FsdpError::Config(
                         "CPU offload needs a sharded strategy: NoShard computes on the full \

@@ -23,6 +23,7 @@ pub mod config;
 pub mod error;
 mod fsdp;
 mod handle;
+mod offload;
 pub mod optim;
 pub mod scaler;
 mod sharded;

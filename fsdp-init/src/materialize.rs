@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fsdp_alloc::{AllocError, Buffer, BufferRef, DType, Device, DeviceId, Stream};
+use fsdp_alloc::{AllocError, Buffer, BufferRef, DType, Device, Stream};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::{current_stream, Parameter, Tensor};
 use fsdp_flatparam::FlatParamLayout;
@@ -11,6 +11,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::error::{MaterializeError, Result};
+use crate::placement::{generation_device, host_readable, to_target};
 use crate::plan::{InitPlan, Recipe};
 
 /// Fails the current stream work with a message (the stream reports it at the next
@@ -18,13 +19,6 @@ use crate::plan::{InitPlan, Recipe};
 #[cold]
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("fsdp-init: {what}: {e}")
-}
-
-fn check_device(device: &Device) -> Result<()> {
-    match device.id() {
-        DeviceId::Cpu(_) => Ok(()),
-        id => Err(MaterializeError::UnsupportedDevice { device: id }),
-    }
 }
 
 /// Allocates on `stream`, turning an out-of-memory into [`MaterializeError::OutOfMemory`] with
@@ -180,20 +174,24 @@ impl InitPlan {
     /// # Errors
     /// [`MaterializeError::CrossUnitDependency`], [`MaterializeError::UnknownSource`],
     /// [`MaterializeError::DependencyCycle`], invalid op arguments ([`MaterializeError::Init`]),
-    /// [`MaterializeError::OutOfMemory`], [`MaterializeError::UnsupportedDevice`] for devices
-    /// without host-accessible memory. On error, parameters materialized before the failure keep
-    /// their tensors.
+    /// [`MaterializeError::OutOfMemory`]. On error, parameters materialized before the failure
+    /// keep their tensors.
+    ///
+    /// On a device without host-accessible memory (CUDA), each parameter is generated on a host
+    /// staging device and copied over ([`crate::InitPlacement::HostThenCopy`]): same bits, one
+    /// parameter at a time in host memory.
     pub fn materialize_unit(&self, unit: &[Parameter], device: &Device) -> Result<()> {
-        check_device(device)?;
         self.check_unit(unit)?;
-        let stream = current_stream(device);
+        let gen = generation_device(device);
+        let stream = current_stream(&gen);
         let mut done: Vec<&Parameter> = Vec::new();
         for p in unit {
             if p.is_materialized() || done.iter().any(|q| q.ptr_eq(p)) {
                 continue;
             }
             let r = self.recipe(p)?;
-            let t = launch_whole(&r, device, &stream)?;
+            let t = launch_whole(&r, &gen, &stream)?;
+            let t = to_target(t, &gen, device)?;
             t.set_requires_grad(p.requires_grad())?;
             p.set(t)?;
             done.push(p);
@@ -224,6 +222,10 @@ impl InitPlan {
     /// [`MaterializeError::Layout`] for a bad rank, the dependency errors of
     /// [`InitPlan::materialize_unit`], [`MaterializeError::Unreadable`] for a materialized
     /// parameter whose tensor is released or not contiguous, [`MaterializeError::OutOfMemory`].
+    ///
+    /// On a device without host-accessible memory (CUDA), the shard is generated on a host
+    /// staging device and copied over ([`crate::InitPlacement::HostThenCopy`]); materialized
+    /// parameters in device memory are first copied to the host whole.
     pub fn materialize_shard(
         &self,
         unit: &[Parameter],
@@ -231,13 +233,17 @@ impl InitPlan {
         rank: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        check_device(device)?;
         check_layout(unit, layout)?;
         unit_dtype(unit)?;
         layout.rank_pieces(rank)?;
         self.check_unit(unit)?;
-        let sources: Vec<Option<Tensor>> = unit.iter().map(Parameter::try_get).collect();
-        self.shard_from(unit, &sources, layout, rank, device)
+        let gen = generation_device(device);
+        let sources = unit
+            .iter()
+            .map(|p| p.try_get().map(|t| host_readable(p, t, &gen)).transpose())
+            .collect::<Result<Vec<Option<Tensor>>>>()?;
+        let shard = self.shard_from(unit, &sources, layout, rank, &gen)?;
+        to_target(shard, &gen, device)
     }
 
     /// The unit-by-unit path: builds the unit's unmaterialized parameters whole in temporary
@@ -255,26 +261,28 @@ impl InitPlan {
         rank: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        check_device(device)?;
         check_layout(unit, layout)?;
         unit_dtype(unit)?;
         layout.rank_pieces(rank)?;
         self.check_unit(unit)?;
-        let stream = current_stream(device);
+        // CUDA targets: the unit is built on a host staging device and only the shard is copied
+        // over, so the device's peak is the shards alone.
+        let gen = generation_device(device);
+        let stream = current_stream(&gen);
         let mut built: Vec<Tensor> = Vec::with_capacity(unit.len());
         for (i, p) in unit.iter().enumerate() {
             let t = match (p.try_get(), unit[..i].iter().position(|q| q.ptr_eq(p))) {
-                (Some(t), _) => t,
+                (Some(t), _) => host_readable(p, t, &gen)?,
                 (None, Some(j)) => built[j].clone(),
-                (None, None) => launch_whole(&self.recipe(p)?, device, &stream)?,
+                (None, None) => launch_whole(&self.recipe(p)?, &gen, &stream)?,
             };
             built.push(t);
         }
         let sources: Vec<Option<Tensor>> = built.into_iter().map(Some).collect();
-        let shard = self.shard_from(unit, &sources, layout, rank, device);
+        let shard = self.shard_from(unit, &sources, layout, rank, &gen);
         // The unit's temporaries are freed here (stream order makes reuse safe).
         drop(sources);
-        shard
+        to_target(shard?, &gen, device)
     }
 
     /// Rank `rank`'s shard: pieces of parameters with a tensor in `sources` are copied from it,

@@ -6,7 +6,8 @@
 //!
 //! **Never run on a GPU** (written where none exists): `#[ignore]`d and gated on
 //! `FSDP_GPU_TESTS=1`. The model is created on the fake device and materialized by FSDP on the
-//! rank's device, so the GPU ranks generate their own shards.
+//! rank's offload host (CPU offload: fsdp-core's optimizer kernels run on host memory), so every
+//! rank generates its own shards.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -53,6 +54,13 @@ fn adam() -> AdamParams {
 type RankRun = (Vec<f32>, usize);
 
 fn train(rank: usize, world: usize, dev: &Device, comm: Comm, config: FsdpConfig) -> RankRun {
+    // fsdp-core's optimizer kernels are host code, so GPU ranks keep shards, sharded gradients
+    // and optimizer state on a CPU host device (CPU offload); the CPU reference runs the same
+    // way, so losses and the compute device's peak memory compare like for like.
+    let config = FsdpConfig {
+        cpu_offload: Some(Device::cpu(10_000 + rank)),
+        ..config
+    };
     let c = cfg();
     let model = Gpt::new(&InitContext::fake(SEED), &c).unwrap();
     let fsdp = Fsdp::wrap(model, dev, comm, config).unwrap();
@@ -175,5 +183,45 @@ fn gpt_mini_on_one_gpu_and_on_all_gpus_matches_cpu_threads() {
     }
     if n >= 4 {
         check(n, Some(2), blocks(ShardingStrategy::HybridShard));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run `cargo xtask gpu-test` (FSDP_GPU_TESTS=1)"]
+fn deferred_init_shards_on_a_gpu_equal_cpu_shards_bit_for_bit() {
+    if !gpu_tests() {
+        return;
+    }
+    let gpu = Device::cuda(0).expect("FSDP_GPU_TESTS=1 but cuda:0 could not be opened");
+    let cpu = Device::cpu(0);
+    let fake = Gpt::new(&InitContext::fake(SEED), &cfg()).unwrap();
+    let unit = fsdp_autograd::nn::parameters(&fake);
+    let shapes: Vec<Vec<usize>> = unit.iter().map(|p| p.shape().to_vec()).collect();
+    let layout = fsdp_flatparam::FlatParamLayout::new(&shapes, 3).unwrap();
+    let plan = fsdp_init::InitPlan::new(unit.clone()).unwrap();
+    let bits = |t: &fsdp_autograd::Tensor| -> Vec<u32> {
+        t.to_vec_f32()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    for rank in 0..3 {
+        let want = plan.materialize_shard(&unit, &layout, rank, &cpu).unwrap();
+        let got = plan.materialize_shard(&unit, &layout, rank, &gpu).unwrap();
+        assert_eq!(got.device().id(), gpu.id());
+        assert_eq!(bits(&got), bits(&want), "rank {rank} (shard only)");
+        let got = plan
+            .materialize_unit_sharded(&unit, &layout, rank, &gpu)
+            .unwrap();
+        assert_eq!(bits(&got), bits(&want), "rank {rank} (unit by unit)");
+    }
+    // Whole parameters: the GPU model equals the eager CPU model.
+    fsdp_init::materialize(&fake, &gpu).unwrap();
+    let eager = Gpt::new(&InitContext::eager(&cpu, SEED), &cfg()).unwrap();
+    for (a, b) in unit.iter().zip(fsdp_autograd::nn::parameters(&eager)) {
+        let (ta, tb) = (a.get().unwrap(), b.get().unwrap());
+        assert_eq!(ta.device().id(), gpu.id());
+        assert_eq!(bits(&ta), bits(&tb), "{}", a.name());
     }
 }

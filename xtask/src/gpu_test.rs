@@ -123,6 +123,7 @@ fn bench(_gpus: usize) -> Vec<(String, Command)> {
                 "cuda",
                 "--steps",
                 "20",
+                "--json",
             ]);
             c
         },
@@ -144,8 +145,10 @@ const SUITES: &[Suite] = &[
     },
     Suite {
         name: "fsdp",
-        what: "FSDP GPT-mini on 1 GPU and all GPUs vs CPU thread ranks: losses within 1e-4 \
-               relative over 20 AdamW steps, peak memory per rank within 5% of the CPU model",
+        what: "FSDP GPT-mini on 1 GPU and all GPUs vs CPU thread ranks (CPU offload on both): \
+               losses within 1e-4 relative over 20 AdamW steps, peak memory per rank within 5% \
+               of the CPU model; deferred-init shards generated for a GPU equal CPU shards bit \
+               for bit",
         steps: fsdp,
     },
     Suite {

@@ -10,6 +10,7 @@ use fsdp_alloc::DType;
 use fsdp_autograd::nn::{Gelu, GptConfig};
 use fsdp_core::{BackwardPrefetch, ShardingStrategy};
 
+use crate::cuda::CudaLaunch;
 use crate::data::DataFormat;
 use crate::train::{DataSpec, Optimizer, TrainConfig};
 
@@ -113,18 +114,20 @@ pub struct DataArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
-    /// Number of thread ranks (with --backend mpi: the launcher's process count instead)
-    #[arg(long, value_name = "N", default_value_t = 4,
-          value_parser = clap::value_parser!(u64).range(1..=64))]
-    pub ranks: u64,
-    /// Collectives backend: thread (W thread ranks in this process) or mpi (one process per
-    /// rank under mpirun/srun; needs a build with --features fsdp-core/mpi)
+    /// Number of thread ranks [default: 4; with --device cuda: every visible GPU] (with
+    /// --backend mpi or nccl: the launcher's process count instead)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub ranks: Option<u64>,
+    /// Collectives backend: thread (W thread ranks in this process; NCCL between them with
+    /// --device cuda), mpi (one process per CPU rank under mpirun/srun; needs a build with
+    /// --features fsdp-core/mpi) or nccl (one process per GPU under torchrun/mpirun/srun; needs
+    /// --device cuda)
     #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
     pub backend: BackendArg,
     /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (one GPU per
-    /// rank). FSDP training on CUDA devices is not wired into train_gpt yet: with a CUDA driver
-    /// and a GPU this flag still refuses with a message saying so; without one it names what
-    /// is missing
+    /// rank, NCCL collectives, always with CPU offload: the optimizer runs on the host; needs a
+    /// build with --features fsdp-core/cuda; never run on a GPU by its authors). Without a CUDA
+    /// driver, cuda exits with one line naming what is missing
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
     /// Sharding strategy
@@ -284,6 +287,8 @@ pub enum BackendArg {
     Thread,
     /// one MPI process per rank
     Mpi,
+    /// one process per GPU over NCCL (with --device cuda)
+    Nccl,
 }
 
 /// `--strategy`.
@@ -497,6 +502,7 @@ impl Cli {
         };
 
         let p = &self.parallel;
+        let cuda = CudaLaunch::from_args(p.device, p.backend).map_err(UsageError)?;
         let mpi = p.backend == BackendArg::Mpi;
         if mpi && !cfg!(feature = "mpi") {
             return usage(
@@ -506,9 +512,16 @@ impl Cli {
         }
         let ranks = if mpi {
             mpi_world_size()?
+        } else if let Some(launch) = cuda {
+            crate::cuda::world_size(launch, p.ranks).map_err(UsageError)?
         } else {
-            p.ranks as usize
+            p.ranks.unwrap_or(4) as usize
         };
+        if cuda.is_some() && p.strategy == StrategyArg::NoShard {
+            return usage(
+                "--device cuda trains with CPU offload (the optimizer runs on the host), which                  needs a sharded strategy (not no-shard)",
+            );
+        }
         let strategy = match p.strategy {
             StrategyArg::FullShard => ShardingStrategy::FullShard,
             StrategyArg::ShardGradOp => ShardingStrategy::ShardGradOp,
@@ -590,6 +603,7 @@ impl Cli {
             seed: d.seed,
             ranks,
             mpi,
+            cuda,
             strategy,
             shard_size,
             backward_prefetch: match p.backward_prefetch {
@@ -604,7 +618,8 @@ impl Cli {
                 MixedPrecisionArg::Bf16 => DType::BF16,
                 MixedPrecisionArg::F16 => DType::F16,
             }),
-            cpu_offload: p.cpu_offload,
+            // CUDA ranks keep shards and optimizer state on the host (crate::cuda).
+            cpu_offload: p.cpu_offload || cuda.is_some(),
             checked: p.checked,
             steps: o.steps as usize,
             optimizer,

@@ -66,6 +66,7 @@
 
 mod ckpt;
 mod cli;
+mod cuda;
 mod data;
 mod report;
 mod train;
@@ -162,6 +163,12 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
     if g.tied {
         extras.push_str(" | tied embedding/head");
     }
+    if let Some(launch) = c.cuda {
+        extras.push_str(match launch {
+            cuda::CudaLaunch::Threads => " | CUDA: a thread per GPU, NCCL",
+            cuda::CudaLaunch::Processes => " | CUDA: a process per GPU, NCCL",
+        });
+    }
     if c.cpu_offload {
         extras.push_str(" | CPU offload");
     }
@@ -211,6 +218,9 @@ fn json_num(x: f64) -> serde_json::Value {
 /// Whether this process prints: always with thread ranks; with `--backend mpi`, rank 0 (from
 /// the launcher's environment).
 fn primary_process(c: &TrainConfig) -> bool {
+    if c.cuda == Some(cuda::CudaLaunch::Processes) {
+        return fsdp_collectives::RendezvousEnv::from_env().is_ok_and(|e| e.rank == 0);
+    }
     if !c.mpi {
         return true;
     }
@@ -422,18 +432,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if cli.parallel.device == cli::DeviceArg::Cuda {
+    if let Ok(Some(launch)) = cuda::CudaLaunch::from_args(cli.parallel.device, cli.parallel.backend)
+    {
         // A typed error, never a panic: `Device::cuda` checks for the driver library before
         // touching cudarc.
-        match fsdp_alloc::Device::cuda(0) {
-            Err(e) => eprintln!("train_gpt: --device cuda: {e}"),
-            Ok(_) => eprintln!(
-                "train_gpt: --device cuda: a CUDA device was found, but FSDP training on CUDA \
-                 devices is not wired into train_gpt yet (the CUDA ops exist behind the `cuda` \
-                 feature and have never run on a GPU); use --device cpu"
-            ),
+        if let Err(e) = cuda::preflight(launch) {
+            eprintln!("train_gpt: --device cuda: {e}");
+            return ExitCode::from(1);
         }
-        return ExitCode::from(1);
     }
     let config = match cli.clone().into_config() {
         Ok(c) => c,

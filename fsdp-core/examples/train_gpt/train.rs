@@ -73,6 +73,8 @@ pub struct TrainConfig {
     pub ranks: usize,
     /// One MPI process per rank (`--backend mpi`) instead of thread ranks.
     pub mpi: bool,
+    /// GPU ranks over NCCL (`--device cuda`, see [`crate::cuda`]); `None`: CPU devices.
+    pub cuda: Option<crate::cuda::CudaLaunch>,
     /// Sharding strategy.
     pub strategy: ShardingStrategy,
     /// Hybrid shard-group size.
@@ -329,6 +331,12 @@ pub fn run_job(
     if cfg.mpi {
         return run_mpi_rank(cfg, data, observer, gather_final);
     }
+    if let Some(launch) = cfg.cuda {
+        let run = |rank: usize, pg: Arc<dyn ProcessGroup>, obs: Box<dyn Observer>| {
+            Rank::new(rank, pg, cfg, data.clone(), obs)?.train(gather_final)
+        };
+        return crate::cuda::run_job(cfg, launch, observer, &run);
+    }
     let mut observer = Some(observer);
     let handles: Vec<_> = ThreadGroup::new(cfg.ranks)
         .into_iter()
@@ -437,11 +445,15 @@ impl Rank {
         };
         let world = cfg.ranks;
         let devices = DeviceConfig::default().with_checked(cfg.checked);
-        let dev = Device::cpu_with(rank, devices);
+        // Rank `rank`'s compute device (CPU, or its GPU with --device cuda) and offload host.
+        let (dev, host) = crate::cuda::rank_devices(rank, cfg, devices)
+            .map_err(|e| fsdp_err("opening the device")(FsdpError::from(e)))?;
         let init = if cfg.deferred_init {
             InitContext::fake(cfg.seed)
         } else {
-            InitContext::eager(&dev, cfg.seed)
+            // Eager init runs host code on the parameters' memory: CUDA ranks build the model
+            // on their host device (FSDP then uploads only the shards it gathers).
+            InitContext::eager(crate::cuda::init_device(cfg, &dev, host.as_ref()), cfg.seed)
         };
         let model = Gpt::new(&init, &cfg.gpt)
             .map_err(|e| fsdp_err("building the model")(FsdpError::from(e)))?;
@@ -454,10 +466,6 @@ impl Rank {
             }
             _ => Arc::clone(&pg).into(),
         };
-        // Each rank's own host device for CPU offload (ids apart from the compute devices).
-        let host = cfg
-            .cpu_offload
-            .then(|| Device::cpu_with(10_000 + rank, devices));
         let config = FsdpConfig {
             strategy: cfg.strategy,
             wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
