@@ -67,6 +67,7 @@
 mod ckpt;
 mod cli;
 mod data;
+mod plan;
 mod report;
 mod train;
 
@@ -220,7 +221,7 @@ fn primary_process(c: &TrainConfig) -> bool {
         .is_none_or(|r| r.trim() == "0")
 }
 
-fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
+fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
     check_outputs(&cli, &c)?;
     let primary = primary_process(&c);
     let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
@@ -236,6 +237,41 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     // Peak f32 GEMM rate of this machine (all cores), before training.
     let gemm_rate = report::gemm_probe(cores, Duration::from_millis(200))
         .map_err(|e| format!("GEMM probe: {e}"))?;
+    if cli.planning.plan {
+        // `--plan`: the ranked table (rank 0 prints it); `--apply` trains with the top plan.
+        let cluster = plan::cluster(&cli.planning, c.ranks, gemm_rate)?;
+        let planner = plan::planner(&c, cluster)?;
+        let top = if primary {
+            plan::print_plan(&c, &planner)?
+        } else {
+            *planner
+                .plan()
+                .map_err(|e| e.to_string())?
+                .first()
+                .ok_or("no plan")?
+        };
+        if !cli.planning.apply {
+            return Ok(());
+        }
+        if c.mpi && cli.planning.cluster_tflops.is_none() && cli.planning.cluster.is_none() {
+            return Err(
+                "--plan --apply with --backend mpi: give the compute rate (--cluster-tflops or \
+                 --cluster FILE) so every process plans alike (each process's GEMM probe differs)"
+                    .into(),
+            );
+        }
+        if cluster.world() != c.ranks {
+            return Err(format!(
+                "--apply: the assumed cluster has {} ranks ({} node(s) × {}), but this run has \
+                 --ranks {}; plan for the ranks you train on",
+                cluster.world(),
+                cluster.nodes,
+                cluster.ranks_per_node,
+                c.ranks
+            ));
+        }
+        plan::apply(&mut c, &top).map_err(|e| e.0)?;
+    }
     // Ranks share the machine's cores: give each rank's matmuls an even share.
     let threads = (cores / c.ranks).max(1);
     fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
