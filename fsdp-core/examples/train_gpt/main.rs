@@ -6,6 +6,9 @@
 //! cargo run --release --example train_gpt -- --data input.txt --steps 300 --eval-every 100 \
 //!     --metrics m.jsonl --plot loss.svg
 //! cargo run --release --example train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
+//! cargo run --release --example train_gpt -- --plan --cluster-nodes 2 --cluster-ranks-per-node 2 \
+//!     --cluster-inter-gbps 0.05                                 # ranked FSDP plans, no training
+//! cargo run --release --example train_gpt -- --plan --apply --steps 20  # train with the top plan
 //! cargo run --release --example train_gpt -- --help
 //! cargo build --release -p fsdp-core --features mpi --example train_gpt &&
 //!     mpirun -n 4 target/release/examples/train_gpt --backend mpi   # one process per rank
@@ -20,7 +23,8 @@
 //! `Fsdp::wrap` (one unit per transformer `Block`, the rest in the root unit) and trains it on
 //! its own micro-batches (module [`data`]: the embedded synthetic stream, or a memory-mapped
 //! file). Module [`train`] is the loop, [`ckpt`] the checkpoint directory, [`report`] the
-//! progress bar, metrics file, plot and GEMM probe, [`cli`] the command line.
+//! progress bar, metrics file, plot and GEMM probe, [`cli`] the command line, [`plan`] the
+//! cost-model planner (`--plan`, `--plan --apply`).
 //!
 //! ## What a step line reports
 //! `step 10 | loss 3.214 | 5,230 tok/s | peak 41.2 MiB/rank | ag 12.1 MiB rs 12.1 MiB`

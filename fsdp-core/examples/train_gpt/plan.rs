@@ -42,7 +42,7 @@ pub struct PlanArgs {
     /// --backward-prefetch, --forward-prefetch, --limit-all-gathers)
     #[arg(long, requires = "plan")]
     pub apply: bool,
-    /// Cluster description (TOML: nodes, ranks_per_node, device_memory_gib, tflops,
+    /// Cluster description (a TOML subset: nodes, ranks_per_node, device_memory_gib, tflops,
     /// [intra]/[inter] bandwidth_gb_per_s and latency_us); --cluster-* flags override it
     #[arg(long, value_name = "FILE")]
     pub cluster: Option<PathBuf>,
@@ -118,82 +118,74 @@ fn read_cluster_file(path: &Path) -> Result<FileCluster, String> {
     parse_cluster_toml(&text).map_err(|e| format!("--cluster {}: {e}", path.display()))
 }
 
+/// Parses the cluster file: the small TOML subset it needs — `key = number` lines, `[intra]` /
+/// `[inter]` tables, `#` comments — and nothing else (an unknown key or a value that is not a
+/// number is an error naming it).
 fn parse_cluster_toml(text: &str) -> Result<FileCluster, String> {
-    let doc: toml_edit::DocumentMut = text.parse().map_err(|e| format!("not TOML: {e}"))?;
-    let num = |item: Option<&toml_edit::Item>, key: &str| -> Result<Option<f64>, String> {
-        match item {
-            None => Ok(None),
-            Some(i) => {
-                let v = i
-                    .as_float()
-                    .or_else(|| i.as_integer().map(|x| x as f64))
-                    .ok_or_else(|| format!("`{key}` must be a number"))?;
-                if v.is_finite() && v >= 0.0 {
-                    Ok(Some(v))
-                } else {
-                    Err(format!("`{key}` must be a finite number ≥ 0, got {v}"))
-                }
+    let mut f = FileCluster::default();
+    let mut table = String::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.split('#').next().unwrap_or("").trim();
+        let at = |m: String| format!("line {}: {m}", i + 1);
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix('[') {
+            let name = rest
+                .strip_suffix(']')
+                .ok_or_else(|| at(format!("`{line}` is not a table header")))?
+                .trim();
+            if name != "intra" && name != "inter" {
+                return Err(at(format!(
+                    "unknown table `[{name}]` (known: [intra], [inter])"
+                )));
             }
+            table = name.to_string();
+            continue;
         }
-    };
-    let int = |item: Option<&toml_edit::Item>, key: &str| -> Result<Option<u64>, String> {
-        match item {
-            None => Ok(None),
-            Some(i) => match i.as_integer() {
-                Some(v) if v >= 1 => Ok(Some(v as u64)),
-                _ => Err(format!("`{key}` must be a whole number ≥ 1")),
-            },
-        }
-    };
-    let known = [
-        "nodes",
-        "ranks_per_node",
-        "device_memory_gib",
-        "tflops",
-        "intra",
-        "inter",
-    ];
-    for (k, _) in doc.iter() {
-        if !known.contains(&k) {
-            return Err(format!("unknown key `{k}` (known: {})", known.join(", ")));
+        let (key, value) = line
+            .split_once('=')
+            .ok_or_else(|| at(format!("`{line}` is not `key = value`")))?;
+        let (key, value) = (key.trim(), value.trim());
+        let full = if table.is_empty() {
+            key.to_string()
+        } else {
+            format!("{table}.{key}")
+        };
+        let number = || -> Result<f64, String> {
+            match value.replace('_', "").parse::<f64>() {
+                Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+                _ => Err(at(format!(
+                    "`{full}` must be a finite number ≥ 0, got `{value}`"
+                ))),
+            }
+        };
+        let whole = || -> Result<u64, String> {
+            match value.replace('_', "").parse::<u64>() {
+                Ok(v) if v >= 1 => Ok(v),
+                _ => Err(at(format!(
+                    "`{full}` must be a whole number ≥ 1, got `{value}`"
+                ))),
+            }
+        };
+        match full.as_str() {
+            "nodes" => f.nodes = Some(whole()?),
+            "ranks_per_node" => f.ranks_per_node = Some(whole()?),
+            "device_memory_gib" => f.mem_gib = Some(number()?),
+            "tflops" => f.tflops = Some(number()?),
+            "intra.bandwidth_gb_per_s" => f.intra_gbps = Some(number()?),
+            "intra.latency_us" => f.intra_latency_us = Some(number()?),
+            "inter.bandwidth_gb_per_s" => f.inter_gbps = Some(number()?),
+            "inter.latency_us" => f.inter_latency_us = Some(number()?),
+            _ => {
+                return Err(at(format!(
+                    "unknown key `{full}` (known: nodes, ranks_per_node, device_memory_gib, \
+                     tflops, and bandwidth_gb_per_s / latency_us in [intra] and [inter])"
+                )))
+            }
         }
     }
-    let link = |name: &str| -> Result<(Option<f64>, Option<f64>), String> {
-        match doc.get(name) {
-            None => Ok((None, None)),
-            Some(t) => {
-                let t = t
-                    .as_table_like()
-                    .ok_or_else(|| format!("`{name}` must be a table"))?;
-                for (k, _) in t.iter() {
-                    if k != "bandwidth_gb_per_s" && k != "latency_us" {
-                        return Err(format!(
-                            "unknown key `{name}.{k}` (known: bandwidth_gb_per_s, latency_us)"
-                        ));
-                    }
-                }
-                Ok((
-                    num(
-                        t.get("bandwidth_gb_per_s"),
-                        &format!("{name}.bandwidth_gb_per_s"),
-                    )?,
-                    num(t.get("latency_us"), &format!("{name}.latency_us"))?,
-                ))
-            }
-        }
-    };
-    let (intra_gbps, intra_latency_us) = link("intra")?;
-    let (inter_gbps, inter_latency_us) = link("inter")?;
-    Ok(FileCluster {
-        nodes: int(doc.get("nodes"), "nodes")?,
-        ranks_per_node: int(doc.get("ranks_per_node"), "ranks_per_node")?,
-        mem_gib: num(doc.get("device_memory_gib"), "device_memory_gib")?,
-        tflops: num(doc.get("tflops"), "tflops")?,
-        intra_gbps,
-        intra_latency_us,
-        inter_gbps,
-        inter_latency_us,
-    })
+    Ok(f)
 }
 
 /// Host memory in bytes (`MemTotal`), if /proc/meminfo says.
@@ -381,6 +373,14 @@ mod tests {
             .unwrap_err()
             .contains("tflops"));
         assert!(parse_cluster_toml("nodes = [").is_err());
+        assert!(parse_cluster_toml("[gpu]").unwrap_err().contains("[gpu]"));
+        assert!(parse_cluster_toml("nodes").is_err());
+        assert_eq!(
+            parse_cluster_toml("# a comment\n\nnodes = 3 # three\n")
+                .unwrap()
+                .nodes,
+            Some(3)
+        );
     }
 
     #[test]

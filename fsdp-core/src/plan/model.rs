@@ -316,14 +316,17 @@ pub fn gpt_modules(cfg: &GptConfig) -> Vec<ModuleInfo> {
     out
 }
 
-/// (path, forward FLOPs/token, saved bytes/token, backward transient bytes/token, largest
-/// weight-gradient temporary in bytes) for every leaf of the GPT forward, in order.
+/// (path, forward FLOPs/token, saved bytes/token, backward transient bytes/token, weight
+/// gradient bytes) for every leaf of the GPT forward, in order.
 ///
-/// Saved bytes follow fsdp-autograd's ops (f32): a linear saves its input; layer norm its
-/// input plus mean and rstd; attention q, k, v (views of one contiguous `[3, b, h, t, dh]`
-/// copy of the qkv output) and its `[b, h, t, t]` probabilities; GELU its input; cross-entropy
-/// the logits and the log-sum-exp. A tensor is charged to the leaf that allocates it and
-/// freed in that leaf's backward.
+/// A saved tensor is charged to the op that saves it (fsdp-autograd's ops, f32): a linear
+/// saves its input; layer norm its input plus mean and rstd; attention q, k, v (views of one
+/// contiguous `[3, b, h, t, dh]` copy of the qkv output) and its `[b, h, t, t]` probabilities;
+/// GELU its input; cross-entropy the log-sum-exp (the logits are the model's output). It is
+/// freed when that op's backward has run. The backward transient is what exists on top while
+/// the op's backward runs: the gradient of its output, the gradient of its input, the
+/// residual stream's gradient (held while a block's branch is differentiated) and the op's own
+/// temporaries.
 fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
     let (v, d, h, t) = (
         cfg.vocab as f64,
@@ -332,87 +335,82 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
         cfg.seq_len as f64,
     );
     let f = 4.0; // f32
+    let bytes = |n: f64| n as usize * 4;
     let mut out = Vec::new();
-    // Embeddings: token + position lookups summed into x0 (the first block's input).
-    let (vd, td) = ((v * d) as usize * 4, (t * d) as usize * 4);
-    out.push(("tok_emb".to_string(), d, f * d, f * d, vd));
-    out.push(("pos_emb".to_string(), d, 0.0, f * d, td));
+    // Embeddings: token + position lookups summed into x0; dense weight gradients.
+    out.push(("tok_emb".to_string(), d, 0.0, f * d, bytes(v * d)));
+    out.push(("pos_emb".to_string(), d, 0.0, f * d, bytes(t * d)));
     for i in 0..cfg.n_layers {
         let b = format!("blocks.{i}");
-        // ln1: mean + rstd, output (qkv's saved input).
-        let ln_w = (2.0 * d) as usize * 4;
-        out.push((format!("{b}.ln1"), 8.0 * d, f * d + 8.0, 2.0 * f * d, ln_w));
-        // qkv: output [3d] copied to the head-major contiguous layout attention saves.
-        let qkv_w = (3.0 * d * d + 3.0 * d) as usize * 4;
+        let ln = bytes(2.0 * d);
+        // ln1 saves the block input, mean, rstd; backward: output and input gradients, the
+        // residual gradient and their sum.
+        out.push((format!("{b}.ln1"), 8.0 * d, f * d + 8.0, 4.0 * f * d, ln));
+        // qkv saves ln1's output.
         out.push((
             format!("{b}.attn.qkv"),
             2.0 * d * 3.0 * d,
-            f * 3.0 * d,
-            2.0 * f * 3.0 * d + f * d,
-            qkv_w,
+            f * d,
+            f * (3.0 * d + d + d),
+            bytes(3.0 * d * d + 3.0 * d),
         ));
-        // attention (scores and weighted values, causal: about half of t×t) + probabilities,
-        // output copied back to [b, t, d] (proj's saved input).
+        // attention saves the contiguous q, k, v copy and the probabilities; backward holds
+        // dq, dk, dv and the probabilities' gradient, then their concatenation.
         out.push((
             format!("{b}.attn"),
             2.0 * t * d + 5.0 * h * t,
-            f * h * t + f * d,
-            f * h * t + 2.0 * f * 3.0 * d,
+            f * 3.0 * d + f * h * t,
+            (f * (5.0 * d) + f * h * t).max(f * 7.0 * d),
             0,
         ));
-        let proj_w = (d * d + d) as usize * 4;
-        // proj + residual add: x1 (ln2's saved input and the residual).
+        // proj saves attention's output ([b, t, d] copy); the residual add saves nothing.
         out.push((
             format!("{b}.attn.proj"),
             2.0 * d * d + d,
             f * d,
-            2.0 * f * d,
-            proj_w,
+            f * 2.0 * d,
+            bytes(d * d + d),
         ));
-        out.push((format!("{b}.ln2"), 8.0 * d, f * d + 8.0, 2.0 * f * d, ln_w));
-        let fc_w = (4.0 * d * d + 4.0 * d) as usize * 4;
-        // fc output (GELU's saved input) and GELU output (proj's saved input).
+        out.push((format!("{b}.ln2"), 8.0 * d, f * d + 8.0, 4.0 * f * d, ln));
+        // fc saves ln2's output; GELU saves fc's output; proj saves GELU's output.
         out.push((
             format!("{b}.mlp.fc"),
             2.0 * d * 4.0 * d,
-            f * 4.0 * d,
-            2.0 * f * 4.0 * d,
-            fc_w,
+            f * d,
+            f * (4.0 * d + d + d),
+            bytes(4.0 * d * d + 4.0 * d),
         ));
         out.push((
             format!("{b}.mlp.gelu"),
             10.0 * 4.0 * d,
             f * 4.0 * d,
-            2.0 * f * 4.0 * d,
+            f * (4.0 * d + 4.0 * d + d),
             0,
         ));
-        let p2_w = (4.0 * d * d + d) as usize * 4;
-        // proj + residual add: x2, the block's output.
         out.push((
             format!("{b}.mlp.proj"),
             2.0 * 4.0 * d * d + d,
-            f * d,
-            f * 4.0 * d + f * d,
-            p2_w,
+            f * 4.0 * d,
+            f * (d + 4.0 * d),
+            bytes(4.0 * d * d + d),
         ));
     }
     out.push((
         "ln_f".to_string(),
         8.0 * d,
         f * d + 8.0,
-        2.0 * f * d,
-        (2.0 * d) as usize * 4,
+        3.0 * f * d,
+        bytes(2.0 * d),
     ));
-    // The logits are the model's output (ModelDesc::output_bytes_per_token), not saved here.
+    // The head saves ln_f's output; its output (the logits) is the model's output.
     out.push((
         "head".to_string(),
         2.0 * d * v,
-        0.0,
+        f * d,
         f * v + f * d,
-        (v * d) as usize * 4,
+        bytes(v * d),
     ));
-    // Cross-entropy: log-sum-exp per row (the logits are the head's output); its backward
-    // allocates the logits' gradient.
+    // Cross-entropy saves the log-sum-exp; its backward allocates the logits' gradient.
     out.push(("loss".to_string(), 5.0 * v, 4.0, f * v, 0));
     out
 }

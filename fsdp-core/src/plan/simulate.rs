@@ -427,12 +427,10 @@ pub(crate) fn simulate(
         }
         let secs = 2.0 * leaf.fwd_flops_per_token * tokens / sim.rate;
         sim.run_compute(secs);
+        // The op's backward allocates its input and weight gradients while its output's
+        // gradient is alive; its saved tensors are released when it returns, before the engine
+        // folds the weight gradients into the unit's flat gradient (allocated at the first).
         let u = leaf.unit;
-        if leaf.weight_grad_bytes > 0 && !sim.flat_grad[u] {
-            sim.flat_grad[u] = true;
-            let g = round(sim.gathered_bytes(u));
-            sim.mem.alloc(Cat::FlatGrads, g);
-        }
         let transient = round(leaf.bwd_transient_bytes_per_token * tokens)
             + if leaf.weight_grad_bytes > 0 {
                 round(leaf.weight_grad_bytes as f64)
@@ -440,9 +438,14 @@ pub(crate) fn simulate(
                 0
             };
         sim.mem.alloc(Cat::Activations, transient);
-        sim.mem.free(Cat::Activations, transient);
         sim.mem
             .free(Cat::Activations, round(leaf.saved_bytes_per_token * tokens));
+        if leaf.weight_grad_bytes > 0 && !sim.flat_grad[u] {
+            sim.flat_grad[u] = true;
+            let g = round(sim.gathered_bytes(u));
+            sim.mem.alloc(Cat::FlatGrads, g);
+        }
+        sim.mem.free(Cat::Activations, transient);
         // Post-backward, inner units first.
         for &u in order
             .iter()

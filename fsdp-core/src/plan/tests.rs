@@ -200,7 +200,7 @@ fn chain(n: usize, numel: usize) -> ModelDesc {
         leaves.push(Leaf {
             path: format!("b{i}"),
             unit: i + 1,
-            fwd_flops_per_token: 1.0,
+            fwd_flops_per_token: 1e9,
             saved_bytes_per_token: 0.0,
             bwd_transient_bytes_per_token: 0.0,
             weight_grad_bytes: 4,
@@ -241,7 +241,7 @@ fn backward_prefetch_gain() {
         bytes_per_s: bytes / c_s,
     };
     let mut cl = cluster(1, w, l, l);
-    cl.flops_per_s = 1.0 / c_s; // 1 FLOP per token, 1 token: c per block forward
+    cl.flops_per_s = 1e9 / c_s; // 1 GFLOP per token, 1 token: c per block forward
     let batch = Batch {
         seqs_per_rank: 1,
         seq_len: 1,
@@ -265,10 +265,11 @@ fn backward_prefetch_gain() {
         (gain - expect).abs() <= 2.5 * c_s,
         "gain {gain} vs {expect} (pre {pre}, none {none})"
     );
-    assert!(
-        pre < post && post < none,
-        "pre {pre} post {post} none {none}"
-    );
+    // BackwardPost issues the next all-gather right after the reduce-scatter: on one in-order
+    // link it queues behind it exactly as without prefetch (it helps only a host that cannot
+    // run ahead, which the planner does not model).
+    assert!(pre < post, "pre {pre} post {post}");
+    assert!((post - none).abs() < 1e-9, "post {post} none {none}");
 }
 
 #[test]
@@ -350,7 +351,8 @@ fn bad_inputs_are_typed_errors() {
 }
 
 /// The memory model against the caching allocator: a real FullShard / NoShard / HybridShard
-/// step on 4 thread ranks; the predicted per-rank peak within 5% of `peak_allocated_bytes`.
+/// step on 4 thread ranks; the predicted per-rank peak within 2% of `peak_allocated_bytes`
+/// (it was within 0.2% when written).
 #[test]
 fn predicted_peak_matches_the_allocator() {
     let cfg = GptConfig::new(64, 64, 3, 4, 32);
@@ -520,5 +522,66 @@ proptest! {
         // Memory does not depend on speeds.
         prop_assert_eq!(e1.peak_bytes, base.peak_bytes);
         prop_assert_eq!(e2.peak_bytes, base.peak_bytes);
+    }
+}
+
+/// The memory model on one rank (NoShard) across widths and batch sizes: within 1% of the
+/// allocator's peak (the activation terms scale with tokens and width, the gradients with
+/// parameters).
+#[test]
+fn predicted_peak_tracks_batch_and_width() {
+    for (d, batch) in [(64usize, 1usize), (64, 2), (64, 4), (128, 2), (128, 4)] {
+        let cfg = GptConfig::new(64, d, 2, 4, 32);
+        let model = ModelDesc::gpt(&cfg, &blocks()).unwrap();
+        let p = Planner::new(
+            model,
+            cluster(1, 1, link(10.0, 1.0), link(10.0, 1.0)),
+            Batch {
+                seqs_per_rank: batch,
+                seq_len: cfg.seq_len,
+            },
+        )
+        .unwrap();
+        let predicted = p
+            .estimate(&pc(ShardingStrategy::NoShard, 1, BackwardPrefetch::None))
+            .unwrap()
+            .estimate
+            .peak_bytes;
+        let pg: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new(1).pop().unwrap());
+        let dev = Device::cpu(33_000 + d + batch);
+        let gpt = Gpt::new(&InitContext::eager(&dev, 1), &cfg).unwrap();
+        let fsdp = Fsdp::wrap(
+            gpt,
+            &dev,
+            pg,
+            pc(ShardingStrategy::NoShard, 1, BackwardPrefetch::None).apply(FsdpConfig {
+                wrap_policy: blocks(),
+                ..FsdpConfig::default()
+            }),
+        )
+        .unwrap();
+        let mut peak = 0;
+        for step in 0..2 {
+            dev.reset_peak_stats();
+            let n = batch * cfg.seq_len;
+            let ids: Vec<i64> = (0..n)
+                .map(|i| ((i * 7 + step) % cfg.vocab) as i64)
+                .collect();
+            let tg: Vec<i64> = (0..n).map(|i| ((i * 5) % cfg.vocab) as i64).collect();
+            let x = Tensor::from_vec(ids, &[batch, cfg.seq_len], &dev).unwrap();
+            let y = Tensor::from_vec(tg, &[n], &dev).unwrap();
+            let logits = fsdp.forward(&x).unwrap().reshape(&[n, cfg.vocab]).unwrap();
+            cross_entropy(&logits, &y).unwrap().backward().unwrap();
+            fsdp.sgd_step(0.01).unwrap();
+            fsdp.zero_grad();
+            fsdp.synchronize().unwrap();
+            peak = dev.memory_stats().peak_allocated_bytes;
+        }
+        let err = (predicted as f64 - peak as f64) / peak as f64;
+        assert!(
+            err.abs() <= 0.01,
+            "d {d} batch {batch}: measured {peak} B, predicted {predicted} B ({:+.2}%)",
+            err * 100.0
+        );
     }
 }
