@@ -13,10 +13,11 @@
 //! rounds (after warm-up rounds), and rank 0's peak allocated bytes over the counted steps (the
 //! allocator's `peak_allocated_bytes`, reset before each step).
 //!
-//! **Compute calibration** (measured in the same run, never fitted to the scored results): per
-//! model, a NoShard run on the same 4 ranks *without* link emulation (not part of the scored
-//! grid) gives the step's compute time; the planner's compute rate for that model is its
-//! training FLOPs per step over that time. The link figures are the emulated ones.
+//! **Compute calibration** (measured in the same run, never fitted to the scored results): in
+//! every scenario's session, one extra configuration — NoShard on the same 4 ranks *without*
+//! link emulation, not scored — is stepped interleaved with the grid, so it sees the same
+//! machine load; the planner's compute rate is the model's training FLOPs per step over its
+//! median step. The link figures are the emulated ones.
 //!
 //! The planner ([`fsdp_core::plan`]) predicts each grid configuration's step time and peak
 //! memory; the bench prints predicted vs measured per configuration and, per scenario, the
@@ -27,7 +28,8 @@
 //! (true when, in every scenario, the planner's first-ranked configuration of the grid is the
 //! one measured fastest), the load average at start and end, and the per-scenario results.
 //!
-//! Environment: `PLANNER_ROUNDS=N` counted rounds per scenario (default 5).
+//! Environment: `PLANNER_ROUNDS=N` counted rounds per scenario (default 9); `PLANNER_DIAG=1` also steps the
+//! grid without link emulation and prints those times (not scored).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -164,9 +166,12 @@ struct Measured {
 }
 
 /// Wraps every configuration on W rank threads and steps them interleaved.
-fn session(cfg: &GptConfig, plans: &[PlanConfig], net: Net, rounds: usize) -> Measured {
-    let mut per_plan: Vec<std::vec::IntoIter<Comm>> =
-        plans.iter().map(|p| comms(p, net).into_iter()).collect();
+fn session(cfg: &GptConfig, variants: &[(PlanConfig, Net)], rounds: usize) -> Measured {
+    let mut per_plan: Vec<std::vec::IntoIter<Comm>> = variants
+        .iter()
+        .map(|(p, net)| comms(p, *net).into_iter())
+        .collect();
+    let plans: Vec<PlanConfig> = variants.iter().map(|v| v.0).collect();
     let control = ThreadGroup::new(W);
     let out = Arc::new(Mutex::new(Measured {
         secs: vec![Vec::new(); plans.len()],
@@ -180,7 +185,7 @@ fn session(cfg: &GptConfig, plans: &[PlanConfig], net: Net, rounds: usize) -> Me
                 .iter_mut()
                 .map(|it| it.next().expect("one communicator per rank"))
                 .collect();
-            let plans = plans.to_vec();
+            let plans = plans.clone();
             let cfg = *cfg;
             let out = Arc::clone(&out);
             std::thread::Builder::new()
@@ -278,7 +283,7 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .filter(|&n| n > 0)
-        .unwrap_or(5);
+        .unwrap_or(9);
     let load_start = load_average();
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -296,14 +301,16 @@ fn main() {
         ("small", GptConfig::new(VOCAB, 128, 4, 4, SEQ)),
         ("wide", GptConfig::new(VOCAB, 192, 4, 4, SEQ)),
     ];
-    // (model index, links, grid)
     let mb = 1e6;
+    // Link speeds are chosen so communication matters (comparable to or above the compute)
+    // and each grid has a clear fastest plan.
     let scenarios: Vec<(usize, Links, Vec<PlanConfig>)> = vec![
+        // Slow inter-node links: hybrid sharding keeps gathers inside the nodes.
         (
             0,
             Links {
-                intra: 400.0 * mb,
-                inter: 25.0 * mb,
+                intra: 200.0 * mb,
+                inter: 20.0 * mb,
             },
             vec![
                 pc(NoShard, 1, NoPf),
@@ -311,22 +318,22 @@ fn main() {
                 pc(FullShard, W, NoPf),
                 pc(ShardGradOp, W, Pre),
                 pc(HybridShard, 2, Pre),
-                pc(HybridShard, 2, NoPf),
             ],
         ),
+        // One uniform slow network, full sharding: backward prefetch.
         (
             0,
             Links {
-                intra: 400.0 * mb,
-                inter: 100.0 * mb,
+                intra: 30.0 * mb,
+                inter: 30.0 * mb,
             },
             vec![
-                pc(NoShard, 1, NoPf),
                 pc(FullShard, W, Pre),
                 pc(FullShard, W, Post),
-                pc(HybridShard, 2, Post),
+                pc(FullShard, W, NoPf),
             ],
         ),
+        // A wider model.
         (
             1,
             Links {
@@ -342,26 +349,6 @@ fn main() {
         ),
     ];
 
-    // Compute calibration: NoShard without link emulation, per model.
-    let mut rates = Vec::new();
-    for (name, cfg) in &models {
-        let plan = pc(NoShard, 1, NoPf);
-        let m = session(cfg, &[plan], Net::None, rounds);
-        let secs = median(m.secs[0].clone());
-        let desc = ModelDesc::gpt(cfg, &policy()).expect("model description");
-        let flops = desc.train_flops_per_token() * (BATCH * SEQ) as f64;
-        let rate = flops / secs;
-        println!(
-            "calibration {name}: NoShard without link emulation, median step {:.1} ms, \
-             {:.2} GFLOP/step/rank → {:.2} GFLOP/s per rank; peak {:.2} MiB",
-            secs * 1e3,
-            flops / 1e9,
-            rate / 1e9,
-            m.peak[0] as f64 / 1048576.0
-        );
-        rates.push(rate);
-    }
-
     let mut ape_t = Vec::new();
     let mut ape_m = Vec::new();
     let mut all_top = true;
@@ -372,11 +359,35 @@ fn main() {
     );
     for (si, (mi, links, grid)) in scenarios.iter().enumerate() {
         let (name, cfg) = &models[*mi];
-        let m = session(cfg, grid, Net::Emulated(*links), rounds);
+        // Variant 0 calibrates compute: NoShard without link emulation, stepped interleaved
+        // with the grid (same load), not scored.
+        let mut variants = vec![(pc(NoShard, 1, NoPf), Net::None)];
+        variants.extend(grid.iter().map(|p| (*p, Net::Emulated(*links))));
+        // PLANNER_DIAG=1: the grid also without link emulation (printed, not scored).
+        let diag = std::env::var_os("PLANNER_DIAG").is_some();
+        if diag {
+            variants.extend(grid.iter().map(|p| (*p, Net::None)));
+        }
+        let m = session(cfg, &variants, rounds);
         let desc = ModelDesc::gpt(cfg, &policy()).expect("model description");
+        let calib = median(m.secs[0].clone());
+        let flops = desc.train_flops_per_token() * (BATCH * SEQ) as f64;
+        let rate = flops / calib;
+        println!(
+            "  calibration ({name}): NoShard without link emulation, median step {:.1} ms, {:.2} \
+             GFLOP/step/rank → {:.2} GFLOP/s per rank; steps (ms): {}",
+            calib * 1e3,
+            flops / 1e9,
+            rate / 1e9,
+            m.secs[0]
+                .iter()
+                .map(|x| format!("{:.0}", x * 1e3))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
         let planner = Planner::new(
             desc,
-            cluster(*links, rates[*mi]),
+            cluster(*links, rate),
             Batch {
                 seqs_per_rank: BATCH,
                 seq_len: SEQ,
@@ -387,8 +398,8 @@ fn main() {
         let mut meas = Vec::new();
         for (k, p) in grid.iter().enumerate() {
             let e = planner.estimate(p).expect("estimate").estimate;
-            let t = median(m.secs[k].clone());
-            let mem = m.peak[k] as f64;
+            let t = median(m.secs[k + 1].clone());
+            let mem = m.peak[k + 1] as f64;
             let et = (e.step_s - t).abs() / t;
             let em = (e.peak_bytes as f64 - mem).abs() / mem;
             ape_t.push(et);
@@ -404,6 +415,15 @@ fn main() {
                 mem / 1048576.0,
                 100.0 * (e.peak_bytes as f64 - mem) / mem
             );
+            println!(
+                "{:<9} steps (ms): {}",
+                "",
+                m.secs[k + 1]
+                    .iter()
+                    .map(|x| format!("{:.0}", x * 1e3))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
             preds.push(e.step_s);
             meas.push(t);
         }
@@ -414,6 +434,21 @@ fn main() {
                 .map(|(i, _)| i)
                 .unwrap_or(0)
         };
+        if diag {
+            for (k, p) in grid.iter().enumerate() {
+                let v = 1 + grid.len() + k;
+                println!(
+                    "  diag: {} without link emulation: median {:.1} ms; steps (ms): {}",
+                    p.label(),
+                    median(m.secs[v].clone()) * 1e3,
+                    m.secs[v]
+                        .iter()
+                        .map(|x| format!("{:.0}", x * 1e3))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                );
+            }
+        }
         let (top, fastest) = (argmin(&preds), argmin(&meas));
         let ok = top == fastest;
         all_top &= ok;

@@ -585,3 +585,54 @@ fn predicted_peak_tracks_batch_and_width() {
         );
     }
 }
+
+#[test]
+#[ignore]
+fn scratch_scenarios() {
+    use BackwardPrefetch::*;
+    use ShardingStrategy::*;
+    for (d, intra, inter) in [
+        (128usize, 200.0, 20.0),
+        (128, 400.0, 25.0),
+        (128, 60.0, 60.0),
+        (128, 100.0, 100.0),
+        (128, 400.0, 100.0),
+        (192, 400.0, 40.0),
+        (192, 80.0, 80.0),
+    ] {
+        let cfg = GptConfig::new(256, d, 4, 4, 64);
+        let model = ModelDesc::gpt(&cfg, &blocks()).unwrap();
+        let mut c = cluster(2, 2, link(intra / 1e3, 200.0), link(inter / 1e3, 200.0));
+        c.flops_per_s = 3.1e9;
+        let p = Planner::new(
+            model,
+            c,
+            Batch {
+                seqs_per_rank: 2,
+                seq_len: 64,
+            },
+        )
+        .unwrap();
+        eprintln!("d {d} intra {intra} inter {inter}:");
+        for plan in [
+            pc(NoShard, 1, None),
+            pc(FullShard, 4, BackwardPre),
+            pc(FullShard, 4, BackwardPost),
+            pc(FullShard, 4, None),
+            pc(ShardGradOp, 4, BackwardPre),
+            pc(ShardGradOp, 4, None),
+            pc(HybridShard, 2, BackwardPre),
+            pc(HybridShard, 2, None),
+            PlanConfig::new(FullShard, 4, BackwardPre, true, true),
+        ] {
+            let e = p.estimate(&plan).unwrap().estimate;
+            eprintln!(
+                "   {:<44} {:>7.1} ms  compute {:>6.1} comm {:>6.1}",
+                plan.label(),
+                e.step_s * 1e3,
+                e.compute_s * 1e3,
+                e.comm_s * 1e3
+            );
+        }
+    }
+}
