@@ -462,6 +462,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if cli.planning.apply && !cli.planning.plan {
+        eprintln!(
+            "train_gpt: --apply needs --plan (it trains with the planner's top plan) (see --help)"
+        );
+        return ExitCode::from(2);
+    }
     if cli.parallel.device == cli::DeviceArg::Cuda {
         // A typed error, never a panic: `Device::cuda` checks for the driver library before
         // touching cudarc.

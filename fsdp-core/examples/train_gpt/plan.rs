@@ -40,7 +40,7 @@ pub struct PlanArgs {
     pub plan: bool,
     /// With --plan: train with the top-ranked plan (sets --strategy, --shard-size,
     /// --backward-prefetch, --forward-prefetch, --limit-all-gathers)
-    #[arg(long, requires = "plan")]
+    #[arg(long)]
     pub apply: bool,
     /// Cluster description (a TOML subset: nodes, ranks_per_node, device_memory_gib, tflops,
     /// [intra]/[inter] bandwidth_gb_per_s and latency_us); --cluster-* flags override it
