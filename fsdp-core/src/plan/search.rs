@@ -103,12 +103,13 @@ pub struct Planner {
     pub optimizer_slots: usize,
     /// Reserved-over-allocated margin for the feasibility test (fragmentation and cached
     /// blocks of the caching allocator): a plan fits when `peak × (1 + headroom) ≤ device
-    /// memory`. Default 0.10.
+    /// memory`. Default 0.25: train_gpt's GPT-mini on 4 ranks (hybrid shard) peaked at 55.7 MiB
+    /// allocated and 66.6 MiB reserved per rank (ratio 1.20).
     pub allocator_headroom: f64,
 }
 
 impl Planner {
-    /// A planner for `model` on `cluster` with `batch`, SGD (no optimizer state), 10% headroom.
+    /// A planner for `model` on `cluster` with `batch`, SGD (no optimizer state), 25% headroom.
     pub fn new(model: ModelDesc, cluster: Cluster, batch: Batch) -> Result<Planner, PlanError> {
         model.validate()?;
         cluster.validate()?;
@@ -128,7 +129,7 @@ impl Planner {
             cluster,
             batch,
             optimizer_slots: 0,
-            allocator_headroom: 0.10,
+            allocator_headroom: 0.25,
         })
     }
 

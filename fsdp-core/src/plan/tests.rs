@@ -295,7 +295,7 @@ fn ranking_and_feasibility() {
         .unwrap()
         .estimate
         .peak_bytes;
-    c.device_memory_bytes = (full as f64 * 1.105) as u64;
+    c.device_memory_bytes = (full as f64 * (1.0 + p.allocator_headroom) * 1.005) as u64;
     let p = Planner::new(model.clone(), c, batch).unwrap();
     let ranked = p.plan().unwrap();
     assert!(ranked
