@@ -29,7 +29,12 @@
 //! one measured fastest), the load average at start and end, and the per-scenario results.
 //!
 //! Environment: `PLANNER_ROUNDS=N` counted rounds per scenario (default 9); `PLANNER_DIAG=1` also steps the
-//! grid without link emulation and prints those times (not scored).
+//! grid without link emulation, every rank alone (pure compute) and a burst of one-element
+//! all-reduces (the backend's own per-collective cost), and prints those times (not scored).
+//!
+//! On this shared 2-core machine the compute of one step varies by ±30% from round to round
+//! with the other jobs' load (the load average is printed); the emulated link is a sleep and
+//! does not. Results move between runs accordingly.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -37,7 +42,7 @@ use std::time::{Duration, Instant};
 use fsdp_alloc::Device;
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, InitContext, Tensor};
-use fsdp_collectives::{DeviceMesh, GroupConfig, LinkModel, ProcessGroup, ThreadGroup};
+use fsdp_collectives::{DeviceMesh, GroupConfig, LinkModel, ProcessGroup, ReduceOp, ThreadGroup};
 use fsdp_core::plan::{Batch, Cluster, Link, ModelDesc, PlanConfig, Planner};
 use fsdp_core::{BackwardPrefetch, Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
 
@@ -50,6 +55,8 @@ const LR: f32 = 0.01;
 const SEED: u64 = 0;
 const WARMUP_ROUNDS: usize = 2;
 const LATENCY: Duration = Duration::from_micros(200);
+/// Collectives per probe "step" (`Net::Probe`).
+const PROBE_OPS: usize = 8;
 
 /// Links of one scenario, bytes/s.
 #[derive(Debug, Clone, Copy)]
@@ -63,6 +70,11 @@ struct Links {
 enum Net {
     /// No emulation (compute calibration).
     None,
+    /// Every rank alone (a 1-rank group each): pure compute, no collectives (diagnostic).
+    Local,
+    /// No emulation; the "step" is `PROBE_OPS` one-element all-reduces over the 4 ranks: the
+    /// backend's own per-collective cost under the current load (diagnostic).
+    Probe,
     /// Emulated links.
     Emulated(Links),
 }
@@ -139,7 +151,13 @@ fn comms(plan: &PlanConfig, net: Net) -> Vec<Comm> {
                 })
                 .collect()
         }
-        (ShardingStrategy::HybridShard, Net::None) => {
+        (_, Net::Local) => (0..W)
+            .map(|_| {
+                let g = ThreadGroup::new(1).pop().expect("one rank");
+                Comm::Group(Arc::new(g) as Arc<dyn ProcessGroup>)
+            })
+            .collect(),
+        (ShardingStrategy::HybridShard, Net::None | Net::Probe) => {
             DeviceMesh::threads(W, plan.shard_size, GroupConfig::default())
                 .expect("mesh")
                 .into_iter()
@@ -149,7 +167,7 @@ fn comms(plan: &PlanConfig, net: Net) -> Vec<Comm> {
         (_, net) => {
             let c = match net {
                 Net::Emulated(l) => GroupConfig::default().with_link(link(l.inter)),
-                Net::None => GroupConfig::default(),
+                _ => GroupConfig::default(),
             };
             ThreadGroup::with_config(W, c)
                 .into_iter()
@@ -172,6 +190,7 @@ fn session(cfg: &GptConfig, variants: &[(PlanConfig, Net)], rounds: usize) -> Me
         .map(|(p, net)| comms(p, *net).into_iter())
         .collect();
     let plans: Vec<PlanConfig> = variants.iter().map(|v| v.0).collect();
+    let probes: Vec<bool> = variants.iter().map(|v| matches!(v.1, Net::Probe)).collect();
     let control = ThreadGroup::new(W);
     let out = Arc::new(Mutex::new(Measured {
         secs: vec![Vec::new(); plans.len()],
@@ -186,6 +205,7 @@ fn session(cfg: &GptConfig, variants: &[(PlanConfig, Net)], rounds: usize) -> Me
                 .map(|it| it.next().expect("one communicator per rank"))
                 .collect();
             let plans = plans.clone();
+            let probes = probes.clone();
             let cfg = *cfg;
             let out = Arc::clone(&out);
             std::thread::Builder::new()
@@ -216,7 +236,21 @@ fn session(cfg: &GptConfig, variants: &[(PlanConfig, Net)], rounds: usize) -> Me
                             dev.reset_peak_stats();
                             let t0 = Instant::now();
                             let (ids, tg) = token_batch(round * W + r, BATCH, SEQ, cfg.vocab);
+                            let probe = || -> Result<(), Box<dyn std::error::Error>> {
+                                let t = Tensor::from_vec(vec![1.0f32], &[1], dev)?;
+                                let slice = fsdp_core::plumbing::tensor_slice(&t)?;
+                                let stream = fsdp_autograd::current_stream(dev);
+                                for _ in 0..PROBE_OPS {
+                                    fsdp.shard_group()
+                                        .all_reduce(&slice, ReduceOp::Sum, &stream)
+                                        .wait()?;
+                                }
+                                Ok(())
+                            };
                             let step = || -> Result<(), Box<dyn std::error::Error>> {
+                                if probes[v] {
+                                    return probe();
+                                }
                                 let x = Tensor::from_vec(ids, &[BATCH, SEQ], dev)?;
                                 let y = Tensor::from_vec(tg, &[BATCH * SEQ], dev)?;
                                 let logits =
@@ -367,6 +401,8 @@ fn main() {
         let diag = std::env::var_os("PLANNER_DIAG").is_some();
         if diag {
             variants.extend(grid.iter().map(|p| (*p, Net::None)));
+            variants.push((pc(NoShard, 1, NoPf), Net::Local));
+            variants.push((pc(NoShard, 1, NoPf), Net::Probe));
         }
         let m = session(cfg, &variants, rounds);
         let desc = ModelDesc::gpt(cfg, &policy()).expect("model description");
@@ -435,6 +471,13 @@ fn main() {
                 .unwrap_or(0)
         };
         if diag {
+            let n = variants.len();
+            println!(
+                "  diag: every rank alone (pure compute): median {:.1} ms; backend all-reduce of \
+                 one element over 4 ranks: median {:.2} ms each",
+                median(m.secs[n - 2].clone()) * 1e3,
+                median(m.secs[n - 1].clone()) * 1e3 / PROBE_OPS as f64
+            );
             for (k, p) in grid.iter().enumerate() {
                 let v = 1 + grid.len() + k;
                 println!(
