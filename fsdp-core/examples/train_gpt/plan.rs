@@ -300,6 +300,12 @@ pub fn print_plan(c: &TrainConfig, p: &Planner) -> Result<PlanEstimate, String> 
             c.grad_accum
         );
     }
+    if c.cpu_offload {
+        println!(
+            "plan: note: CPU offload is not modelled (the planner assumes shards and the \
+             optimizer on the compute device)"
+        );
+    }
     let all = p.evaluate_all();
     print!("{}", Planner::table(&all));
     let fitting = all.iter().filter(|e| e.fits).count();
