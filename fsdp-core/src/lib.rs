@@ -14,6 +14,9 @@
 //!   checkpoints (model, optimizer, scaler, metadata) with keep-last-K and resume.
 //! - `sharded` (private, below `optim`, `clip` and `scaler`): [`ShardedParams`], the f32 kernel
 //!   launches and the sum over the shard group they share.
+//! - [`plan`]: a cost-model planner — predicted per-rank peak memory and step time of every
+//!   strategy, sharding factor, prefetch and limiter setting for a model, cluster and batch;
+//!   the feasible plans ranked.
 //! - [`plumbing`]: low-level helpers for code that issues its own collectives on tensors.
 #![deny(missing_docs)]
 
@@ -25,6 +28,7 @@ mod fsdp;
 mod handle;
 mod offload;
 pub mod optim;
+pub mod plan;
 pub mod scaler;
 mod sharded;
 pub mod state_dict;

@@ -32,6 +32,7 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("init", "fsdp-init", "fsdp-init"),
     ("fsdp", "fsdp-core", "fsdp-core"),
     ("scaling", "fsdp-core", "fsdp-core"),
+    ("planner", "fsdp-core", "fsdp-core"),
 ];
 
 fn root() -> PathBuf {

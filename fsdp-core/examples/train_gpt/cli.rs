@@ -44,6 +44,8 @@ pub struct Cli {
     pub checkpoint: CheckpointArgs,
     #[command(flatten)]
     pub logging: LoggingArgs,
+    #[command(flatten)]
+    pub planning: crate::plan::PlanArgs,
 }
 
 /// Model shape.

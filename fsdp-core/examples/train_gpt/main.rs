@@ -6,6 +6,9 @@
 //! cargo run --release --example train_gpt -- --data input.txt --steps 300 --eval-every 100 \
 //!     --metrics m.jsonl --plot loss.svg
 //! cargo run --release --example train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
+//! cargo run --release --example train_gpt -- --plan --cluster-nodes 2 --cluster-ranks-per-node 2 \
+//!     --cluster-inter-gbps 0.05                                 # ranked FSDP plans, no training
+//! cargo run --release --example train_gpt -- --plan --apply --steps 20  # train with the top plan
 //! cargo run --release --example train_gpt -- --help
 //! cargo build --release -p fsdp-core --features mpi --example train_gpt &&
 //!     mpirun -n 4 target/release/examples/train_gpt --backend mpi   # one process per rank
@@ -20,7 +23,8 @@
 //! `Fsdp::wrap` (one unit per transformer `Block`, the rest in the root unit) and trains it on
 //! its own micro-batches (module [`data`]: the embedded synthetic stream, or a memory-mapped
 //! file). Module [`train`] is the loop, [`ckpt`] the checkpoint directory, [`report`] the
-//! progress bar, metrics file, plot and GEMM probe, [`cli`] the command line.
+//! progress bar, metrics file, plot and GEMM probe, [`cli`] the command line, [`plan`] the
+//! cost-model planner (`--plan`, `--plan --apply`).
 //!
 //! ## What a step line reports
 //! `step 10 | loss 3.214 | 5,230 tok/s | peak 41.2 MiB/rank | ag 12.1 MiB rs 12.1 MiB`
@@ -68,6 +72,7 @@ mod ckpt;
 mod cli;
 mod cuda;
 mod data;
+mod plan;
 mod report;
 mod train;
 
@@ -230,7 +235,7 @@ fn primary_process(c: &TrainConfig) -> bool {
         .is_none_or(|r| r.trim() == "0")
 }
 
-fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
+fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
     check_outputs(&cli, &c)?;
     let primary = primary_process(&c);
     let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
@@ -246,6 +251,41 @@ fn run(cli: Cli, c: TrainConfig) -> Result<(), String> {
     // Peak f32 GEMM rate of this machine (all cores), before training.
     let gemm_rate = report::gemm_probe(cores, Duration::from_millis(200))
         .map_err(|e| format!("GEMM probe: {e}"))?;
+    if cli.planning.plan {
+        // `--plan`: the ranked table (rank 0 prints it); `--apply` trains with the top plan.
+        let cluster = plan::cluster(&cli.planning, c.ranks, gemm_rate)?;
+        let planner = plan::planner(&c, cluster)?;
+        let top = if primary {
+            plan::print_plan(&c, &planner)?
+        } else {
+            *planner
+                .plan()
+                .map_err(|e| e.to_string())?
+                .first()
+                .ok_or("no plan")?
+        };
+        if !cli.planning.apply {
+            return Ok(());
+        }
+        if c.mpi && cli.planning.cluster_tflops.is_none() && cli.planning.cluster.is_none() {
+            return Err(
+                "--plan --apply with --backend mpi: give the compute rate (--cluster-tflops or \
+                 --cluster FILE) so every process plans alike (each process's GEMM probe differs)"
+                    .into(),
+            );
+        }
+        if cluster.world() != c.ranks {
+            return Err(format!(
+                "--apply: the assumed cluster has {} ranks ({} node(s) × {}), but this run has \
+                 --ranks {}; plan for the ranks you train on",
+                cluster.world(),
+                cluster.nodes,
+                cluster.ranks_per_node,
+                c.ranks
+            ));
+        }
+        plan::apply(&mut c, &top).map_err(|e| e.0)?;
+    }
     // Ranks share the machine's cores: give each rank's matmuls an even share.
     let threads = (cores / c.ranks).max(1);
     fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
@@ -432,6 +472,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if cli.planning.apply && !cli.planning.plan {
+        eprintln!(
+            "train_gpt: --apply needs --plan (it trains with the planner's top plan) (see --help)"
+        );
+        return ExitCode::from(2);
+    }
     if let Ok(Some(launch)) = cuda::CudaLaunch::from_args(cli.parallel.device, cli.parallel.backend)
     {
         // A typed error, never a panic: `Device::cuda` checks for the driver library before

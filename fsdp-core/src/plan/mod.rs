@@ -1,0 +1,78 @@
+//! A cost-model planner: given a model, a cluster and a batch, predict every FSDP
+//! configuration's per-rank peak memory and step time, drop the ones that do not fit, and rank
+//! the rest by predicted step time.
+//!
+//! - [`ModelDesc`]: units (parameter counts, as [`crate::Fsdp::wrap`] builds them) and the
+//!   forward sequence of leaf computations (FLOPs and saved activation bytes per token);
+//!   [`ModelDesc::gpt`] derives it from a [`fsdp_autograd::nn::GptConfig`] and a
+//!   [`crate::WrapPolicy`].
+//! - [`Cluster`]: nodes × ranks per node, device memory, compute rate, and intra-/inter-node
+//!   [`Link`]s under the alpha-beta model; [`Batch`]: sequences per rank and their length.
+//! - [`PlanConfig`]: one candidate (strategy, sharding factor F, backward prefetch, forward
+//!   prefetch, rate limiter); [`Planner::candidates`] enumerates FullShard, ShardGradOp,
+//!   NoShard and HybridShard with every F dividing W (1 < F < W), each with every prefetch and
+//!   limiter setting.
+//! - [`Planner::estimate`] replays one steady-state step as FSDP issues it (module `simulate`):
+//!   the hooks in autograd's order drive a compute stream, an unshard stream, a reduce stream
+//!   and one in-order link per process group; collectives cost `latency + ring bytes /
+//!   bandwidth` (all-gather and reduce-scatter `M(n−1)/n`, all-reduce twice that); the rate
+//!   limiter blocks the issuing thread as `fsdp_alloc::RateLimiter` does. So the overlap of
+//!   communication with computation — FSDP's critical path — comes out of the schedule, with
+//!   the paper's backward-prefetch effect (without it, the next all-gather queues behind the
+//!   current reduce-scatter). The same walk counts allocated bytes in host order (allocator
+//!   rounding to 512 B included) for the peak: shards, sharded gradients, optimizer slots,
+//!   unsharded units in flight, flat gradients, activations.
+//! - [`Planner::plan`]: every candidate estimated, the feasible ones (peak × (1 + headroom) ≤
+//!   device memory) ranked by step time.
+//!
+//! Limits: compute is `FLOPs / rate` (give the rate measured on the model's own kernels; the
+//! planner does not model kernel efficiency), the host thread is assumed to run ahead of the
+//! device (true for FSDP's eager hooks unless the limiter blocks it), one link per group with no
+//! contention between groups, and the memory model counts what fsdp-autograd's GPT ops save; a
+//! model described by hand must give its own activation figures.
+
+mod cluster;
+mod model;
+mod search;
+mod simulate;
+#[cfg(test)]
+mod tests;
+
+pub use cluster::{
+    cross_node_bytes, ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, Link,
+};
+pub use model::{gpt_modules, Leaf, ModelDesc, UnitDesc};
+pub use search::{PlanConfig, PlanEstimate, Planner};
+pub use simulate::{MemoryBreakdown, StepEstimate};
+
+/// What can be wrong with a planning request.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// The model description is unusable (no units, a leaf naming a missing unit, a policy
+    /// naming a missing module).
+    #[error("planner model: {0}")]
+    Model(String),
+    /// The cluster description is unusable (zero ranks, a non-positive bandwidth or rate).
+    #[error("planner cluster: {0}; fix the cluster description")]
+    Cluster(String),
+    /// The batch is empty.
+    #[error("planner batch: {0}")]
+    Batch(String),
+    /// A configuration that cannot run on this cluster (F not dividing W, ...).
+    #[error("planner configuration: {0}")]
+    Config(String),
+    /// No configuration fits in device memory.
+    #[error(
+        "no configuration fits: the smallest predicted peak is {smallest_peak} bytes per rank \
+         (with {headroom_percent}% allocator headroom) but devices have {device_bytes}; use \
+         more ranks, a smaller batch, activation checkpointing, or a smaller model"
+    )]
+    NothingFits {
+        /// The smallest predicted per-rank peak over all candidates, bytes.
+        smallest_peak: u64,
+        /// Device memory, bytes.
+        device_bytes: u64,
+        /// The allocator headroom assumed, percent.
+        headroom_percent: u32,
+    },
+}
