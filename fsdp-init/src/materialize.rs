@@ -231,13 +231,26 @@ impl InitPlan {
         rank: usize,
         device: &Device,
     ) -> Result<Tensor> {
+        self.check_shard_args(unit, layout, rank, device)?;
+        let sources: Vec<Option<Tensor>> = unit.iter().map(Parameter::try_get).collect();
+        self.shard_from(unit, &sources, layout, rank, device)
+    }
+
+    /// The checks every sharded materialization makes before it writes anything: the device,
+    /// the layout against the unit, one dtype, the rank, and the whole unit's dependencies and
+    /// op arguments (so all ranks agree on errors).
+    fn check_shard_args(
+        &self,
+        unit: &[Parameter],
+        layout: &FlatParamLayout,
+        rank: usize,
+        device: &Device,
+    ) -> Result<()> {
         check_device(device)?;
         check_layout(unit, layout)?;
         unit_dtype(unit)?;
         layout.rank_pieces(rank)?;
-        self.check_unit(unit)?;
-        let sources: Vec<Option<Tensor>> = unit.iter().map(Parameter::try_get).collect();
-        self.shard_from(unit, &sources, layout, rank, device)
+        self.check_unit(unit)
     }
 
     /// The unit-by-unit path: builds the unit's unmaterialized parameters whole in temporary
@@ -255,11 +268,7 @@ impl InitPlan {
         rank: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        check_device(device)?;
-        check_layout(unit, layout)?;
-        unit_dtype(unit)?;
-        layout.rank_pieces(rank)?;
-        self.check_unit(unit)?;
+        self.check_shard_args(unit, layout, rank, device)?;
         let stream = current_stream(device);
         let mut built: Vec<Tensor> = Vec::with_capacity(unit.len());
         for (i, p) in unit.iter().enumerate() {

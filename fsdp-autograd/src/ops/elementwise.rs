@@ -3,7 +3,7 @@
 
 use fsdp_alloc::DType;
 
-use crate::autograd::{needs_grad, record1, SavedTensor};
+use crate::autograd::{needs_grad, single_grad, record1, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
 use crate::kernels::backend::{BinaryOp, Rows, View};
 use crate::kernels::Gelu;
@@ -130,7 +130,7 @@ impl Tensor {
             &[self, other],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g.into_iter().next().flatten().expect("add: one gradient");
+                let g = single_grad("add", g);
                 let ga = if na { Some(sum_to(&g, &sa)?) } else { None };
                 let gb = if nb { Some(sum_to(&g, &sb)?) } else { None };
                 Ok(vec![ga, gb])
@@ -157,7 +157,7 @@ impl Tensor {
             &[self, other],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g.into_iter().next().flatten().expect("mul: one gradient");
+                let g = single_grad("mul", g);
                 let (a, b) = (a.unpack("mul")?, b.unpack("mul")?);
                 let ga = if na {
                     Some(sum_to(&g.mul(&b)?, &sa)?)
@@ -228,7 +228,7 @@ impl Tensor {
             &[self],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g.into_iter().next().flatten().expect("gelu: one gradient");
+                let g = single_grad("gelu", g);
                 let x = saved.unpack("gelu")?;
                 let g = g.contig()?;
                 let ctx = Ctx::of(&x);

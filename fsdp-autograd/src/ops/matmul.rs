@@ -3,7 +3,7 @@
 //! Operands that are transposed views of contiguous matrices (e.g. `w.t()`) are passed to the
 //! kernel with a transpose flag instead of being copied.
 
-use crate::autograd::{needs_grad, record1, SavedTensor};
+use crate::autograd::{needs_grad, single_grad, record1, SavedTensor};
 use crate::error::{shape_err, Result};
 use crate::kernels::backend::{Gemm, Operand, View};
 use crate::ops::{check_pair, Ctx};
@@ -139,11 +139,7 @@ impl Tensor {
             &[a, b],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g
-                    .into_iter()
-                    .next()
-                    .flatten()
-                    .expect("matmul: one gradient");
+                let g = single_grad("matmul", g);
                 let g = g.contig()?;
                 let (pa, pb) = (sa.unpack("matmul")?, sb.unpack("matmul")?);
                 let ctx = Ctx::of(&g);
@@ -294,11 +290,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         &inputs,
         out,
         move |g: Vec<Option<Tensor>>| {
-            let g = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("linear: one gradient");
+            let g = single_grad("linear", g);
             let g = g.contig()?;
             let (xc, pw) = (sx.unpack("linear")?, sw.unpack("linear")?);
             let ctx = Ctx::of(&g);

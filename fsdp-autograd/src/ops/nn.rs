@@ -3,7 +3,7 @@
 
 use fsdp_alloc::DType;
 
-use crate::autograd::{needs_grad, record, record1, SavedTensor};
+use crate::autograd::{needs_grad, single_grad, record, record1, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
 use crate::kernels::backend::{Attention, EmbeddingShape, LayerNormShape, Rows};
 use crate::ops::{check_pair, Ctx};
@@ -48,11 +48,7 @@ impl Tensor {
             &[self],
             y,
             move |g: Vec<Option<Tensor>>| {
-                let g = g
-                    .into_iter()
-                    .next()
-                    .flatten()
-                    .expect("softmax: one gradient");
+                let g = single_grad("softmax", g);
                 let g = g.contig()?;
                 let y = saved.unpack("softmax")?;
                 let ctx = Ctx::of(&g);
@@ -128,11 +124,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
         &[x, gamma, beta],
         y,
         move |g: Vec<Option<Tensor>>| {
-            let dy = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("layer_norm: one gradient");
+            let dy = single_grad("layer_norm", g);
             let dy = dy.contig()?;
             let op = "layer_norm_backward";
             let (x, gamma, mean, rstd) = (
@@ -211,11 +203,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     let mut si = SavedTensor::new(&ic);
     let t_shape = table.shape().to_vec();
     Ok(record1(op, &[table], out, move |g: Vec<Option<Tensor>>| {
-        let dy = g
-            .into_iter()
-            .next()
-            .flatten()
-            .expect("embedding: one gradient");
+        let dy = single_grad("embedding", g);
         let dy = dy.contig()?;
         let op = "embedding_backward";
         let ids = si.unpack(op)?;
@@ -285,11 +273,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         &[q, k, v],
         out,
         move |g: Vec<Option<Tensor>>| {
-            let dout = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("attention: one gradient");
+            let dout = single_grad("attention", g);
             let dout = dout.contig()?;
             let op = "attention_backward";
             let [sq, sk, sv, sp] = &mut saved;
@@ -375,11 +359,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let l_shape = logits.shape().to_vec();
     Ok(
         record(op, &[logits], &[loss], move |g: Vec<Option<Tensor>>| {
-            let dl = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("cross_entropy: one gradient");
+            let dl = single_grad("cross_entropy", g);
             let op = "cross_entropy_backward";
             let (l, t, e) = (
                 saved.0.unpack(op)?,

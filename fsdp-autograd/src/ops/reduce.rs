@@ -1,6 +1,6 @@
 //! Reductions: sum and mean over all elements, and the broadcast-undoing `sum_to`.
 
-use crate::autograd::{needs_grad, record1};
+use crate::autograd::{needs_grad, record1, single_grad};
 use crate::error::{shape_err, Result};
 use crate::kernels::backend::{Rows, SumTo, View};
 use crate::launch::contiguous_strides;
@@ -56,7 +56,7 @@ fn reduce_all(t: &Tensor, op: &'static str, mean: bool) -> Result<Tensor> {
     let shape = t.shape().to_vec();
     let factor = if mean { 1.0 / n as f32 } else { 1.0 };
     Ok(record1(op, &[t], out, move |g: Vec<Option<Tensor>>| {
-        let g = g.into_iter().next().flatten().expect("one gradient");
+        let g = single_grad(op, g);
         Ok(vec![Some(fill_like_scalar(&g, &shape, factor)?)])
     }))
 }
