@@ -332,7 +332,14 @@ impl BufferRef {
         let n = self.check_typed::<T>()?;
         let base = self.host_ptr()?;
         let (start, end) = (self.offset, self.offset + self.len);
-        checked::on_access(&self.seg.history, self.seg.id, start, end, write, self.block)?;
+        checked::on_access(
+            &self.seg.history,
+            self.seg.id,
+            start,
+            end,
+            write,
+            self.block,
+        )?;
         let token = self.seg.register(start, end, write, &|| self.describe())?;
         // SAFETY: `offset` lies within the live segment (checked in `new`/`slice`), so the
         // offset pointer stays inside the same allocation.

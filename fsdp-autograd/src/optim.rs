@@ -134,7 +134,10 @@ impl Sgd {
     /// With momentum μ.
     pub fn with_momentum(self, momentum: f32) -> Sgd {
         Sgd {
-            rule: SgdRule { momentum, ..self.rule },
+            rule: SgdRule {
+                momentum,
+                ..self.rule
+            },
             ..self
         }
     }

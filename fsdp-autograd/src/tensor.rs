@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use crate::autograd::node::{Edge, Node, PostHookFn, TensorHookFn};
 use crate::context::{current_stream, is_grad_enabled};
 use crate::error::{arg_err, shape_err, AutogradError, Result};
-use crate::kernels::backend::{Kernels, Operand, View};
+use crate::kernels::backend::{Kernels, Launch, Operand, View};
 use crate::launch::{contiguous_strides, strided_copy, Arg};
 use crate::storage::Storage;
 
@@ -246,7 +246,14 @@ impl Tensor {
         let stream = current_stream(device);
         let t = Tensor::empty_on(shape, dtype, device, &stream)?;
         let a = t.operand_on("full", &stream)?;
-        Kernels::for_device(device)?.fill(&stream, t.numel(), value, &a)?;
+        Kernels::for_device(device)?.launch(
+            &stream,
+            &Launch::Fill {
+                n: t.numel(),
+                value,
+                out: &a,
+            },
+        )?;
         Ok(t)
     }
 
@@ -270,7 +277,7 @@ impl Tensor {
         let stream = current_stream(device);
         let t = Tensor::empty_on(&[n], DType::I64, device, &stream)?;
         let a = t.operand_on("arange", &stream)?;
-        Kernels::for_device(device)?.arange(&stream, n, &a)?;
+        Kernels::for_device(device)?.launch(&stream, &Launch::Arange { n, out: &a })?;
         Ok(t)
     }
 

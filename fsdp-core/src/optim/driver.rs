@@ -164,8 +164,7 @@ fn step_entry<R: Rule>(
     op: &str,
 ) -> Result<()> {
     let n = o.tensor.numel();
-    let (state, mems, fresh) =
-        state_operands(slots, rule.keeps_state(), i, n, device, stream, op)?;
+    let (state, mems, fresh) = state_operands(slots, rule.keeps_state(), i, n, device, stream, op)?;
     slots.steps[i] += 1;
     let c = rule.coeffs(slots.steps[i]);
     launch_rule::<R>(stream, c, o.ranges, o.param, o.grad, mems, fresh);

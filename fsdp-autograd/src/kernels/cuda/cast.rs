@@ -23,8 +23,18 @@ struct Cast(&'static str, Kernel, Elem, Elem);
 
 const F32_TO_F16: Cast = Cast("cast_f32_to_f16", Kernel::CastF32F16, Elem::F32, Elem::U16);
 const F16_TO_F32: Cast = Cast("cast_f16_to_f32", Kernel::CastF16F32, Elem::U16, Elem::F32);
-const F32_TO_BF16: Cast = Cast("cast_f32_to_bf16", Kernel::CastF32Bf16, Elem::F32, Elem::U16);
-const BF16_TO_F32: Cast = Cast("cast_bf16_to_f32", Kernel::CastBf16F32, Elem::U16, Elem::F32);
+const F32_TO_BF16: Cast = Cast(
+    "cast_f32_to_bf16",
+    Kernel::CastF32Bf16,
+    Elem::F32,
+    Elem::U16,
+);
+const BF16_TO_F32: Cast = Cast(
+    "cast_bf16_to_f32",
+    Kernel::CastBf16F32,
+    Elem::U16,
+    Elem::F32,
+);
 
 impl CudaKernels {
     fn cast(&self, cast: Cast, stream: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
@@ -33,7 +43,7 @@ impl CudaKernels {
         let (ds, dd) = (c.buf("src", src, src_elem)?, c.buf("dst", dst, dst_elem)?);
         expect_len(op, "dst", dd.len, ds.len, || format!("len(src)={}", ds.len))?;
         c.disjoint(&[("dst", dst)], &[("src", src)])?;
-        let plan = plan_cast(kernel, ds.len as u64, Ptr::Dev(ds.ptr), Ptr::Dev(dd.ptr));
+        let plan = plan_cast(kernel, ds.len as u64, ds.as_ptr(), dd.as_ptr());
         // SAFETY: src and dst hold n elements of their types on this device and do not overlap.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -62,7 +72,12 @@ impl CudaKernels {
     ///
     /// # Errors
     /// As [`CudaKernels::cast_f32_to_f16`].
-    pub fn cast_f32_to_bf16(&self, stream: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
+    pub fn cast_f32_to_bf16(
+        &self,
+        stream: &Stream,
+        src: &BufferRef,
+        dst: &BufferRef,
+    ) -> Result<()> {
         self.cast(F32_TO_BF16, stream, src, dst)
     }
 
@@ -71,7 +86,12 @@ impl CudaKernels {
     ///
     /// # Errors
     /// As [`CudaKernels::cast_f32_to_f16`].
-    pub fn cast_bf16_to_f32(&self, stream: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
+    pub fn cast_bf16_to_f32(
+        &self,
+        stream: &Stream,
+        src: &BufferRef,
+        dst: &BufferRef,
+    ) -> Result<()> {
         self.cast(BF16_TO_F32, stream, src, dst)
     }
 }
