@@ -1011,7 +1011,11 @@ pub(super) mod tests {
             ),
         ];
         for (op, want) in cases {
-            assert_eq!(gen(&[op.clone()], 0, "d", &[3]), [want; 3], "{op:?}");
+            assert_eq!(
+                gen(std::slice::from_ref(&op), 0, "d", &[3]),
+                [want; 3],
+                "{op:?}"
+            );
         }
     }
 

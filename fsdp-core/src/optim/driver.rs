@@ -92,7 +92,7 @@ fn local_operands(p: &Parameter, op: &str) -> Result<Option<(Stream, UnitOperand
     let param = f32_mem(&t, op, &format!("parameter `{}`", p.name()), &stream)?;
     let grad = f32_mem(&g, op, &format!("the gradient of `{}`", p.name()), &stream)?;
     let o = UnitOperands {
-        ranges: vec![0..t.numel()],
+        ranges: std::iter::once(0..t.numel()).collect(),
         tensor: t,
         param,
         grad,

@@ -5,7 +5,7 @@ use fsdp_alloc::{BufferRef, Stream};
 
 use super::context::{expect_len, Call, CudaKernels, Dev, Elem};
 use super::error::Result;
-use super::plan::{Plan, Ptr};
+use super::plan::Plan;
 
 /// Validates `b` as device memory of this device holding exactly `expected` bytes.
 fn bytes_arg(c: &Call<'_>, arg: &'static str, b: &BufferRef, expected: usize) -> Result<Dev> {
