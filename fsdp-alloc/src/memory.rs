@@ -325,32 +325,38 @@ impl BufferRef {
         format!("{self:?}")
     }
 
+    /// The checks and bookkeeping of a host access to the whole range as `T` (a `write` or a
+    /// read): the typed check, the checked-stream ordering check, and the registration of the
+    /// guard. Returns the range's host address, its number of `T`s and the guard's token.
+    fn access<T: bytemuck::Pod>(&self, write: bool) -> Result<(*mut u8, usize, u64)> {
+        let n = self.check_typed::<T>()?;
+        let base = self.host_ptr()?;
+        let (start, end) = (self.offset, self.offset + self.len);
+        checked::on_access(
+            &self.seg.history,
+            self.seg.id,
+            start,
+            end,
+            write,
+            self.block,
+        )?;
+        let token = self.seg.register(start, end, write, &|| self.describe())?;
+        // SAFETY: `offset` lies within the live segment (checked in `new`/`slice`), so the
+        // offset pointer stays inside the same allocation.
+        Ok((unsafe { base.as_ptr().add(self.offset) }, n, token))
+    }
+
     /// Shared access as `&[T]`. Fails if the range is being written right now (an unordered race)
     /// or does not hold a whole, aligned number of `T`, or is device memory. Inside work launched
     /// on a checked stream, also fails with [`AllocError::OrderingViolation`] (and fails that
     /// stream) if the last write of these bytes is not ordered before this read.
     pub fn read<T: bytemuck::Pod>(&self) -> Result<ReadGuard<'_, T>> {
-        let n = self.check_typed::<T>()?;
-        let base = self.host_ptr()?;
-        checked::on_access(
-            &self.seg.history,
-            self.seg.id,
-            self.offset,
-            self.offset + self.len,
-            false,
-            self.block,
-        )?;
-        let token = self
-            .seg
-            .register(self.offset, self.offset + self.len, false, &|| {
-                self.describe()
-            })?;
-        // SAFETY: in bounds of the live segment (checked in `new`/`slice`), aligned and a whole
-        // number of `T` (check_typed), initialized (zeroed at allocation; Pod has no invalid bit
-        // patterns), and no overlapping write guard exists (register), so no `&mut` aliases it
-        // for the guard's lifetime.
-        let slice =
-            unsafe { std::slice::from_raw_parts(base.as_ptr().add(self.offset) as *const T, n) };
+        let (ptr, n, token) = self.access::<T>(false)?;
+        // SAFETY: `ptr` is the start of the range in the live segment, aligned for `T` and
+        // followed by `n` whole `T`s (access), initialized (zeroed at allocation; Pod has no
+        // invalid bit patterns), and no overlapping write guard exists (register), so no `&mut`
+        // aliases it for the guard's lifetime.
+        let slice = unsafe { std::slice::from_raw_parts(ptr as *const T, n) };
         Ok(ReadGuard {
             r: self,
             slice,
@@ -363,25 +369,10 @@ impl BufferRef {
     /// before this write — which is also how a block freed without `record_stream` and reused
     /// by another stream is caught.
     pub fn write<T: bytemuck::Pod>(&self) -> Result<WriteGuard<'_, T>> {
-        let n = self.check_typed::<T>()?;
-        let base = self.host_ptr()?;
-        checked::on_access(
-            &self.seg.history,
-            self.seg.id,
-            self.offset,
-            self.offset + self.len,
-            true,
-            self.block,
-        )?;
-        let token = self
-            .seg
-            .register(self.offset, self.offset + self.len, true, &|| {
-                self.describe()
-            })?;
+        let (ptr, n, token) = self.access::<T>(true)?;
         // SAFETY: as in `read`, and `register` refused if any overlapping guard (read or write)
         // is live, so this `&mut` is the only reference to these bytes while the guard lives.
-        let slice =
-            unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(self.offset) as *mut T, n) };
+        let slice = unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, n) };
         Ok(WriteGuard {
             r: self,
             slice,

@@ -8,13 +8,14 @@
 //! naming the kernel. Everything that can be checked at launch time (shapes, dtypes, released
 //! storage) is checked there and returned as a typed error instead.
 
+use std::ops::Deref;
 use std::time::Instant;
 
 use bytemuck::Pod;
-use fsdp_alloc::{DType, Stream};
+use fsdp_alloc::{DType, ReadGuard, Stream, WriteGuard};
 use half::{bf16, f16};
 
-use crate::kernels::cpu;
+use crate::kernels::{cpu, KernelError};
 use crate::profile;
 
 /// Launches `work` on `stream`, timed under `op` when the profiler is on.
@@ -30,6 +31,32 @@ pub(crate) fn launch(stream: &Stream, op: &'static str, work: impl FnOnce() + Se
     }
 }
 
+/// Launches `f` on `stream` (named `op`) over the float operands `ins`, read as `f32`, and
+/// `outs`, written as `f32` (half dtypes through temporaries, holding the current values if
+/// `load`). An error of `f` fails the stream.
+pub(crate) fn launch_f32<const I: usize, const O: usize>(
+    stream: &Stream,
+    op: &'static str,
+    ins: [&Arg; I],
+    outs: [&Arg; O],
+    load: bool,
+    f: impl FnOnce([&[f32]; I], [&mut [f32]; O]) -> Result<(), KernelError> + Send + 'static,
+) {
+    let (ins, outs) = (ins.map(Arg::clone), outs.map(Arg::clone));
+    launch(stream, op, move || {
+        let reads = ins.each_ref().map(|a| a.read_f32(op));
+        let mut writes = outs.each_ref().map(|a| a.write_f32(op, load));
+        f(
+            reads.each_ref().map(|r| &**r),
+            writes.each_mut().map(F32Write::as_mut),
+        )
+        .unwrap_or_else(|e| fail(op, e));
+        for w in writes {
+            w.finish(op);
+        }
+    });
+}
+
 /// Fails the current stream work (the stream reports `msg` at the next synchronization).
 #[cold]
 pub(crate) fn fail(op: &'static str, msg: impl std::fmt::Display) -> ! {
@@ -39,31 +66,104 @@ pub(crate) fn fail(op: &'static str, msg: impl std::fmt::Display) -> ! {
 /// A kernel argument: a tensor's elements as a memory range, captured at launch time.
 pub(crate) type Arg = crate::kernels::backend::Operand;
 
+/// A float range read as `f32` inside stream work: the memory itself (`f32`), or a converted
+/// copy of a half range (whose guard is already released).
+pub(crate) enum F32Read<'a> {
+    Direct(ReadGuard<'a, f32>),
+    Converted(Vec<f32>),
+}
+
+impl Deref for F32Read<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            F32Read::Direct(g) => g,
+            F32Read::Converted(v) => v,
+        }
+    }
+}
+
+/// A float range written as `f32` inside stream work: the memory itself (`f32`), or an `f32`
+/// temporary that [`F32Write::finish`] rounds back into the half range.
+pub(crate) enum F32Write<'a> {
+    Direct(WriteGuard<'a, f32>),
+    F16(WriteGuard<'a, f16>, Vec<f32>),
+    Bf16(WriteGuard<'a, bf16>, Vec<f32>),
+}
+
+impl F32Write<'_> {
+    /// The `f32` elements to write.
+    pub(crate) fn as_mut(&mut self) -> &mut [f32] {
+        match self {
+            F32Write::Direct(g) => g,
+            F32Write::F16(_, v) | F32Write::Bf16(_, v) => v,
+        }
+    }
+
+    /// Rounds a temporary back into its half range (nothing for `f32`).
+    pub(crate) fn finish(self, op: &'static str) {
+        match self {
+            F32Write::Direct(_) => {}
+            F32Write::F16(mut g, v) => {
+                cpu::cast_f32_to_f16(&v, &mut g).unwrap_or_else(|e| fail(op, e))
+            }
+            F32Write::Bf16(mut g, v) => {
+                cpu::cast_f32_to_bf16(&v, &mut g).unwrap_or_else(|e| fail(op, e))
+            }
+        }
+    }
+}
+
 /// Typed host access inside CPU stream work.
 impl Arg {
-    /// Reads the range as `f32` (converted from half dtypes into a temporary).
-    pub(crate) fn f32<R>(&self, op: &'static str, f: impl FnOnce(&[f32]) -> R) -> R {
+    /// The range as `f32` (half dtypes converted into a temporary).
+    pub(crate) fn read_f32(&self, op: &'static str) -> F32Read<'_> {
         match self.dtype {
-            DType::F32 => {
-                let g = self.buf.read::<f32>().unwrap_or_else(|e| fail(op, e));
-                f(&g)
-            }
+            DType::F32 => F32Read::Direct(self.buf.read::<f32>().unwrap_or_else(|e| fail(op, e))),
             DType::F16 => {
                 let g = self.buf.read::<f16>().unwrap_or_else(|e| fail(op, e));
                 let mut v = vec![0.0f32; g.len()];
                 cpu::cast_f16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
-                drop(g);
-                f(&v)
+                F32Read::Converted(v)
             }
             DType::BF16 => {
                 let g = self.buf.read::<bf16>().unwrap_or_else(|e| fail(op, e));
                 let mut v = vec![0.0f32; g.len()];
                 cpu::cast_bf16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
-                drop(g);
-                f(&v)
+                F32Read::Converted(v)
             }
             d => fail(op, format!("dtype {d} is not a float type")),
         }
+    }
+
+    /// The range for writing as `f32`. For half dtypes the temporary holds the current values
+    /// if `load` (for accumulating kernels).
+    pub(crate) fn write_f32(&self, op: &'static str, load: bool) -> F32Write<'_> {
+        match self.dtype {
+            DType::F32 => F32Write::Direct(self.buf.write::<f32>().unwrap_or_else(|e| fail(op, e))),
+            DType::F16 => {
+                let g = self.buf.write::<f16>().unwrap_or_else(|e| fail(op, e));
+                let mut v = vec![0.0f32; g.len()];
+                if load {
+                    cpu::cast_f16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
+                }
+                F32Write::F16(g, v)
+            }
+            DType::BF16 => {
+                let g = self.buf.write::<bf16>().unwrap_or_else(|e| fail(op, e));
+                let mut v = vec![0.0f32; g.len()];
+                if load {
+                    cpu::cast_bf16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
+                }
+                F32Write::Bf16(g, v)
+            }
+            d => fail(op, format!("dtype {d} is not a float type")),
+        }
+    }
+
+    /// Reads the range as `f32` (converted from half dtypes into a temporary).
+    pub(crate) fn f32<R>(&self, op: &'static str, f: impl FnOnce(&[f32]) -> R) -> R {
+        f(&self.read_f32(op))
     }
 
     /// Writes the range as `f32`. For half dtypes `f` works on an `f32` temporary that holds the
@@ -74,33 +174,10 @@ impl Arg {
         load: bool,
         f: impl FnOnce(&mut [f32]) -> R,
     ) -> R {
-        match self.dtype {
-            DType::F32 => {
-                let mut g = self.buf.write::<f32>().unwrap_or_else(|e| fail(op, e));
-                f(&mut g)
-            }
-            DType::F16 => {
-                let mut g = self.buf.write::<f16>().unwrap_or_else(|e| fail(op, e));
-                let mut v = vec![0.0f32; g.len()];
-                if load {
-                    cpu::cast_f16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
-                }
-                let r = f(&mut v);
-                cpu::cast_f32_to_f16(&v, &mut g).unwrap_or_else(|e| fail(op, e));
-                r
-            }
-            DType::BF16 => {
-                let mut g = self.buf.write::<bf16>().unwrap_or_else(|e| fail(op, e));
-                let mut v = vec![0.0f32; g.len()];
-                if load {
-                    cpu::cast_bf16_to_f32(&g, &mut v).unwrap_or_else(|e| fail(op, e));
-                }
-                let r = f(&mut v);
-                cpu::cast_f32_to_bf16(&v, &mut g).unwrap_or_else(|e| fail(op, e));
-                r
-            }
-            d => fail(op, format!("dtype {d} is not a float type")),
-        }
+        let mut w = self.write_f32(op, load);
+        let r = f(w.as_mut());
+        w.finish(op);
+        r
     }
 
     /// Reads the range as `T` (the caller checked the dtype at launch time).

@@ -5,6 +5,8 @@
 //! and `Fsdp::sgd_step` run the same [`SgdRule::update`], which is what makes FSDP training with
 //! SGD equal local training bit for bit.
 
+use std::ops::{Deref, DerefMut};
+
 use crate::context::no_grad;
 use crate::error::Result;
 use crate::launch::launch;
@@ -99,13 +101,23 @@ impl SgdRule {
 #[derive(Debug)]
 pub struct Sgd {
     params: Vec<Parameter>,
-    /// Learning rate.
-    pub lr: f32,
-    /// Momentum factor μ (0 disables momentum).
-    pub momentum: f32,
-    /// Weight decay λ (L2, added to the gradient).
-    pub weight_decay: f32,
+    rule: SgdRule,
     velocity: Vec<Option<Tensor>>,
+}
+
+/// The hyper-parameters read and write through the optimizer: `opt.lr`, `opt.momentum`,
+/// `opt.weight_decay`.
+impl Deref for Sgd {
+    type Target = SgdRule;
+    fn deref(&self) -> &SgdRule {
+        &self.rule
+    }
+}
+
+impl DerefMut for Sgd {
+    fn deref_mut(&mut self) -> &mut SgdRule {
+        &mut self.rule
+    }
 }
 
 impl Sgd {
@@ -114,23 +126,31 @@ impl Sgd {
         let n = params.len();
         Sgd {
             params,
-            lr,
-            momentum: 0.0,
-            weight_decay: 0.0,
+            rule: SgdRule::new(lr),
             velocity: vec![None; n],
         }
     }
 
     /// With momentum μ.
-    pub fn with_momentum(mut self, momentum: f32) -> Sgd {
-        self.momentum = momentum;
-        self
+    pub fn with_momentum(self, momentum: f32) -> Sgd {
+        Sgd {
+            rule: SgdRule {
+                momentum,
+                ..self.rule
+            },
+            ..self
+        }
     }
 
     /// With weight decay λ.
-    pub fn with_weight_decay(mut self, weight_decay: f32) -> Sgd {
-        self.weight_decay = weight_decay;
-        self
+    pub fn with_weight_decay(self, weight_decay: f32) -> Sgd {
+        Sgd {
+            rule: SgdRule {
+                weight_decay,
+                ..self.rule
+            },
+            ..self
+        }
     }
 
     /// The parameters.
@@ -140,11 +160,7 @@ impl Sgd {
 
     /// The rule this optimizer runs (its current hyper-parameters).
     pub fn rule(&self) -> SgdRule {
-        SgdRule {
-            lr: self.lr,
-            momentum: self.momentum,
-            weight_decay: self.weight_decay,
-        }
+        self.rule
     }
 
     /// One update of every parameter that has a gradient.

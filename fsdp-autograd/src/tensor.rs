@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use crate::autograd::node::{Edge, Node, PostHookFn, TensorHookFn};
 use crate::context::{current_stream, is_grad_enabled};
 use crate::error::{arg_err, shape_err, AutogradError, Result};
-use crate::kernels::backend::{Kernels, Operand, View};
+use crate::kernels::backend::{Kernels, Launch, Operand, View};
 use crate::launch::{contiguous_strides, strided_copy, Arg};
 use crate::storage::Storage;
 
@@ -24,24 +24,15 @@ pub trait Element: Pod + Send + Sync + 'static {
     const DTYPE: DType;
 }
 
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
+macro_rules! element {
+    ($($t:ty => $d:ident),*) => {$(
+        impl Element for $t {
+            const DTYPE: DType = DType::$d;
+        }
+    )*};
 }
-impl Element for f16 {
-    const DTYPE: DType = DType::F16;
-}
-impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
-}
-impl Element for i64 {
-    const DTYPE: DType = DType::I64;
-}
-impl Element for i32 {
-    const DTYPE: DType = DType::I32;
-}
-impl Element for u8 {
-    const DTYPE: DType = DType::U8;
-}
+
+element!(f32 => F32, f16 => F16, bf16 => BF16, i64 => I64, i32 => I32, u8 => U8);
 
 /// Autograd state of a leaf.
 #[derive(Default)]
@@ -255,7 +246,14 @@ impl Tensor {
         let stream = current_stream(device);
         let t = Tensor::empty_on(shape, dtype, device, &stream)?;
         let a = t.operand_on("full", &stream)?;
-        Kernels::for_device(device)?.fill(&stream, t.numel(), value, &a)?;
+        Kernels::for_device(device)?.launch(
+            &stream,
+            &Launch::Fill {
+                n: t.numel(),
+                value,
+                out: &a,
+            },
+        )?;
         Ok(t)
     }
 
@@ -279,7 +277,7 @@ impl Tensor {
         let stream = current_stream(device);
         let t = Tensor::empty_on(&[n], DType::I64, device, &stream)?;
         let a = t.operand_on("arange", &stream)?;
-        Kernels::for_device(device)?.arange(&stream, n, &a)?;
+        Kernels::for_device(device)?.launch(&stream, &Launch::Arange { n, out: &a })?;
         Ok(t)
     }
 

@@ -233,10 +233,7 @@ impl InitPlan {
         rank: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        check_layout(unit, layout)?;
-        unit_dtype(unit)?;
-        layout.rank_pieces(rank)?;
-        self.check_unit(unit)?;
+        self.check_shard_args(unit, layout, rank)?;
         let gen = generation_device(device);
         let sources = unit
             .iter()
@@ -244,6 +241,21 @@ impl InitPlan {
             .collect::<Result<Vec<Option<Tensor>>>>()?;
         let shard = self.shard_from(unit, &sources, layout, rank, &gen)?;
         to_target(shard, &gen, device)
+    }
+
+    /// The checks every sharded materialization makes before it writes anything: the layout
+    /// against the unit, one dtype, the rank, and the whole unit's dependencies and op
+    /// arguments (so all ranks agree on errors).
+    fn check_shard_args(
+        &self,
+        unit: &[Parameter],
+        layout: &FlatParamLayout,
+        rank: usize,
+    ) -> Result<()> {
+        check_layout(unit, layout)?;
+        unit_dtype(unit)?;
+        layout.rank_pieces(rank)?;
+        self.check_unit(unit)
     }
 
     /// The unit-by-unit path: builds the unit's unmaterialized parameters whole in temporary
@@ -261,10 +273,7 @@ impl InitPlan {
         rank: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        check_layout(unit, layout)?;
-        unit_dtype(unit)?;
-        layout.rank_pieces(rank)?;
-        self.check_unit(unit)?;
+        self.check_shard_args(unit, layout, rank)?;
         // CUDA targets: the unit is built on a host staging device and only the shard is copied
         // over, so the device's peak is the shards alone.
         let gen = generation_device(device);

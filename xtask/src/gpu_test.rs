@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use crate::{cargo, run};
+use crate::{cargo, cuda_test, run};
 
 /// One suite of `gpu-test`: its name, what it checks, and the commands it runs.
 struct Suite {
@@ -14,9 +14,10 @@ struct Suite {
     steps: fn(gpus: usize) -> Vec<(String, Command)>,
 }
 
-fn test_cmd(args: &[&str]) -> Command {
-    let mut c = cargo();
-    c.env("FSDP_GPU_TESTS", "1").args(args);
+/// `cargo test -p <pkg> --features cuda <args…>` with the GPU tests switched on.
+fn test_cmd(pkg: &str, args: &[&str]) -> Command {
+    let mut c = cuda_test(pkg, args);
+    c.env("FSDP_GPU_TESTS", "1");
     c
 }
 
@@ -24,31 +25,17 @@ fn ops(_gpus: usize) -> Vec<(String, Command)> {
     vec![
         (
             "ops: CUDA kernels vs CPU kernels (kernel level)".into(),
-            test_cmd(&[
-                "test",
-                "-p",
+            test_cmd(
                 "fsdp-autograd",
-                "--features",
-                "cuda",
-                "--lib",
-                "kernels::cuda",
-                "--",
-                "--include-ignored",
-            ]),
+                &["--lib", "kernels::cuda", "--", "--include-ignored"],
+            ),
         ),
         (
             "ops: every tensor op on CUDA vs CPU, forward + backward, f32/bf16/f16".into(),
-            test_cmd(&[
-                "test",
-                "-p",
+            test_cmd(
                 "fsdp-autograd",
-                "--features",
-                "cuda",
-                "--test",
-                "gpu_ops",
-                "--",
-                "--include-ignored",
-            ]),
+                &["--test", "gpu_ops", "--", "--include-ignored"],
+            ),
         ),
     ]
 }
@@ -56,18 +43,10 @@ fn ops(_gpus: usize) -> Vec<(String, Command)> {
 fn nccl(gpus: usize) -> Vec<(String, Command)> {
     let mut steps = vec![(
         "nccl: collectives on every visible GPU, one thread per GPU".to_string(),
-        test_cmd(&[
-            "test",
-            "-p",
+        test_cmd(
             "fsdp-tests",
-            "--features",
-            "cuda",
-            "--test",
-            "gpu_nccl",
-            "--",
-            "--include-ignored",
-            "threads",
-        ]),
+            &["--test", "gpu_nccl", "--", "--include-ignored", "threads"],
+        ),
     )];
     if gpus >= 2 {
         // Two processes, torchrun-style environment; each runs the same test as one rank.
@@ -86,20 +65,18 @@ fn fsdp(_gpus: usize) -> Vec<(String, Command)> {
         "fsdp: GPT-mini on 1 GPU and on all GPUs vs CPU thread ranks (20 AdamW steps, losses \
          within 1e-4 relative) and peak memory within 5% of the CPU memory model"
             .into(),
-        test_cmd(&[
-            "test",
-            "--release",
-            "-p",
+        test_cmd(
             "fsdp-tests",
-            "--features",
-            "cuda",
-            "--test",
-            "gpu_fsdp",
-            "--",
-            "--include-ignored",
-            "--test-threads",
-            "1",
-        ]),
+            &[
+                "--release",
+                "--test",
+                "gpu_fsdp",
+                "--",
+                "--include-ignored",
+                "--test-threads",
+                "1",
+            ],
+        ),
     )]
 }
 
@@ -230,19 +207,17 @@ pub fn launch_2() -> Result<(), String> {
     let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "29517".into());
     let mut children = Vec::new();
     for rank in 0..2 {
-        let mut c = test_cmd(&[
-            "test",
-            "-p",
+        let mut c = test_cmd(
             "fsdp-tests",
-            "--features",
-            "cuda",
-            "--test",
-            "gpu_nccl",
-            "--",
-            "--include-ignored",
-            "--exact",
-            "one_rank_of_a_launched_job",
-        ]);
+            &[
+                "--test",
+                "gpu_nccl",
+                "--",
+                "--include-ignored",
+                "--exact",
+                "one_rank_of_a_launched_job",
+            ],
+        );
         c.env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", "2")
@@ -300,17 +275,11 @@ pub fn nvrtc() -> Result<(), String> {
     eprintln!("xtask: nvrtc: libnvrtc from {dir}");
     run(
         "nvrtc: compile every kernel source",
-        cargo()
-            .env("LD_LIBRARY_PATH", ld)
-            .env("FSDP_NVRTC_REQUIRED", "1")
-            .args([
-                "test",
-                "-p",
-                "fsdp-autograd",
-                "--features",
-                "cuda",
-                "--lib",
-                "kernels::cuda::tests::nvrtc_compiles_the_kernels",
-            ]),
+        cuda_test(
+            "fsdp-autograd",
+            &["--lib", "kernels::cuda::tests::nvrtc_compiles_the_kernels"],
+        )
+        .env("LD_LIBRARY_PATH", ld)
+        .env("FSDP_NVRTC_REQUIRED", "1"),
     )
 }

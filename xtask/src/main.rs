@@ -48,6 +48,14 @@ fn cargo() -> Command {
     c
 }
 
+/// `cargo test -p <pkg> --features cuda <args…>`: the shape of every CUDA test step (the
+/// emulator step of `ci`, the `gpu-test` suites, `nvrtc`).
+fn cuda_test(pkg: &str, args: &[&str]) -> Command {
+    let mut c = cargo();
+    c.args(["test", "-p", pkg, "--features", "cuda"]).args(args);
+    c
+}
+
 fn run(step: &str, cmd: &mut Command) -> Result<(), String> {
     eprintln!("xtask: {step}: {cmd:?}");
     let status = cmd
@@ -130,15 +138,7 @@ fn ci() -> Result<(), String> {
     )?;
     run(
         "cuda kernels on the host emulator",
-        cargo().env("FSDP_EMU_REQUIRED", "1").args([
-            "test",
-            "-p",
-            "fsdp-autograd",
-            "--features",
-            "cuda",
-            "--lib",
-            "kernels::cuda",
-        ]),
+        cuda_test("fsdp-autograd", &["--lib", "kernels::cuda"]).env("FSDP_EMU_REQUIRED", "1"),
     )?;
     run("tests", cargo().args(["test", "--workspace"]))?;
     // The multi-process suite: FSDP over MPI against the thread backend under `mpirun`, and the
@@ -203,27 +203,16 @@ fn bench(name: Option<&str>) -> Result<(), String> {
         .collect();
     let chosen: Vec<_> = match name {
         None => available,
-        Some(n) => {
-            let b: Vec<_> = available.into_iter().filter(|(b, _, _)| *b == n).collect();
-            if b.is_empty() {
-                let names: Vec<_> = BENCHES
-                    .iter()
-                    .filter(|(n, dir, _)| {
-                        root()
-                            .join(dir)
-                            .join("benches")
-                            .join(format!("{n}.rs"))
-                            .exists()
-                    })
-                    .map(|(n, _, _)| *n)
-                    .collect();
+        Some(n) => match available.iter().find(|(b, _, _)| *b == n) {
+            Some(&b) => vec![b],
+            None => {
+                let names: Vec<_> = available.iter().map(|(n, _, _)| *n).collect();
                 return Err(format!(
                     "no bench named `{n}`; available: {}",
                     names.join(", ")
                 ));
             }
-            b
-        }
+        },
     };
     for (n, _, pkg) in chosen {
         run(

@@ -91,6 +91,24 @@ fn key(n: &Arc<Node>) -> usize {
     Arc::as_ptr(n) as usize
 }
 
+/// The state of `node`, created on first sight (the node is then pushed on `stack` so that its
+/// inputs are discovered too).
+fn discover<'a>(
+    states: &'a mut HashMap<usize, NodeState>,
+    stack: &mut Vec<Arc<Node>>,
+    node: &Arc<Node>,
+) -> &'a mut NodeState {
+    states.entry(key(node)).or_insert_with(|| {
+        stack.push(Arc::clone(node));
+        NodeState {
+            node: Arc::clone(node),
+            deps: 0,
+            buf: vec![None; node.meta.len()],
+            eager: false,
+        }
+    })
+}
+
 fn check_meta(g: &Tensor, meta: &GradMeta, what: impl Fn() -> String) -> Result<()> {
     if g.shape() != meta.shape.as_slice() || g.dtype() != meta.dtype {
         return Err(AutogradError::Backward(format!(
@@ -173,28 +191,11 @@ pub fn backward(roots: &[Tensor], grads: &[Option<Tensor>]) -> Result<()> {
     let mut states: HashMap<usize, NodeState> = HashMap::new();
     let mut stack: Vec<Arc<Node>> = Vec::new();
     for (e, _) in &seeds {
-        states.entry(key(&e.node)).or_insert_with(|| {
-            stack.push(Arc::clone(&e.node));
-            NodeState {
-                node: Arc::clone(&e.node),
-                deps: 0,
-                buf: vec![None; e.node.meta.len()],
-                eager: false,
-            }
-        });
+        discover(&mut states, &mut stack, &e.node);
     }
     while let Some(n) = stack.pop() {
         for e in n.next.iter().flatten() {
-            let st = states.entry(key(&e.node)).or_insert_with(|| {
-                stack.push(Arc::clone(&e.node));
-                NodeState {
-                    node: Arc::clone(&e.node),
-                    deps: 0,
-                    buf: vec![None; e.node.meta.len()],
-                    eager: false,
-                }
-            });
-            st.deps += 1;
+            discover(&mut states, &mut stack, &e.node).deps += 1;
         }
     }
 

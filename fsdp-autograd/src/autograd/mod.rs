@@ -99,6 +99,16 @@ pub(crate) fn record(
         .collect()
 }
 
+/// The gradient of a single-output node's output, as its backward receives it (the engine runs
+/// a node only after a gradient for it arrived, so it is there).
+pub(crate) fn single_grad(op: &'static str, grads: Vec<Option<Tensor>>) -> Tensor {
+    grads
+        .into_iter()
+        .next()
+        .flatten()
+        .unwrap_or_else(|| panic!("{op}: one gradient"))
+}
+
 /// [`record`] for a single output.
 pub(crate) fn record1(
     name: &'static str,

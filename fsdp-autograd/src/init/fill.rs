@@ -295,17 +295,7 @@ pub fn apply_positionwise(
     start: usize,
     out: &mut [f32],
 ) -> Result<(), InitError> {
-    let numel = numel_of(shape);
-    let end = start.saturating_add(out.len());
-    if end > numel {
-        return Err(InitError::RangeOutOfBounds {
-            fqn: fqn.to_string(),
-            start,
-            end,
-            numel,
-            shape: shape.to_vec(),
-        });
-    }
+    let numel = check_range(fqn, shape, start, out.len())?;
     check_limits(fqn, ops, numel)?;
     let from = from.min(ops.len());
     // Validate every op first so an error leaves `out` untouched.
@@ -325,6 +315,23 @@ pub fn apply_positionwise(
         run_kernel(k, key, counter_base(fqn, *i), start, out);
     }
     Ok(())
+}
+
+/// The element count of `shape`, or [`InitError::RangeOutOfBounds`] if the `len` elements from
+/// `start` do not all lie inside it.
+fn check_range(fqn: &str, shape: &[usize], start: usize, len: usize) -> Result<usize, InitError> {
+    let numel = numel_of(shape);
+    let end = start.saturating_add(len);
+    if end > numel {
+        return Err(InitError::RangeOutOfBounds {
+            fqn: fqn.to_string(),
+            start,
+            end,
+            numel,
+            shape: shape.to_vec(),
+        });
+    }
+    Ok(numel)
 }
 
 /// Values of elements `[start, start + out.len())` of the parameter `fqn` of `shape` after
@@ -357,16 +364,7 @@ pub fn fill_positionwise(
     out: &mut [f32],
 ) -> Result<(), InitError> {
     // Validate (including the range) before writing, then start from zeros.
-    let numel = numel_of(shape);
-    if start.checked_add(out.len()).is_none_or(|e| e > numel) {
-        return Err(InitError::RangeOutOfBounds {
-            fqn: fqn.to_string(),
-            start,
-            end: start.saturating_add(out.len()),
-            numel,
-            shape: shape.to_vec(),
-        });
-    }
+    check_range(fqn, shape, start, out.len())?;
     for (i, op) in ops.iter().enumerate() {
         lower(fqn, i, op, shape)?;
     }
@@ -446,12 +444,13 @@ pub fn fill_whole(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::init::fnv1a64;
     use rand_philox::{splitmix64, Philox};
 
-    fn no_resolve(src: &str) -> Result<Vec<f32>, InitError> {
+    /// A resolver for tests without sources (the init module's tests share it).
+    pub(in crate::init) fn no_resolve(src: &str) -> Result<Vec<f32>, InitError> {
         Err(InitError::Unresolved {
             source_fqn: src.to_string(),
             reason: "test has no sources".into(),
@@ -967,63 +966,57 @@ mod tests {
 
     #[test]
     fn degenerate_parameters() {
-        let v = gen(
-            &[InitOp::Uniform {
-                low: 2.0,
-                high: 2.0,
-            }],
-            0,
-            "d",
-            &[3],
-        );
-        assert_eq!(v, [2.0; 3]);
-        let v = gen(
-            &[InitOp::Normal {
-                mean: 1.5,
-                std: 0.0,
-            }],
-            0,
-            "d",
-            &[3],
-        );
-        assert_eq!(v, [1.5; 3]);
-        let v = gen(
-            &[InitOp::TruncatedNormal {
-                mean: 5.0,
-                std: 0.0,
-                a: -1.0,
-                b: 1.0,
-            }],
-            0,
-            "d",
-            &[3],
-        );
-        assert_eq!(v, [1.0; 3]);
-        let v = gen(
-            &[InitOp::TruncatedNormal {
-                mean: 0.0,
-                std: 1.0,
-                a: 0.5,
-                b: 0.5,
-            }],
-            0,
-            "d",
-            &[3],
-        );
-        assert_eq!(v, [0.5; 3]);
-        // Interval with no representable mass: the bound nearest the mean.
-        let v = gen(
-            &[InitOp::TruncatedNormal {
-                mean: 0.0,
-                std: 1.0,
-                a: 40.0,
-                b: 41.0,
-            }],
-            0,
-            "d",
-            &[3],
-        );
-        assert_eq!(v, [40.0; 3]);
+        let cases = [
+            (
+                InitOp::Uniform {
+                    low: 2.0,
+                    high: 2.0,
+                },
+                2.0,
+            ),
+            (
+                InitOp::Normal {
+                    mean: 1.5,
+                    std: 0.0,
+                },
+                1.5,
+            ),
+            (
+                InitOp::TruncatedNormal {
+                    mean: 5.0,
+                    std: 0.0,
+                    a: -1.0,
+                    b: 1.0,
+                },
+                1.0,
+            ),
+            (
+                InitOp::TruncatedNormal {
+                    mean: 0.0,
+                    std: 1.0,
+                    a: 0.5,
+                    b: 0.5,
+                },
+                0.5,
+            ),
+            // Interval with no representable mass: the bound nearest the mean.
+            (
+                InitOp::TruncatedNormal {
+                    mean: 0.0,
+                    std: 1.0,
+                    a: 40.0,
+                    b: 41.0,
+                },
+                40.0,
+            ),
+        ];
+        for (op, want) in cases {
+            assert_eq!(
+                gen(std::slice::from_ref(&op), 0, "d", &[3]),
+                [want; 3],
+                "{op:?}"
+            );
+        }
     }
 
     mod laws {

@@ -119,15 +119,9 @@ fn householder_q(a: &mut [f64], m: usize, n: usize) -> Vec<f64> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::fill::tests::no_resolve;
     use super::super::{fill_positionwise, fill_whole};
     use super::*;
-
-    fn no_resolve(src: &str) -> Result<Vec<f32>, InitError> {
-        Err(InitError::Unresolved {
-            source_fqn: src.to_string(),
-            reason: "test has no sources".into(),
-        })
-    }
 
     mod laws {
         use super::*;

@@ -5,11 +5,13 @@
 //!   streams) and by [`CudaBackend`] (the `kernels::cuda` kernels enqueued on CUDA streams; with
 //!   the `cuda` feature off it exists too and every constructor returns
 //!   [`AutogradError::CudaNotBuilt`]).
-//! - Each kernel takes a *shape struct* ([`Gemm`], [`Rows`], [`LayerNormShape`], …) instead of a
+//! - Each kernel has a *shape struct* ([`Gemm`], [`Rows`], [`LayerNormShape`], …) instead of a
 //!   long list of sizes, and [`Operand`]s: a tensor's elements as a memory range plus a dtype.
-//! - [`Kernels`] is the front the tensor layer calls: it checks every operand against the shape
-//!   struct (element counts, dtypes, devices) **once**, here, then hands the validated call to the
-//!   device's backend. Backends may assume their arguments are consistent.
+//! - A [`Launch`] names one kernel call: the kernel, its shape struct and its operands by name.
+//! - [`Kernels`] is the front the tensor layer calls: [`Kernels::launch`] checks every operand
+//!   against the shape struct (element counts, dtypes, devices) **once**, here, from one table
+//!   per launch, then hands the validated launch to the device's backend. Backends may assume
+//!   their arguments are consistent.
 //!
 //! Backend methods *launch* work: they return once it is queued on the stream (CPU: a closure on
 //! the stream's worker; CUDA: kernels on the CUDA stream). Errors that can only be seen while the
@@ -17,7 +19,7 @@
 //!
 //! ```
 //! use fsdp_alloc::{DType, Device};
-//! use fsdp_autograd::kernels::backend::{Gemm, Kernels};
+//! use fsdp_autograd::kernels::backend::{Gemm, Kernels, Launch};
 //! use fsdp_autograd::Tensor;
 //!
 //! let dev = Device::cpu(0);
@@ -25,7 +27,8 @@
 //! let c = Tensor::zeros(&[2, 2], DType::F32, &dev)?;
 //! let k = Kernels::for_device(&dev)?;
 //! let g = Gemm { batch: 1, m: 2, k: 2, n: 2, trans_a: false, trans_b: false, accumulate: false };
-//! k.gemm(dev.default_stream(), &g, &a.operand()?, &a.operand()?, &c.operand()?)?;
+//! let (ao, co) = (a.operand()?, c.operand()?);
+//! k.launch(dev.default_stream(), &Launch::Gemm { g, a: &ao, b: &ao, c: &co })?;
 //! assert_eq!(c.to_vec::<f32>()?, vec![7.0, 10.0, 15.0, 22.0]);
 //! # Ok::<(), fsdp_autograd::AutogradError>(())
 //! ```
@@ -88,6 +91,35 @@ pub struct Gemm {
     pub trans_b: bool,
     /// Add into `c` instead of overwriting it.
     pub accumulate: bool,
+}
+
+impl Gemm {
+    /// `batch` products `m×k · k×n`, neither operand transposed, overwriting `c`.
+    pub fn new(batch: usize, m: usize, k: usize, n: usize) -> Gemm {
+        Gemm {
+            batch,
+            m,
+            k,
+            n,
+            trans_a: false,
+            trans_b: false,
+            accumulate: false,
+        }
+    }
+
+    /// With `a` and `b` stored transposed as given.
+    pub fn transposed(self, trans_a: bool, trans_b: bool) -> Gemm {
+        Gemm {
+            trans_a,
+            trans_b,
+            ..self
+        }
+    }
+
+    /// Adding into `c` if `accumulate`.
+    pub fn accumulating(self, accumulate: bool) -> Gemm {
+        Gemm { accumulate, ..self }
+    }
 }
 
 /// A row-major matrix of `rows × cols` (row-wise kernels, column sums, row broadcasts).
@@ -197,176 +229,356 @@ pub struct SumTo {
     pub out_numel: usize,
 }
 
+/// One kernel launch through the seam: which kernel, its shape struct and sizes, and its
+/// operands by name. [`Kernels::launch`] checks it, then hands it to the device's
+/// [`Backend::launch`].
+///
+/// Float operands may be `f32`, `f16` or `bf16` (computed in `f32`); ids and targets are `i64`;
+/// layer-norm statistics, attention probabilities and log-sum-exps are `f32`.
+#[derive(Debug, Clone, Copy)]
+pub enum Launch<'a> {
+    /// [`Gemm`]: `c (+)= op(a) · op(b)`.
+    Gemm {
+        /// The product.
+        g: Gemm,
+        /// Left operand.
+        a: &'a Operand,
+        /// Right operand.
+        b: &'a Operand,
+        /// Output.
+        c: &'a Operand,
+    },
+    /// `out[r, :] = a[r, :] op b[r % b_rows, :]` where `b` has `rows.cols` elements (one row,
+    /// broadcast) or as many as `a`.
+    Binary {
+        /// The operation.
+        op: BinaryOp,
+        /// The shape of `a` and `out`.
+        rows: Rows,
+        /// Left operand.
+        a: &'a Operand,
+        /// Right operand (one row, or as many elements as `a`).
+        b: &'a Operand,
+        /// Output.
+        out: &'a Operand,
+    },
+    /// `out = alpha · x` (`n` elements).
+    Scale {
+        /// Elements.
+        n: usize,
+        /// The factor.
+        alpha: f32,
+        /// Input.
+        x: &'a Operand,
+        /// Output.
+        out: &'a Operand,
+    },
+    /// `y *= alpha` in place (`n` elements).
+    ScaleInplace {
+        /// Elements.
+        n: usize,
+        /// The factor.
+        alpha: f32,
+        /// Input and output.
+        y: &'a Operand,
+    },
+    /// `y[r, :] += alpha · x` for every row `r` of `y` (`x` holds one row and must not overlap
+    /// `y`).
+    AxpyRows {
+        /// The shape of `y`.
+        rows: Rows,
+        /// The factor.
+        alpha: f32,
+        /// One row.
+        x: &'a Operand,
+        /// Input and output.
+        y: &'a Operand,
+    },
+    /// `out[0] = Σ x` (or the mean with `mean`), `n ≥ 1` elements.
+    Sum {
+        /// Elements of `x`.
+        n: usize,
+        /// The mean instead of the sum.
+        mean: bool,
+        /// Input.
+        x: &'a Operand,
+        /// One-element output.
+        out: &'a Operand,
+    },
+    /// `out[c] = Σ_r x[r, c]`.
+    ColSums {
+        /// The shape of `x`.
+        rows: Rows,
+        /// Input.
+        x: &'a Operand,
+        /// Output (`rows.cols` elements).
+        out: &'a Operand,
+    },
+    /// [`SumTo`].
+    SumTo {
+        /// The index spaces.
+        shape: &'a SumTo,
+        /// Input.
+        x: &'a Operand,
+        /// Output (overwritten).
+        out: &'a Operand,
+    },
+    /// GELU of `kind` over `n` elements.
+    Gelu {
+        /// Exact or tanh.
+        kind: Gelu,
+        /// Elements.
+        n: usize,
+        /// Input.
+        x: &'a Operand,
+        /// Output.
+        y: &'a Operand,
+    },
+    /// GELU backward from the forward input `x`.
+    GeluBackward {
+        /// Exact or tanh.
+        kind: Gelu,
+        /// Elements.
+        n: usize,
+        /// The forward input.
+        x: &'a Operand,
+        /// Upstream gradient.
+        dy: &'a Operand,
+        /// Gradient of `x`.
+        dx: &'a Operand,
+    },
+    /// Row softmax.
+    Softmax {
+        /// The shape.
+        rows: Rows,
+        /// Input.
+        x: &'a Operand,
+        /// Output.
+        y: &'a Operand,
+    },
+    /// Row softmax backward from the forward output `y`.
+    SoftmaxBackward {
+        /// The shape.
+        rows: Rows,
+        /// The forward output.
+        y: &'a Operand,
+        /// Upstream gradient.
+        dy: &'a Operand,
+        /// Gradient of the input.
+        dx: &'a Operand,
+    },
+    /// Layer norm forward; writes `y` and the per-row `mean`/`rstd` (`f32`).
+    LayerNorm {
+        /// The shape and epsilon.
+        ln: LayerNormShape,
+        /// Input.
+        x: &'a Operand,
+        /// Scale (`cols`).
+        gamma: &'a Operand,
+        /// Shift (`cols`).
+        beta: &'a Operand,
+        /// Output.
+        y: &'a Operand,
+        /// Per-row mean (`f32`).
+        mean: &'a Operand,
+        /// Per-row reciprocal standard deviation (`f32`).
+        rstd: &'a Operand,
+    },
+    /// Layer norm backward; overwrites `dx`, `dgamma`, `dbeta`.
+    LayerNormBackward {
+        /// The shape and epsilon.
+        ln: LayerNormShape,
+        /// The forward input.
+        x: &'a Operand,
+        /// Scale.
+        gamma: &'a Operand,
+        /// The forward's per-row mean.
+        mean: &'a Operand,
+        /// The forward's per-row reciprocal standard deviation.
+        rstd: &'a Operand,
+        /// Upstream gradient.
+        dy: &'a Operand,
+        /// Gradient of `x`.
+        dx: &'a Operand,
+        /// Gradient of `gamma`.
+        dgamma: &'a Operand,
+        /// Gradient of `beta`.
+        dbeta: &'a Operand,
+    },
+    /// Embedding lookup; an id out of range fails the stream.
+    Embedding {
+        /// The sizes.
+        e: EmbeddingShape,
+        /// Ids (`i64`).
+        ids: &'a Operand,
+        /// The `vocab × dim` table.
+        table: &'a Operand,
+        /// Output rows.
+        out: &'a Operand,
+    },
+    /// Embedding backward; overwrites `dtable` (deterministic order).
+    EmbeddingBackward {
+        /// The sizes.
+        e: EmbeddingShape,
+        /// Ids (`i64`).
+        ids: &'a Operand,
+        /// Upstream gradient.
+        dy: &'a Operand,
+        /// Gradient of the table.
+        dtable: &'a Operand,
+    },
+    /// Causal attention forward; writes `out` and the probabilities `probs` (`f32`).
+    Attention {
+        /// The sizes.
+        a: Attention,
+        /// Queries.
+        q: &'a Operand,
+        /// Keys.
+        k: &'a Operand,
+        /// Values.
+        v: &'a Operand,
+        /// Output.
+        out: &'a Operand,
+        /// Probabilities (`f32`), saved for the backward.
+        probs: &'a Operand,
+    },
+    /// Causal attention backward.
+    AttentionBackward {
+        /// The sizes.
+        a: Attention,
+        /// Queries.
+        q: &'a Operand,
+        /// Keys.
+        k: &'a Operand,
+        /// Values.
+        v: &'a Operand,
+        /// The forward's probabilities.
+        probs: &'a Operand,
+        /// Upstream gradient.
+        dout: &'a Operand,
+        /// Gradient of `q`.
+        dq: &'a Operand,
+        /// Gradient of `k`.
+        dk: &'a Operand,
+        /// Gradient of `v`.
+        dv: &'a Operand,
+    },
+    /// Mean cross-entropy of `rows × cols` logits; writes the one-element `loss` and the
+    /// per-row log-sum-exp `lse` (`f32`). A target out of range fails the stream.
+    CrossEntropy {
+        /// The shape of the logits.
+        rows: Rows,
+        /// Logits.
+        logits: &'a Operand,
+        /// Targets (`i64`).
+        targets: &'a Operand,
+        /// One-element loss.
+        loss: &'a Operand,
+        /// Per-row log-sum-exp (`f32`).
+        lse: &'a Operand,
+    },
+    /// Cross-entropy backward, the upstream gradient read from the one-element `dloss`.
+    CrossEntropyBackward {
+        /// The shape of the logits.
+        rows: Rows,
+        /// Logits.
+        logits: &'a Operand,
+        /// Targets (`i64`).
+        targets: &'a Operand,
+        /// The forward's per-row log-sum-exp.
+        lse: &'a Operand,
+        /// One-element upstream gradient.
+        dloss: &'a Operand,
+        /// Gradient of the logits.
+        dlogits: &'a Operand,
+    },
+    /// Float conversion of `n` elements between the operands' dtypes (round to nearest even).
+    Cast {
+        /// Elements.
+        n: usize,
+        /// Input.
+        x: &'a Operand,
+        /// Output.
+        out: &'a Operand,
+    },
+    /// Fills `n` elements with `value` converted to the operand's dtype.
+    Fill {
+        /// Elements.
+        n: usize,
+        /// The value.
+        value: f64,
+        /// Output.
+        out: &'a Operand,
+    },
+    /// `out[i] = i` (`i64`).
+    Arange {
+        /// Elements.
+        n: usize,
+        /// Output.
+        out: &'a Operand,
+    },
+    /// Bit-exact copy of the view `src_view` of `src` into the view `dst_view` of `dst` (same
+    /// shape and element size; the destination view must not overlap itself).
+    Copy {
+        /// What is read.
+        src_view: &'a View,
+        /// The source memory.
+        src: &'a Operand,
+        /// Where it is written.
+        dst_view: &'a View,
+        /// The destination memory.
+        dst: &'a Operand,
+    },
+}
+
+impl Launch<'_> {
+    /// The operation's name, as errors report it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Launch::Gemm { .. } => "gemm",
+            Launch::Binary {
+                op: BinaryOp::Add, ..
+            } => "add",
+            Launch::Binary {
+                op: BinaryOp::Mul, ..
+            } => "mul",
+            Launch::Scale { .. } => "scale",
+            Launch::ScaleInplace { .. } => "scale_inplace",
+            Launch::AxpyRows { .. } => "axpy",
+            Launch::Sum { mean: true, .. } => "mean",
+            Launch::Sum { mean: false, .. } => "sum",
+            Launch::ColSums { .. } => "col_sums",
+            Launch::SumTo { .. } => "sum_to",
+            Launch::Gelu { .. } => "gelu",
+            Launch::GeluBackward { .. } => "gelu_backward",
+            Launch::Softmax { .. } => "softmax",
+            Launch::SoftmaxBackward { .. } => "softmax_backward",
+            Launch::LayerNorm { .. } => "layer_norm",
+            Launch::LayerNormBackward { .. } => "layer_norm_backward",
+            Launch::Embedding { .. } => "embedding",
+            Launch::EmbeddingBackward { .. } => "embedding_backward",
+            Launch::Attention { .. } => "attention",
+            Launch::AttentionBackward { .. } => "attention_backward",
+            Launch::CrossEntropy { .. } => "cross_entropy",
+            Launch::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Launch::Cast { .. } => "cast",
+            Launch::Fill { .. } => "fill",
+            Launch::Arange { .. } => "arange",
+            Launch::Copy { .. } => "copy",
+        }
+    }
+}
+
 /// The kernels a [`Tensor`](crate::Tensor) needs, for one kind of device.
 ///
-/// Implementations receive arguments already checked by [`Kernels`] (element counts match the
-/// shape struct, dtypes are as documented, every operand lives on the device) and *launch* the
-/// work on `stream`. Float operands may be `f32`, `f16` or `bf16` (computed in `f32`); ids and
-/// targets are `i64`; layer-norm statistics, attention probabilities and log-sum-exps are `f32`.
+/// Implementations receive launches already checked by [`Kernels`] (element counts match the
+/// shape struct, dtypes are as documented on [`Launch`], every operand lives on the device, and
+/// there is something to compute) and *launch* the work on `stream`.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// The backend's name (`"cpu"`, `"cuda"`).
     fn name(&self) -> &'static str;
-    /// [`Gemm`]: `c (+)= op(a) · op(b)`.
-    fn gemm(&self, s: &Stream, g: &Gemm, a: &Operand, b: &Operand, c: &Operand) -> Result<()>;
-    /// `out[r, :] = a[r, :] op b[r % b_rows, :]` where `b` has `rows.cols` elements (one row,
-    /// broadcast) or as many as `a`.
-    fn binary(
-        &self,
-        s: &Stream,
-        op: BinaryOp,
-        rows: Rows,
-        a: &Operand,
-        b: &Operand,
-        out: &Operand,
-    ) -> Result<()>;
-    /// `out = alpha · x` (`n` elements).
-    fn scale(&self, s: &Stream, n: usize, alpha: f32, x: &Operand, out: &Operand) -> Result<()>;
-    /// `y *= alpha` in place.
-    fn scale_inplace(&self, s: &Stream, n: usize, alpha: f32, y: &Operand) -> Result<()>;
-    /// `y[r, :] += alpha · x` for every row `r` of `y` (`x` holds one row).
-    fn axpy_rows(&self, s: &Stream, rows: Rows, alpha: f32, x: &Operand, y: &Operand)
-        -> Result<()>;
-    /// `out[0] = Σ x` (or the mean with `mean`), `n ≥ 1` elements.
-    fn sum(&self, s: &Stream, n: usize, mean: bool, x: &Operand, out: &Operand) -> Result<()>;
-    /// `out[c] = Σ_r x[r, c]`.
-    fn col_sums(&self, s: &Stream, rows: Rows, x: &Operand, out: &Operand) -> Result<()>;
-    /// [`SumTo`].
-    fn sum_to(&self, s: &Stream, shape: &SumTo, x: &Operand, out: &Operand) -> Result<()>;
-    /// GELU of `kind` over `n` elements.
-    fn gelu(&self, s: &Stream, kind: Gelu, n: usize, x: &Operand, y: &Operand) -> Result<()>;
-    /// GELU backward from the forward input `x`.
-    fn gelu_backward(
-        &self,
-        s: &Stream,
-        kind: Gelu,
-        n: usize,
-        x: &Operand,
-        dy: &Operand,
-        dx: &Operand,
-    ) -> Result<()>;
-    /// Row softmax.
-    fn softmax(&self, s: &Stream, rows: Rows, x: &Operand, y: &Operand) -> Result<()>;
-    /// Row softmax backward from the forward output `y`.
-    fn softmax_backward(
-        &self,
-        s: &Stream,
-        rows: Rows,
-        y: &Operand,
-        dy: &Operand,
-        dx: &Operand,
-    ) -> Result<()>;
-    /// Layer norm forward; writes `y` and the per-row `mean`/`rstd` (`f32`).
-    #[allow(clippy::too_many_arguments)]
-    fn layer_norm(
-        &self,
-        s: &Stream,
-        ln: LayerNormShape,
-        x: &Operand,
-        gamma: &Operand,
-        beta: &Operand,
-        y: &Operand,
-        mean: &Operand,
-        rstd: &Operand,
-    ) -> Result<()>;
-    /// Layer norm backward; overwrites `dx`, `dgamma`, `dbeta`.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_norm_backward(
-        &self,
-        s: &Stream,
-        ln: LayerNormShape,
-        x: &Operand,
-        gamma: &Operand,
-        mean: &Operand,
-        rstd: &Operand,
-        dy: &Operand,
-        dx: &Operand,
-        dgamma: &Operand,
-        dbeta: &Operand,
-    ) -> Result<()>;
-    /// Embedding lookup; an id out of range fails the stream.
-    fn embedding(
-        &self,
-        s: &Stream,
-        e: EmbeddingShape,
-        ids: &Operand,
-        table: &Operand,
-        out: &Operand,
-    ) -> Result<()>;
-    /// Embedding backward; overwrites `dtable` (deterministic order).
-    fn embedding_backward(
-        &self,
-        s: &Stream,
-        e: EmbeddingShape,
-        ids: &Operand,
-        dy: &Operand,
-        dtable: &Operand,
-    ) -> Result<()>;
-    /// Causal attention forward; writes `out` and the probabilities `probs` (`f32`).
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        s: &Stream,
-        a: Attention,
-        q: &Operand,
-        k: &Operand,
-        v: &Operand,
-        out: &Operand,
-        probs: &Operand,
-    ) -> Result<()>;
-    /// Causal attention backward.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        s: &Stream,
-        a: Attention,
-        q: &Operand,
-        k: &Operand,
-        v: &Operand,
-        probs: &Operand,
-        dout: &Operand,
-        dq: &Operand,
-        dk: &Operand,
-        dv: &Operand,
-    ) -> Result<()>;
-    /// Mean cross-entropy of `rows × cols` logits; writes the one-element `loss` and the
-    /// per-row log-sum-exp `lse` (`f32`). A target out of range fails the stream.
-    fn cross_entropy(
-        &self,
-        s: &Stream,
-        rows: Rows,
-        logits: &Operand,
-        targets: &Operand,
-        loss: &Operand,
-        lse: &Operand,
-    ) -> Result<()>;
-    /// Cross-entropy backward, the upstream gradient read from the one-element `dloss`.
-    #[allow(clippy::too_many_arguments)]
-    fn cross_entropy_backward(
-        &self,
-        s: &Stream,
-        rows: Rows,
-        logits: &Operand,
-        targets: &Operand,
-        lse: &Operand,
-        dloss: &Operand,
-        dlogits: &Operand,
-    ) -> Result<()>;
-    /// Float conversion of `n` elements between the operands' dtypes (round to nearest even).
-    fn cast(&self, s: &Stream, n: usize, x: &Operand, out: &Operand) -> Result<()>;
-    /// Fills `n` elements with `value` converted to the operand's dtype.
-    fn fill(&self, s: &Stream, n: usize, value: f64, out: &Operand) -> Result<()>;
-    /// `out[i] = i` (`i64`).
-    fn arange(&self, s: &Stream, n: usize, out: &Operand) -> Result<()>;
-    /// Bit-exact copy of the view `src_view` of `src` into the view `dst_view` of `dst` (same
-    /// shape and dtype; the destination view must not overlap itself).
-    fn copy(
-        &self,
-        s: &Stream,
-        src_view: &View,
-        src: &Operand,
-        dst_view: &View,
-        dst: &Operand,
-    ) -> Result<()>;
+    /// Launches `l` on `s`.
+    fn launch(&self, s: &Stream, l: &Launch<'_>) -> Result<()>;
     /// Copies host bytes into `dst` (exactly its length), in stream order.
     fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()>;
     /// Reads `src` to the host in stream order and hands the bytes to `f` once available
@@ -408,6 +620,62 @@ fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
     Ok(super::check::mul(op, a, b)?)
 }
 
+fn invalid(op: &'static str, reason: impl Into<String>) -> AutogradError {
+    KernelError::InvalidShape {
+        op,
+        reason: reason.into(),
+    }
+    .into()
+}
+
+/// The element type an operand of a launch must have.
+#[derive(Debug, Clone, Copy)]
+enum Want {
+    /// `f32`, `f16` or `bf16`.
+    Float,
+    /// Exactly this dtype; the text says what the operand holds.
+    Exact(DType, &'static str),
+    /// Any (fills).
+    Any,
+}
+
+/// One row of a launch's argument table: an operand, its element type and its element count.
+struct Arg<'a> {
+    name: &'static str,
+    o: &'a Operand,
+    want: Want,
+    n: usize,
+}
+
+/// A float operand of `n` elements.
+fn float<'a>(name: &'static str, o: &'a Operand, n: usize) -> Arg<'a> {
+    Arg {
+        name,
+        o,
+        want: Want::Float,
+        n,
+    }
+}
+
+/// An operand of exactly `dtype` (holding `what`) and `n` elements.
+fn exact<'a>(
+    name: &'static str,
+    o: &'a Operand,
+    dtype: DType,
+    what: &'static str,
+    n: usize,
+) -> Arg<'a> {
+    Arg {
+        name,
+        o,
+        want: Want::Exact(dtype, what),
+        n,
+    }
+}
+
+const STATS: &str = "layer-norm statistics";
+const PROBS: &str = "attention probabilities";
+
 impl Kernels {
     /// The kernels of `device`: [`CpuBackend`] for CPU devices, [`CudaBackend`] for CUDA devices
     /// (created once per device and cached).
@@ -447,389 +715,326 @@ impl Kernels {
         Ok(())
     }
 
-    /// Device + exact element count.
-    fn n(
-        &self,
-        op: &'static str,
-        arg: &'static str,
-        o: &Operand,
-        expected: usize,
-        shape: impl Fn() -> String,
-    ) -> Result<()> {
-        self.dev(op, arg, o)?;
-        if o.numel() != expected || o.buf.len() % o.dtype.size() != 0 {
-            return Err(len_err(op, arg, expected, o.numel(), shape()));
+    /// Checks an argument table: every operand's element type first, then its device and
+    /// exact element count (`shape` describes the launch in a length error).
+    fn args(&self, op: &'static str, shape: impl Fn() -> String, args: &[Arg<'_>]) -> Result<()> {
+        for a in args {
+            let expected = match a.want {
+                Want::Float if !a.o.dtype.is_float() => "a float dtype (f32, f16, bf16)".into(),
+                Want::Exact(d, what) if a.o.dtype != d => format!("{d} ({what})"),
+                _ => continue,
+            };
+            return Err(AutogradError::DType {
+                op,
+                got: a.o.dtype,
+                expected,
+            });
+        }
+        for a in args {
+            self.dev(op, a.name, a.o)?;
+            if a.o.numel() != a.n || a.o.buf.len() % a.o.dtype.size() != 0 {
+                return Err(len_err(op, a.name, a.n, a.o.numel(), shape()));
+            }
         }
         Ok(())
     }
 
-    fn float(op: &'static str, o: &Operand) -> Result<()> {
-        if o.dtype.is_float() {
-            Ok(())
-        } else {
-            Err(AutogradError::DType {
-                op,
-                got: o.dtype,
-                expected: "a float dtype (f32, f16, bf16)".into(),
-            })
-        }
-    }
-
-    fn exact(op: &'static str, o: &Operand, dtype: DType, what: &str) -> Result<()> {
-        if o.dtype == dtype {
-            Ok(())
-        } else {
-            Err(AutogradError::DType {
-                op,
-                got: o.dtype,
-                expected: format!("{dtype} ({what})"),
-            })
-        }
-    }
-
-    fn floats(op: &'static str, os: &[&Operand]) -> Result<()> {
-        os.iter().try_for_each(|o| Kernels::float(op, o))
-    }
-
+    /// `rows · cols` of a row-wise launch (`cols` must be positive).
     fn rows(op: &'static str, r: Rows) -> Result<usize> {
         if r.cols == 0 {
-            return Err(KernelError::InvalidShape {
+            return Err(invalid(
                 op,
-                reason: "cols must be positive; skip empty tensors before calling the kernel"
-                    .into(),
-            }
-            .into());
+                "cols must be positive; skip empty tensors before calling the kernel",
+            ));
         }
         mul(op, r.rows, r.cols)
     }
 
-    /// Checked [`Backend::gemm`].
-    pub fn gemm(&self, s: &Stream, g: &Gemm, a: &Operand, b: &Operand, c: &Operand) -> Result<()> {
-        let op = "gemm";
-        Kernels::floats(op, &[a, b, c])?;
-        let shape = || format!("{g:?}");
-        let mk = mul(op, g.m, g.k)?;
-        let kn = mul(op, g.k, g.n)?;
-        let mn = mul(op, g.m, g.n)?;
-        self.n(op, "a", a, mul(op, g.batch, mk)?, shape)?;
-        self.n(op, "b", b, mul(op, g.batch, kn)?, shape)?;
-        self.n(op, "c", c, mul(op, g.batch, mn)?, shape)?;
-        if g.batch == 0 || mn == 0 {
-            return Ok(());
-        }
-        self.backend.gemm(s, g, a, b, c)
-    }
-
-    /// Checked [`Backend::binary`].
-    pub fn binary(
-        &self,
-        s: &Stream,
-        op: BinaryOp,
-        r: Rows,
-        a: &Operand,
-        b: &Operand,
-        out: &Operand,
-    ) -> Result<()> {
-        let name = match op {
-            BinaryOp::Add => "add",
-            BinaryOp::Mul => "mul",
-        };
-        Kernels::floats(name, &[a, b, out])?;
-        let n = Kernels::rows(name, r)?;
-        let shape = || format!("{r:?}");
-        self.n(name, "a", a, n, shape)?;
-        self.n(name, "out", out, n, shape)?;
-        if b.numel() != n {
-            self.n(name, "b", b, r.cols, shape)?;
+    /// Checks `l` and launches it on `s` through the device's backend; a launch with nothing to
+    /// compute (an empty product or tensor) returns at once.
+    ///
+    /// # Errors
+    /// [`AutogradError::DType`] for an operand of the wrong element type,
+    /// [`AutogradError::Device`] for an operand on another device, a [`KernelError`] for element
+    /// counts that do not match the shape (or shapes that are invalid), the errors of the
+    /// backend.
+    pub fn launch(&self, s: &Stream, l: &Launch<'_>) -> Result<()> {
+        if self.check(l)? {
+            self.backend.launch(s, l)
         } else {
-            self.dev(name, "b", b)?;
+            Ok(())
         }
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.binary(s, op, r, a, b, out)
     }
 
-    /// Checked [`Backend::scale`].
-    pub fn scale(
-        &self,
-        s: &Stream,
-        n: usize,
-        alpha: f32,
-        x: &Operand,
-        out: &Operand,
-    ) -> Result<()> {
-        let op = "scale";
-        Kernels::floats(op, &[x, out])?;
-        self.n(op, "x", x, n, || format!("n={n}"))?;
-        self.n(op, "out", out, n, || format!("n={n}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.scale(s, n, alpha, x, out)
-    }
-
-    /// Checked [`Backend::scale_inplace`].
-    pub fn scale_inplace(&self, s: &Stream, n: usize, alpha: f32, y: &Operand) -> Result<()> {
-        let op = "scale_inplace";
-        Kernels::float(op, y)?;
-        self.n(op, "y", y, n, || format!("n={n}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.scale_inplace(s, n, alpha, y)
-    }
-
-    /// Checked [`Backend::axpy_rows`].
-    pub fn axpy_rows(
-        &self,
-        s: &Stream,
-        r: Rows,
-        alpha: f32,
-        x: &Operand,
-        y: &Operand,
-    ) -> Result<()> {
-        let op = "axpy";
-        Kernels::floats(op, &[x, y])?;
-        let n = Kernels::rows(op, r)?;
-        self.n(op, "x", x, r.cols, || format!("{r:?}"))?;
-        self.n(op, "y", y, n, || format!("{r:?}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        if x.buf.overlaps(&y.buf) {
-            return Err(AutogradError::Argument {
-                op,
-                detail: "`x` overlaps the destination `y`; copy it first".into(),
-            });
-        }
-        self.backend.axpy_rows(s, r, alpha, x, y)
-    }
-
-    /// Checked [`Backend::sum`].
-    pub fn sum(&self, s: &Stream, n: usize, mean: bool, x: &Operand, out: &Operand) -> Result<()> {
-        let op = if mean { "mean" } else { "sum" };
-        Kernels::floats(op, &[x, out])?;
-        self.n(op, "x", x, n, || format!("n={n}"))?;
-        self.n(op, "out", out, 1, || "a scalar".into())?;
-        if n == 0 {
-            return Err(KernelError::InvalidShape {
-                op,
-                reason: "cannot reduce an empty tensor".into(),
+    /// Checks every operand of `l` against its shape; `Ok(false)` if there is nothing to compute.
+    fn check(&self, l: &Launch<'_>) -> Result<bool> {
+        let op = l.name();
+        let n_is = |n: usize| move || format!("n={n}");
+        match *l {
+            Launch::Gemm { g, a, b, c } => {
+                let (mk, kn, mn) = (mul(op, g.m, g.k)?, mul(op, g.k, g.n)?, mul(op, g.m, g.n)?);
+                let table = [
+                    float("a", a, mul(op, g.batch, mk)?),
+                    float("b", b, mul(op, g.batch, kn)?),
+                    float("c", c, mul(op, g.batch, mn)?),
+                ];
+                self.args(op, || format!("{g:?}"), &table)?;
+                Ok(g.batch > 0 && mn > 0)
             }
-            .into());
-        }
-        self.backend.sum(s, n, mean, x, out)
-    }
-
-    /// Checked [`Backend::col_sums`].
-    pub fn col_sums(&self, s: &Stream, r: Rows, x: &Operand, out: &Operand) -> Result<()> {
-        let op = "col_sums";
-        Kernels::floats(op, &[x, out])?;
-        let n = Kernels::rows(op, r)?;
-        self.n(op, "x", x, n, || format!("{r:?}"))?;
-        self.n(op, "out", out, r.cols, || format!("{r:?}"))?;
-        self.backend.col_sums(s, r, x, out)
-    }
-
-    /// Checked [`Backend::sum_to`].
-    pub fn sum_to(&self, s: &Stream, st: &SumTo, x: &Operand, out: &Operand) -> Result<()> {
-        let op = "sum_to";
-        Kernels::floats(op, &[x, out])?;
-        let n: usize = st.shape.iter().product();
-        self.n(op, "x", x, n, || format!("{st:?}"))?;
-        self.n(op, "out", out, st.out_numel, || format!("{st:?}"))?;
-        let v = View {
-            shape: st.shape.clone(),
-            strides: st.target_strides.clone(),
-            offset: 0,
-        };
-        if st.shape.len() != st.target_strides.len() || v.end().is_none_or(|e| e > st.out_numel) {
-            return Err(KernelError::InvalidShape {
-                op,
-                reason: format!("target strides reach outside the output: {st:?}"),
+            Launch::Binary {
+                rows, a, b, out, ..
+            } => {
+                let n = Kernels::rows(op, rows)?;
+                // `b` is one row, broadcast, or as large as `a`.
+                let nb = if b.numel() == n { n } else { rows.cols };
+                let table = [float("a", a, n), float("out", out, n), float("b", b, nb)];
+                self.args(op, || format!("{rows:?}"), &table)?;
+                Ok(n > 0)
             }
-            .into());
+            Launch::Gelu { n, x, y, .. } => {
+                self.args(op, n_is(n), &[float("x", x, n), float("y", y, n)])?;
+                Ok(n > 0)
+            }
+            Launch::Scale { n, x, out, .. } | Launch::Cast { n, x, out } => {
+                self.args(op, n_is(n), &[float("x", x, n), float("out", out, n)])?;
+                Ok(n > 0)
+            }
+            Launch::ScaleInplace { n, y, .. } => {
+                self.args(op, n_is(n), &[float("y", y, n)])?;
+                Ok(n > 0)
+            }
+            Launch::AxpyRows { rows, x, y, .. } => {
+                let n = Kernels::rows(op, rows)?;
+                let table = [float("x", x, rows.cols), float("y", y, n)];
+                self.args(op, || format!("{rows:?}"), &table)?;
+                if n > 0 && x.buf.overlaps(&y.buf) {
+                    return Err(AutogradError::Argument {
+                        op,
+                        detail: "`x` overlaps the destination `y`; copy it first".into(),
+                    });
+                }
+                Ok(n > 0)
+            }
+            Launch::Sum { n, x, out, .. } => {
+                self.args(op, n_is(n), &[float("x", x, n)])?;
+                self.args(op, || "a scalar".into(), &[float("out", out, 1)])?;
+                if n == 0 {
+                    return Err(invalid(op, "cannot reduce an empty tensor"));
+                }
+                Ok(true)
+            }
+            Launch::ColSums { rows, x, out } => {
+                let n = Kernels::rows(op, rows)?;
+                let table = [float("x", x, n), float("out", out, rows.cols)];
+                self.args(op, || format!("{rows:?}"), &table)?;
+                Ok(true)
+            }
+            Launch::SumTo { shape: st, x, out } => {
+                let n: usize = st.shape.iter().product();
+                let table = [float("x", x, n), float("out", out, st.out_numel)];
+                self.args(op, || format!("{st:?}"), &table)?;
+                let v = View {
+                    shape: st.shape.clone(),
+                    strides: st.target_strides.clone(),
+                    offset: 0,
+                };
+                if st.shape.len() != st.target_strides.len()
+                    || v.end().is_none_or(|e| e > st.out_numel)
+                {
+                    let reason = format!("target strides reach outside the output: {st:?}");
+                    return Err(invalid(op, reason));
+                }
+                Ok(true)
+            }
+            Launch::GeluBackward { n, x, dy, dx, .. } => {
+                let table = [float("x", x, n), float("dy", dy, n), float("dx", dx, n)];
+                self.args(op, n_is(n), &table)?;
+                Ok(n > 0)
+            }
+            Launch::Softmax { rows, x, y } => {
+                let n = Kernels::rows(op, rows)?;
+                self.args(
+                    op,
+                    || format!("{rows:?}"),
+                    &[float("x", x, n), float("y", y, n)],
+                )?;
+                Ok(n > 0)
+            }
+            Launch::SoftmaxBackward { rows, y, dy, dx } => {
+                let n = Kernels::rows(op, rows)?;
+                let table = [float("y", y, n), float("dy", dy, n), float("dx", dx, n)];
+                self.args(op, || format!("{rows:?}"), &table)?;
+                Ok(n > 0)
+            }
+            Launch::LayerNorm {
+                ln,
+                x,
+                gamma,
+                beta,
+                y,
+                mean,
+                rstd,
+            } => {
+                let (n, r) = (Kernels::rows(op, ln.rows)?, ln.rows);
+                let table = [
+                    float("x", x, n),
+                    float("gamma", gamma, r.cols),
+                    float("beta", beta, r.cols),
+                    float("y", y, n),
+                    exact("mean", mean, DType::F32, STATS, r.rows),
+                    exact("rstd", rstd, DType::F32, STATS, r.rows),
+                ];
+                self.args(op, || format!("{ln:?}"), &table)?;
+                Ok(n > 0)
+            }
+            Launch::LayerNormBackward {
+                ln,
+                x,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                dbeta,
+            } => {
+                let (n, r) = (Kernels::rows(op, ln.rows)?, ln.rows);
+                let table = [
+                    float("x", x, n),
+                    float("gamma", gamma, r.cols),
+                    exact("mean", mean, DType::F32, STATS, r.rows),
+                    exact("rstd", rstd, DType::F32, STATS, r.rows),
+                    float("dy", dy, n),
+                    float("dx", dx, n),
+                    float("dgamma", dgamma, r.cols),
+                    float("dbeta", dbeta, r.cols),
+                ];
+                self.args(op, || format!("{ln:?}"), &table)?;
+                Ok(true)
+            }
+            Launch::Embedding { e, ids, table, out } => {
+                let args = [
+                    exact("ids", ids, DType::I64, "ids", e.ids),
+                    float("table", table, mul(op, e.vocab, e.dim)?),
+                    float("out", out, mul(op, e.ids, e.dim)?),
+                ];
+                self.args(op, || format!("{e:?}"), &args)?;
+                Ok(e.ids > 0 && e.dim > 0)
+            }
+            Launch::EmbeddingBackward { e, ids, dy, dtable } => {
+                let args = [
+                    exact("ids", ids, DType::I64, "ids", e.ids),
+                    float("dy", dy, mul(op, e.ids, e.dim)?),
+                    float("dtable", dtable, mul(op, e.vocab, e.dim)?),
+                ];
+                self.args(op, || format!("{e:?}"), &args)?;
+                Ok(e.vocab > 0 && e.dim > 0)
+            }
+            Launch::Attention {
+                a,
+                q,
+                k,
+                v,
+                out,
+                probs,
+            } => {
+                let (n, np) = Kernels::attention_sizes(op, a)?;
+                let table = [
+                    float("q", q, n),
+                    float("k", k, n),
+                    float("v", v, n),
+                    float("out", out, n),
+                    exact("probs", probs, DType::F32, PROBS, np),
+                ];
+                self.args(op, || format!("{a:?}"), &table)?;
+                Ok(n > 0 || np > 0)
+            }
+            Launch::AttentionBackward {
+                a,
+                q,
+                k,
+                v,
+                probs,
+                dout,
+                dq,
+                dk,
+                dv,
+            } => {
+                let (n, np) = Kernels::attention_sizes(op, a)?;
+                let table = [
+                    float("q", q, n),
+                    float("k", k, n),
+                    float("v", v, n),
+                    exact("probs", probs, DType::F32, PROBS, np),
+                    float("dout", dout, n),
+                    float("dq", dq, n),
+                    float("dk", dk, n),
+                    float("dv", dv, n),
+                ];
+                self.args(op, || format!("{a:?}"), &table)?;
+                Ok(n > 0 || np > 0)
+            }
+            Launch::CrossEntropy {
+                rows,
+                logits,
+                targets,
+                loss,
+                lse,
+            } => {
+                let n = Kernels::rows(op, rows)?;
+                let table = [
+                    float("logits", logits, n),
+                    exact("targets", targets, DType::I64, "targets", rows.rows),
+                    float("loss", loss, 1),
+                    exact("lse", lse, DType::F32, "log-sum-exp", rows.rows),
+                ];
+                self.args(op, || format!("{rows:?}"), &table)?;
+                if rows.rows == 0 {
+                    return Err(invalid(op, "cross-entropy needs at least one row"));
+                }
+                Ok(true)
+            }
+            Launch::CrossEntropyBackward {
+                rows,
+                logits,
+                targets,
+                lse,
+                dloss,
+                dlogits,
+            } => {
+                let n = Kernels::rows(op, rows)?;
+                let table = [
+                    float("logits", logits, n),
+                    float("dlogits", dlogits, n),
+                    exact("targets", targets, DType::I64, "targets", rows.rows),
+                    exact("lse", lse, DType::F32, "log-sum-exp", rows.rows),
+                    float("dloss", dloss, 1),
+                ];
+                self.args(op, || format!("{rows:?}"), &table)?;
+                Ok(rows.rows > 0)
+            }
+            Launch::Fill { n, out, .. } => {
+                let table = [Arg {
+                    name: "out",
+                    o: out,
+                    want: Want::Any,
+                    n,
+                }];
+                self.args(op, n_is(n), &table)?;
+                Ok(n > 0)
+            }
+            Launch::Arange { n, out } => {
+                let table = [exact("out", out, DType::I64, "arange output", n)];
+                self.args(op, n_is(n), &table)?;
+                Ok(n > 0)
+            }
+            Launch::Copy {
+                src_view,
+                src,
+                dst_view,
+                dst,
+            } => self.check_copy(src_view, src, dst_view, dst),
         }
-        self.backend.sum_to(s, st, x, out)
-    }
-
-    /// Checked [`Backend::gelu`].
-    pub fn gelu(&self, s: &Stream, kind: Gelu, n: usize, x: &Operand, y: &Operand) -> Result<()> {
-        let op = "gelu";
-        Kernels::floats(op, &[x, y])?;
-        self.n(op, "x", x, n, || format!("n={n}"))?;
-        self.n(op, "y", y, n, || format!("n={n}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.gelu(s, kind, n, x, y)
-    }
-
-    /// Checked [`Backend::gelu_backward`].
-    pub fn gelu_backward(
-        &self,
-        s: &Stream,
-        kind: Gelu,
-        n: usize,
-        x: &Operand,
-        dy: &Operand,
-        dx: &Operand,
-    ) -> Result<()> {
-        let op = "gelu_backward";
-        Kernels::floats(op, &[x, dy, dx])?;
-        for (arg, o) in [("x", x), ("dy", dy), ("dx", dx)] {
-            self.n(op, arg, o, n, || format!("n={n}"))?;
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.gelu_backward(s, kind, n, x, dy, dx)
-    }
-
-    /// Checked [`Backend::softmax`].
-    pub fn softmax(&self, s: &Stream, r: Rows, x: &Operand, y: &Operand) -> Result<()> {
-        let op = "softmax";
-        Kernels::floats(op, &[x, y])?;
-        let n = Kernels::rows(op, r)?;
-        self.n(op, "x", x, n, || format!("{r:?}"))?;
-        self.n(op, "y", y, n, || format!("{r:?}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.softmax(s, r, x, y)
-    }
-
-    /// Checked [`Backend::softmax_backward`].
-    pub fn softmax_backward(
-        &self,
-        s: &Stream,
-        r: Rows,
-        y: &Operand,
-        dy: &Operand,
-        dx: &Operand,
-    ) -> Result<()> {
-        let op = "softmax_backward";
-        Kernels::floats(op, &[y, dy, dx])?;
-        let n = Kernels::rows(op, r)?;
-        for (arg, o) in [("y", y), ("dy", dy), ("dx", dx)] {
-            self.n(op, arg, o, n, || format!("{r:?}"))?;
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.softmax_backward(s, r, y, dy, dx)
-    }
-
-    /// Checked [`Backend::layer_norm`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn layer_norm(
-        &self,
-        s: &Stream,
-        ln: LayerNormShape,
-        x: &Operand,
-        gamma: &Operand,
-        beta: &Operand,
-        y: &Operand,
-        mean: &Operand,
-        rstd: &Operand,
-    ) -> Result<()> {
-        let op = "layer_norm";
-        let r = ln.rows;
-        Kernels::floats(op, &[x, gamma, beta, y])?;
-        Kernels::exact(op, mean, DType::F32, "layer-norm statistics")?;
-        Kernels::exact(op, rstd, DType::F32, "layer-norm statistics")?;
-        let n = Kernels::rows(op, r)?;
-        let shape = || format!("{ln:?}");
-        self.n(op, "x", x, n, shape)?;
-        self.n(op, "y", y, n, shape)?;
-        self.n(op, "gamma", gamma, r.cols, shape)?;
-        self.n(op, "beta", beta, r.cols, shape)?;
-        self.n(op, "mean", mean, r.rows, shape)?;
-        self.n(op, "rstd", rstd, r.rows, shape)?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend
-            .layer_norm(s, ln, x, gamma, beta, y, mean, rstd)
-    }
-
-    /// Checked [`Backend::layer_norm_backward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn layer_norm_backward(
-        &self,
-        s: &Stream,
-        ln: LayerNormShape,
-        x: &Operand,
-        gamma: &Operand,
-        mean: &Operand,
-        rstd: &Operand,
-        dy: &Operand,
-        dx: &Operand,
-        dgamma: &Operand,
-        dbeta: &Operand,
-    ) -> Result<()> {
-        let op = "layer_norm_backward";
-        let r = ln.rows;
-        Kernels::floats(op, &[x, gamma, dy, dx, dgamma, dbeta])?;
-        Kernels::exact(op, mean, DType::F32, "layer-norm statistics")?;
-        Kernels::exact(op, rstd, DType::F32, "layer-norm statistics")?;
-        let n = Kernels::rows(op, r)?;
-        let shape = || format!("{ln:?}");
-        for (arg, o) in [("x", x), ("dy", dy), ("dx", dx)] {
-            self.n(op, arg, o, n, shape)?;
-        }
-        for (arg, o) in [("gamma", gamma), ("dgamma", dgamma), ("dbeta", dbeta)] {
-            self.n(op, arg, o, r.cols, shape)?;
-        }
-        self.n(op, "mean", mean, r.rows, shape)?;
-        self.n(op, "rstd", rstd, r.rows, shape)?;
-        self.backend
-            .layer_norm_backward(s, ln, x, gamma, mean, rstd, dy, dx, dgamma, dbeta)
-    }
-
-    /// Checked [`Backend::embedding`].
-    pub fn embedding(
-        &self,
-        s: &Stream,
-        e: EmbeddingShape,
-        ids: &Operand,
-        table: &Operand,
-        out: &Operand,
-    ) -> Result<()> {
-        let op = "embedding";
-        Kernels::exact(op, ids, DType::I64, "ids")?;
-        Kernels::floats(op, &[table, out])?;
-        let shape = || format!("{e:?}");
-        self.n(op, "ids", ids, e.ids, shape)?;
-        self.n(op, "table", table, mul(op, e.vocab, e.dim)?, shape)?;
-        self.n(op, "out", out, mul(op, e.ids, e.dim)?, shape)?;
-        if e.ids == 0 || e.dim == 0 {
-            return Ok(());
-        }
-        self.backend.embedding(s, e, ids, table, out)
-    }
-
-    /// Checked [`Backend::embedding_backward`].
-    pub fn embedding_backward(
-        &self,
-        s: &Stream,
-        e: EmbeddingShape,
-        ids: &Operand,
-        dy: &Operand,
-        dtable: &Operand,
-    ) -> Result<()> {
-        let op = "embedding_backward";
-        Kernels::exact(op, ids, DType::I64, "ids")?;
-        Kernels::floats(op, &[dy, dtable])?;
-        let shape = || format!("{e:?}");
-        self.n(op, "ids", ids, e.ids, shape)?;
-        self.n(op, "dy", dy, mul(op, e.ids, e.dim)?, shape)?;
-        self.n(op, "dtable", dtable, mul(op, e.vocab, e.dim)?, shape)?;
-        if e.vocab == 0 || e.dim == 0 {
-            return Ok(());
-        }
-        self.backend.embedding_backward(s, e, ids, dy, dtable)
     }
 
     fn attention_sizes(op: &'static str, a: Attention) -> Result<(usize, usize)> {
@@ -840,172 +1045,15 @@ impl Kernels {
         ))
     }
 
-    /// Checked [`Backend::attention`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
+    /// The checks of [`Launch::Copy`]: both operands here, equal element sizes, views of one
+    /// shape that stay inside their operands.
+    fn check_copy(
         &self,
-        s: &Stream,
-        a: Attention,
-        q: &Operand,
-        k: &Operand,
-        v: &Operand,
-        out: &Operand,
-        probs: &Operand,
-    ) -> Result<()> {
-        let op = "attention";
-        Kernels::floats(op, &[q, k, v, out])?;
-        Kernels::exact(op, probs, DType::F32, "attention probabilities")?;
-        let (n, np) = Kernels::attention_sizes(op, a)?;
-        let shape = || format!("{a:?}");
-        for (arg, o) in [("q", q), ("k", k), ("v", v), ("out", out)] {
-            self.n(op, arg, o, n, shape)?;
-        }
-        self.n(op, "probs", probs, np, shape)?;
-        if n == 0 && np == 0 {
-            return Ok(());
-        }
-        self.backend.attention(s, a, q, k, v, out, probs)
-    }
-
-    /// Checked [`Backend::attention_backward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward(
-        &self,
-        s: &Stream,
-        a: Attention,
-        q: &Operand,
-        k: &Operand,
-        v: &Operand,
-        probs: &Operand,
-        dout: &Operand,
-        dq: &Operand,
-        dk: &Operand,
-        dv: &Operand,
-    ) -> Result<()> {
-        let op = "attention_backward";
-        Kernels::floats(op, &[q, k, v, dout, dq, dk, dv])?;
-        Kernels::exact(op, probs, DType::F32, "attention probabilities")?;
-        let (n, np) = Kernels::attention_sizes(op, a)?;
-        let shape = || format!("{a:?}");
-        for (arg, o) in [
-            ("q", q),
-            ("k", k),
-            ("v", v),
-            ("dout", dout),
-            ("dq", dq),
-            ("dk", dk),
-            ("dv", dv),
-        ] {
-            self.n(op, arg, o, n, shape)?;
-        }
-        self.n(op, "probs", probs, np, shape)?;
-        if n == 0 && np == 0 {
-            return Ok(());
-        }
-        self.backend
-            .attention_backward(s, a, q, k, v, probs, dout, dq, dk, dv)
-    }
-
-    /// Checked [`Backend::cross_entropy`].
-    pub fn cross_entropy(
-        &self,
-        s: &Stream,
-        r: Rows,
-        logits: &Operand,
-        targets: &Operand,
-        loss: &Operand,
-        lse: &Operand,
-    ) -> Result<()> {
-        let op = "cross_entropy";
-        Kernels::floats(op, &[logits, loss])?;
-        Kernels::exact(op, targets, DType::I64, "targets")?;
-        Kernels::exact(op, lse, DType::F32, "log-sum-exp")?;
-        let n = Kernels::rows(op, r)?;
-        let shape = || format!("{r:?}");
-        self.n(op, "logits", logits, n, shape)?;
-        self.n(op, "targets", targets, r.rows, shape)?;
-        self.n(op, "loss", loss, 1, shape)?;
-        self.n(op, "lse", lse, r.rows, shape)?;
-        if r.rows == 0 {
-            return Err(KernelError::InvalidShape {
-                op,
-                reason: "cross-entropy needs at least one row".into(),
-            }
-            .into());
-        }
-        self.backend.cross_entropy(s, r, logits, targets, loss, lse)
-    }
-
-    /// Checked [`Backend::cross_entropy_backward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn cross_entropy_backward(
-        &self,
-        s: &Stream,
-        r: Rows,
-        logits: &Operand,
-        targets: &Operand,
-        lse: &Operand,
-        dloss: &Operand,
-        dlogits: &Operand,
-    ) -> Result<()> {
-        let op = "cross_entropy_backward";
-        Kernels::floats(op, &[logits, dloss, dlogits])?;
-        Kernels::exact(op, targets, DType::I64, "targets")?;
-        Kernels::exact(op, lse, DType::F32, "log-sum-exp")?;
-        let n = Kernels::rows(op, r)?;
-        let shape = || format!("{r:?}");
-        self.n(op, "logits", logits, n, shape)?;
-        self.n(op, "dlogits", dlogits, n, shape)?;
-        self.n(op, "targets", targets, r.rows, shape)?;
-        self.n(op, "lse", lse, r.rows, shape)?;
-        self.n(op, "dloss", dloss, 1, shape)?;
-        if r.rows == 0 {
-            return Ok(());
-        }
-        self.backend
-            .cross_entropy_backward(s, r, logits, targets, lse, dloss, dlogits)
-    }
-
-    /// Checked [`Backend::cast`].
-    pub fn cast(&self, s: &Stream, n: usize, x: &Operand, out: &Operand) -> Result<()> {
-        let op = "cast";
-        Kernels::floats(op, &[x, out])?;
-        self.n(op, "x", x, n, || format!("n={n}"))?;
-        self.n(op, "out", out, n, || format!("n={n}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.cast(s, n, x, out)
-    }
-
-    /// Checked [`Backend::fill`].
-    pub fn fill(&self, s: &Stream, n: usize, value: f64, out: &Operand) -> Result<()> {
-        self.n("fill", "out", out, n, || format!("n={n}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.fill(s, n, value, out)
-    }
-
-    /// Checked [`Backend::arange`].
-    pub fn arange(&self, s: &Stream, n: usize, out: &Operand) -> Result<()> {
-        Kernels::exact("arange", out, DType::I64, "arange output")?;
-        self.n("arange", "out", out, n, || format!("n={n}"))?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.backend.arange(s, n, out)
-    }
-
-    /// Checked [`Backend::copy`].
-    pub fn copy(
-        &self,
-        s: &Stream,
         src_view: &View,
         src: &Operand,
         dst_view: &View,
         dst: &Operand,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let op = "copy";
         self.dev(op, "src", src)?;
         self.dev(op, "dst", dst)?;
@@ -1024,31 +1072,25 @@ impl Kernels {
             || src_view.strides.len() != src_view.shape.len()
             || dst_view.strides.len() != dst_view.shape.len()
         {
-            return Err(KernelError::InvalidShape {
-                op,
-                reason: format!("views differ in shape or rank: {src_view:?} → {dst_view:?}"),
-            }
-            .into());
+            let reason = format!("views differ in shape or rank: {src_view:?} → {dst_view:?}");
+            return Err(invalid(op, reason));
         }
         for (arg, v, o) in [("src", src_view, src), ("dst", dst_view, dst)] {
             if v.end().is_none_or(|e| e > o.numel()) {
-                return Err(KernelError::InvalidShape {
+                let n = o.numel();
+                return Err(invalid(
                     op,
-                    reason: format!(
-                        "the view {v:?} of `{arg}` reaches past its {} elements",
-                        o.numel()
-                    ),
-                }
-                .into());
+                    format!("the view {v:?} of `{arg}` reaches past its {n} elements"),
+                ));
             }
         }
-        if src_view.numel() == 0 {
-            return Ok(());
-        }
-        self.backend.copy(s, src_view, src, dst_view, dst)
+        Ok(src_view.numel() > 0)
     }
 
     /// Checked [`Backend::write`].
+    ///
+    /// # Errors
+    /// `dst` on another device, `bytes` of another length than `dst`, the backend's errors.
     pub fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()> {
         self.dev("write", "dst", dst)?;
         if bytes.len() != dst.buf.len() {
@@ -1067,6 +1109,9 @@ impl Kernels {
     }
 
     /// Checked [`Backend::read`].
+    ///
+    /// # Errors
+    /// `src` on another device, the backend's errors.
     pub fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
         self.dev("read", "src", src)?;
         self.backend.read(s, src, f)

@@ -44,12 +44,8 @@ mod imp {
     use fsdp_alloc::{Buffer, BufferRef, DType, Device, DeviceId, Stream};
 
     use crate::error::{AutogradError, Result};
-    use crate::kernels::backend::{
-        Attention, Backend, BinaryOp, EmbeddingShape, Gemm, LayerNormShape, Operand, ReadFn, Rows,
-        SumTo, View,
-    };
+    use crate::kernels::backend::{Backend, BinaryOp, Launch, Operand, ReadFn, View};
     use crate::kernels::cuda::{CudaKernelError, CudaKernels, IndexCheck};
-    use crate::kernels::Gelu;
 
     /// The CUDA kernels behind the seam: one per CUDA device, created on first use (compiling
     /// the kernels with NVRTC once per process). Float operands in `f16`/`bf16` are cast to `f32`
@@ -125,6 +121,51 @@ mod imp {
             first
         }
 
+        /// [`Launch::Fill`]: zeros by a memset, else one element converted on the host and
+        /// broadcast by a stride-0 copy.
+        fn fill(&self, s: &Stream, n: usize, value: f64, out: &Operand) -> Result<()> {
+            if value == 0.0 && value.is_sign_positive() {
+                return self.k.zero(s, &out.buf).map_err(err("fill"));
+            }
+            let one = crate::tensor::host_scalar_bytes(out.dtype, value);
+            if out.dtype.size() == 1 {
+                let bytes = vec![one[0]; n];
+                return self.k.upload(s, &bytes, &out.buf).map_err(err("fill"));
+            }
+            let tmp = self.k.device().alloc(one.len(), s)?;
+            self.k.upload(s, &one, tmp.data()).map_err(err("fill"))?;
+            self.k
+                .strided_copy(s, tmp.data(), 0, &[n], &[0], &out.buf, out.dtype)
+                .map_err(err("fill"))
+        }
+
+        /// [`Launch::Copy`] into a contiguous destination view (the only kind with a kernel).
+        fn copy(
+            &self,
+            s: &Stream,
+            src_view: &View,
+            src: &Operand,
+            dst_view: &View,
+            dst: &Operand,
+        ) -> Result<()> {
+            if !dst_view.is_contiguous() {
+                return Err(unsupported(
+                    "copy",
+                    "a copy into a non-contiguous destination view (the backward of `split` or \
+                     `narrow` along an inner dimension) has no CUDA kernel; split along the first \
+                     dimension",
+                ));
+            }
+            if src.dtype.size() == 1 {
+                return Err(unsupported("copy", "strided copies of 1-byte elements"));
+            }
+            let d = elems(dst, dst_view.offset, dst_view.numel())?;
+            let v = src_view;
+            self.k
+                .strided_copy(s, &src.buf, v.offset, &v.shape, &v.strides, &d, src.dtype)
+                .map_err(err("copy"))
+        }
+
         fn scope<'a>(&'a self, op: &'static str, s: &'a Stream) -> F32Scope<'a> {
             F32Scope {
                 b: self,
@@ -174,6 +215,24 @@ mod imp {
             Ok(t)
         }
 
+        /// [`F32Scope::input`] of each operand.
+        fn inputs<const N: usize>(&mut self, os: [&Operand; N]) -> Result<[BufferRef; N]> {
+            let mut bufs = Vec::with_capacity(N);
+            for o in os {
+                bufs.push(self.input(o)?);
+            }
+            Ok(std::array::from_fn(|i| bufs[i].clone()))
+        }
+
+        /// [`F32Scope::output`] of each operand, none loaded.
+        fn outputs<const N: usize>(&mut self, os: [&Operand; N]) -> Result<[BufferRef; N]> {
+            let mut bufs = Vec::with_capacity(N);
+            for o in os {
+                bufs.push(self.output(o, false)?);
+            }
+            Ok(std::array::from_fn(|i| bufs[i].clone()))
+        }
+
         fn output(&mut self, o: &Operand, load: bool) -> Result<BufferRef> {
             if o.dtype != DType::F16 && o.dtype != DType::BF16 {
                 return Ok(o.buf.clone());
@@ -210,459 +269,299 @@ mod imp {
             "cuda"
         }
 
-        fn gemm(&self, s: &Stream, g: &Gemm, a: &Operand, b: &Operand, c: &Operand) -> Result<()> {
-            let mut f = self.scope("matmul", s);
-            let (a, b, c) = (f.input(a)?, f.input(b)?, f.output(c, g.accumulate)?);
-            if g.batch == 1 {
-                self.k.matmul(
-                    s,
-                    &a,
-                    &b,
-                    &c,
-                    g.m,
-                    g.k,
-                    g.n,
-                    g.trans_a,
-                    g.trans_b,
-                    g.accumulate,
-                )
-            } else {
-                self.k.bmm(
-                    s,
-                    &a,
-                    &b,
-                    &c,
-                    g.batch,
-                    g.m,
-                    g.k,
-                    g.n,
-                    g.trans_a,
-                    g.trans_b,
-                    g.accumulate,
-                )
-            }
-            .map_err(err("matmul"))?;
-            f.finish()
-        }
-
-        fn binary(
-            &self,
-            s: &Stream,
-            op: BinaryOp,
-            rows: Rows,
-            a: &Operand,
-            b: &Operand,
-            out: &Operand,
-        ) -> Result<()> {
-            let name = match op {
-                BinaryOp::Add => "add",
-                BinaryOp::Mul => "mul",
-            };
-            let full = b.numel() == a.numel();
-            let mut f = self.scope(name, s);
-            let (x, y, o) = (f.input(a)?, f.input(b)?, f.output(out, false)?);
-            match (op, full) {
-                (BinaryOp::Add, true) => self.k.add(s, &x, &y, &o).map_err(err(name))?,
-                (BinaryOp::Mul, true) => self.k.mul(s, &x, &y, &o).map_err(err(name))?,
-                (BinaryOp::Add, false) => self.k.add_row_bias(s, &x, &y, &o).map_err(err(name))?,
-                (BinaryOp::Mul, false) => {
-                    // No row-broadcast product kernel: one launch per row.
-                    let bytes = rows.cols * 4;
-                    for r in 0..rows.rows {
-                        let xr = x.slice(r * bytes, bytes)?;
-                        let or = o.slice(r * bytes, bytes)?;
-                        self.k.mul(s, &xr, &y, &or).map_err(err(name))?;
+        fn launch(&self, s: &Stream, l: &Launch<'_>) -> Result<()> {
+            match *l {
+                Launch::Gemm { g, a, b, c } => {
+                    let mut f = self.scope("matmul", s);
+                    let (a, b, c) = (f.input(a)?, f.input(b)?, f.output(c, g.accumulate)?);
+                    self.k.gemm(s, &g, &a, &b, &c).map_err(err("matmul"))?;
+                    f.finish()
+                }
+                Launch::Binary {
+                    op,
+                    rows,
+                    a,
+                    b,
+                    out,
+                } => {
+                    let name = l.name();
+                    let full = b.numel() == a.numel();
+                    let mut f = self.scope(name, s);
+                    let (x, y, o) = (f.input(a)?, f.input(b)?, f.output(out, false)?);
+                    let e = err(name);
+                    match (op, full) {
+                        (BinaryOp::Add, true) => self.k.add(s, &x, &y, &o).map_err(e)?,
+                        (BinaryOp::Mul, true) => self.k.mul(s, &x, &y, &o).map_err(e)?,
+                        (BinaryOp::Add, false) => self.k.add_row_bias(s, &x, &y, &o).map_err(e)?,
+                        (BinaryOp::Mul, false) => {
+                            // No row-broadcast product kernel: one launch per row.
+                            let bytes = rows.cols * 4;
+                            for r in 0..rows.rows {
+                                let xr = x.slice(r * bytes, bytes)?;
+                                let or = o.slice(r * bytes, bytes)?;
+                                self.k.mul(s, &xr, &y, &or).map_err(err(name))?;
+                            }
+                        }
                     }
+                    f.finish()
                 }
-            }
-            f.finish()
-        }
-
-        fn scale(
-            &self,
-            s: &Stream,
-            _n: usize,
-            alpha: f32,
-            x: &Operand,
-            out: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("scale", s);
-            let (x, o) = (f.input(x)?, f.output(out, false)?);
-            self.k.scale(s, &x, alpha, &o).map_err(err("scale"))?;
-            f.finish()
-        }
-
-        fn scale_inplace(&self, s: &Stream, _n: usize, alpha: f32, y: &Operand) -> Result<()> {
-            let mut f = self.scope("scale_", s);
-            let y = f.output(y, true)?;
-            self.k.scale_inplace(s, &y, alpha).map_err(err("scale_"))?;
-            f.finish()
-        }
-
-        fn axpy_rows(
-            &self,
-            s: &Stream,
-            rows: Rows,
-            alpha: f32,
-            x: &Operand,
-            y: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("axpy", s);
-            let (x, y) = (f.input(x)?, f.output(y, true)?);
-            if rows.rows == 1 {
-                self.k.add_scaled(s, &y, alpha, &x).map_err(err("axpy"))?;
-            } else if alpha == 1.0 {
-                self.k
-                    .add_row_bias_inplace(s, &y, &x)
-                    .map_err(err("axpy"))?;
-            } else {
-                let bytes = rows.cols * 4;
-                for r in 0..rows.rows {
-                    let yr = y.slice(r * bytes, bytes)?;
-                    self.k.add_scaled(s, &yr, alpha, &x).map_err(err("axpy"))?;
+                Launch::Scale { alpha, x, out, .. } => {
+                    let mut f = self.scope("scale", s);
+                    let (x, o) = (f.input(x)?, f.output(out, false)?);
+                    self.k.scale(s, &x, alpha, &o).map_err(err("scale"))?;
+                    f.finish()
                 }
+                Launch::ScaleInplace { alpha, y, .. } => {
+                    let mut f = self.scope("scale_", s);
+                    let y = f.output(y, true)?;
+                    self.k.scale_inplace(s, &y, alpha).map_err(err("scale_"))?;
+                    f.finish()
+                }
+                Launch::AxpyRows { rows, alpha, x, y } => {
+                    let mut f = self.scope("axpy", s);
+                    let (x, y) = (f.input(x)?, f.output(y, true)?);
+                    let e = err("axpy");
+                    if rows.rows == 1 {
+                        self.k.add_scaled(s, &y, alpha, &x).map_err(e)?;
+                    } else if alpha == 1.0 {
+                        self.k.add_row_bias_inplace(s, &y, &x).map_err(e)?;
+                    } else {
+                        let bytes = rows.cols * 4;
+                        for r in 0..rows.rows {
+                            let yr = y.slice(r * bytes, bytes)?;
+                            self.k.add_scaled(s, &yr, alpha, &x).map_err(err("axpy"))?;
+                        }
+                    }
+                    f.finish()
+                }
+                Launch::Sum { mean, x, out, .. } => {
+                    let op = l.name();
+                    let mut f = self.scope(op, s);
+                    let (x, o) = (f.input(x)?, f.output(out, false)?);
+                    if mean {
+                        self.k.mean(s, &x, &o)
+                    } else {
+                        self.k.sum(s, &x, &o)
+                    }
+                    .map_err(err(op))?;
+                    f.finish()
+                }
+                Launch::ColSums { x, out, .. } => {
+                    let mut f = self.scope("col_sums", s);
+                    let (x, o) = (f.input(x)?, f.output(out, false)?);
+                    self.k.col_sums(s, &x, &o).map_err(err("col_sums"))?;
+                    f.finish()
+                }
+                Launch::SumTo { shape, .. } => Err(unsupported(
+                    "sum_to",
+                    &format!(
+                        "the general broadcast-undoing sum over {:?} has no CUDA kernel (only the \
+                         row broadcast of bias-like shapes does); reshape so the broadcast \
+                         dimensions lead",
+                        shape.shape
+                    ),
+                )),
+                Launch::Gelu { kind, x, y, .. } => {
+                    let mut f = self.scope("gelu", s);
+                    let (x, y) = (f.input(x)?, f.output(y, false)?);
+                    self.k.gelu(s, kind, &x, &y).map_err(err("gelu"))?;
+                    f.finish()
+                }
+                Launch::GeluBackward {
+                    kind, x, dy, dx, ..
+                } => {
+                    let op = "gelu_backward";
+                    let mut f = self.scope(op, s);
+                    let (x, dy, dx) = (f.input(x)?, f.input(dy)?, f.output(dx, false)?);
+                    self.k
+                        .gelu_backward(s, kind, &x, &dy, &dx)
+                        .map_err(err(op))?;
+                    f.finish()
+                }
+                Launch::Softmax { rows, x, y } => {
+                    let mut f = self.scope("softmax", s);
+                    let (x, y) = (f.input(x)?, f.output(y, false)?);
+                    let cols = rows.cols;
+                    self.k
+                        .softmax_rows(s, &x, &y, cols)
+                        .map_err(err("softmax"))?;
+                    f.finish()
+                }
+                Launch::SoftmaxBackward { rows, y, dy, dx } => {
+                    let op = "softmax_backward";
+                    let mut f = self.scope(op, s);
+                    let (y, dy, dx) = (f.input(y)?, f.input(dy)?, f.output(dx, false)?);
+                    let cols = rows.cols;
+                    self.k
+                        .softmax_rows_backward(s, &y, &dy, &dx, cols)
+                        .map_err(err(op))?;
+                    f.finish()
+                }
+                Launch::LayerNorm {
+                    ln,
+                    x,
+                    gamma,
+                    beta,
+                    y,
+                    mean,
+                    rstd,
+                } => {
+                    let op = "layer_norm";
+                    let mut f = self.scope(op, s);
+                    let [x, g, b] = f.inputs([x, gamma, beta])?;
+                    let y = f.output(y, false)?;
+                    let (cols, eps) = (ln.rows.cols, ln.eps);
+                    self.k
+                        .layer_norm(s, &x, &g, &b, &y, &mean.buf, &rstd.buf, cols, eps)
+                        .map_err(err(op))?;
+                    f.finish()
+                }
+                Launch::LayerNormBackward {
+                    ln,
+                    x,
+                    gamma,
+                    mean,
+                    rstd,
+                    dy,
+                    dx,
+                    dgamma,
+                    dbeta,
+                } => {
+                    let op = "layer_norm_backward";
+                    let mut f = self.scope(op, s);
+                    let [x, g, dy] = f.inputs([x, gamma, dy])?;
+                    let [dx, dg, db] = f.outputs([dx, dgamma, dbeta])?;
+                    let (m, r) = (&mean.buf, &rstd.buf);
+                    let cols = ln.rows.cols;
+                    self.k
+                        .layer_norm_backward(s, &x, &g, m, r, &dy, &dx, &dg, &db, cols)
+                        .map_err(err(op))?;
+                    f.finish()
+                }
+                Launch::Embedding { e, ids, table, out } => {
+                    let op = "embedding";
+                    let mut f = self.scope(op, s);
+                    let (t, o) = (f.input(table)?, f.output(out, false)?);
+                    let check = self
+                        .k
+                        .embedding(s, &ids.buf, &t, &o, e.dim)
+                        .map_err(err(op))?;
+                    self.defer(check);
+                    f.finish()
+                }
+                Launch::EmbeddingBackward { e, ids, dy, dtable } => {
+                    let op = "embedding_backward";
+                    let mut f = self.scope(op, s);
+                    let (g, d) = (f.input(dy)?, f.output(dtable, false)?);
+                    let check = self
+                        .k
+                        .embedding_backward(s, &ids.buf, &g, &d, e.dim)
+                        .map_err(err(op))?;
+                    self.defer(check);
+                    f.finish()
+                }
+                Launch::Attention {
+                    a,
+                    q,
+                    k,
+                    v,
+                    out,
+                    probs,
+                } => {
+                    let op = "attention";
+                    let mut f = self.scope(op, s);
+                    let [q, kk, v] = f.inputs([q, k, v])?;
+                    let o = f.output(out, false)?;
+                    let p = &probs.buf;
+                    self.k
+                        .causal_attention(s, &q, &kk, &v, &o, p, a.batch, a.heads, a.t, a.d)
+                        .map_err(err(op))?;
+                    f.finish()
+                }
+                Launch::AttentionBackward {
+                    a,
+                    q,
+                    k,
+                    v,
+                    probs,
+                    dout,
+                    dq,
+                    dk,
+                    dv,
+                } => {
+                    let op = "attention_backward";
+                    let mut f = self.scope(op, s);
+                    let [q, kk, v, g] = f.inputs([q, k, v, dout])?;
+                    let [dq, dk, dv] = f.outputs([dq, dk, dv])?;
+                    let (p, b, h, t, d) = (&probs.buf, a.batch, a.heads, a.t, a.d);
+                    self.k
+                        .causal_attention_backward(s, &q, &kk, &v, p, &g, &dq, &dk, &dv, b, h, t, d)
+                        .map_err(err(op))?;
+                    f.finish()
+                }
+                Launch::CrossEntropy {
+                    rows,
+                    logits,
+                    targets,
+                    loss,
+                    lse,
+                } => {
+                    let op = "cross_entropy";
+                    let mut f = self.scope(op, s);
+                    let (l, o) = (f.input(logits)?, f.output(loss, false)?);
+                    let (t, e) = (&targets.buf, &lse.buf);
+                    let check = self
+                        .k
+                        .cross_entropy(s, &l, t, rows.cols, e, &o)
+                        .map_err(err(op))?;
+                    self.defer(check);
+                    f.finish()
+                }
+                Launch::CrossEntropyBackward {
+                    rows,
+                    logits,
+                    targets,
+                    lse,
+                    dloss,
+                    dlogits,
+                } => {
+                    let op = "cross_entropy_backward";
+                    let mut f = self.scope(op, s);
+                    let [l, g] = f.inputs([logits, dloss])?;
+                    let d = f.output(dlogits, false)?;
+                    let (t, e) = (&targets.buf, &lse.buf);
+                    let check = self
+                        .k
+                        .cross_entropy_backward(s, &l, t, e, &g, &d, rows.cols)
+                        .map_err(err(op))?;
+                    self.defer(check);
+                    f.finish()
+                }
+                Launch::Cast { x, out, .. } => {
+                    if x.dtype == out.dtype {
+                        return self.k.copy(s, &x.buf, &out.buf).map_err(err("cast"));
+                    }
+                    // Through f32, as on the CPU: x → f32 (a temporary unless x is f32), then →
+                    // out.
+                    let mut f = self.scope("cast", s);
+                    let xf = f.input(x)?;
+                    let o = f.output(out, false)?;
+                    // f32 bits to f32 bits; `finish` casts a temporary output into a half `out`.
+                    self.k.copy(s, &xf, &o).map_err(err("cast"))?;
+                    f.finish()
+                }
+                Launch::Fill { n, value, out } => self.fill(s, n, value, out),
+                Launch::Arange { n, out } => {
+                    let host: Vec<i64> = (0..n as i64).collect();
+                    self.k.upload(s, &host, &out.buf).map_err(err("arange"))
+                }
+                Launch::Copy {
+                    src_view,
+                    src,
+                    dst_view,
+                    dst,
+                } => self.copy(s, src_view, src, dst_view, dst),
             }
-            f.finish()
-        }
-
-        fn sum(&self, s: &Stream, _n: usize, mean: bool, x: &Operand, out: &Operand) -> Result<()> {
-            let op = if mean { "mean" } else { "sum" };
-            let mut f = self.scope(op, s);
-            let (x, o) = (f.input(x)?, f.output(out, false)?);
-            if mean {
-                self.k.mean(s, &x, &o)
-            } else {
-                self.k.sum(s, &x, &o)
-            }
-            .map_err(err(op))?;
-            f.finish()
-        }
-
-        fn col_sums(&self, s: &Stream, _rows: Rows, x: &Operand, out: &Operand) -> Result<()> {
-            let mut f = self.scope("col_sums", s);
-            let (x, o) = (f.input(x)?, f.output(out, false)?);
-            self.k.col_sums(s, &x, &o).map_err(err("col_sums"))?;
-            f.finish()
-        }
-
-        fn sum_to(&self, _s: &Stream, st: &SumTo, _x: &Operand, _out: &Operand) -> Result<()> {
-            Err(unsupported(
-                "sum_to",
-                &format!(
-                    "the general broadcast-undoing sum over {:?} has no CUDA kernel (only the row \
-                     broadcast of bias-like shapes does); reshape so the broadcast dimensions lead",
-                    st.shape
-                ),
-            ))
-        }
-
-        fn gelu(&self, s: &Stream, kind: Gelu, _n: usize, x: &Operand, y: &Operand) -> Result<()> {
-            let mut f = self.scope("gelu", s);
-            let (x, y) = (f.input(x)?, f.output(y, false)?);
-            self.k.gelu(s, kind, &x, &y).map_err(err("gelu"))?;
-            f.finish()
-        }
-
-        fn gelu_backward(
-            &self,
-            s: &Stream,
-            kind: Gelu,
-            _n: usize,
-            x: &Operand,
-            dy: &Operand,
-            dx: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("gelu_backward", s);
-            let (x, dy, dx) = (f.input(x)?, f.input(dy)?, f.output(dx, false)?);
-            self.k
-                .gelu_backward(s, kind, &x, &dy, &dx)
-                .map_err(err("gelu_backward"))?;
-            f.finish()
-        }
-
-        fn softmax(&self, s: &Stream, rows: Rows, x: &Operand, y: &Operand) -> Result<()> {
-            let mut f = self.scope("softmax", s);
-            let (x, y) = (f.input(x)?, f.output(y, false)?);
-            self.k
-                .softmax_rows(s, &x, &y, rows.cols)
-                .map_err(err("softmax"))?;
-            f.finish()
-        }
-
-        fn softmax_backward(
-            &self,
-            s: &Stream,
-            rows: Rows,
-            y: &Operand,
-            dy: &Operand,
-            dx: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("softmax_backward", s);
-            let (y, dy, dx) = (f.input(y)?, f.input(dy)?, f.output(dx, false)?);
-            self.k
-                .softmax_rows_backward(s, &y, &dy, &dx, rows.cols)
-                .map_err(err("softmax_backward"))?;
-            f.finish()
-        }
-
-        fn layer_norm(
-            &self,
-            s: &Stream,
-            ln: LayerNormShape,
-            x: &Operand,
-            gamma: &Operand,
-            beta: &Operand,
-            y: &Operand,
-            mean: &Operand,
-            rstd: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("layer_norm", s);
-            let (x, g, b, y) = (
-                f.input(x)?,
-                f.input(gamma)?,
-                f.input(beta)?,
-                f.output(y, false)?,
-            );
-            self.k
-                .layer_norm(
-                    s,
-                    &x,
-                    &g,
-                    &b,
-                    &y,
-                    &mean.buf,
-                    &rstd.buf,
-                    ln.rows.cols,
-                    ln.eps,
-                )
-                .map_err(err("layer_norm"))?;
-            f.finish()
-        }
-
-        fn layer_norm_backward(
-            &self,
-            s: &Stream,
-            ln: LayerNormShape,
-            x: &Operand,
-            gamma: &Operand,
-            mean: &Operand,
-            rstd: &Operand,
-            dy: &Operand,
-            dx: &Operand,
-            dgamma: &Operand,
-            dbeta: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("layer_norm_backward", s);
-            let (x, g, dy) = (f.input(x)?, f.input(gamma)?, f.input(dy)?);
-            let (dx, dg, db) = (
-                f.output(dx, false)?,
-                f.output(dgamma, false)?,
-                f.output(dbeta, false)?,
-            );
-            self.k
-                .layer_norm_backward(
-                    s,
-                    &x,
-                    &g,
-                    &mean.buf,
-                    &rstd.buf,
-                    &dy,
-                    &dx,
-                    &dg,
-                    &db,
-                    ln.rows.cols,
-                )
-                .map_err(err("layer_norm_backward"))?;
-            f.finish()
-        }
-
-        fn embedding(
-            &self,
-            s: &Stream,
-            e: EmbeddingShape,
-            ids: &Operand,
-            table: &Operand,
-            out: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("embedding", s);
-            let (t, o) = (f.input(table)?, f.output(out, false)?);
-            let check = self
-                .k
-                .embedding(s, &ids.buf, &t, &o, e.dim)
-                .map_err(err("embedding"))?;
-            self.defer(check);
-            f.finish()
-        }
-
-        fn embedding_backward(
-            &self,
-            s: &Stream,
-            e: EmbeddingShape,
-            ids: &Operand,
-            dy: &Operand,
-            dtable: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("embedding_backward", s);
-            let (g, d) = (f.input(dy)?, f.output(dtable, false)?);
-            let check = self
-                .k
-                .embedding_backward(s, &ids.buf, &g, &d, e.dim)
-                .map_err(err("embedding_backward"))?;
-            self.defer(check);
-            f.finish()
-        }
-
-        fn attention(
-            &self,
-            s: &Stream,
-            a: Attention,
-            q: &Operand,
-            k: &Operand,
-            v: &Operand,
-            out: &Operand,
-            probs: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("attention", s);
-            let (q, kk, v, o) = (f.input(q)?, f.input(k)?, f.input(v)?, f.output(out, false)?);
-            self.k
-                .causal_attention(s, &q, &kk, &v, &o, &probs.buf, a.batch, a.heads, a.t, a.d)
-                .map_err(err("attention"))?;
-            f.finish()
-        }
-
-        fn attention_backward(
-            &self,
-            s: &Stream,
-            a: Attention,
-            q: &Operand,
-            k: &Operand,
-            v: &Operand,
-            probs: &Operand,
-            dout: &Operand,
-            dq: &Operand,
-            dk: &Operand,
-            dv: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("attention_backward", s);
-            let (q, kk, v, g) = (f.input(q)?, f.input(k)?, f.input(v)?, f.input(dout)?);
-            let (dq, dk, dv) = (
-                f.output(dq, false)?,
-                f.output(dk, false)?,
-                f.output(dv, false)?,
-            );
-            self.k
-                .causal_attention_backward(
-                    s, &q, &kk, &v, &probs.buf, &g, &dq, &dk, &dv, a.batch, a.heads, a.t, a.d,
-                )
-                .map_err(err("attention_backward"))?;
-            f.finish()
-        }
-
-        fn cross_entropy(
-            &self,
-            s: &Stream,
-            rows: Rows,
-            logits: &Operand,
-            targets: &Operand,
-            loss: &Operand,
-            lse: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("cross_entropy", s);
-            let (l, o) = (f.input(logits)?, f.output(loss, false)?);
-            let check = self
-                .k
-                .cross_entropy(s, &l, &targets.buf, rows.cols, &lse.buf, &o)
-                .map_err(err("cross_entropy"))?;
-            self.defer(check);
-            f.finish()
-        }
-
-        fn cross_entropy_backward(
-            &self,
-            s: &Stream,
-            rows: Rows,
-            logits: &Operand,
-            targets: &Operand,
-            lse: &Operand,
-            dloss: &Operand,
-            dlogits: &Operand,
-        ) -> Result<()> {
-            let mut f = self.scope("cross_entropy_backward", s);
-            let (l, g, d) = (f.input(logits)?, f.input(dloss)?, f.output(dlogits, false)?);
-            let check = self
-                .k
-                .cross_entropy_backward(s, &l, &targets.buf, &lse.buf, &g, &d, rows.cols)
-                .map_err(err("cross_entropy_backward"))?;
-            self.defer(check);
-            f.finish()
-        }
-
-        fn cast(&self, s: &Stream, _n: usize, x: &Operand, out: &Operand) -> Result<()> {
-            if x.dtype == out.dtype {
-                return self.k.copy(s, &x.buf, &out.buf).map_err(err("cast"));
-            }
-            // Through f32, as on the CPU: x → f32 (a temporary unless x is f32), then → out.
-            let mut f = self.scope("cast", s);
-            let xf = f.input(x)?;
-            let o = f.output(out, false)?;
-            // f32 bits to f32 bits; `finish` casts a temporary output into a half `out`.
-            self.k.copy(s, &xf, &o).map_err(err("cast"))?;
-            f.finish()
-        }
-
-        fn fill(&self, s: &Stream, n: usize, value: f64, out: &Operand) -> Result<()> {
-            if value == 0.0 && value.is_sign_positive() {
-                return self.k.zero(s, &out.buf).map_err(err("fill"));
-            }
-            // One element converted on the host, then broadcast by a stride-0 copy.
-            let one = crate::tensor::host_scalar_bytes(out.dtype, value);
-            if out.dtype.size() == 1 {
-                let bytes = vec![one[0]; n];
-                return self.k.upload(s, &bytes, &out.buf).map_err(err("fill"));
-            }
-            let tmp = self.k.device().alloc(one.len(), s)?;
-            self.k.upload(s, &one, tmp.data()).map_err(err("fill"))?;
-            self.k
-                .strided_copy(s, tmp.data(), 0, &[n], &[0], &out.buf, out.dtype)
-                .map_err(err("fill"))
-        }
-
-        fn arange(&self, s: &Stream, n: usize, out: &Operand) -> Result<()> {
-            let host: Vec<i64> = (0..n as i64).collect();
-            self.k.upload(s, &host, &out.buf).map_err(err("arange"))
-        }
-
-        fn copy(
-            &self,
-            s: &Stream,
-            src_view: &View,
-            src: &Operand,
-            dst_view: &View,
-            dst: &Operand,
-        ) -> Result<()> {
-            if !dst_view.is_contiguous() {
-                return Err(unsupported(
-                    "copy",
-                    "a copy into a non-contiguous destination view (the backward of `split` or \
-                     `narrow` along an inner dimension) has no CUDA kernel; split along the first \
-                     dimension",
-                ));
-            }
-            if src.dtype.size() == 1 {
-                return Err(unsupported("copy", "strided copies of 1-byte elements"));
-            }
-            let d = elems(dst, dst_view.offset, dst_view.numel())?;
-            self.k
-                .strided_copy(
-                    s,
-                    &src.buf,
-                    src_view.offset,
-                    &src_view.shape,
-                    &src_view.strides,
-                    &d,
-                    src.dtype,
-                )
-                .map_err(err("copy"))
         }
 
         fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()> {

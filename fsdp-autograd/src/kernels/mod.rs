@@ -1,9 +1,10 @@
 //! Compute kernels and the backend seam the tensor layer reaches them through.
 //!
 //! # Layout
-//! - [`backend`]: the seam — the [`backend::Backend`] trait (one method per kernel a `Tensor`
-//!   needs, each with a shape struct), [`backend::Kernels`] (the front that checks every operand
-//!   once, for all backends), [`backend::CpuBackend`] and [`backend::CudaBackend`]. Every tensor
+//! - [`backend`]: the seam — [`backend::Launch`] (one variant per kernel a `Tensor` needs, each
+//!   with a shape struct and named operands), the [`backend::Backend`] trait that launches them,
+//!   [`backend::Kernels`] (the front that checks every operand once, for all backends, from one
+//!   table per launch), [`backend::CpuBackend`] and [`backend::CudaBackend`]. Every tensor
 //!   operation, fill, copy, upload and readback goes through it.
 //! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices. Matrix products go
 //!   through the [`gemm`] crate; everything else is plain Rust that processes whole rows in a

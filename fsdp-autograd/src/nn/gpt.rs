@@ -32,6 +32,32 @@ fn zeros() -> Vec<InitOp> {
     vec![InitOp::Fill(0.0)]
 }
 
+/// The residual projections' weight init: [`normal`] scaled by `proj_scale`.
+fn scaled_normal(proj_scale: f32) -> Vec<InitOp> {
+    let mut ops = normal();
+    ops.push(InitOp::Scale(proj_scale));
+    ops
+}
+
+/// A biased `f32` layer `name` of `d_in → d_out` with weight init `weight` and zero bias.
+fn biased(
+    ctx: &InitContext,
+    name: &str,
+    d_in: usize,
+    d_out: usize,
+    weight: Vec<InitOp>,
+) -> Result<Linear> {
+    Linear::with_init(
+        &ctx.child(name),
+        d_in,
+        d_out,
+        true,
+        DType::F32,
+        weight,
+        zeros(),
+    )
+}
+
 /// Hyper-parameters of a [`Gpt`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptConfig {
@@ -136,27 +162,9 @@ pub struct CausalSelfAttention {
 impl CausalSelfAttention {
     /// GPT-2 init; `proj` scaled by `proj_scale`.
     pub fn new(ctx: &InitContext, d: usize, n_heads: usize, proj_scale: f32) -> Result<Self> {
-        let mut proj_init = normal();
-        proj_init.push(InitOp::Scale(proj_scale));
         Ok(CausalSelfAttention {
-            qkv: Linear::with_init(
-                &ctx.child("qkv"),
-                d,
-                3 * d,
-                true,
-                DType::F32,
-                normal(),
-                zeros(),
-            )?,
-            proj: Linear::with_init(
-                &ctx.child("proj"),
-                d,
-                d,
-                true,
-                DType::F32,
-                proj_init,
-                zeros(),
-            )?,
+            qkv: biased(ctx, "qkv", d, 3 * d, normal())?,
+            proj: biased(ctx, "proj", d, d, scaled_normal(proj_scale))?,
             n_heads,
             hooks: ModuleHooks::new(),
         })
@@ -215,27 +223,9 @@ pub struct Mlp {
 impl Mlp {
     /// GPT-2 init; `proj` scaled by `proj_scale`.
     pub fn new(ctx: &InitContext, d: usize, proj_scale: f32) -> Result<Mlp> {
-        let mut proj_init = normal();
-        proj_init.push(InitOp::Scale(proj_scale));
         Ok(Mlp {
-            fc: Linear::with_init(
-                &ctx.child("fc"),
-                d,
-                4 * d,
-                true,
-                DType::F32,
-                normal(),
-                zeros(),
-            )?,
-            proj: Linear::with_init(
-                &ctx.child("proj"),
-                4 * d,
-                d,
-                true,
-                DType::F32,
-                proj_init,
-                zeros(),
-            )?,
+            fc: biased(ctx, "fc", d, 4 * d, normal())?,
+            proj: biased(ctx, "proj", 4 * d, d, scaled_normal(proj_scale))?,
             gelu: Gelu::Exact,
             hooks: ModuleHooks::new(),
         })

@@ -3,9 +3,9 @@
 
 use fsdp_alloc::DType;
 
-use crate::autograd::{needs_grad, record1, SavedTensor};
+use crate::autograd::{needs_grad, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::kernels::backend::{BinaryOp, Rows, View};
+use crate::kernels::backend::{BinaryOp, Launch, Rows, View};
 use crate::kernels::Gelu;
 use crate::ops::reduce::sum_to;
 use crate::ops::{check_pair, Ctx};
@@ -112,7 +112,16 @@ fn binary_raw(op: Bin, a: &Tensor, b: &Tensor) -> Result<Tensor> {
             cols,
         }
     };
-    ctx.k()?.binary(&ctx.stream, op.op(), rows, &fa, &sa, &oa)?;
+    ctx.k()?.launch(
+        &ctx.stream,
+        &Launch::Binary {
+            op: op.op(),
+            rows,
+            a: &fa,
+            b: &sa,
+            out: &oa,
+        },
+    )?;
     Ok(out)
 }
 
@@ -130,7 +139,7 @@ impl Tensor {
             &[self, other],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g.into_iter().next().flatten().expect("add: one gradient");
+                let g = single_grad("add", g);
                 let ga = if na { Some(sum_to(&g, &sa)?) } else { None };
                 let gb = if nb { Some(sum_to(&g, &sb)?) } else { None };
                 Ok(vec![ga, gb])
@@ -157,7 +166,7 @@ impl Tensor {
             &[self, other],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g.into_iter().next().flatten().expect("mul: one gradient");
+                let g = single_grad("mul", g);
                 let (a, b) = (a.unpack("mul")?, b.unpack("mul")?);
                 let ga = if na {
                     Some(sum_to(&g.mul(&b)?, &sa)?)
@@ -184,7 +193,15 @@ impl Tensor {
             x.operand_on("scale", &ctx.stream)?,
             out.operand_on("scale", &ctx.stream)?,
         );
-        ctx.k()?.scale(&ctx.stream, x.numel(), s, &xa, &oa)?;
+        ctx.k()?.launch(
+            &ctx.stream,
+            &Launch::Scale {
+                n: x.numel(),
+                alpha: s,
+                x: &xa,
+                out: &oa,
+            },
+        )?;
         if !needs_grad(&[self]) {
             return Ok(out);
         }
@@ -218,7 +235,15 @@ impl Tensor {
             x.operand_on("gelu", &ctx.stream)?,
             out.operand_on("gelu", &ctx.stream)?,
         );
-        ctx.k()?.gelu(&ctx.stream, kind, x.numel(), &xa, &oa)?;
+        ctx.k()?.launch(
+            &ctx.stream,
+            &Launch::Gelu {
+                kind,
+                n: x.numel(),
+                x: &xa,
+                y: &oa,
+            },
+        )?;
         if !needs_grad(&[self]) {
             return Ok(out);
         }
@@ -228,7 +253,7 @@ impl Tensor {
             &[self],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g.into_iter().next().flatten().expect("gelu: one gradient");
+                let g = single_grad("gelu", g);
                 let x = saved.unpack("gelu")?;
                 let g = g.contig()?;
                 let ctx = Ctx::of(&x);
@@ -239,8 +264,16 @@ impl Tensor {
                     g.operand_on(op, &ctx.stream)?,
                     dx.operand_on(op, &ctx.stream)?,
                 );
-                ctx.k()?
-                    .gelu_backward(&ctx.stream, kind, x.numel(), &xa, &ga, &da)?;
+                ctx.k()?.launch(
+                    &ctx.stream,
+                    &Launch::GeluBackward {
+                        kind,
+                        n: x.numel(),
+                        x: &xa,
+                        dy: &ga,
+                        dx: &da,
+                    },
+                )?;
                 Ok(vec![Some(dx)])
             },
         ))
@@ -267,7 +300,14 @@ impl Tensor {
             x.operand_on("cast", &ctx.stream)?,
             out.operand_on("cast", &ctx.stream)?,
         );
-        ctx.k()?.cast(&ctx.stream, x.numel(), &xa, &oa)?;
+        ctx.k()?.launch(
+            &ctx.stream,
+            &Launch::Cast {
+                n: x.numel(),
+                x: &xa,
+                out: &oa,
+            },
+        )?;
         if !needs_grad(&[self]) {
             return Ok(out);
         }
@@ -328,7 +368,15 @@ impl Tensor {
                 rows: dst.numel() / cols,
                 cols,
             };
-            ctx.k()?.axpy_rows(&ctx.stream, rows, alpha, &sa, &da)?;
+            ctx.k()?.launch(
+                &ctx.stream,
+                &Launch::AxpyRows {
+                    rows,
+                    alpha,
+                    x: &sa,
+                    y: &da,
+                },
+            )?;
         }
         self.storage().bump_version();
         Ok(())
@@ -341,7 +389,14 @@ impl Tensor {
         let dst = self.inplace_dst("scale_")?;
         let ctx = Ctx::of(self);
         let da = dst.operand_on("scale_", &ctx.stream)?;
-        ctx.k()?.scale_inplace(&ctx.stream, dst.numel(), s, &da)?;
+        ctx.k()?.launch(
+            &ctx.stream,
+            &Launch::ScaleInplace {
+                n: dst.numel(),
+                alpha: s,
+                y: &da,
+            },
+        )?;
         self.storage().bump_version();
         Ok(())
     }
@@ -352,7 +407,14 @@ impl Tensor {
         let dst = self.inplace_dst("fill_")?;
         let ctx = Ctx::of(self);
         let da = dst.operand_on("fill_", &ctx.stream)?;
-        ctx.k()?.fill(&ctx.stream, dst.numel(), value, &da)?;
+        ctx.k()?.launch(
+            &ctx.stream,
+            &Launch::Fill {
+                n: dst.numel(),
+                value,
+                out: &da,
+            },
+        )?;
         self.storage().bump_version();
         Ok(())
     }
@@ -393,7 +455,15 @@ impl Tensor {
         }
         let n = numel_of(self.shape());
         let v = View::contiguous(&[n], 0);
-        ctx.k()?.copy(&ctx.stream, &v, &sa, &v, &da)?;
+        ctx.k()?.launch(
+            &ctx.stream,
+            &Launch::Copy {
+                src_view: &v,
+                src: &sa,
+                dst_view: &v,
+                dst: &da,
+            },
+        )?;
         self.storage().bump_version();
         Ok(())
     }

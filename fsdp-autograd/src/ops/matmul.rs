@@ -3,9 +3,9 @@
 //! Operands that are transposed views of contiguous matrices (e.g. `w.t()`) are passed to the
 //! kernel with a transpose flag instead of being copied.
 
-use crate::autograd::{needs_grad, record1, SavedTensor};
+use crate::autograd::{needs_grad, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, Result};
-use crate::kernels::backend::{Gemm, Operand, View};
+use crate::kernels::backend::{Gemm, Launch, Operand, View};
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
@@ -67,7 +67,15 @@ fn launch_mm(
         trans_b: tb,
         accumulate: false,
     };
-    ctx.k()?.gemm(&ctx.stream, &g, &a, &b, &c)
+    ctx.k()?.launch(
+        &ctx.stream,
+        &Launch::Gemm {
+            g,
+            a: &a,
+            b: &b,
+            c: &c,
+        },
+    )
 }
 
 impl Tensor {
@@ -139,11 +147,7 @@ impl Tensor {
             &[a, b],
             out,
             move |g: Vec<Option<Tensor>>| {
-                let g = g
-                    .into_iter()
-                    .next()
-                    .flatten()
-                    .expect("matmul: one gradient");
+                let g = single_grad("matmul", g);
                 let g = g.contig()?;
                 let (pa, pb) = (sa.unpack("matmul")?, sb.unpack("matmul")?);
                 let ctx = Ctx::of(&g);
@@ -259,12 +263,14 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
                 offset: 0,
             };
             let ba = b.operand_on("linear", s)?;
-            k.copy(
+            k.launch(
                 s,
-                &rows_view,
-                &ba,
-                &View::contiguous(&[rows, out_f], 0),
-                &oa,
+                &Launch::Copy {
+                    src_view: &rows_view,
+                    src: &ba,
+                    dst_view: &View::contiguous(&[rows, out_f], 0),
+                    dst: &oa,
+                },
             )?;
         }
         let g = Gemm {
@@ -276,7 +282,15 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             trans_b: w_rows_out,
             accumulate: bc.is_some(),
         };
-        k.gemm(s, &g, &xa, &wa, &oa)?;
+        k.launch(
+            s,
+            &Launch::Gemm {
+                g,
+                a: &xa,
+                b: &wa,
+                c: &oa,
+            },
+        )?;
     }
     let inputs: Vec<&Tensor> = match bias {
         Some(b) => vec![x, weight, b],
@@ -294,11 +308,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         &inputs,
         out,
         move |g: Vec<Option<Tensor>>| {
-            let g = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("linear: one gradient");
+            let g = single_grad("linear", g);
             let g = g.contig()?;
             let (xc, pw) = (sx.unpack("linear")?, sw.unpack("linear")?);
             let ctx = Ctx::of(&g);

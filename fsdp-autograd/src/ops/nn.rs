@@ -3,9 +3,9 @@
 
 use fsdp_alloc::DType;
 
-use crate::autograd::{needs_grad, record, record1, SavedTensor};
+use crate::autograd::{needs_grad, record, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::kernels::backend::{Attention, EmbeddingShape, LayerNormShape, Rows};
+use crate::kernels::backend::{Attention, EmbeddingShape, Launch, LayerNormShape, Rows};
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
@@ -38,7 +38,14 @@ impl Tensor {
             x.operand_on("softmax", &ctx.stream)?,
             y.operand_on("softmax", &ctx.stream)?,
         );
-        ctx.k()?.softmax(&ctx.stream, rows, &xa, &ya)?;
+        ctx.k()?.launch(
+            &ctx.stream,
+            &Launch::Softmax {
+                rows,
+                x: &xa,
+                y: &ya,
+            },
+        )?;
         if !needs_grad(&[self]) {
             return Ok(y);
         }
@@ -48,11 +55,7 @@ impl Tensor {
             &[self],
             y,
             move |g: Vec<Option<Tensor>>| {
-                let g = g
-                    .into_iter()
-                    .next()
-                    .flatten()
-                    .expect("softmax: one gradient");
+                let g = single_grad("softmax", g);
                 let g = g.contig()?;
                 let y = saved.unpack("softmax")?;
                 let ctx = Ctx::of(&g);
@@ -63,8 +66,15 @@ impl Tensor {
                     g.operand_on(op, &ctx.stream)?,
                     dx.operand_on(op, &ctx.stream)?,
                 );
-                ctx.k()?
-                    .softmax_backward(&ctx.stream, rows, &ya, &ga, &da)?;
+                ctx.k()?.launch(
+                    &ctx.stream,
+                    &Launch::SoftmaxBackward {
+                        rows,
+                        y: &ya,
+                        dy: &ga,
+                        dx: &da,
+                    },
+                )?;
                 Ok(vec![Some(dx)])
             },
         ))
@@ -108,7 +118,18 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
         mean.operand_on(op, s)?,
         rstd.operand_on(op, s)?,
     );
-    ctx.k()?.layer_norm(s, ln, &xa, &ga, &ba, &ya, &ma, &ra)?;
+    ctx.k()?.launch(
+        s,
+        &Launch::LayerNorm {
+            ln,
+            x: &xa,
+            gamma: &ga,
+            beta: &ba,
+            y: &ya,
+            mean: &ma,
+            rstd: &ra,
+        },
+    )?;
     if !needs_grad(&[x, gamma, beta]) {
         return Ok(y);
     }
@@ -128,11 +149,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
         &[x, gamma, beta],
         y,
         move |g: Vec<Option<Tensor>>| {
-            let dy = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("layer_norm: one gradient");
+            let dy = single_grad("layer_norm", g);
             let dy = dy.contig()?;
             let op = "layer_norm_backward";
             let (x, gamma, mean, rstd) = (
@@ -156,8 +173,20 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
                 dg.operand_on(op, s)?,
                 db.operand_on(op, s)?,
             );
-            ctx.k()?
-                .layer_norm_backward(s, ln, &xa, &ga, &ma, &ra, &dya, &dxa, &dga, &dba)?;
+            ctx.k()?.launch(
+                s,
+                &Launch::LayerNormBackward {
+                    ln,
+                    x: &xa,
+                    gamma: &ga,
+                    mean: &ma,
+                    rstd: &ra,
+                    dy: &dya,
+                    dx: &dxa,
+                    dgamma: &dga,
+                    dbeta: &dba,
+                },
+            )?;
             Ok(vec![
                 needs[0].then_some(dx),
                 needs[1].then_some(dg),
@@ -204,18 +233,22 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         tc.operand_on(op, s)?,
         out.operand_on(op, s)?,
     );
-    ctx.k()?.embedding(s, es, &ia, &ta, &oa)?;
+    ctx.k()?.launch(
+        s,
+        &Launch::Embedding {
+            e: es,
+            ids: &ia,
+            table: &ta,
+            out: &oa,
+        },
+    )?;
     if !needs_grad(&[table]) {
         return Ok(out);
     }
     let mut si = SavedTensor::new(&ic);
     let t_shape = table.shape().to_vec();
     Ok(record1(op, &[table], out, move |g: Vec<Option<Tensor>>| {
-        let dy = g
-            .into_iter()
-            .next()
-            .flatten()
-            .expect("embedding: one gradient");
+        let dy = single_grad("embedding", g);
         let dy = dy.contig()?;
         let op = "embedding_backward";
         let ids = si.unpack(op)?;
@@ -227,7 +260,15 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
             dy.operand_on(op, s)?,
             dt.operand_on(op, s)?,
         );
-        ctx.k()?.embedding_backward(s, es, &ia, &ga, &da)?;
+        ctx.k()?.launch(
+            s,
+            &Launch::EmbeddingBackward {
+                e: es,
+                ids: &ia,
+                dy: &ga,
+                dtable: &da,
+            },
+        )?;
         Ok(vec![Some(dt)])
     }))
 }
@@ -269,7 +310,17 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         out.operand_on(op, s)?,
         probs.operand_on(op, s)?,
     );
-    ctx.k()?.attention(s, at, &qa, &ka, &va, &oa, &pa)?;
+    ctx.k()?.launch(
+        s,
+        &Launch::Attention {
+            a: at,
+            q: &qa,
+            k: &ka,
+            v: &va,
+            out: &oa,
+            probs: &pa,
+        },
+    )?;
     if !needs_grad(&[q, k, v]) {
         return Ok(out);
     }
@@ -285,11 +336,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         &[q, k, v],
         out,
         move |g: Vec<Option<Tensor>>| {
-            let dout = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("attention: one gradient");
+            let dout = single_grad("attention", g);
             let dout = dout.contig()?;
             let op = "attention_backward";
             let [sq, sk, sv, sp] = &mut saved;
@@ -314,8 +361,20 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
                 dk.operand_on(op, s)?,
                 dv.operand_on(op, s)?,
             );
-            ctx.k()?
-                .attention_backward(s, at, &qa, &ka, &va, &pa, &ga, &dqa, &dka, &dva)?;
+            ctx.k()?.launch(
+                s,
+                &Launch::AttentionBackward {
+                    a: at,
+                    q: &qa,
+                    k: &ka,
+                    v: &va,
+                    probs: &pa,
+                    dout: &ga,
+                    dq: &dqa,
+                    dk: &dka,
+                    dv: &dva,
+                },
+            )?;
             Ok(vec![
                 needs[0].then_some(dq),
                 needs[1].then_some(dk),
@@ -363,7 +422,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         loss.operand_on(op, s)?,
         lse.operand_on(op, s)?,
     );
-    ctx.k()?.cross_entropy(s, rs, &la, &ta, &oa, &sa)?;
+    ctx.k()?.launch(
+        s,
+        &Launch::CrossEntropy {
+            rows: rs,
+            logits: &la,
+            targets: &ta,
+            loss: &oa,
+            lse: &sa,
+        },
+    )?;
     if !needs_grad(&[logits]) {
         return Ok(loss);
     }
@@ -375,11 +443,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let l_shape = logits.shape().to_vec();
     Ok(
         record(op, &[logits], &[loss], move |g: Vec<Option<Tensor>>| {
-            let dl = g
-                .into_iter()
-                .next()
-                .flatten()
-                .expect("cross_entropy: one gradient");
+            let dl = single_grad("cross_entropy", g);
             let op = "cross_entropy_backward";
             let (l, t, e) = (
                 saved.0.unpack(op)?,
@@ -397,8 +461,17 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
                 dl.operand_on(op, s)?,
                 dlogits.operand_on(op, s)?,
             );
-            ctx.k()?
-                .cross_entropy_backward(s, rs, &la, &ta, &ea, &ga, &da)?;
+            ctx.k()?.launch(
+                s,
+                &Launch::CrossEntropyBackward {
+                    rows: rs,
+                    logits: &la,
+                    targets: &ta,
+                    lse: &ea,
+                    dloss: &ga,
+                    dlogits: &da,
+                },
+            )?;
             Ok(vec![Some(dlogits)])
         })
         .pop()

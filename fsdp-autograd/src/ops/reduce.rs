@@ -1,8 +1,8 @@
 //! Reductions: sum and mean over all elements, and the broadcast-undoing `sum_to`.
 
-use crate::autograd::{needs_grad, record1};
+use crate::autograd::{needs_grad, record1, single_grad};
 use crate::error::{shape_err, Result};
-use crate::kernels::backend::{Rows, SumTo, View};
+use crate::kernels::backend::{Launch, Rows, SumTo, View};
 use crate::launch::contiguous_strides;
 use crate::ops::Ctx;
 use crate::tensor::{numel_of, Tensor};
@@ -26,15 +26,24 @@ pub(crate) fn fill_like_scalar(g: &Tensor, shape: &[usize], factor: f32) -> Resu
         strides: vec![0],
         offset: 0,
     };
-    k.copy(
+    k.launch(
         &ctx.stream,
-        &broadcast,
-        &ga,
-        &View::contiguous(&[n], 0),
-        &oa,
+        &Launch::Copy {
+            src_view: &broadcast,
+            src: &ga,
+            dst_view: &View::contiguous(&[n], 0),
+            dst: &oa,
+        },
     )?;
     if factor != 1.0 {
-        k.scale_inplace(&ctx.stream, n, factor, &oa)?;
+        k.launch(
+            &ctx.stream,
+            &Launch::ScaleInplace {
+                n,
+                alpha: factor,
+                y: &oa,
+            },
+        )?;
     }
     Ok(out)
 }
@@ -49,14 +58,22 @@ fn reduce_all(t: &Tensor, op: &'static str, mean: bool) -> Result<Tensor> {
         out.operand_on(op, &ctx.stream)?,
     );
     let n = t.numel();
-    ctx.k()?.sum(&ctx.stream, n, mean, &xa, &oa)?;
+    ctx.k()?.launch(
+        &ctx.stream,
+        &Launch::Sum {
+            n,
+            mean,
+            x: &xa,
+            out: &oa,
+        },
+    )?;
     if !needs_grad(&[t]) {
         return Ok(out);
     }
     let shape = t.shape().to_vec();
     let factor = if mean { 1.0 / n as f32 } else { 1.0 };
     Ok(record1(op, &[t], out, move |g: Vec<Option<Tensor>>| {
-        let g = g.into_iter().next().flatten().expect("one gradient");
+        let g = single_grad(op, g);
         Ok(vec![Some(fill_like_scalar(&g, &shape, factor)?)])
     }))
 }
@@ -118,7 +135,14 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
             rows: x.numel() / cols,
             cols,
         };
-        k.col_sums(&ctx.stream, rows, &xa, &oa)?;
+        k.launch(
+            &ctx.stream,
+            &Launch::ColSums {
+                rows,
+                x: &xa,
+                out: &oa,
+            },
+        )?;
         return Ok(out);
     }
     let st = SumTo {
@@ -126,6 +150,13 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
         target_strides: tstrides,
         out_numel: numel_of(shape),
     };
-    k.sum_to(&ctx.stream, &st, &xa, &oa)?;
+    k.launch(
+        &ctx.stream,
+        &Launch::SumTo {
+            shape: &st,
+            x: &xa,
+            out: &oa,
+        },
+    )?;
     Ok(out)
 }

@@ -8,7 +8,7 @@ use crate::autograd::node::BackwardFn;
 use crate::autograd::{needs_grad, record, record1};
 use crate::context::current_stream;
 use crate::error::{arg_err, shape_err, Result};
-use crate::kernels::backend::{Kernels, View};
+use crate::kernels::backend::{Kernels, Launch, View};
 use crate::launch::contiguous_strides;
 use crate::tensor::{checked_numel, numel_of, Tensor};
 
@@ -172,12 +172,14 @@ impl Tensor {
         let out = Tensor::empty_on(self.shape(), self.dtype(), self.device(), &stream)?;
         let src = self.span_operand(op, &stream)?;
         let dst = out.operand_on(op, &stream)?;
-        Kernels::for_device(self.device())?.copy(
+        Kernels::for_device(self.device())?.launch(
             &stream,
-            &self.span_view(),
-            &src,
-            &View::contiguous(self.shape(), 0),
-            &dst,
+            &Launch::Copy {
+                src_view: &self.span_view(),
+                src: &src,
+                dst_view: &View::contiguous(self.shape(), 0),
+                dst: &dst,
+            },
         )?;
         Ok(out)
     }
@@ -466,10 +468,25 @@ fn scatter_pieces(
     }
     let k = Kernels::for_device(&dev)?;
     if zero_all {
-        k.fill(&stream, out.numel(), 0.0, &dst)?;
+        k.launch(
+            &stream,
+            &Launch::Fill {
+                n: out.numel(),
+                value: 0.0,
+                out: &dst,
+            },
+        )?;
     }
     for (src, src_view, dst_view) in &copies {
-        k.copy(&stream, src_view, src, dst_view, &dst)?;
+        k.launch(
+            &stream,
+            &Launch::Copy {
+                src_view,
+                src,
+                dst_view,
+                dst: &dst,
+            },
+        )?;
     }
     Ok(out)
 }

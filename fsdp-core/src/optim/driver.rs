@@ -16,8 +16,10 @@ use crate::error::{FsdpError, Result};
 use crate::fsdp::UnitShard;
 use crate::sharded::{f32_mem, launch_f32, trainable_ranges, ShardedParams};
 
-/// A unit's trainable ranges, shard memory and gradient memory.
+/// What one update writes and reads: the parameter tensor (a unit's shard, or a local
+/// parameter), its trainable ranges, its memory and its gradient's memory.
 pub(crate) struct UnitOperands {
+    pub(crate) tensor: Tensor,
     pub(crate) ranges: Vec<Range<usize>>,
     pub(crate) param: BufferRef,
     pub(crate) grad: BufferRef,
@@ -57,18 +59,16 @@ pub(crate) fn unit_operands(
     )?;
     let grad = f32_mem(g, op, &format!("the gradient of unit `{}`", s.path), stream)?;
     Ok(Some(UnitOperands {
+        tensor: s.shard.clone(),
         ranges,
         param,
         grad,
     }))
 }
 
-/// One parameter's tensors for a local step: (stream, tensor, param memory, grad memory), or
-/// `None` if it has no tensor or no gradient.
-fn local_operands(
-    p: &Parameter,
-    op: &str,
-) -> Result<Option<(Stream, Tensor, BufferRef, BufferRef)>> {
+/// One parameter's operands for a local step (the whole tensor is trainable) and the stream it
+/// runs on, or `None` if it has no tensor or no gradient.
+fn local_operands(p: &Parameter, op: &str) -> Result<Option<(Stream, UnitOperands)>> {
     let Some(t) = p.try_get() else {
         return Ok(None);
     };
@@ -89,9 +89,15 @@ fn local_operands(
         )));
     }
     let stream = current_stream(t.device());
-    let pm = f32_mem(&t, op, &format!("parameter `{}`", p.name()), &stream)?;
-    let gm = f32_mem(&g, op, &format!("the gradient of `{}`", p.name()), &stream)?;
-    Ok(Some((stream, t, pm, gm)))
+    let param = f32_mem(&t, op, &format!("parameter `{}`", p.name()), &stream)?;
+    let grad = f32_mem(&g, op, &format!("the gradient of `{}`", p.name()), &stream)?;
+    let o = UnitOperands {
+        ranges: std::iter::once(0..t.numel()).collect(),
+        tensor: t,
+        param,
+        grad,
+    };
+    Ok(Some((stream, o)))
 }
 
 /// The state of entry `i` (`n` elements) for a kernel on `stream`: every slot's memory (none
@@ -145,11 +151,71 @@ fn launch_rule<R: Rule>(
     });
 }
 
+/// One update of entry `i` (a unit or a parameter) by `rule`: creates the entry's state on
+/// `device` where missing, counts the step, launches the kernel on `stream` and marks the
+/// parameter and state tensors as written.
+fn step_entry<R: Rule>(
+    rule: &R,
+    slots: &mut Slots,
+    i: usize,
+    o: UnitOperands,
+    device: &Device,
+    stream: &Stream,
+    op: &str,
+) -> Result<()> {
+    let n = o.tensor.numel();
+    let (state, mems, fresh) = state_operands(slots, rule.keeps_state(), i, n, device, stream, op)?;
+    slots.steps[i] += 1;
+    let c = rule.coeffs(slots.steps[i]);
+    launch_rule::<R>(stream, c, o.ranges, o.param, o.grad, mems, fresh);
+    o.tensor.storage().bump_version();
+    bump(&state);
+    Ok(())
+}
+
 /// Marks the state tensors of a launched update as written.
 fn bump(tensors: &[Tensor]) {
     for t in tensors {
         t.storage().bump_version();
     }
+}
+
+/// Both drivers read and write their rule's hyper-parameters through themselves (`opt.lr`).
+macro_rules! deref_to_rule {
+    ($($driver:ident),*) => {$(
+        impl<R> Deref for $driver<R> {
+            type Target = R;
+            fn deref(&self) -> &R {
+                &self.rule
+            }
+        }
+
+        impl<R> DerefMut for $driver<R> {
+            fn deref_mut(&mut self) -> &mut R {
+                &mut self.rule
+            }
+        }
+    )*};
+}
+
+deref_to_rule!(Sharded, Local);
+
+/// The optimizer-trait methods both drivers answer from their rule's slot names and their
+/// [`Slots`] alone (inside `impl ShardedOptimizer` and `impl LocalOptimizer`).
+macro_rules! slot_methods {
+    () => {
+        fn slot_names(&self) -> &'static [&'static str] {
+            R::SLOTS
+        }
+
+        fn state(&self) -> OptimizerState {
+            self.slots.export()
+        }
+
+        fn step_counts(&self) -> Vec<u64> {
+            self.slots.steps.clone()
+        }
+    };
 }
 
 // ============================================================================ sharded
@@ -223,35 +289,13 @@ impl<R: ElementwiseRule> ShardedStep for R {
         opt.slots.ensure(shards.len(), &op)?;
         let stream = model.optimizer_stream().clone();
         let dev = model.shard_device();
-        let keeps_state = opt.rule.keeps_state();
         for (u, s) in shards.iter().enumerate() {
-            let Some(o) = unit_operands(s, &op, &stream)? else {
-                continue;
-            };
-            let n = s.shard.numel();
-            let (state, mems, fresh) =
-                state_operands(&mut opt.slots, keeps_state, u, n, dev, &stream, &op)?;
-            opt.slots.steps[u] += 1;
-            let c = opt.rule.coeffs(opt.slots.steps[u]);
-            launch_rule::<R>(&stream, c, o.ranges, o.param, o.grad, mems, fresh);
-            s.shard.storage().bump_version();
-            bump(&state);
+            if let Some(o) = unit_operands(s, &op, &stream)? {
+                step_entry(&opt.rule, &mut opt.slots, u, o, dev, &stream, &op)?;
+            }
         }
         model.params_updated();
         Ok(())
-    }
-}
-
-impl<R> Deref for Sharded<R> {
-    type Target = R;
-    fn deref(&self) -> &R {
-        &self.rule
-    }
-}
-
-impl<R> DerefMut for Sharded<R> {
-    fn deref_mut(&mut self) -> &mut R {
-        &mut self.rule
     }
 }
 
@@ -261,17 +305,7 @@ impl<R: ShardedStep> ShardedOptimizer for Sharded<R> {
         R::sharded_step(self, model)
     }
 
-    fn slot_names(&self) -> &'static [&'static str] {
-        R::SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
+    slot_methods!();
 
     fn load_state(
         &mut self,
@@ -311,37 +345,15 @@ impl<R: Rule> Local<R> {
     }
 }
 
-impl<R> Deref for Local<R> {
-    type Target = R;
-    fn deref(&self) -> &R {
-        &self.rule
-    }
-}
-
-impl<R> DerefMut for Local<R> {
-    fn deref_mut(&mut self) -> &mut R {
-        &mut self.rule
-    }
-}
-
 impl<R: Rule> LocalOptimizer for Local<R> {
     fn step(&mut self) -> Result<()> {
         let op = format!("Local{}::step", R::NAME);
         self.rule.check(&op)?;
-        let keeps_state = self.rule.keeps_state();
         for (i, p) in self.params.iter().enumerate() {
-            let Some((stream, t, pm, gm)) = local_operands(p, &op)? else {
-                continue;
-            };
-            let n = t.numel();
-            let (state, mems, fresh) =
-                state_operands(&mut self.slots, keeps_state, i, n, t.device(), &stream, &op)?;
-            self.slots.steps[i] += 1;
-            let c = self.rule.coeffs(self.slots.steps[i]);
-            let whole: Vec<Range<usize>> = std::iter::once(0..n).collect();
-            launch_rule::<R>(&stream, c, whole, pm, gm, mems, fresh);
-            t.storage().bump_version();
-            bump(&state);
+            if let Some((stream, o)) = local_operands(p, &op)? {
+                let device = o.tensor.device().clone();
+                step_entry(&self.rule, &mut self.slots, i, o, &device, &stream, &op)?;
+            }
         }
         Ok(())
     }
@@ -350,17 +362,7 @@ impl<R: Rule> LocalOptimizer for Local<R> {
         &self.params
     }
 
-    fn slot_names(&self) -> &'static [&'static str] {
-        R::SLOTS
-    }
-
-    fn state(&self) -> OptimizerState {
-        self.slots.export()
-    }
-
-    fn step_counts(&self) -> Vec<u64> {
-        self.slots.steps.clone()
-    }
+    slot_methods!();
 
     fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()> {
         let op = format!("Local{}::load_state", R::NAME);

@@ -151,6 +151,7 @@ impl ShardedStep for LambRule {
                 ranges,
                 param,
                 grad,
+                ..
             }) = unit_operands(s, OP, &stream)?
             else {
                 continue;

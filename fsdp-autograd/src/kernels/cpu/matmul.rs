@@ -285,39 +285,7 @@ pub(crate) fn bmm_scaled(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::cpu::testutil::Rng;
-
-    /// f64 reference product, and the sum of |a_ip·b_pj| for the rounding bound.
-    fn reference(
-        a: &[f32],
-        b: &[f32],
-        c0: &[f32],
-        (m, k, n): (usize, usize, usize),
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
-    ) -> (Vec<f64>, Vec<f64>) {
-        let mut out = vec![0.0; m * n];
-        let mut mag = vec![0.0; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let (mut s, mut g) = (0.0f64, 0.0f64);
-                for p in 0..k {
-                    let av = if trans_a { a[p * m + i] } else { a[i * k + p] } as f64;
-                    let bv = if trans_b { b[j * k + p] } else { b[p * n + j] } as f64;
-                    s += av * bv;
-                    g += (av * bv).abs();
-                }
-                if accumulate {
-                    s += c0[i * n + j] as f64;
-                    g += (c0[i * n + j] as f64).abs();
-                }
-                out[i * n + j] = s;
-                mag[i * n + j] = g;
-            }
-        }
-        (out, mag)
-    }
+    use crate::kernels::cpu::testutil::{reference, Rng};
 
     /// Standard forward-error bound of a length-k dot product in f32: |err| ≤ γ_{k+1}·Σ|a·b|,
     /// γ_j = j·u/(1 − j·u), u = 2⁻²⁴; doubled for slack.

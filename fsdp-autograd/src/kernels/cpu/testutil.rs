@@ -81,3 +81,37 @@ pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, ato
 pub(crate) fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
+
+/// f64 reference of `C = op(A)·op(B) (+ C0 if accumulate)` (one product, row-major, stored as
+/// [`super::matmul`] takes them), and per element the sum of |a_ip·b_pj| (+ |c0|) for the rounding
+/// bound.
+pub(crate) fn reference(
+    a: &[f32],
+    b: &[f32],
+    c0: &[f32],
+    (m, k, n): (usize, usize, usize),
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut out = vec![0.0; m * n];
+    let mut mag = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut g) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                let av = if trans_a { a[p * m + i] } else { a[i * k + p] } as f64;
+                let bv = if trans_b { b[j * k + p] } else { b[p * n + j] } as f64;
+                s += av * bv;
+                g += (av * bv).abs();
+            }
+            if accumulate {
+                s += c0[i * n + j] as f64;
+                g += (c0[i * n + j] as f64).abs();
+            }
+            out[i * n + j] = s;
+            mag[i * n + j] = g;
+        }
+    }
+    (out, mag)
+}

@@ -8,6 +8,7 @@ use super::error::Result;
 use super::matmul::plan_gemm;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
+use crate::kernels::backend::Gemm;
 
 /// The validated sizes of one attention call.
 struct Dims {
@@ -66,19 +67,8 @@ pub(crate) fn plan_attention(
     }
     // probs = (1/√d)·q·kᵀ per head.
     let scale = softmax_scale(d);
-    plan_gemm(
-        &mut plan,
-        op,
-        (q, k, probs),
-        bh,
-        t,
-        d,
-        t,
-        false,
-        true,
-        false,
-        scale,
-    )?;
+    let scores = Gemm::new(bh, t, d, t).transposed(false, true);
+    plan_gemm(&mut plan, op, (q, k, probs), &scores, scale)?;
     let rows = (bh * t) as u64;
     plan.launch(
         Kernel::CausalSoftmax,
@@ -86,19 +76,7 @@ pub(crate) fn plan_attention(
         vec![PArg::U64(rows), PArg::U64(t as u64), PArg::Ptr(probs)],
     );
     // out = probs·v per head.
-    plan_gemm(
-        &mut plan,
-        op,
-        (probs, v, out),
-        bh,
-        t,
-        t,
-        d,
-        false,
-        false,
-        false,
-        1.0,
-    )?;
+    plan_gemm(&mut plan, op, (probs, v, out), &Gemm::new(bh, t, t, d), 1.0)?;
     Ok(plan)
 }
 
@@ -116,34 +94,14 @@ pub(crate) fn plan_attention_backward(
     }
     let scale = softmax_scale(d);
     // dv = Pᵀ·dout
-    plan_gemm(
-        &mut plan,
-        op,
-        (probs, dout, dv),
-        bh,
-        t,
-        t,
-        d,
-        true,
-        false,
-        false,
-        1.0,
-    )?;
+    // P·X and Pᵀ·X per head ([t, t] · [t, d]).
+    let p_x = Gemm::new(bh, t, t, d);
+    let pt_x = p_x.transposed(true, false);
+    plan_gemm(&mut plan, op, (probs, dout, dv), &pt_x, 1.0)?;
     // dP = dout·vᵀ, into a [bh, t, t] scratch that becomes dS in place.
     let ds = Ptr::scratch(plan.scratch(bh * t * t, Elem::F32));
-    plan_gemm(
-        &mut plan,
-        op,
-        (dout, v, ds),
-        bh,
-        t,
-        d,
-        t,
-        false,
-        true,
-        false,
-        1.0,
-    )?;
+    let scores = Gemm::new(bh, t, d, t).transposed(false, true);
+    plan_gemm(&mut plan, op, (dout, v, ds), &scores, 1.0)?;
     let rows = (bh * t) as u64;
     plan.launch(
         Kernel::CausalSoftmaxBwd,
@@ -156,32 +114,8 @@ pub(crate) fn plan_attention_backward(
         ],
     );
     // dq = dS·k/√d ; dk = dSᵀ·q/√d
-    plan_gemm(
-        &mut plan,
-        op,
-        (ds, k, dq),
-        bh,
-        t,
-        t,
-        d,
-        false,
-        false,
-        false,
-        scale,
-    )?;
-    plan_gemm(
-        &mut plan,
-        op,
-        (ds, q, dk),
-        bh,
-        t,
-        t,
-        d,
-        true,
-        false,
-        false,
-        scale,
-    )?;
+    plan_gemm(&mut plan, op, (ds, k, dq), &p_x, scale)?;
+    plan_gemm(&mut plan, op, (ds, q, dk), &pt_x, scale)?;
     Ok(plan)
 }
 
@@ -231,7 +165,7 @@ impl CudaKernels {
             bh,
             t,
             d,
-            [qkv[0], qkv[1], qkv[2], qkv[3], p[0]].map(|x| Ptr::Dev(x.ptr)),
+            [qkv[0], qkv[1], qkv[2], qkv[3], p[0]].map(|x| x.as_ptr()),
         )?;
         // SAFETY: q, k, v and out hold bh·t·d f32 and probs bh·t·t f32 on this device (checked
         // above); out and probs overlap no other argument; the plan's products and the softmax
@@ -299,7 +233,7 @@ impl CudaKernels {
             bh,
             t,
             d,
-            [qkv[0], qkv[1], qkv[2], p[0], qkv[3], qkv[4], qkv[5], qkv[6]].map(|x| Ptr::Dev(x.ptr)),
+            [qkv[0], qkv[1], qkv[2], p[0], qkv[3], qkv[4], qkv[5], qkv[6]].map(|x| x.as_ptr()),
         )?;
         // SAFETY: q, k, v, dout, dq, dk and dv hold bh·t·d f32 and probs bh·t·t f32 on this
         // device (checked above); dq, dk and dv overlap no other argument; dP/dS live in the

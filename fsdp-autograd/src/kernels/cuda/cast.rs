@@ -17,23 +17,33 @@ pub(crate) fn plan_cast(kernel: Kernel, n: u64, src: Ptr, dst: Ptr) -> Plan {
     )
 }
 
+/// One conversion: its name (for errors), its kernel, and the source and destination element
+/// types.
+struct Cast(&'static str, Kernel, Elem, Elem);
+
+const F32_TO_F16: Cast = Cast("cast_f32_to_f16", Kernel::CastF32F16, Elem::F32, Elem::U16);
+const F16_TO_F32: Cast = Cast("cast_f16_to_f32", Kernel::CastF16F32, Elem::U16, Elem::F32);
+const F32_TO_BF16: Cast = Cast(
+    "cast_f32_to_bf16",
+    Kernel::CastF32Bf16,
+    Elem::F32,
+    Elem::U16,
+);
+const BF16_TO_F32: Cast = Cast(
+    "cast_bf16_to_f32",
+    Kernel::CastBf16F32,
+    Elem::U16,
+    Elem::F32,
+);
+
 impl CudaKernels {
-    #[allow(clippy::too_many_arguments)]
-    fn cast(
-        &self,
-        op: &'static str,
-        kernel: Kernel,
-        stream: &Stream,
-        src: &BufferRef,
-        src_elem: Elem,
-        dst: &BufferRef,
-        dst_elem: Elem,
-    ) -> Result<()> {
+    fn cast(&self, cast: Cast, stream: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
+        let Cast(op, kernel, src_elem, dst_elem) = cast;
         let c = self.call(op, stream)?;
         let (ds, dd) = (c.buf("src", src, src_elem)?, c.buf("dst", dst, dst_elem)?);
         expect_len(op, "dst", dd.len, ds.len, || format!("len(src)={}", ds.len))?;
         c.disjoint(&[("dst", dst)], &[("src", src)])?;
-        let plan = plan_cast(kernel, ds.len as u64, Ptr::Dev(ds.ptr), Ptr::Dev(dd.ptr));
+        let plan = plan_cast(kernel, ds.len as u64, ds.as_ptr(), dd.as_ptr());
         // SAFETY: src and dst hold n elements of their types on this device and do not overlap.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -45,15 +55,7 @@ impl CudaKernels {
     /// # Errors
     /// Length mismatch (elements); buffer/stream errors; overlap.
     pub fn cast_f32_to_f16(&self, stream: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
-        self.cast(
-            "cast_f32_to_f16",
-            Kernel::CastF32F16,
-            stream,
-            src,
-            Elem::F32,
-            dst,
-            Elem::U16,
-        )
+        self.cast(F32_TO_F16, stream, src, dst)
     }
 
     /// `dst[i] = f32(src[i])`, exact (CPU: [`cpu::cast_f16_to_f32`](crate::kernels::cpu::cast_f16_to_f32)).
@@ -61,15 +63,7 @@ impl CudaKernels {
     /// # Errors
     /// As [`CudaKernels::cast_f32_to_f16`].
     pub fn cast_f16_to_f32(&self, stream: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
-        self.cast(
-            "cast_f16_to_f32",
-            Kernel::CastF16F32,
-            stream,
-            src,
-            Elem::U16,
-            dst,
-            Elem::F32,
-        )
+        self.cast(F16_TO_F32, stream, src, dst)
     }
 
     /// `dst[i] = bf16(src[i])` with the `half` crate's algorithm (round to nearest even, NaN kept
@@ -84,15 +78,7 @@ impl CudaKernels {
         src: &BufferRef,
         dst: &BufferRef,
     ) -> Result<()> {
-        self.cast(
-            "cast_f32_to_bf16",
-            Kernel::CastF32Bf16,
-            stream,
-            src,
-            Elem::F32,
-            dst,
-            Elem::U16,
-        )
+        self.cast(F32_TO_BF16, stream, src, dst)
     }
 
     /// `dst[i] = f32(src[i])`, exact (a 16-bit shift, quieting signaling NaNs as `half` does),
@@ -106,14 +92,6 @@ impl CudaKernels {
         src: &BufferRef,
         dst: &BufferRef,
     ) -> Result<()> {
-        self.cast(
-            "cast_bf16_to_f32",
-            Kernel::CastBf16F32,
-            stream,
-            src,
-            Elem::U16,
-            dst,
-            Elem::F32,
-        )
+        self.cast(BF16_TO_F32, stream, src, dst)
     }
 }

@@ -62,6 +62,13 @@ pub(crate) struct Dev {
     pub(crate) len: usize,
 }
 
+impl Dev {
+    /// The buffer as a plan argument.
+    pub(crate) fn as_ptr(&self) -> Ptr {
+        Ptr::Dev(self.ptr)
+    }
+}
+
 /// Bytes of a count of elements, or [`CudaKernelError::TooLarge`].
 pub(crate) fn bytes_of(op: &'static str, count: usize, elem: Elem) -> Result<usize> {
     count
@@ -98,6 +105,13 @@ pub(crate) fn expect_len(
     shape: impl FnOnce() -> String,
 ) -> Result<()> {
     Ok(check::len(op, arg, actual, expected, shape)?)
+}
+
+/// The arguments of a row-wise kernel: `rows`, `cols`, then the buffers.
+pub(crate) fn row_args(rows: u64, cols: u64, bufs: &[Ptr]) -> Vec<PArg> {
+    let mut args = vec![PArg::U64(rows), PArg::U64(cols)];
+    args.extend(bufs.iter().map(|&p| PArg::Ptr(p)));
+    args
 }
 
 /// A grid for `n` grid-strided work items.
@@ -327,6 +341,33 @@ impl Call<'_> {
             ptr,
             len: b.len() / size,
         })
+    }
+
+    /// [`Call::buf`] of each named `f32` buffer, in order.
+    pub(crate) fn f32_bufs<const N: usize>(
+        &self,
+        bufs: [(&'static str, &BufferRef); N],
+    ) -> Result<[Dev; N]> {
+        let mut devs = [Dev { ptr: 0, len: 0 }; N];
+        for (d, (arg, b)) in devs.iter_mut().zip(bufs) {
+            *d = self.buf(arg, b, Elem::F32)?;
+        }
+        Ok(devs)
+    }
+
+    /// [`Call::buf`] of each named `f32` buffer, in order, each holding exactly its element
+    /// count (else the shared length error, with `shape` describing the call).
+    pub(crate) fn f32_sized<const N: usize>(
+        &self,
+        bufs: [(&'static str, &BufferRef, usize); N],
+        shape: impl Fn() -> String,
+    ) -> Result<[Dev; N]> {
+        let mut devs = [Dev { ptr: 0, len: 0 }; N];
+        for (d, (arg, b, n)) in devs.iter_mut().zip(bufs) {
+            *d = self.buf(arg, b, Elem::F32)?;
+            expect_len(self.op, arg, d.len, n, &shape)?;
+        }
+        Ok(devs)
     }
 
     /// Errors if any output overlaps any other argument (outputs included).

@@ -156,11 +156,7 @@ impl CudaKernels {
         out: &BufferRef,
     ) -> Result<()> {
         let c = self.call(op, stream)?;
-        let (da, db, dout) = (
-            c.buf("a", a, Elem::F32)?,
-            c.buf("b", b, Elem::F32)?,
-            c.buf("out", out, Elem::F32)?,
-        );
+        let [da, db, dout] = c.f32_bufs([("a", a), ("b", b), ("out", out)])?;
         let shape = || format!("len(a)={}", da.len);
         expect_len(op, "b", db.len, da.len, shape)?;
         expect_len(op, "out", dout.len, da.len, shape)?;
@@ -168,9 +164,9 @@ impl CudaKernels {
         let plan = plan_binary(
             kernel,
             da.len as u64,
-            Ptr::Dev(da.ptr),
-            Ptr::Dev(db.ptr),
-            Ptr::Dev(dout.ptr),
+            da.as_ptr(),
+            db.as_ptr(),
+            dout.as_ptr(),
         );
         // SAFETY: a, b and out are device buffers of this device holding n f32 each (checked
         // above), out overlaps neither input; the kernel touches elements 0..n of each.
@@ -215,10 +211,10 @@ impl CudaKernels {
     pub fn scale(&self, stream: &Stream, x: &BufferRef, alpha: f32, out: &BufferRef) -> Result<()> {
         let op = "scale";
         let c = self.call(op, stream)?;
-        let (dx, dout) = (c.buf("x", x, Elem::F32)?, c.buf("out", out, Elem::F32)?);
+        let [dx, dout] = c.f32_bufs([("x", x), ("out", out)])?;
         expect_len(op, "out", dout.len, dx.len, || format!("len(x)={}", dx.len))?;
         c.disjoint(&[("out", out)], &[("x", x)])?;
-        let plan = plan_scale(dx.len as u64, Ptr::Dev(dx.ptr), alpha, Ptr::Dev(dout.ptr));
+        let plan = plan_scale(dx.len as u64, dx.as_ptr(), alpha, dout.as_ptr());
         // SAFETY: x and out hold n f32 each on this device and do not overlap.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -230,7 +226,7 @@ impl CudaKernels {
     pub fn scale_inplace(&self, stream: &Stream, y: &BufferRef, alpha: f32) -> Result<()> {
         let c = self.call("scale_inplace", stream)?;
         let dy = c.buf("y", y, Elem::F32)?;
-        let plan = plan_scale_inplace(dy.len as u64, Ptr::Dev(dy.ptr), alpha);
+        let plan = plan_scale_inplace(dy.len as u64, dy.as_ptr(), alpha);
         // SAFETY: y holds n f32 on this device; each element is read and written by one thread.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -250,10 +246,10 @@ impl CudaKernels {
     ) -> Result<()> {
         let op = "add_scaled";
         let c = self.call(op, stream)?;
-        let (dy, dx) = (c.buf("y", y, Elem::F32)?, c.buf("x", x, Elem::F32)?);
+        let [dy, dx] = c.f32_bufs([("y", y), ("x", x)])?;
         expect_len(op, "x", dx.len, dy.len, || format!("len(y)={}", dy.len))?;
         c.disjoint(&[("y", y)], &[("x", x)])?;
-        let plan = plan_axpy(dy.len as u64, Ptr::Dev(dy.ptr), alpha, Ptr::Dev(dx.ptr));
+        let plan = plan_axpy(dy.len as u64, dy.as_ptr(), alpha, dx.as_ptr());
         // SAFETY: y and x hold n f32 each on this device and do not overlap.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -273,20 +269,16 @@ impl CudaKernels {
     ) -> Result<()> {
         let op = "add_row_bias";
         let c = self.call(op, stream)?;
-        let (dx, db, dout) = (
-            c.buf("x", x, Elem::F32)?,
-            c.buf("bias", bias, Elem::F32)?,
-            c.buf("out", out, Elem::F32)?,
-        );
+        let [dx, db, dout] = c.f32_bufs([("x", x), ("bias", bias), ("out", out)])?;
         rows_of(op, "x", dx.len, db.len)?;
         expect_len(op, "out", dout.len, dx.len, || format!("len(x)={}", dx.len))?;
         c.disjoint(&[("out", out)], &[("x", x), ("bias", bias)])?;
         let plan = plan_add_row_bias(
             dx.len as u64,
             db.len as u64,
-            Ptr::Dev(dx.ptr),
-            Ptr::Dev(db.ptr),
-            Ptr::Dev(dout.ptr),
+            dx.as_ptr(),
+            db.as_ptr(),
+            dout.as_ptr(),
         );
         // SAFETY: x and out hold n f32, bias holds cols f32 (cols > 0 divides n), all on this
         // device; out overlaps neither input.
@@ -306,15 +298,11 @@ impl CudaKernels {
     ) -> Result<()> {
         let op = "add_row_bias_inplace";
         let c = self.call(op, stream)?;
-        let (dy, db) = (c.buf("y", y, Elem::F32)?, c.buf("bias", bias, Elem::F32)?);
+        let [dy, db] = c.f32_bufs([("y", y), ("bias", bias)])?;
         rows_of(op, "y", dy.len, db.len)?;
         c.disjoint(&[("y", y)], &[("bias", bias)])?;
-        let plan = plan_add_row_bias_inplace(
-            dy.len as u64,
-            db.len as u64,
-            Ptr::Dev(dy.ptr),
-            Ptr::Dev(db.ptr),
-        );
+        let plan =
+            plan_add_row_bias_inplace(dy.len as u64, db.len as u64, dy.as_ptr(), db.as_ptr());
         // SAFETY: y holds n f32 and bias cols f32 on this device, disjoint; each y element is
         // read and written by one thread.
         unsafe { c.exec(&plan) }.map(drop)
@@ -330,15 +318,10 @@ impl CudaKernels {
     pub fn col_sums(&self, stream: &Stream, x: &BufferRef, out: &BufferRef) -> Result<()> {
         let op = "col_sums";
         let c = self.call(op, stream)?;
-        let (dx, dout) = (c.buf("x", x, Elem::F32)?, c.buf("out", out, Elem::F32)?);
+        let [dx, dout] = c.f32_bufs([("x", x), ("out", out)])?;
         let rows = rows_of(op, "x", dx.len, dout.len)?;
         c.disjoint(&[("out", out)], &[("x", x)])?;
-        let plan = plan_col_sums(
-            rows as u64,
-            dout.len as u64,
-            Ptr::Dev(dx.ptr),
-            Ptr::Dev(dout.ptr),
-        );
+        let plan = plan_col_sums(rows as u64, dout.len as u64, dx.as_ptr(), dout.as_ptr());
         // SAFETY: x holds rows·cols f32 and out cols f32 (cols > 0) on this device, disjoint.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -353,7 +336,7 @@ impl CudaKernels {
         mean: bool,
     ) -> Result<()> {
         let c = self.call(op, stream)?;
-        let (dx, dout) = (c.buf("x", x, Elem::F32)?, c.buf("out", out, Elem::F32)?);
+        let [dx, dout] = c.f32_bufs([("x", x), ("out", out)])?;
         expect_len(op, "out", dout.len, 1, || "a scalar output".into())?;
         c.disjoint(&[("out", out)], &[("x", x)])?;
         if mean && dx.len == 0 {
@@ -364,7 +347,7 @@ impl CudaKernels {
             .into());
         }
         let divisor = if mean { dx.len as f64 } else { 1.0 };
-        let plan = plan_sum(dx.len as u64, Ptr::Dev(dx.ptr), Ptr::Dev(dout.ptr), divisor);
+        let plan = plan_sum(dx.len as u64, dx.as_ptr(), dout.as_ptr(), divisor);
         // SAFETY: x holds n f32 and out one f32 on this device, disjoint; the partial sums live
         // in the plan's scratch slot, sized to the number of blocks of the first launch.
         unsafe { c.exec(&plan) }.map(drop)
@@ -400,10 +383,10 @@ impl CudaKernels {
     pub fn gelu(&self, stream: &Stream, kind: Gelu, x: &BufferRef, y: &BufferRef) -> Result<()> {
         let op = "gelu";
         let c = self.call(op, stream)?;
-        let (dx, dy) = (c.buf("x", x, Elem::F32)?, c.buf("y", y, Elem::F32)?);
+        let [dx, dy] = c.f32_bufs([("x", x), ("y", y)])?;
         expect_len(op, "y", dy.len, dx.len, || format!("len(x)={}", dx.len))?;
         c.disjoint(&[("y", y)], &[("x", x)])?;
-        let plan = plan_gelu(kind, dx.len as u64, Ptr::Dev(dx.ptr), Ptr::Dev(dy.ptr));
+        let plan = plan_gelu(kind, dx.len as u64, dx.as_ptr(), dy.as_ptr());
         // SAFETY: x and y hold n f32 each on this device and do not overlap.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -425,22 +408,12 @@ impl CudaKernels {
     ) -> Result<()> {
         let op = "gelu_backward";
         let c = self.call(op, stream)?;
-        let (bx, bdy, bdx) = (
-            c.buf("x", x, Elem::F32)?,
-            c.buf("dy", dy, Elem::F32)?,
-            c.buf("dx", dx, Elem::F32)?,
-        );
+        let [bx, bdy, bdx] = c.f32_bufs([("x", x), ("dy", dy), ("dx", dx)])?;
         let shape = || format!("len(x)={}", bx.len);
         expect_len(op, "dy", bdy.len, bx.len, shape)?;
         expect_len(op, "dx", bdx.len, bx.len, shape)?;
         c.disjoint(&[("dx", dx)], &[("x", x), ("dy", dy)])?;
-        let plan = plan_gelu_backward(
-            kind,
-            bx.len as u64,
-            Ptr::Dev(bx.ptr),
-            Ptr::Dev(bdy.ptr),
-            Ptr::Dev(bdx.ptr),
-        );
+        let plan = plan_gelu_backward(kind, bx.len as u64, bx.as_ptr(), bdy.as_ptr(), bdx.as_ptr());
         // SAFETY: x, dy and dx hold n f32 each on this device; dx overlaps neither input.
         unsafe { c.exec(&plan) }.map(drop)
     }

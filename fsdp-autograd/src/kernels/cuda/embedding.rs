@@ -302,9 +302,9 @@ impl CudaKernels {
             dids.len as u64,
             dim as u64,
             rows as u64,
-            Ptr::Dev(dids.ptr),
-            Ptr::Dev(dt.ptr),
-            Ptr::Dev(dout.ptr),
+            dids.as_ptr(),
+            dt.as_ptr(),
+            dout.as_ptr(),
         );
         // SAFETY: ids holds total/dim i64, table rows·dim f32 and out total f32 on this device;
         // out overlaps neither input; the kernels read table only at in-range ids.
@@ -350,9 +350,9 @@ impl CudaKernels {
             n as u64,
             dim as u64,
             rows as u64,
-            Ptr::Dev(dids.ptr),
-            Ptr::Dev(ddy.ptr),
-            Ptr::Dev(ddt.ptr),
+            dids.as_ptr(),
+            ddy.as_ptr(),
+            ddt.as_ptr(),
         );
         // SAFETY: ids holds n i64, dy n·dim f32 and dtable rows·dim f32 on this device; dtable
         // overlaps neither input. The sort's scratch is sized by the plan (rows and n u32

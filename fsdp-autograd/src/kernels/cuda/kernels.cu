@@ -64,6 +64,19 @@ __device__ float block_max(float v, float* sh) {
     return r;
 }
 
+// The statistics of a softmax over row[0..n): the row maximum (into *m, NaNs skipped) and the f64
+// sum of expf(row[j] - max) over the fixed tree. Every thread of the block must call it and gets
+// both.
+__device__ double max_and_exp_sum(const float* row, u64 n, float* m, double* shd, float* shf) {
+    float mx = neg_inf_f32();
+    COL_LOOP(j, n) mx = fmaxf(mx, row[j]);
+    mx = block_max(mx, shf);
+    double s = 0.0;
+    COL_LOOP(j, n) s = s + (double)expf(row[j] - mx);
+    *m = mx;
+    return block_sum(s, shd);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Elementwise.
 
@@ -183,12 +196,8 @@ extern "C" __global__ void softmax_fwd(u64 rows, u64 cols, const float* x, float
     ROW_LOOP(r, rows) {
         const float* xr = x + r * cols;
         float* yr = y + r * cols;
-        float m = neg_inf_f32();
-        COL_LOOP(j, cols) m = fmaxf(m, xr[j]);
-        m = block_max(m, shf);
-        double s = 0.0;
-        COL_LOOP(j, cols) s = s + (double)expf(xr[j] - m);
-        s = block_sum(s, shd);
+        float m;
+        double s = max_and_exp_sum(xr, cols, &m, shd, shf);
         float inv = (float)(1.0 / s);
         COL_LOOP(j, cols) yr[j] = expf(xr[j] - m) * inv;
     }
@@ -216,12 +225,8 @@ extern "C" __global__ void causal_softmax(u64 rows, u64 t, float* p) {
     ROW_LOOP(r, rows) {
         float* row = p + r * t;
         u64 vis = r % t + 1;
-        float m = neg_inf_f32();
-        COL_LOOP(j, vis) m = fmaxf(m, row[j]);
-        m = block_max(m, shf);
-        double s = 0.0;
-        COL_LOOP(j, vis) s = s + (double)expf(row[j] - m);
-        s = block_sum(s, shd);
+        float m;
+        double s = max_and_exp_sum(row, vis, &m, shd, shf);
         float inv = (float)(1.0 / s);
         COL_LOOP(j, t) row[j] = j < vis ? expf(row[j] - m) * inv : 0.0f;
     }
@@ -434,12 +439,8 @@ extern "C" __global__ void ce_fwd(u64 rows, u64 cols, const float* logits, const
     __shared__ float shf[BLOCK];
     ROW_LOOP(r, rows) {
         const float* xr = logits + r * cols;
-        float m = neg_inf_f32();
-        COL_LOOP(j, cols) m = fmaxf(m, xr[j]);
-        m = block_max(m, shf);
-        double s = 0.0;
-        COL_LOOP(j, cols) s = s + (double)expf(xr[j] - m);
-        s = block_sum(s, shd);
+        float m;
+        double s = max_and_exp_sum(xr, cols, &m, shd, shf);
         double l = (double)m + log(s);
         if (threadIdx.x == 0) {
             lse[r] = (float)l;

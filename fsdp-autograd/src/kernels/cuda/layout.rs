@@ -188,13 +188,7 @@ impl CudaKernels {
         let (desc, numel) = view_desc(op, ds.len, offset, shape, strides)?;
         expect_len(op, "dst", dd.len, numel, || format!("shape={shape:?}"))?;
         c.disjoint(&[("dst", dst)], &[("src", src)])?;
-        let plan = plan_strided(
-            kernel,
-            numel as u64,
-            desc,
-            Ptr::Dev(ds.ptr),
-            Ptr::Dev(dd.ptr),
-        );
+        let plan = plan_strided(kernel, numel as u64, desc, ds.as_ptr(), dd.as_ptr());
         // SAFETY: every element the view addresses lies inside src (view_desc checked the last
         // offset against its length); dst holds numel elements of the same size; they do not
         // overlap.
@@ -225,7 +219,7 @@ impl CudaKernels {
     ) -> Result<()> {
         let op = "strided_add_assign";
         let c = self.call(op, stream)?;
-        let (dd, ds) = (c.buf("dst", dst, Elem::F32)?, c.buf("src", src, Elem::F32)?);
+        let [dd, ds] = c.f32_bufs([("dst", dst), ("src", src)])?;
         let (desc, numel) = view_desc(op, dd.len, offset, shape, strides)?;
         expect_len(op, "src", ds.len, numel, || format!("shape={shape:?}"))?;
         if !is_injective(shape, strides) {
@@ -244,8 +238,8 @@ impl CudaKernels {
             Kernel::StridedAddF32,
             numel as u64,
             desc,
-            Ptr::Dev(dd.ptr),
-            Ptr::Dev(ds.ptr),
+            dd.as_ptr(),
+            ds.as_ptr(),
         );
         // SAFETY: every element the view addresses lies inside dst and is addressed once
         // (checked above), so each is updated by exactly one thread; src holds numel f32; they

@@ -2,7 +2,7 @@
 
 use fsdp_alloc::{BufferRef, Stream};
 
-use super::context::{expect_len, grid_rows, rows_of, Call, CudaKernels, Dev, Elem};
+use super::context::{expect_len, grid_rows, row_args, rows_of, Call, CudaKernels, Dev, Elem};
 use super::embedding::{exec_checked, plan_check, IndexCheck};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
@@ -25,14 +25,7 @@ pub(crate) fn plan_cross_entropy(
     plan.launch(
         Kernel::CeFwd,
         grid_rows(rows),
-        vec![
-            PArg::U64(rows),
-            PArg::U64(cols),
-            PArg::Ptr(logits),
-            PArg::Ptr(targets),
-            PArg::Ptr(lse),
-            PArg::Ptr(row_loss),
-        ],
+        row_args(rows, cols, &[logits, targets, lse, row_loss]),
     );
     plan.launch(
         Kernel::SumFinal,
@@ -63,15 +56,7 @@ pub(crate) fn plan_cross_entropy_backward(
     plan.launch(
         Kernel::CeBwd,
         grid_rows(rows),
-        vec![
-            PArg::U64(rows),
-            PArg::U64(cols),
-            PArg::Ptr(logits),
-            PArg::Ptr(targets),
-            PArg::Ptr(lse),
-            PArg::Ptr(dloss),
-            PArg::Ptr(dlogits),
-        ],
+        row_args(rows, cols, &[logits, targets, lse, dloss, dlogits]),
     );
     (plan, status)
 }
@@ -138,10 +123,10 @@ impl CudaKernels {
         let (plan, status) = plan_cross_entropy(
             rows as u64,
             cols as u64,
-            Ptr::Dev(dl.ptr),
-            Ptr::Dev(dt.ptr),
-            Ptr::Dev(dlse.ptr),
-            Ptr::Dev(dloss.ptr),
+            dl.as_ptr(),
+            dt.as_ptr(),
+            dlse.as_ptr(),
+            dloss.as_ptr(),
         );
         // SAFETY: logits holds rows·cols f32, targets rows i64, lse rows f32 and loss one f32 on
         // this device; the outputs overlap nothing else; the row losses live in the plan's
@@ -194,11 +179,11 @@ impl CudaKernels {
         let (plan, status) = plan_cross_entropy_backward(
             rows as u64,
             cols as u64,
-            Ptr::Dev(dl.ptr),
-            Ptr::Dev(dt.ptr),
-            Ptr::Dev(dlse.ptr),
-            Ptr::Dev(dd.ptr),
-            Ptr::Dev(dg.ptr),
+            dl.as_ptr(),
+            dt.as_ptr(),
+            dlse.as_ptr(),
+            dd.as_ptr(),
+            dg.as_ptr(),
         );
         // SAFETY: logits and dlogits hold rows·cols f32, targets rows i64, lse rows f32, dloss
         // one f32, all on this device; dlogits overlaps nothing else; block r writes row r.

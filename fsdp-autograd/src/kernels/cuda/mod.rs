@@ -52,7 +52,7 @@
 //!
 //! | group | methods |
 //! | --- | --- |
-//! | matrix products (cuBLAS) | [`matmul`](CudaKernels::matmul), [`bmm`](CudaKernels::bmm) |
+//! | matrix products (cuBLAS) | [`gemm`](CudaKernels::gemm) (one product or a batch, per a [`Gemm`](crate::kernels::backend::Gemm)) |
 //! | elementwise | [`add`](CudaKernels::add), [`mul`](CudaKernels::mul), [`scale`](CudaKernels::scale), [`scale_inplace`](CudaKernels::scale_inplace), [`add_scaled`](CudaKernels::add_scaled), [`gelu`](CudaKernels::gelu), [`gelu_backward`](CudaKernels::gelu_backward) |
 //! | reductions / broadcasts | [`sum`](CudaKernels::sum), [`mean`](CudaKernels::mean), [`add_row_bias`](CudaKernels::add_row_bias), [`add_row_bias_inplace`](CudaKernels::add_row_bias_inplace), [`col_sums`](CudaKernels::col_sums) |
 //! | row-wise | [`softmax_rows`](CudaKernels::softmax_rows), [`softmax_rows_backward`](CudaKernels::softmax_rows_backward), [`layer_norm`](CudaKernels::layer_norm), [`layer_norm_backward`](CudaKernels::layer_norm_backward) |

@@ -3,7 +3,7 @@
 
 use fsdp_alloc::{BufferRef, Stream};
 
-use super::context::{expect_len, grid_for, grid_rows, rows_of, CudaKernels, Elem};
+use super::context::{expect_len, grid_for, grid_rows, row_args, rows_of, CudaKernels, Elem};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
@@ -19,26 +19,12 @@ fn plan_rows(kernel: Kernel, rows: u64, args: Vec<PArg>) -> Plan {
 
 /// Row softmax of `rows × cols`.
 pub(crate) fn plan_softmax(rows: u64, cols: u64, x: Ptr, y: Ptr) -> Plan {
-    plan_rows(
-        Kernel::SoftmaxFwd,
-        rows,
-        vec![PArg::U64(rows), PArg::U64(cols), PArg::Ptr(x), PArg::Ptr(y)],
-    )
+    plan_rows(Kernel::SoftmaxFwd, rows, row_args(rows, cols, &[x, y]))
 }
 
 /// Row softmax backward.
 pub(crate) fn plan_softmax_backward(rows: u64, cols: u64, y: Ptr, dy: Ptr, dx: Ptr) -> Plan {
-    plan_rows(
-        Kernel::SoftmaxBwd,
-        rows,
-        vec![
-            PArg::U64(rows),
-            PArg::U64(cols),
-            PArg::Ptr(y),
-            PArg::Ptr(dy),
-            PArg::Ptr(dx),
-        ],
-    )
+    plan_rows(Kernel::SoftmaxBwd, rows, row_args(rows, cols, &[y, dy, dx]))
 }
 
 /// Layer norm forward; `p = [x, gamma, beta, y, mean, rstd]`.
@@ -54,31 +40,13 @@ pub(crate) fn plan_layer_norm_backward(rows: u64, cols: u64, p: [Ptr; 8]) -> Pla
     let mut plan = plan_rows(
         Kernel::LayerNormBwdDx,
         rows,
-        vec![
-            PArg::U64(rows),
-            PArg::U64(cols),
-            PArg::Ptr(x),
-            PArg::Ptr(gamma),
-            PArg::Ptr(mean),
-            PArg::Ptr(rstd),
-            PArg::Ptr(dy),
-            PArg::Ptr(dx),
-        ],
+        row_args(rows, cols, &[x, gamma, mean, rstd, dy, dx]),
     );
     // With zero rows the parameter gradients are empty sums: the kernel writes zeros.
     plan.launch(
         Kernel::LayerNormBwdParams,
         grid_for(cols),
-        vec![
-            PArg::U64(rows),
-            PArg::U64(cols),
-            PArg::Ptr(x),
-            PArg::Ptr(mean),
-            PArg::Ptr(rstd),
-            PArg::Ptr(dy),
-            PArg::Ptr(dgamma),
-            PArg::Ptr(dbeta),
-        ],
+        row_args(rows, cols, &[x, mean, rstd, dy, dgamma, dbeta]),
     );
     plan
 }
@@ -100,11 +68,11 @@ impl CudaKernels {
     ) -> Result<()> {
         let op = "softmax_rows";
         let c = self.call(op, stream)?;
-        let (dx, dy) = (c.buf("x", x, Elem::F32)?, c.buf("y", y, Elem::F32)?);
+        let [dx, dy] = c.f32_bufs([("x", x), ("y", y)])?;
         let rows = rows_of(op, "x", dx.len, cols)?;
         expect_len(op, "y", dy.len, dx.len, || format!("len(x)={}", dx.len))?;
         c.disjoint(&[("y", y)], &[("x", x)])?;
-        let plan = plan_softmax(rows as u64, cols as u64, Ptr::Dev(dx.ptr), Ptr::Dev(dy.ptr));
+        let plan = plan_softmax(rows as u64, cols as u64, dx.as_ptr(), dy.as_ptr());
         // SAFETY: x and y hold rows·cols f32 each on this device and do not overlap; block r
         // touches row r only.
         unsafe { c.exec(&plan) }.map(drop)
@@ -126,11 +94,7 @@ impl CudaKernels {
     ) -> Result<()> {
         let op = "softmax_rows_backward";
         let c = self.call(op, stream)?;
-        let (by, bdy, bdx) = (
-            c.buf("y", y, Elem::F32)?,
-            c.buf("dy", dy, Elem::F32)?,
-            c.buf("dx", dx, Elem::F32)?,
-        );
+        let [by, bdy, bdx] = c.f32_bufs([("y", y), ("dy", dy), ("dx", dx)])?;
         let rows = rows_of(op, "y", by.len, cols)?;
         let shape = || format!("len(y)={}", by.len);
         expect_len(op, "dy", bdy.len, by.len, shape)?;
@@ -139,9 +103,9 @@ impl CudaKernels {
         let plan = plan_softmax_backward(
             rows as u64,
             cols as u64,
-            Ptr::Dev(by.ptr),
-            Ptr::Dev(bdy.ptr),
-            Ptr::Dev(bdx.ptr),
+            by.as_ptr(),
+            bdy.as_ptr(),
+            bdx.as_ptr(),
         );
         // SAFETY: y, dy and dx hold rows·cols f32 each on this device; dx overlaps neither input.
         unsafe { c.exec(&plan) }.map(drop)
@@ -172,16 +136,16 @@ impl CudaKernels {
         let bx = c.buf("x", x, Elem::F32)?;
         let rows = rows_of(op, "x", bx.len, cols)?;
         let shape = || format!("rows={rows}, cols={cols}");
-        let bg = c.buf("gamma", gamma, Elem::F32)?;
-        expect_len(op, "gamma", bg.len, cols, shape)?;
-        let bb = c.buf("beta", beta, Elem::F32)?;
-        expect_len(op, "beta", bb.len, cols, shape)?;
-        let by = c.buf("y", y, Elem::F32)?;
-        expect_len(op, "y", by.len, bx.len, shape)?;
-        let bm = c.buf("mean", mean, Elem::F32)?;
-        expect_len(op, "mean", bm.len, rows, shape)?;
-        let br = c.buf("rstd", rstd, Elem::F32)?;
-        expect_len(op, "rstd", br.len, rows, shape)?;
+        let [bg, bb, by, bm, br] = c.f32_sized(
+            [
+                ("gamma", gamma, cols),
+                ("beta", beta, cols),
+                ("y", y, bx.len),
+                ("mean", mean, rows),
+                ("rstd", rstd, rows),
+            ],
+            shape,
+        )?;
         c.disjoint(
             &[("y", y), ("mean", mean), ("rstd", rstd)],
             &[("x", x), ("gamma", gamma), ("beta", beta)],
@@ -190,7 +154,7 @@ impl CudaKernels {
             rows as u64,
             cols as u64,
             eps,
-            [bx, bg, bb, by, bm, br].map(|d| Ptr::Dev(d.ptr)),
+            [bx, bg, bb, by, bm, br].map(|d| d.as_ptr()),
         );
         // SAFETY: x and y hold rows·cols f32, gamma and beta cols f32, mean and rstd rows f32,
         // all on this device; the outputs overlap nothing else; block r writes row r and
@@ -225,20 +189,18 @@ impl CudaKernels {
         let bx = c.buf("x", x, Elem::F32)?;
         let rows = rows_of(op, "x", bx.len, cols)?;
         let shape = || format!("rows={rows}, cols={cols}");
-        let bg = c.buf("gamma", gamma, Elem::F32)?;
-        expect_len(op, "gamma", bg.len, cols, shape)?;
-        let bm = c.buf("mean", mean, Elem::F32)?;
-        expect_len(op, "mean", bm.len, rows, shape)?;
-        let br = c.buf("rstd", rstd, Elem::F32)?;
-        expect_len(op, "rstd", br.len, rows, shape)?;
-        let bdy = c.buf("dy", dy, Elem::F32)?;
-        expect_len(op, "dy", bdy.len, bx.len, shape)?;
-        let bdx = c.buf("dx", dx, Elem::F32)?;
-        expect_len(op, "dx", bdx.len, bx.len, shape)?;
-        let bdg = c.buf("dgamma", dgamma, Elem::F32)?;
-        expect_len(op, "dgamma", bdg.len, cols, shape)?;
-        let bdb = c.buf("dbeta", dbeta, Elem::F32)?;
-        expect_len(op, "dbeta", bdb.len, cols, shape)?;
+        let [bg, bm, br, bdy, bdx, bdg, bdb] = c.f32_sized(
+            [
+                ("gamma", gamma, cols),
+                ("mean", mean, rows),
+                ("rstd", rstd, rows),
+                ("dy", dy, bx.len),
+                ("dx", dx, bx.len),
+                ("dgamma", dgamma, cols),
+                ("dbeta", dbeta, cols),
+            ],
+            shape,
+        )?;
         c.disjoint(
             &[("dx", dx), ("dgamma", dgamma), ("dbeta", dbeta)],
             &[
@@ -252,7 +214,7 @@ impl CudaKernels {
         let plan = plan_layer_norm_backward(
             rows as u64,
             cols as u64,
-            [bx, bg, bm, br, bdy, bdx, bdg, bdb].map(|d| Ptr::Dev(d.ptr)),
+            [bx, bg, bm, br, bdy, bdx, bdg, bdb].map(|d| d.as_ptr()),
         );
         // SAFETY: x, dy and dx hold rows·cols f32, gamma, dgamma and dbeta cols f32, mean and
         // rstd rows f32, all on this device; the outputs overlap no other argument; block r

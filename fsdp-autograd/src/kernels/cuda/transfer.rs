@@ -5,7 +5,7 @@ use fsdp_alloc::{BufferRef, Stream};
 
 use super::context::{expect_len, Call, CudaKernels, Dev, Elem};
 use super::error::Result;
-use super::plan::{Plan, Ptr};
+use super::plan::Plan;
 
 /// Validates `b` as device memory of this device holding exactly `expected` bytes.
 fn bytes_arg(c: &Call<'_>, arg: &'static str, b: &BufferRef, expected: usize) -> Result<Dev> {
@@ -60,7 +60,7 @@ impl CudaKernels {
         let c = self.call("zero", stream)?;
         let b = bytes_arg(&c, "buf", buf, buf.len())?;
         let mut plan = Plan::new();
-        plan.memset(Ptr::Dev(b.ptr), 0, b.len);
+        plan.memset(b.as_ptr(), 0, b.len);
         // SAFETY: `b` is this device's live buffer of b.len bytes.
         unsafe { c.exec(&plan) }.map(drop)
     }
@@ -76,7 +76,7 @@ impl CudaKernels {
         let d = bytes_arg(&c, "dst", dst, src.len())?;
         c.disjoint(&[("dst", dst)], &[("src", src)])?;
         let mut plan = Plan::new();
-        plan.copy(Ptr::Dev(d.ptr), Ptr::Dev(s.ptr), s.len);
+        plan.copy(d.as_ptr(), s.as_ptr(), s.len);
         // SAFETY: both are this device's live buffers of s.len bytes and do not overlap.
         unsafe { c.exec(&plan) }.map(drop)
     }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
+use crate::kernels::backend::Gemm;
 use crate::kernels::cuda::attention::{plan_attention, plan_attention_backward};
 use crate::kernels::cuda::cast::plan_cast;
 use crate::kernels::cuda::elementwise::{
@@ -556,20 +557,10 @@ impl Exec for EmuExec {
                 acc,
             } => {
                 let mut plan = Plan::new();
-                plan_gemm(
-                    &mut plan,
-                    "bmm",
-                    (d(*a), d(*b), d(*c)),
-                    *batch,
-                    *m,
-                    *k,
-                    *n,
-                    *ta,
-                    *tb,
-                    *acc,
-                    1.0,
-                )
-                .map(|()| plan)
+                let g = Gemm::new(*batch, *m, *k, *n)
+                    .transposed(*ta, *tb)
+                    .accumulating(*acc);
+                plan_gemm(&mut plan, "bmm", (d(*a), d(*b), d(*c)), &g, 1.0).map(|()| plan)
             }
             Op::Cast { kind, src, dst } => {
                 let (kernel, n) = match kind {

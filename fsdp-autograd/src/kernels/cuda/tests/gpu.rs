@@ -3,6 +3,7 @@
 
 use fsdp_alloc::{Buffer, Device, Stream};
 
+use crate::kernels::backend::Gemm;
 use crate::kernels::cuda::{CudaKernelError, CudaKernels};
 
 use super::exec::{CastKind, Exec, Op, H};
@@ -238,7 +239,12 @@ impl Exec for GpuExec {
                 ta,
                 tb,
                 acc,
-            } => k.bmm(s, b(a), b(bb), b(c), *batch, *m, *kk, *n, *ta, *tb, *acc),
+            } => {
+                let g = Gemm::new(*batch, *m, *kk, *n)
+                    .transposed(*ta, *tb)
+                    .accumulating(*acc);
+                k.gemm(s, &g, b(a), b(bb), b(c))
+            }
             Op::Cast { kind, src, dst } => match kind {
                 CastKind::F32ToF16 => k.cast_f32_to_f16(s, b(src), b(dst)),
                 CastKind::F16ToF32 => k.cast_f16_to_f32(s, b(src), b(dst)),

@@ -26,6 +26,7 @@ use super::matmul::col_major_gemm;
 use super::plan::{PArg, Plan, Ptr, Step};
 use super::program::{ArgKind, Kernel, MAX_GRID, SOURCE};
 use super::{CudaKernelError, CudaKernels};
+use crate::kernels::backend::Gemm;
 use crate::kernels::cpu;
 use cases::{assert_close, Rng};
 
@@ -210,7 +211,8 @@ fn row_major_gemm_mapping_matches_the_cpu_matmul() {
                 let (a, b) = (r.vec(batch * m * k, 1.0), r.vec(batch * k * n, 1.0));
                 let mut want = vec![0.0; batch * m * n];
                 cpu::bmm(&a, &b, &mut want, batch, m, k, n, ta, tb, false).unwrap();
-                let g = col_major_gemm("test", batch, m, k, n, ta, tb).unwrap();
+                let g =
+                    col_major_gemm("test", &Gemm::new(batch, m, k, n).transposed(ta, tb)).unwrap();
                 let mut got = vec![f32::NAN; batch * m * n];
                 // cuBLAS's first operand is B's buffer, its second A's (see ColMajorGemm).
                 reference_sgemm(
@@ -244,12 +246,12 @@ fn row_major_gemm_mapping_matches_the_cpu_matmul() {
 
 #[test]
 fn gemm_sizes_beyond_cublas_limits_are_errors() {
-    let err = col_major_gemm("matmul", 1, 1 << 31, 1, 1, false, false).unwrap_err();
+    let err = col_major_gemm("matmul", &Gemm::new(1, 1 << 31, 1, 1)).unwrap_err();
     assert!(
         matches!(err, CudaKernelError::TooLarge { what: "m", .. }),
         "{err}"
     );
-    let err = col_major_gemm("bmm", 1 << 31, 1, 1, 1, false, false).unwrap_err();
+    let err = col_major_gemm("bmm", &Gemm::new(1 << 31, 1, 1, 1)).unwrap_err();
     assert!(
         matches!(err, CudaKernelError::TooLarge { what: "batch", .. }),
         "{err}"
