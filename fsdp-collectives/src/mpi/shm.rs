@@ -2,11 +2,18 @@
 //!
 //! Segment of rank `r` (one per rank, mapped in every process of the group):
 //! `[0, 4096)` header — an `AtomicU64` step counter at offset 0 (`u64::MAX`: the rank failed);
-//! then two staging slots of `slot` bytes each. Step `g` uses slot `g % 2`: a rank writes its
-//! contribution into its own slot, publishes `counter = g + 1` (release), waits until every
-//! counter is `≥ g + 1` (acquire), then reads the peers' slots. A rank writes slot `g % 2` again
-//! only in step `g + 2`, after passing barrier `g + 1`, which every peer reaches only after it
-//! finished reading step `g`: so one barrier per step orders writers and readers.
+//! then a ring of `slots` staging slots of `slot` bytes each. Step `g` uses slot `g % slots`: a
+//! rank writes its contribution into its own slot, publishes `counter = g + 1` (release), waits
+//! until every counter is `≥ g + 1` (acquire), then reads the peers' slots.
+//!
+//! **Reuse of a slot.** A rank writes slot `g % slots` again in step `g + slots`. A peer has
+//! finished reading it (step `g`) once it published `counter ≥ g + 2` (it publishes step
+//! `g + 1` only after it consumed step `g`). So before filling step `g` a rank waits until every
+//! counter is `≥ g + 2 − slots`; with two slots that holds already (it passed barrier `g − 1`),
+//! with more slots a fast rank runs up to `slots − 2` steps ahead of the slowest reader instead
+//! of meeting it at every step. Small slots (about 1 MiB, the default) keep a step's staged
+//! bytes in the shared last-level cache while the peers read them, so the staging copy costs
+//! little memory traffic.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -22,9 +29,9 @@ fn round_up(n: usize) -> usize {
     n.div_ceil(HEADER) * HEADER
 }
 
-/// Bytes of one rank's segment for `slot_bytes` slots.
-pub(super) fn segment_bytes(slot_bytes: usize) -> usize {
-    HEADER + 2 * round_up(slot_bytes)
+/// Bytes of one rank's segment for `slots` slots of `slot_bytes`.
+pub(super) fn segment_bytes(slot_bytes: usize, slots: usize) -> usize {
+    HEADER + slots * round_up(slot_bytes)
 }
 
 /// Why a step failed.
@@ -43,6 +50,7 @@ pub(super) struct Shm {
     rank: usize,
     size: usize,
     slot: usize,
+    slots: usize,
     timeout: Duration,
 }
 
@@ -52,14 +60,17 @@ impl Shm {
         rank: usize,
         size: usize,
         slot_bytes: usize,
+        slots: usize,
         timeout: Duration,
     ) -> Shm {
-        debug_assert!(win.seg_bytes() >= segment_bytes(slot_bytes));
+        debug_assert!(slots >= 2);
+        debug_assert!(win.seg_bytes() >= segment_bytes(slot_bytes, slots));
         Shm {
             win,
             rank,
             size,
             slot: round_up(slot_bytes),
+            slots,
             timeout,
         }
     }
@@ -72,9 +83,11 @@ impl Shm {
         unsafe { &*(self.win.base(r) as *const AtomicU64) }
     }
 
-    fn slot_ptr(&self, r: usize, parity: usize) -> *mut u8 {
-        // SAFETY (of the arithmetic): HEADER + 2 slots fit in the segment (`segment_bytes`).
-        self.win.base(r).wrapping_add(HEADER + parity * self.slot)
+    fn slot_ptr(&self, r: usize, step: u64) -> *mut u8 {
+        let index = (step % self.slots as u64) as usize;
+        // SAFETY (of the arithmetic): HEADER + `slots` slots fit in the segment
+        // (`segment_bytes`).
+        self.win.base(r).wrapping_add(HEADER + index * self.slot)
     }
 
     /// Publishes that this rank failed: peers waiting in a step fail with
@@ -83,8 +96,10 @@ impl Shm {
         self.counter(self.rank).store(FAILED, Ordering::Release);
     }
 
+    /// Waits until every rank's counter is `≥ target`. Never busy for long: a few spins, then
+    /// `yield`, then short sleeps, so ranks sharing cores give them to the peers they wait for.
     fn wait_all(&self, target: u64) -> std::result::Result<(), StepError> {
-        let start = Instant::now();
+        let mut start = None;
         let mut tries = 0u32;
         loop {
             let mut all = true;
@@ -99,15 +114,16 @@ impl Shm {
                 return Ok(());
             }
             tries = tries.saturating_add(1);
-            if tries < 64 {
+            if tries < 32 {
                 std::hint::spin_loop();
-            } else if tries < 256 {
+            } else if tries < 128 {
                 std::thread::yield_now();
             } else {
                 // Sleep rather than spin: the peers need the cores to produce their data.
                 let pause = if tries < 2048 { 5 } else { 50 };
                 std::thread::sleep(Duration::from_micros(pause));
-                if start.elapsed() > self.timeout {
+                let since = *start.get_or_insert_with(Instant::now);
+                if since.elapsed() > self.timeout {
                     let missing = (0..self.size)
                         .filter(|&p| self.counter(p).load(Ordering::Acquire) < target)
                         .collect();
@@ -129,7 +145,6 @@ impl Shm {
         fill: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> std::result::Result<Vec<&'s [u8]>, StepError> {
         let g = ex.step;
-        let parity = (g % 2) as usize;
         let contrib = match pattern {
             Pattern::ToAll => self.size * len,
             _ => len,
@@ -146,12 +161,18 @@ impl Shm {
         }
         let contributes = !matches!(pattern, Pattern::FromRoot(root) if root != self.rank);
         if contributes {
-            // SAFETY: this rank's slot `parity` is `self.slot ≥ contrib` bytes inside its own
-            // segment, and no peer reads it now: they finished reading it (step g − 2) before
-            // arriving at barrier g − 1, which this rank has passed; nobody else writes it.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(self.slot_ptr(self.rank, parity), contrib)
-            };
+            // Every peer must be done reading this slot's previous use (step g − slots).
+            let free_at = (g + 2).saturating_sub(self.slots as u64);
+            if let Err(e) = self.wait_all(free_at) {
+                self.fail(ex);
+                return Err(e);
+            }
+            // SAFETY: this rank's slot for step g is `self.slot ≥ contrib` bytes inside its own
+            // segment, and no peer reads it now: each finished reading its previous use (step
+            // g − slots) before publishing counter g − slots + 2, which we just observed (or it
+            // was never used); nobody else writes it.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(self.rank, g), contrib) };
             if let Err(e) = fill(dst) {
                 self.fail(ex);
                 return Err(StepError::Local(e));
@@ -164,13 +185,14 @@ impl Shm {
             return Err(e);
         }
         let view = |r: usize, offset: usize| {
-            // SAFETY: rank r wrote these bytes of its slot `parity` before publishing counter
+            // SAFETY: rank r wrote these bytes of its slot for step g before publishing counter
             // g + 1, which we observed with acquire ordering; it will not write that slot again
-            // before this rank arrives at barrier g + 1 (its next step), and the window outlives
-            // `&'s self`. The range lies inside the slot (`offset + len ≤ contrib ≤ slot`).
+            // before this rank publishes counter g + 2 (its next step, after the caller consumed
+            // the views), and the window outlives `&'s self`. The range lies inside the slot
+            // (`offset + len ≤ contrib ≤ slot`).
             unsafe {
                 std::slice::from_raw_parts(
-                    self.slot_ptr(r, parity).wrapping_add(offset) as *const u8,
+                    self.slot_ptr(r, g).wrapping_add(offset) as *const u8,
                     len,
                 )
             }
