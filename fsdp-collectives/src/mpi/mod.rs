@@ -96,12 +96,24 @@ pub struct MpiConfig {
     pub shared_memory: bool,
 }
 
+/// A positive integer from environment variable `var`, else `default` (unset or unreadable).
+fn env_count(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(default)
+}
+
 impl Default for MpiConfig {
+    /// 120 s timeout, 8 slots of 1 MiB, shared memory on. The environment variables
+    /// `FSDP_MPI_SLOT_BYTES`, `FSDP_MPI_SLOTS` and `FSDP_MPI_SHM=0` change the defaults (for
+    /// tuning a machine without rebuilding).
     fn default() -> Self {
         MpiConfig {
             timeout: Duration::from_secs(120),
-            slot_bytes: 1 << 20,
-            slots: 8,
+            slot_bytes: env_count("FSDP_MPI_SLOT_BYTES", 1 << 20),
+            slots: env_count("FSDP_MPI_SLOTS", 8),
             shared_memory: std::env::var("FSDP_MPI_SHM").map_or(true, |v| v.trim() != "0"),
         }
     }
