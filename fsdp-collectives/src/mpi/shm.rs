@@ -2,6 +2,8 @@
 //!
 //! Segment of rank `r` (one per rank, mapped in every process of the group):
 //! `[0, 4096)` header — an `AtomicU64` step counter at offset 0 (`u64::MAX`: the rank failed);
+//! rank 0's header also holds the group's *bell* (`AtomicU32` at offset 64, bumped after every
+//! counter change) and *sleeper count* (offset 128);
 //! then a ring of `slots` staging slots of `slot` bytes each. Step `g` uses slot `g % slots`: a
 //! rank writes its contribution into its own slot, publishes `counter = g + 1` (release), waits
 //! until every counter is `≥ g + 1` (acquire), then reads the peers' slots.
@@ -15,7 +17,7 @@
 //! bytes in the shared last-level cache while the peers read them, so the staging copy costs
 //! little memory traffic.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::raw::SharedWindow;
@@ -83,6 +85,24 @@ impl Shm {
         unsafe { &*(self.win.base(r) as *const AtomicU64) }
     }
 
+    /// Rank 0's header word at `offset` (64 or 128: the bell and the sleeper count).
+    fn word(&self, offset: usize) -> &AtomicU32 {
+        // SAFETY: offsets 64 and 128 lie in rank 0's 4096-byte header, 4-byte aligned (the
+        // segment is page-aligned); the words live as long as the window and are only accessed
+        // atomically, by every process of the group (zeroed at allocation).
+        unsafe { &*(self.win.base(0).wrapping_add(offset) as *const AtomicU32) }
+    }
+
+    /// Publishes this rank's counter and wakes the ranks sleeping on the bell.
+    fn publish(&self, value: u64) {
+        self.counter(self.rank).store(value, Ordering::SeqCst);
+        let bell = self.word(64);
+        bell.fetch_add(1, Ordering::SeqCst);
+        if self.word(128).load(Ordering::SeqCst) > 0 {
+            futex::wake_all(bell);
+        }
+    }
+
     fn slot_ptr(&self, r: usize, step: u64) -> *mut u8 {
         let index = (step % self.slots as u64) as usize;
         // SAFETY (of the arithmetic): HEADER + `slots` slots fit in the segment
@@ -93,42 +113,61 @@ impl Shm {
     /// Publishes that this rank failed: peers waiting in a step fail with
     /// [`StepError::PeerFailed`] instead of waiting for the timeout.
     pub(super) fn fail(&self, _ex: &mut Exec) {
-        self.counter(self.rank).store(FAILED, Ordering::Release);
+        self.publish(FAILED);
     }
 
-    /// Waits until every rank's counter is `≥ target`. Never busy for long: a few spins, then
-    /// `yield`, then short sleeps, so ranks sharing cores give them to the peers they wait for.
-    fn wait_all(&self, target: u64) -> std::result::Result<(), StepError> {
-        let mut start = None;
-        let mut tries = 0u32;
-        loop {
-            let mut all = true;
-            for p in 0..self.size {
-                let c = self.counter(p).load(Ordering::Acquire);
-                if c == FAILED && p != self.rank {
-                    return Err(StepError::PeerFailed(p));
-                }
-                all &= c >= target;
+    /// `Ok(true)` once every rank's counter is `≥ target`; a failed peer is an error.
+    fn arrived(&self, target: u64) -> std::result::Result<bool, StepError> {
+        let mut all = true;
+        for p in 0..self.size {
+            let c = self.counter(p).load(Ordering::SeqCst);
+            if c == FAILED && p != self.rank {
+                return Err(StepError::PeerFailed(p));
             }
-            if all {
+            all &= c >= target;
+        }
+        Ok(all)
+    }
+
+    /// Waits until every rank's counter is `≥ target`, without burning a core: a few spins and
+    /// `yield`s (the peers are often a moment away), then it sleeps on the group's bell — a
+    /// futex in the shared window on Linux (woken by the publishing rank at once), short sleeps
+    /// elsewhere — so ranks sharing cores leave them to the peers they wait for.
+    ///
+    /// No lost wake-up: a waiter announces itself (sleeper count) before reading the bell and
+    /// re-checking; a publisher bumps the bell before reading the sleeper count (all SeqCst), so
+    /// either the publisher sees the sleeper and wakes it, or the waiter's re-check sees the
+    /// new counter; and the futex only sleeps while the bell still has the value read.
+    fn wait_all(&self, target: u64) -> std::result::Result<(), StepError> {
+        for tries in 0..64 {
+            if self.arrived(target)? {
                 return Ok(());
             }
-            tries = tries.saturating_add(1);
-            if tries < 32 {
+            if tries < 16 {
                 std::hint::spin_loop();
-            } else if tries < 128 {
-                std::thread::yield_now();
             } else {
-                // Sleep rather than spin: the peers need the cores to produce their data.
-                let pause = if tries < 2048 { 5 } else { 50 };
-                std::thread::sleep(Duration::from_micros(pause));
-                let since = *start.get_or_insert_with(Instant::now);
-                if since.elapsed() > self.timeout {
-                    let missing = (0..self.size)
-                        .filter(|&p| self.counter(p).load(Ordering::Acquire) < target)
-                        .collect();
-                    return Err(StepError::Timeout(missing));
-                }
+                std::thread::yield_now();
+            }
+        }
+        let start = Instant::now();
+        let (bell, sleepers) = (self.word(64), self.word(128));
+        loop {
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            let seen = bell.load(Ordering::SeqCst);
+            let ready = self.arrived(target);
+            if matches!(ready, Ok(false)) {
+                // Bounded, so the overall timeout is checked even if nobody publishes.
+                futex::wait(bell, seen, Duration::from_millis(20));
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+            if ready? || self.arrived(target)? {
+                return Ok(());
+            }
+            if start.elapsed() > self.timeout {
+                let missing = (0..self.size)
+                    .filter(|&p| self.counter(p).load(Ordering::SeqCst) < target)
+                    .collect();
+                return Err(StepError::Timeout(missing));
             }
         }
     }
@@ -179,7 +218,7 @@ impl Shm {
             }
         }
         ex.step = g + 1;
-        self.counter(self.rank).store(g + 1, Ordering::Release);
+        self.publish(g + 1);
         if let Err(e) = self.wait_all(g + 1) {
             self.fail(ex);
             return Err(e);
@@ -205,4 +244,64 @@ impl Shm {
             })
             .collect())
     }
+}
+
+/// Sleeping on a word of the shared window until another process changes it.
+#[cfg(target_os = "linux")]
+mod futex {
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
+
+    /// Sleeps while `word == expected`, at most `timeout` (a spurious or early return is fine:
+    /// callers re-check their condition).
+    pub(super) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: FUTEX_WAIT (shared, not FUTEX_PRIVATE: the word is in memory mapped by several
+        // processes) reads the aligned 32-bit word, which lives as long as `&word`, and sleeps
+        // only while it equals `expected`; `ts` is a live relative timeout; the unused
+        // arguments are null/0 as the call requires.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAIT,
+                expected,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+
+    /// Wakes every process sleeping in [`wait`] on `word`.
+    pub(super) fn wake_all(word: &AtomicU32) {
+        // SAFETY: FUTEX_WAKE only uses the word's address as a key; it lives as long as `&word`.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+}
+
+/// Without futexes: short sleeps instead of a wake-up.
+#[cfg(not(target_os = "linux"))]
+mod futex {
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
+
+    pub(super) fn wait(_word: &AtomicU32, _expected: u32, timeout: Duration) {
+        std::thread::sleep(timeout.min(Duration::from_micros(50)));
+    }
+
+    pub(super) fn wake_all(_word: &AtomicU32) {}
 }
