@@ -17,9 +17,9 @@
 //!   group allocates an MPI-3 shared-memory window (`MPI_Win_allocate_shared` over the
 //!   `MPI_COMM_TYPE_SHARED` split) with a ring of [`MpiConfig::slots`] staging slots per rank.
 //!   In each step a rank copies its contribution into its own slot, the ranks meet at a barrier
-//!   made of per-rank counters in the window (no MPI call: a few spins, then `yield`, then
-//!   short sleeps — four processes on two cores do not steal each other's compute by
-//!   spinning), and each rank copies or reduces straight from the peers' slots into its
+//!   made of per-rank counters in the window (no MPI call: a few spins and `yield`s, then a
+//!   futex sleep on a bell word in the window that the publishing rank rings — four processes
+//!   on two cores do not steal each other's compute by spinning or polling), and each rank copies or reduces straight from the peers' slots into its
 //!   output. Large buffers stream through the ring in [`MpiConfig::slot_bytes`] pieces; with
 //!   more than two slots a rank may run ahead of slower readers by `slots − 2` steps, and small
 //!   slots keep the staged bytes in the shared cache while the peers read them. A rank's own
@@ -36,7 +36,9 @@
 //! [`crate::ThreadGroup`]'s bit for bit on both paths. The cost: all-reduce moves every rank's
 //! whole buffer to every rank (W× the bytes of a reduce-scatter + all-gather) and reduces it
 //! W times; reduce-scatter through all-to-all moves the same bytes as a native one.
-//! A non-deterministic mode with MPI's native reductions is not provided.
+//! A non-deterministic mode with MPI's native reductions is not provided: on the
+//! shared-memory path it would save nothing (the rank-ordered fold reads each peer's piece once,
+//! as any reduction must), and on the MPI path it is not implemented.
 //!
 //! ## Timeouts and failures
 //! - A rank that does not reach a collective within [`MpiConfig::timeout`] gives the others a
