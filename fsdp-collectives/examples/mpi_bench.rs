@@ -6,11 +6,14 @@
 //!   counts).
 //! - reduce-scatter: f32 sum, 64 MiB input per rank, 16 MiB output; GB/s = input bytes per rank
 //!   per second (the bytes reduced into the outputs, as the thread bench counts).
-//! - `thread_all_gather_gbps`: the same all-gather on a W-thread `ThreadGroup` in rank 0's
-//!   process while the other processes wait (sleeping) in a barrier.
+//! - `thread_all_gather_gbps`, `thread_reduce_scatter_gbps`: the same collectives on a W-thread
+//!   `ThreadGroup` in rank 0's process while the other processes wait (sleeping) in a barrier.
 //!
-//! Median of the timed repetitions; each repetition is the max over ranks (the collective is
-//! done when the slowest rank is). Rank 0 prints one JSON object as its last line.
+//! The variants are interleaved repetition by repetition (MPI all-gather, MPI reduce-scatter,
+//! thread all-gather, thread reduce-scatter, then again), so machine noise hits them alike; each
+//! figure is the median of `REPS` repetitions after a warm-up, each repetition the max over ranks
+//! (the collective is done when the slowest rank is). Rank 0 prints one JSON object as its last
+//! line, with the 1-minute load average when the run ended (the machine is shared).
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -36,18 +39,6 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-/// Times `REPS` repetitions of `op` (after one warm-up), each started together on every rank.
-fn time_op(sync: &dyn Fn(), op: &dyn Fn() -> Duration) -> Vec<Duration> {
-    sync();
-    op();
-    (0..REPS)
-        .map(|_| {
-            sync();
-            op()
-        })
-        .collect()
-}
-
 fn max_over_ranks(pg: &dyn ProcessGroup, d: Duration) -> Duration {
     let dev = Device::cpu(pg.rank());
     let st = dev.new_stream("max");
@@ -59,29 +50,35 @@ fn max_over_ranks(pg: &dyn ProcessGroup, d: Duration) -> Duration {
     Duration::from_secs_f32(v)
 }
 
-fn all_gather_time(pg: &dyn ProcessGroup) -> Duration {
-    let w = pg.size();
-    let dev = Device::cpu(pg.rank());
-    let st = dev.new_stream("comm");
-    let input = buffer(&dev, &st, OUT_BYTES / w, pg.rank() as f32);
-    let output = buffer(&dev, &st, OUT_BYTES, 0.0);
-    let (i, o) = (slice(&input), slice(&output));
-    let t0 = Instant::now();
-    pg.all_gather_into(&i, &o, &st).wait().unwrap();
-    t0.elapsed()
+/// Which collective a repetition times.
+#[derive(Clone, Copy)]
+enum Kind {
+    AllGather,
+    ReduceScatter,
 }
 
-fn reduce_scatter_time(pg: &dyn ProcessGroup) -> Duration {
-    let w = pg.size();
-    let dev = Device::cpu(pg.rank());
+/// Allocates and fills this rank's buffers for `kind`, meets the other ranks at `sync` (so no
+/// rank's buffer preparation is timed), then times the collective until it completed here.
+fn timed(pg: &dyn ProcessGroup, kind: Kind, sync: &dyn Fn()) -> Duration {
+    let (r, w) = (pg.rank(), pg.size());
+    let dev = Device::cpu(r);
     let st = dev.new_stream("comm");
-    let input = buffer(&dev, &st, OUT_BYTES, 1.0 + pg.rank() as f32);
-    let output = buffer(&dev, &st, OUT_BYTES / w, 0.0);
+    let (in_bytes, out_bytes) = match kind {
+        Kind::AllGather => (OUT_BYTES / w, OUT_BYTES),
+        Kind::ReduceScatter => (OUT_BYTES, OUT_BYTES / w),
+    };
+    let input = buffer(&dev, &st, in_bytes, 1.0 + r as f32);
+    let output = buffer(&dev, &st, out_bytes, 0.0);
     let (i, o) = (slice(&input), slice(&output));
+    st.synchronize().unwrap();
+    sync();
     let t0 = Instant::now();
-    pg.reduce_scatter(&i, &o, ReduceOp::Sum, &st)
-        .wait()
-        .unwrap();
+    match kind {
+        Kind::AllGather => pg.all_gather_into(&i, &o, &st),
+        Kind::ReduceScatter => pg.reduce_scatter(&i, &o, ReduceOp::Sum, &st),
+    }
+    .wait()
+    .unwrap();
     t0.elapsed()
 }
 
@@ -89,53 +86,64 @@ fn gbps(t: Duration) -> f64 {
     OUT_BYTES as f64 / t.as_secs_f64() / 1e9
 }
 
+/// Time of the thread backend running `kind` on W rank threads of this process (the slowest
+/// rank's).
+fn thread_time(w: usize, kind: Kind) -> Duration {
+    let groups = ThreadGroup::new(w);
+    let bar = Arc::new(Barrier::new(w));
+    let per_rank: Vec<Duration> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                let bar = Arc::clone(&bar);
+                s.spawn(move || {
+                    timed(&g, kind, &|| {
+                        bar.wait();
+                    })
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    per_rank.into_iter().max().unwrap()
+}
+
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
 fn main() {
     let mpi = MpiGroup::world().unwrap_or_else(|e| panic!("MPI world: {e}"));
     let w = mpi.size();
+    let kinds = [Kind::AllGather, Kind::ReduceScatter];
     let sync = || mpi.barrier().unwrap();
-    let ag: Vec<Duration> = time_op(&sync, &|| all_gather_time(&mpi))
-        .into_iter()
-        .map(|d| max_over_ranks(&mpi, d))
-        .collect();
-    let rs: Vec<Duration> = time_op(&sync, &|| reduce_scatter_time(&mpi))
-        .into_iter()
-        .map(|d| max_over_ranks(&mpi, d))
-        .collect();
-    // The thread backend, same sizes, in rank 0's process only.
-    let thread = if mpi.rank() == 0 {
-        let groups = ThreadGroup::new(w);
-        let bar = Arc::new(Barrier::new(w));
-        let per_rank: Vec<Vec<Duration>> = std::thread::scope(|s| {
-            let hs: Vec<_> = groups
-                .into_iter()
-                .map(|g| {
-                    let bar = Arc::clone(&bar);
-                    s.spawn(move || {
-                        let sync = || {
-                            bar.wait();
-                        };
-                        time_op(&sync, &|| all_gather_time(&g))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let reps: Vec<Duration> = (0..REPS)
-            .map(|k| per_rank.iter().map(|v| v[k]).max().unwrap())
-            .collect();
-        Some(median(reps))
-    } else {
-        None
-    };
+    // [mpi all-gather, mpi reduce-scatter, thread all-gather, thread reduce-scatter]
+    let mut times: [Vec<Duration>; 4] = Default::default();
+    for rep in 0..=REPS {
+        for (k, &kind) in kinds.iter().enumerate() {
+            let t = max_over_ranks(&mpi, timed(&mpi, kind, &sync));
+            // The thread backend, same sizes, in rank 0's process only (the others sleep in
+            // the barrier).
+            mpi.barrier().unwrap();
+            let thread = (mpi.rank() == 0).then(|| thread_time(w, kind));
+            if rep > 0 {
+                times[k].push(t);
+                times[2 + k].extend(thread);
+            }
+        }
+    }
     mpi.barrier().unwrap();
-    if let Some(t) = thread {
+    if mpi.rank() == 0 {
+        let [ag, rs, tag, trs] = times.map(|v| gbps(median(v)));
         println!(
-            "{{\"world\": {w}, \"shared_memory\": {}, \"mpi_all_gather_gbps\": {:.4}, \
-             \"mpi_reduce_scatter_gbps\": {:.4}, \"thread_all_gather_gbps\": {:.4}}}",
+            "{{\"world\": {w}, \"shared_memory\": {}, \"mpi_all_gather_gbps\": {ag:.4}, \
+             \"mpi_reduce_scatter_gbps\": {rs:.4}, \"thread_all_gather_gbps\": {tag:.4}, \
+             \"thread_reduce_scatter_gbps\": {trs:.4}, \"load_average\": {:.2}}}",
             mpi.uses_shared_memory(),
-            gbps(median(ag)),
-            gbps(median(rs)),
-            gbps(t)
+            load_average()
         );
     }
 }

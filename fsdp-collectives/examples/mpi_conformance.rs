@@ -51,6 +51,10 @@ enum Op {
     ReduceScatter(ReduceOp, DType),
     AllReduce(ReduceOp, DType),
     Broadcast(usize),
+    /// All-gather whose input is this rank's chunk of the output.
+    AllGatherInPlace,
+    /// Reduce-scatter whose output is this rank's chunk of the input.
+    ReduceScatterInPlace(ReduceOp, DType),
 }
 
 /// Runs `op` on `pg` with rank `r`'s input (`n` elements per chunk) and returns the output bytes.
@@ -62,14 +66,21 @@ fn run(pg: &dyn ProcessGroup, op: Op, dtype: DType, n: usize, salt: usize) -> Ve
         Op::AllGather => (n, w * n),
         Op::ReduceScatter(..) => (w * n, n),
         Op::AllReduce(..) | Op::Broadcast(_) => (n, n),
+        Op::AllGatherInPlace => (w * n, 1),
+        Op::ReduceScatterInPlace(..) => (w * n, 1),
     };
     let es = dtype.size();
     let input = dev.alloc(in_n * es, &st).unwrap();
-    input
-        .data()
-        .write::<u8>()
-        .unwrap()
-        .copy_from_slice(&encode(&values(r, in_n, salt), dtype));
+    let mut init = encode(&values(r, in_n, salt), dtype);
+    if let Op::AllGatherInPlace = op {
+        // Only this rank's chunk holds data; the rest is what the peers' chunks overwrite.
+        for (k, b) in init.iter_mut().enumerate() {
+            if k / (n * es) != r {
+                *b = 0xEE;
+            }
+        }
+    }
+    input.data().write::<u8>().unwrap().copy_from_slice(&init);
     let output = dev.alloc(out_n * es, &st).unwrap();
     let i = DeviceSlice::from_buffer(&input, dtype).unwrap();
     let o = DeviceSlice::from_buffer(&output, dtype).unwrap();
@@ -78,12 +89,18 @@ fn run(pg: &dyn ProcessGroup, op: Op, dtype: DType, n: usize, salt: usize) -> Ve
         Op::ReduceScatter(rop, accum) => pg.reduce_scatter_with(&i, &o, rop, accum, &st),
         Op::AllReduce(rop, accum) => pg.all_reduce_with(&i, rop, accum, &st),
         Op::Broadcast(root) => pg.broadcast(&i, root, &st),
+        Op::AllGatherInPlace => pg.all_gather_into(&i.slice(r * n, n).unwrap(), &i, &st),
+        Op::ReduceScatterInPlace(rop, accum) => {
+            pg.reduce_scatter_with(&i, &i.slice(r * n, n).unwrap(), rop, accum, &st)
+        }
     };
     work.wait()
         .unwrap_or_else(|e| panic!("{op:?} {dtype} on rank {r}: {e}"));
+    let bytes = |b: &fsdp_alloc::Buffer| b.data().read::<u8>().unwrap().to_vec();
     match op {
-        Op::AllReduce(..) | Op::Broadcast(_) => input.data().read::<u8>().unwrap().to_vec(),
-        _ => output.data().read::<u8>().unwrap().to_vec(),
+        Op::AllReduce(..) | Op::Broadcast(_) | Op::AllGatherInPlace => bytes(&input),
+        Op::ReduceScatterInPlace(..) => bytes(&input)[r * n * es..(r + 1) * n * es].to_vec(),
+        _ => bytes(&output),
     }
 }
 
@@ -140,6 +157,42 @@ fn main() {
                     );
                     checked += 1;
                 }
+            }
+        }
+    }
+    // In-place forms, and outputs large enough (≥ 9 MiB) for the streaming-store copies and
+    // many steps through the ring.
+    let big = (9 << 20) / 4 / w + 3;
+    for (label, g) in groups {
+        for &n in &[7usize, 3000, big] {
+            let ops = [
+                (Op::AllGatherInPlace, DType::F32),
+                (
+                    Op::ReduceScatterInPlace(ReduceOp::Sum, DType::F32),
+                    DType::F32,
+                ),
+                (
+                    Op::ReduceScatterInPlace(ReduceOp::Avg, DType::F32),
+                    DType::BF16,
+                ),
+                (Op::AllGather, DType::BF16),
+                (Op::ReduceScatter(ReduceOp::Sum, DType::F32), DType::F32),
+                (Op::AllReduce(ReduceOp::Sum, DType::F32), DType::F32),
+                (Op::Broadcast(0), DType::F32),
+            ];
+            for (k, (op, dtype)) in ops.into_iter().enumerate() {
+                if n == big && label != "default slots" {
+                    continue;
+                }
+                let salt = n * 17 + k;
+                let got = run(g, op, dtype, n, salt);
+                let want = reference(w, r, op, dtype, n, salt);
+                assert!(
+                    got == want,
+                    "rank {r} ({label}, {path}): {op:?} {dtype} n={n} differs from the thread \
+                     backend"
+                );
+                checked += 1;
             }
         }
     }

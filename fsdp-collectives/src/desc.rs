@@ -38,6 +38,14 @@ fn located_at(inner: &DeviceSlice, outer: &DeviceSlice, offset: usize) -> bool {
 }
 
 impl OpDesc {
+    /// The reduction and its accumulation dtype (sum in the buffer dtype when unset).
+    pub(crate) fn reduction(&self) -> (ReduceOp, DType) {
+        (
+            self.op.unwrap_or(ReduceOp::Sum),
+            self.accum.unwrap_or(self.in_dtype),
+        )
+    }
+
     fn base(kind: OpKind, dtype: DType, len: usize) -> OpDesc {
         OpDesc {
             kind,

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use fsdp_alloc::{DType, Stream};
+use fsdp_alloc::{BufferRef, DType, Stream};
 
 use crate::desc::{BufferProblem, OpDesc};
 use crate::error::{CollectiveError, Result};
@@ -145,7 +145,7 @@ pub(crate) fn locate_part(
 
 /// Marks `desc` as a placement problem when the buffers are not host memory (for backends whose
 /// collectives run on host threads: thread, MPI). Every rank agrees on it through validation.
-pub(crate) fn require_host(
+fn require_host(
     mut desc: OpDesc,
     input: Option<&DeviceSlice>,
     output: Option<&DeviceSlice>,
@@ -168,19 +168,50 @@ pub(crate) fn finish_on_stream(outcome: &Outcome, r: Result<()>) {
     }
 }
 
+/// Runs the closure when dropped, unless it was taken out first.
+struct OnDrop<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> OnDrop<F> {
+    /// Drops the closure without running it.
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl<F: FnOnce()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
 /// Launches `run` on `stream` as one collective and returns its [`Work`]: the outcome is
-/// stored and a failure fails the stream ([`finish_on_stream`]).
+/// stored and a failure fails the stream ([`finish_on_stream`]). If the stream drops the work
+/// without running it (it had failed before reaching it), `abandon` runs instead, so the
+/// backend can tell the peers at once that this rank will not take part.
 pub(crate) fn launch_collective(
-    op: OpKind,
-    rank: usize,
+    call: &Call<'_>,
     seq: u64,
     stream: &Stream,
     run: impl FnOnce() -> Result<()> + Send + 'static,
+    abandon: impl FnOnce() + Send + 'static,
 ) -> Work {
     let outcome: Outcome = Arc::new(Mutex::new(None));
     let slot = Arc::clone(&outcome);
-    stream.launch(move || finish_on_stream(&slot, run()));
-    Work::new(op, rank, seq, stream.record_event(), outcome)
+    let unrun = OnDrop(Some(abandon));
+    stream.launch(move || {
+        // It runs: `abandon` is dropped uncalled.
+        unrun.disarm();
+        finish_on_stream(&slot, run())
+    });
+    Work::new(
+        call.desc.kind,
+        call.rank,
+        seq,
+        stream.record_event(),
+        outcome,
+    )
 }
 
 /// A collective that failed before anything ran on the device: the error is the outcome and the
@@ -201,13 +232,41 @@ pub(crate) fn fail_on_stream(
     Work::new(op, rank, seq, stream.record_event(), outcome)
 }
 
-/// The one thing a backend writes for the four stream collectives: issue a validated-later
+/// One collective call as a backend receives it: the descriptor (validated later, against every
+/// rank's) and the caller's buffers.
+pub(crate) struct Call<'a> {
+    /// What the caller asked for.
+    pub desc: OpDesc,
+    /// This rank in the group.
+    pub rank: usize,
+    /// The input buffer (all-gather, reduce-scatter).
+    pub input: Option<&'a DeviceSlice>,
+    /// The output buffer (the only buffer of all-reduce and broadcast).
+    pub output: Option<&'a DeviceSlice>,
+}
+
+impl Call<'_> {
+    /// The buffers' memory, for work that outlives the call.
+    pub fn buffers(&self) -> (Option<BufferRef>, Option<BufferRef>) {
+        let data = |s: Option<&DeviceSlice>| s.map(|s| s.data().clone());
+        (data(self.input), data(self.output))
+    }
+}
+
+/// The one thing a backend writes for the four stream collectives: launch a validated-later
 /// descriptor with its buffers on a stream. [`collectives_via_issue!`] turns it into the
 /// [`ProcessGroup`] methods, so the descriptor construction (and with it the in-place and
 /// even-size rules) is written once for every backend.
 pub(crate) trait Issue {
     /// This rank in the group (for the descriptors).
     fn issue_rank(&self) -> usize;
+
+    /// True if the collectives run on host threads, so device buffers are an error every rank
+    /// agrees on (thread, MPI); false if the backend places buffers itself (NCCL).
+    const HOST_ONLY: bool = true;
+
+    /// Launches `call` on `stream`.
+    fn launch(&self, call: Call<'_>, stream: &Stream) -> Work;
 
     /// Launches the collective described by `desc` on `stream`.
     fn issue(
@@ -216,7 +275,23 @@ pub(crate) trait Issue {
         input: Option<&DeviceSlice>,
         output: Option<&DeviceSlice>,
         stream: &Stream,
-    ) -> Work;
+    ) -> Work {
+        let desc = if Self::HOST_ONLY {
+            require_host(desc, input, output)
+        } else {
+            desc
+        };
+        let rank = self.issue_rank();
+        self.launch(
+            Call {
+                desc,
+                rank,
+                input,
+                output,
+            },
+            stream,
+        )
+    }
 }
 
 /// Expands, inside an `impl ProcessGroup for X` where `X: Issue`, to the four stream

@@ -60,6 +60,54 @@ pub(crate) fn copy_to_all(src: &BufferRef, dsts: &[BufferRef]) -> Result<(), All
     Ok(())
 }
 
+/// Bytes from which [`copy_streaming`] writes around the caches.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) const STREAMING_MIN: usize = 8 << 20;
+
+/// Copies `src` into `dst` (same length). On x86-64 the bulk is written with non-temporal
+/// (streaming) stores, which skip the read-for-ownership of every destination cache line and do
+/// not evict the caches: for a large output that nobody reads right away (an all-gather's
+/// 64 MiB) this is up to ~1.6× faster than `memcpy` on the development machine. Elsewhere it is
+/// a plain copy. The bytes written are the same either way.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming lengths");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let n = dst.len();
+        // Up to the first 16-byte-aligned destination address with ordinary stores.
+        let head = dst.as_ptr().align_offset(16).min(n);
+        dst[..head].copy_from_slice(&src[..head]);
+        let body = (n - head) / 64 * 64;
+        let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
+        let mut i = 0;
+        while i < body {
+            // SAFETY: SSE2 is part of the x86-64 baseline. `i + 64 ≤ body ≤ n − head`, so the
+            // four 16-byte loads stay inside `src[head..]` (unaligned loads) and the four stores
+            // inside `dst[head..]`, whose pointer is 16-byte aligned (`head`), as
+            // `_mm_stream_si128` requires; `dst` is a unique borrow, so nothing aliases it.
+            unsafe {
+                let a = _mm_loadu_si128(s.add(i) as *const __m128i);
+                let b = _mm_loadu_si128(s.add(i + 16) as *const __m128i);
+                let c = _mm_loadu_si128(s.add(i + 32) as *const __m128i);
+                let e = _mm_loadu_si128(s.add(i + 48) as *const __m128i);
+                _mm_stream_si128(d.add(i) as *mut __m128i, a);
+                _mm_stream_si128(d.add(i + 16) as *mut __m128i, b);
+                _mm_stream_si128(d.add(i + 32) as *mut __m128i, c);
+                _mm_stream_si128(d.add(i + 48) as *mut __m128i, e);
+            }
+            i += 64;
+        }
+        // SAFETY: a store fence (SSE baseline): the streaming stores above become globally
+        // visible before any later store, like ordinary ones.
+        unsafe { _mm_sfence() };
+        dst[head + body..].copy_from_slice(&src[head + body..]);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
 /// An accumulator for elements of `T`.
 pub(crate) trait Accum<T>: Copy {
     fn load(x: T) -> Self;
@@ -340,40 +388,19 @@ fn reduce_typed<T: bytemuck::Pod, A: Accum<T>>(
     Ok(())
 }
 
-/// Reduces `srcs` (one range per rank, in rank order, each as long as `dst`) into `dst`.
-/// The (dtype, accum) pair must have passed [`crate::desc::check_reduce`].
-pub(crate) fn reduce(
-    dtype: DType,
-    accum: DType,
-    srcs: &[BufferRef],
-    dst: &BufferRef,
-    op: ReduceOp,
-    world: usize,
-) -> Result<(), AllocError> {
-    if srcs.is_empty() || dst.is_empty() {
-        return Ok(());
-    }
-    use DType::*;
-    match (dtype, accum) {
-        (F32, F32) => reduce_typed::<f32, f32>(srcs, dst, op, world),
-        (F16, F32) => reduce_typed::<f16, f32>(srcs, dst, op, world),
-        (F16, F16) => reduce_typed::<f16, f16>(srcs, dst, op, world),
-        (BF16, F32) => reduce_typed::<bf16, f32>(srcs, dst, op, world),
-        (BF16, BF16) => reduce_typed::<bf16, bf16>(srcs, dst, op, world),
-        (I32, I32) => reduce_typed::<i32, i32>(srcs, dst, op, world),
-        (I64, I64) => reduce_typed::<i64, i64>(srcs, dst, op, world),
-        _ => Err(AllocError::BadAccess(format!(
-            "no reduction kernel for {dtype} buffers with {accum} accumulation"
-        ))),
-    }
-}
-
 fn reduce_from_bytes<T: bytemuck::Pod, A: Accum<T>>(
     srcs: &[&[u8]],
     dst: &BufferRef,
     op: ReduceOp,
     world: usize,
 ) -> Result<(), AllocError> {
+    if let Some(s) = srcs.iter().find(|s| s.len() != dst.len()) {
+        return Err(AllocError::BadAccess(format!(
+            "reduction of a {}-byte source into a {}-byte range",
+            s.len(),
+            dst.len()
+        )));
+    }
     let views = srcs
         .iter()
         .map(|s| {
@@ -385,38 +412,102 @@ fn reduce_from_bytes<T: bytemuck::Pod, A: Accum<T>>(
     Ok(())
 }
 
-/// [`reduce`] with the sources given as raw bytes (one range per rank, in rank order, each as
-/// long as `dst`, aligned for the dtype): the same fold, so the same bits.
-#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-pub(crate) fn reduce_bytes(
+/// The per-rank sources of a reduction, in rank order, each as long as the destination. Both
+/// kinds fold with the same kernel, so to the same bits.
+#[derive(Clone, Copy)]
+pub(crate) enum Sources<'a> {
+    /// Ranges of buffers (the thread backend reads its peers' buffers).
+    Buffers(&'a [BufferRef]),
+    /// Raw bytes aligned for the dtype (the MPI backend reads staging slots).
+    Bytes(&'a [&'a [u8]]),
+}
+
+impl<'a> From<&'a [BufferRef]> for Sources<'a> {
+    fn from(b: &'a [BufferRef]) -> Self {
+        Sources::Buffers(b)
+    }
+}
+
+impl<'a> From<&'a [&'a [u8]]> for Sources<'a> {
+    fn from(b: &'a [&'a [u8]]) -> Self {
+        Sources::Bytes(b)
+    }
+}
+
+impl Sources<'_> {
+    fn fold<T: bytemuck::Pod, A: Accum<T>>(
+        self,
+        dst: &BufferRef,
+        op: ReduceOp,
+        world: usize,
+    ) -> Result<(), AllocError> {
+        match self {
+            Sources::Buffers(b) => reduce_typed::<T, A>(b, dst, op, world),
+            Sources::Bytes(b) => reduce_from_bytes::<T, A>(b, dst, op, world),
+        }
+    }
+}
+
+/// Reduces `srcs` (one per rank, in rank order, each as long as `dst`) into `dst`, folding in
+/// rank order. The (dtype, accum) pair must have passed [`crate::desc::check_reduce`].
+pub(crate) fn reduce<'a>(
     dtype: DType,
     accum: DType,
-    srcs: &[&[u8]],
+    srcs: impl Into<Sources<'a>>,
     dst: &BufferRef,
     op: ReduceOp,
     world: usize,
 ) -> Result<(), AllocError> {
-    if srcs.is_empty() || dst.is_empty() {
+    if dst.is_empty() {
         return Ok(());
     }
-    if let Some(s) = srcs.iter().find(|s| s.len() != dst.len()) {
-        return Err(AllocError::BadAccess(format!(
-            "reduction of a {}-byte source into a {}-byte range",
-            s.len(),
-            dst.len()
-        )));
-    }
+    let srcs = srcs.into();
     use DType::*;
     match (dtype, accum) {
-        (F32, F32) => reduce_from_bytes::<f32, f32>(srcs, dst, op, world),
-        (F16, F32) => reduce_from_bytes::<f16, f32>(srcs, dst, op, world),
-        (F16, F16) => reduce_from_bytes::<f16, f16>(srcs, dst, op, world),
-        (BF16, F32) => reduce_from_bytes::<bf16, f32>(srcs, dst, op, world),
-        (BF16, BF16) => reduce_from_bytes::<bf16, bf16>(srcs, dst, op, world),
-        (I32, I32) => reduce_from_bytes::<i32, i32>(srcs, dst, op, world),
-        (I64, I64) => reduce_from_bytes::<i64, i64>(srcs, dst, op, world),
+        (F32, F32) => srcs.fold::<f32, f32>(dst, op, world),
+        (F16, F32) => srcs.fold::<f16, f32>(dst, op, world),
+        (F16, F16) => srcs.fold::<f16, f16>(dst, op, world),
+        (BF16, F32) => srcs.fold::<bf16, f32>(dst, op, world),
+        (BF16, BF16) => srcs.fold::<bf16, bf16>(dst, op, world),
+        (I32, I32) => srcs.fold::<i32, i32>(dst, op, world),
+        (I64, I64) => srcs.fold::<i64, i64>(dst, op, world),
         _ => Err(AllocError::BadAccess(format!(
             "no reduction kernel for {dtype} buffers with {accum} accumulation"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Streaming stores write exactly what `memcpy` would, whatever the alignment of either
+        /// side and the length (head, 64-byte body and tail of every size), and nothing outside.
+        #[test]
+        fn copy_streaming_equals_memcpy(
+            src_off in 0usize..64,
+            dst_off in 0usize..64,
+            len in 0usize..1000,
+            seed in any::<u8>(),
+        ) {
+            let src: Vec<u8> = (0..src_off + len)
+                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+                .collect();
+            let mut dst = vec![0xA5u8; dst_off + len + 64];
+            let mut want = dst.clone();
+            want[dst_off..dst_off + len].copy_from_slice(&src[src_off..]);
+            copy_streaming(&mut dst[dst_off..dst_off + len], &src[src_off..]);
+            prop_assert_eq!(dst, want);
+        }
+    }
+
+    #[test]
+    fn copy_streaming_copies_a_large_buffer() {
+        let src: Vec<u8> = (0..(3 << 20) + 13).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        copy_streaming(&mut dst[..], &src);
+        assert_eq!(dst, src);
     }
 }

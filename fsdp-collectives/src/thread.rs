@@ -44,15 +44,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fsdp_alloc::{AllocError, BufferRef, DType, OrderPoint, Stream};
+use fsdp_alloc::{AllocError, BufferRef, OrderPoint, Stream};
 
 use crate::desc::{validate, OpDesc};
 use crate::error::{CollectiveError, Result};
 use crate::group::{
-    collectives_via_issue, launch_collective, locate_part, require_host, Issue, ProcessGroup,
+    collectives_via_issue, launch_collective, locate_part, Call, Issue, ProcessGroup,
 };
 use crate::kernels;
-use crate::types::{DeviceSlice, OpKind, ReduceOp, Work};
+use crate::types::{OpKind, Work};
 
 static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 
@@ -237,6 +237,25 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The error of a rendezvous that `rank` gave up on after `waited`; `missing` did not come.
+    fn timed_out(
+        &self,
+        op: OpKind,
+        seq: u64,
+        rank: usize,
+        waited: Duration,
+        missing: Vec<usize>,
+    ) -> CollectiveError {
+        CollectiveError::Timeout {
+            op,
+            group: self.name.clone(),
+            seq,
+            rank,
+            waited,
+            missing,
+        }
+    }
+
     fn post(&self, rank: usize, posted: Posted) -> u64 {
         let mut st = self.lock();
         let seq = st.next_seq[rank];
@@ -352,14 +371,7 @@ impl Shared {
             let now = Instant::now();
             if now >= deadline {
                 let missing = (0..world).filter(|&p| !slot.arrived[p]).collect();
-                let e = CollectiveError::Timeout {
-                    op,
-                    group: self.name.clone(),
-                    seq,
-                    rank,
-                    waited: now - started,
-                    missing,
-                };
+                let e = self.timed_out(op, seq, rank, now - started, missing);
                 slot.failure = Some(e.clone());
                 self.leave(&mut st, seq);
                 return Err(prefer_local(e));
@@ -416,14 +428,7 @@ impl Shared {
             let now = Instant::now();
             if now >= deadline {
                 let missing = (0..world).filter(|&p| !slot.reached[phase][p]).collect();
-                let e = CollectiveError::Timeout {
-                    op,
-                    group: self.name.clone(),
-                    seq,
-                    rank,
-                    waited: now - started,
-                    missing,
-                };
+                let e = self.timed_out(op, seq, rank, now - started, missing);
                 slot.failure = Some(e.clone());
                 self.cv.notify_all();
                 return Err(e);
@@ -503,8 +508,8 @@ impl Shared {
                     .map(|p| p.input.as_ref().ok_or_else(missing)?.slice(rank * n, n))
                     .collect::<std::result::Result<Vec<_>, _>>()?;
                 let out = me.output.as_ref().ok_or_else(missing)?;
-                let (red, accum) = reduce_args(&d);
-                kernels::reduce(d.in_dtype, accum, &srcs, out, red, world)
+                let (red, accum) = d.reduction();
+                kernels::reduce(d.in_dtype, accum, &srcs[..], out, red, world)
             }),
             OpKind::AllReduce => {
                 let len = d.in_len;
@@ -522,8 +527,8 @@ impl Shared {
                         .iter()
                         .map(|p| chunk(p, rank))
                         .collect::<std::result::Result<Vec<_>, _>>()?;
-                    let (red, accum) = reduce_args(&d);
-                    kernels::reduce(d.in_dtype, accum, &srcs, &srcs[rank], red, world)
+                    let (red, accum) = d.reduction();
+                    kernels::reduce(d.in_dtype, accum, &srcs[..], &srcs[rank], red, world)
                 });
                 self.reach(rank, seq, op, MID, &a)?;
                 a?;
@@ -593,14 +598,7 @@ impl Shared {
         while turn[rank] < seq {
             let now = Instant::now();
             if now >= deadline {
-                return Err(CollectiveError::Timeout {
-                    op,
-                    group: self.name.clone(),
-                    seq,
-                    rank,
-                    waited: now - started,
-                    missing: Vec::new(),
-                });
+                return Err(self.timed_out(op, seq, rank, now - started, Vec::new()));
             }
             turn = self
                 .turn_cv
@@ -644,35 +642,6 @@ impl Shared {
         let local = self.move_data(rank, seq, &posted);
         self.link_delay(rank, t0, &d);
         self.depart(rank, seq, d.kind, local)
-    }
-}
-
-fn reduce_args(d: &OpDesc) -> (ReduceOp, DType) {
-    (d.op.unwrap_or(ReduceOp::Sum), d.accum.unwrap_or(d.in_dtype))
-}
-
-/// Dropping the launched work without running it (its stream had failed) tells the peers.
-struct Ticket {
-    shared: Arc<Shared>,
-    rank: usize,
-    seq: u64,
-    stream: String,
-    armed: bool,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if self.armed {
-            self.shared.end_turn(self.rank, self.seq);
-            self.shared.abandon(
-                self.rank,
-                self.seq,
-                format!(
-                    "its stream `{}` had failed before reaching the collective, so it never ran",
-                    self.stream
-                ),
-            );
-        }
     }
 }
 
@@ -783,35 +752,30 @@ impl Issue for ThreadGroup {
         self.rank
     }
 
-    fn issue(
-        &self,
-        desc: OpDesc,
-        input: Option<&DeviceSlice>,
-        output: Option<&DeviceSlice>,
-        stream: &Stream,
-    ) -> Work {
-        // Host threads cannot touch device memory: agreed on as an error by every rank.
-        let desc = require_host(desc, input, output);
+    fn launch(&self, call: Call<'_>, stream: &Stream) -> Work {
+        let (input, output) = call.buffers();
+        let (desc, rank) = (call.desc, self.rank);
         let seq = self.shared.post(
-            self.rank,
+            rank,
             Posted {
                 desc,
-                input: input.map(|s| s.data().clone()),
-                output: output.map(|s| s.data().clone()),
+                input,
+                output,
             },
         );
-        let ticket = Ticket {
-            shared: Arc::clone(&self.shared),
-            rank: self.rank,
-            seq,
-            stream: stream.name().to_string(),
-            armed: true,
+        let (shared, peers) = (Arc::clone(&self.shared), Arc::clone(&self.shared));
+        let stream_name = stream.name().to_string();
+        let run = move || shared.run(rank, seq);
+        // Dropped unrun (its stream had failed): tell the peers.
+        let abandon = move || {
+            peers.end_turn(rank, seq);
+            let why = format!(
+                "its stream `{stream_name}` had failed before reaching the collective, so it \
+                 never ran"
+            );
+            peers.abandon(rank, seq, why);
         };
-        launch_collective(desc.kind, self.rank, seq, stream, move || {
-            let mut ticket = ticket;
-            ticket.armed = false;
-            ticket.shared.run(ticket.rank, ticket.seq)
-        })
+        launch_collective(&call, seq, stream, run, abandon)
     }
 }
 

@@ -230,7 +230,8 @@ fn capture(step: &str, cmd: &mut Command) -> Result<String, String> {
 }
 
 /// `cargo xtask bench mpi`: collective throughput over MPI vs threads, and train_gpt tokens/s
-/// over MPI vs threads, in one run; prints one JSON object as the last line.
+/// over MPI vs threads, in one run; prints one JSON object as the last line (with the 1-minute
+/// load average at the end: the development machine is shared, absolute figures drift with it).
 pub fn bench_mpi() -> Result<(), String> {
     check_mpirun()?;
     run(
@@ -258,29 +259,41 @@ pub fn bench_mpi() -> Result<(), String> {
         |line: &str, k: &str| json_number(line, k).ok_or_else(|| format!("no {k} in {line}"));
     let train_gpt = example("release", "train_gpt");
     let steps = ["--steps", "10", "--json"];
-    let thread_line = capture(
-        "train_gpt threads W=4",
-        Command::new(&train_gpt)
-            .current_dir(root())
-            .args(["--ranks", "4"])
-            .args(steps),
-    )?;
-    let mpi_line = capture(
-        "train_gpt mpi W=4",
-        mpirun(4)
-            .arg(&train_gpt)
-            .args(["--backend", "mpi"])
-            .args(steps),
-    )?;
+    // Interleaved thread, MPI, thread, MPI: load changes hit both alike; each figure is the
+    // mean of its two runs.
+    let (mut thread_tps, mut mpi_tps) = (0.0, 0.0);
+    for round in 1..=2 {
+        let thread_line = capture(
+            &format!("train_gpt threads W=4 (run {round} of 2)"),
+            Command::new(&train_gpt)
+                .current_dir(root())
+                .args(["--ranks", "4"])
+                .args(steps),
+        )?;
+        let mpi_line = capture(
+            &format!("train_gpt mpi W=4 (run {round} of 2)"),
+            mpirun(4)
+                .arg(&train_gpt)
+                .args(["--backend", "mpi"])
+                .args(steps),
+        )?;
+        thread_tps += field(&thread_line, "tokens_per_s")? / 2.0;
+        mpi_tps += field(&mpi_line, "tokens_per_s")? / 2.0;
+    }
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next()?.parse::<f64>().ok())
+        .unwrap_or(f64::NAN);
     println!(
         "{{\"mpi_all_gather_gbps\": {:.4}, \"mpi_reduce_scatter_gbps\": {:.4}, \
-         \"thread_all_gather_gbps\": {:.4}, \"mpi_tokens_per_s\": {:.1}, \
-         \"thread_tokens_per_s\": {:.1}}}",
+         \"thread_all_gather_gbps\": {:.4}, \"thread_reduce_scatter_gbps\": {:.4}, \
+         \"mpi_tokens_per_s\": {mpi_tps:.1}, \"thread_tokens_per_s\": {thread_tps:.1}, \
+         \"mpi_over_thread_tokens\": {:.3}, \"load_average\": {load:.2}}}",
         field(&coll, "mpi_all_gather_gbps")?,
         field(&coll, "mpi_reduce_scatter_gbps")?,
         field(&coll, "thread_all_gather_gbps")?,
-        field(&mpi_line, "tokens_per_s")?,
-        field(&thread_line, "tokens_per_s")?,
+        field(&coll, "thread_reduce_scatter_gbps")?,
+        mpi_tps / thread_tps,
     );
     Ok(())
 }

@@ -15,13 +15,16 @@
 //! ## Two data paths
 //! - **Shared memory** (every rank of the group on one node, the default when that holds): the
 //!   group allocates an MPI-3 shared-memory window (`MPI_Win_allocate_shared` over the
-//!   `MPI_COMM_TYPE_SHARED` split) with two staging slots per rank. In each step a rank copies
-//!   its contribution into its own slot, the ranks meet at a barrier made of per-rank counters
-//!   in the window (no MPI call: a few spins, then `yield`, then short sleeps — four processes
-//!   on two cores do not steal each other's compute by spinning), and each rank copies or
-//!   reduces straight from the peers' slots into its output. Two slots alternate, so one
-//!   barrier per step suffices. Large buffers stream through the slots in
-//!   [`MpiConfig::slot_bytes`] pieces.
+//!   `MPI_COMM_TYPE_SHARED` split) with a ring of [`MpiConfig::slots`] staging slots per rank.
+//!   In each step a rank copies its contribution into its own slot, the ranks meet at a barrier
+//!   made of per-rank counters in the window (no MPI call: a few spins and `yield`s, then a
+//!   futex sleep on a bell word in the window that the publishing rank rings — four processes
+//!   on two cores do not steal each other's compute by spinning or polling), and each rank copies or reduces straight from the peers' slots into its
+//!   output. Large buffers stream through the ring in [`MpiConfig::slot_bytes`] pieces; with
+//!   more than two slots a rank may run ahead of slower readers by `slots − 2` steps, and small
+//!   slots keep the staged bytes in the shared cache while the peers read them. A rank's own
+//!   piece never goes through the window (it copies or reduces it from its own buffer), and
+//!   large outputs (≥ 8 MiB) are written with streaming stores that bypass the caches.
 //! - **MPI collectives** (a group that spans nodes, or `shared_memory` off): byte-wise
 //!   `MPI_Allgather` (all-gather, all-reduce), `MPI_Alltoall` (reduce-scatter) and `MPI_Bcast`
 //!   move the pieces; the header exchange is a non-blocking `MPI_Iallgather` polled with sleeps.
@@ -33,7 +36,9 @@
 //! [`crate::ThreadGroup`]'s bit for bit on both paths. The cost: all-reduce moves every rank's
 //! whole buffer to every rank (W× the bytes of a reduce-scatter + all-gather) and reduces it
 //! W times; reduce-scatter through all-to-all moves the same bytes as a native one.
-//! A non-deterministic mode with MPI's native reductions is not provided.
+//! A non-deterministic mode with MPI's native reductions is not provided: on the
+//! shared-memory path it would save nothing (the rank-ordered fold reads each peer's piece once,
+//! as any reduction must), and on the MPI path it is not implemented.
 //!
 //! ## Timeouts and failures
 //! - A rank that does not reach a collective within [`MpiConfig::timeout`] gives the others a
@@ -68,10 +73,10 @@ use fsdp_alloc::{BufferRef, Stream};
 use crate::desc::{validate, OpDesc, WORDS};
 use crate::error::{CollectiveError, Result};
 use crate::group::{
-    collectives_via_issue, launch_collective, locate_part, require_host, Issue, ProcessGroup,
+    collectives_via_issue, launch_collective, locate_part, Call, Issue, ProcessGroup,
 };
 use crate::kernels;
-use crate::types::{DeviceSlice, OpKind, ReduceOp, Work};
+use crate::types::{OpKind, Work};
 
 use raw::{Comm, SharedWindow};
 use shm::Shm;
@@ -81,19 +86,36 @@ use shm::Shm;
 pub struct MpiConfig {
     /// Bound on waiting for the other ranks (header exchange; every shared-memory barrier).
     pub timeout: Duration,
-    /// Bytes of one staging slot per rank of the shared-memory path (two per rank and group).
-    /// Larger slots mean fewer barriers per collective and more memory.
+    /// Bytes of one staging slot of the shared-memory path (also the piece size of the MPI
+    /// path). Larger slots mean fewer steps per collective; slots that fit the shared cache
+    /// (about 1 MiB here) make the staging copy cheap.
     pub slot_bytes: usize,
+    /// Staging slots per rank in the shared-memory ring (at least 2): the window holds
+    /// `slots × slot_bytes` per rank and group.
+    pub slots: usize,
     /// Use the shared-memory path when every rank of a group is on one node. Off: MPI
     /// collectives always (the environment variable `FSDP_MPI_SHM=0` turns it off by default).
     pub shared_memory: bool,
 }
 
+/// A positive integer from environment variable `var`, else `default` (unset or unreadable).
+fn env_count(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(default)
+}
+
 impl Default for MpiConfig {
+    /// 120 s timeout, 8 slots of 1 MiB, shared memory on. The environment variables
+    /// `FSDP_MPI_SLOT_BYTES`, `FSDP_MPI_SLOTS` and `FSDP_MPI_SHM=0` change the defaults (for
+    /// tuning a machine without rebuilding).
     fn default() -> Self {
         MpiConfig {
             timeout: Duration::from_secs(120),
-            slot_bytes: 8 << 20,
+            slot_bytes: env_count("FSDP_MPI_SLOT_BYTES", 1 << 20),
+            slots: env_count("FSDP_MPI_SLOTS", 8),
             shared_memory: std::env::var("FSDP_MPI_SHM").map_or(true, |v| v.trim() != "0"),
         }
     }
@@ -161,26 +183,27 @@ impl MpiGroup {
     }
 
     fn over(comm: Arc<Comm>, name: String, config: MpiConfig) -> Result<MpiGroup> {
-        if config.slot_bytes < 4096 {
+        if config.slot_bytes < 4096 || config.slots < 2 {
             return Err(CollectiveError::Mpi {
                 call: "MpiGroup",
                 rank: comm.rank(),
                 message: format!(
-                    "slot_bytes {} is too small; use at least 4096",
-                    config.slot_bytes
+                    "slot_bytes {} / slots {}: use at least 4096 bytes and 2 slots",
+                    config.slot_bytes, config.slots
                 ),
             });
         }
         // Collective on every rank regardless of the setting, so the calls match.
         let local = Arc::new(comm.split_shared()?);
         let shm = if config.shared_memory && local.size() == comm.size() {
-            let seg = shm::segment_bytes(config.slot_bytes);
+            let seg = shm::segment_bytes(config.slot_bytes, config.slots);
             let win = SharedWindow::allocate(Arc::clone(&local), seg)?;
             Some(Shm::new(
                 win,
                 comm.rank(),
                 comm.size(),
                 config.slot_bytes,
+                config.slots,
                 config.timeout,
             ))
         } else {
@@ -502,9 +525,11 @@ impl Inner {
                 let (input, output) = (input.ok_or_else(missing)?, output.ok_or_else(missing)?);
                 let total = input.len();
                 let chunk = (slot / es).max(1) * es;
+                let put = put_for(output.len());
                 let mut off = 0;
                 while off < total {
                     let len = chunk.min(total - off);
+                    let src = || input.slice(off, len).map_err(buf_err);
                     self.step(
                         ex,
                         op,
@@ -512,14 +537,20 @@ impl Inner {
                         Pattern::Gather,
                         len,
                         |dst| {
-                            let src = input.slice(off, len).map_err(buf_err)?;
-                            dst.copy_from_slice(&src.read::<u8>().map_err(buf_err)?);
+                            dst.copy_from_slice(&src()?.read::<u8>().map_err(buf_err)?);
                             Ok(())
                         },
                         |views| {
+                            let src = src()?;
                             for (p, v) in views.iter().enumerate() {
                                 let out = output.slice(p * total + off, len).map_err(buf_err)?;
-                                out.write::<u8>().map_err(buf_err)?.copy_from_slice(v);
+                                if p != rank {
+                                    put(&mut out.write::<u8>().map_err(buf_err)?, v);
+                                } else if out.location() != src.location() {
+                                    // Our own piece straight from the input (not in place).
+                                    let s = src.read::<u8>().map_err(buf_err)?;
+                                    put(&mut out.write::<u8>().map_err(buf_err)?, &s);
+                                }
                             }
                             Ok(())
                         },
@@ -530,9 +561,12 @@ impl Inner {
             }
             OpKind::ReduceScatter => {
                 let (input, output) = (input.ok_or_else(missing)?, output.ok_or_else(missing)?);
-                let (rop, accum) = (desc.op.unwrap_or(ReduceOp::Sum), desc.accum.unwrap());
+                let (rop, accum) = desc.reduction();
                 let total = output.len();
                 let chunk = (slot / w / es).max(1) * es;
+                // Not in place: our own piece is reduced straight from the input and never
+                // staged. In place it is the output itself, so it goes through the slot.
+                let direct = !output.overlaps(input);
                 let mut off = 0;
                 while off < total {
                     let len = chunk.min(total - off);
@@ -543,7 +577,7 @@ impl Inner {
                         Pattern::ToAll,
                         len,
                         |dst| {
-                            for d in 0..w {
+                            for d in (0..w).filter(|&d| !(direct && d == rank)) {
                                 let src = input.slice(d * total + off, len).map_err(buf_err)?;
                                 dst[d * len..(d + 1) * len]
                                     .copy_from_slice(&src.read::<u8>().map_err(buf_err)?);
@@ -552,7 +586,14 @@ impl Inner {
                         },
                         |views| {
                             let out = output.slice(off, len).map_err(buf_err)?;
-                            kernels::reduce_bytes(desc.in_dtype, accum, views, &out, rop, w)
+                            let own = input.slice(rank * total + off, len).map_err(buf_err)?;
+                            let guard;
+                            let mut views = views.to_vec();
+                            if direct {
+                                guard = own.read::<u8>().map_err(buf_err)?;
+                                views[rank] = &guard;
+                            }
+                            kernels::reduce(desc.in_dtype, accum, &views[..], &out, rop, w)
                                 .map_err(buf_err)
                         },
                     )?;
@@ -563,29 +604,27 @@ impl Inner {
             OpKind::AllReduce | OpKind::Broadcast => {
                 let buf = output.ok_or_else(missing)?;
                 let total = buf.len();
+                let put = put_for(total);
                 let chunk = (slot / es).max(1) * es;
                 let mut off = 0;
                 while off < total {
                     let len = chunk.min(total - off);
-                    let piece = buf.slice(off, len).map_err(buf_err)?;
+                    let piece = || buf.slice(off, len).map_err(buf_err);
                     let fill = |dst: &mut [u8]| {
-                        dst.copy_from_slice(&piece.read::<u8>().map_err(buf_err)?);
+                        dst.copy_from_slice(&piece()?.read::<u8>().map_err(buf_err)?);
                         Ok(())
                     };
                     if op == OpKind::AllReduce {
-                        let (rop, accum) = (desc.op.unwrap_or(ReduceOp::Sum), desc.accum.unwrap());
+                        let (rop, accum) = desc.reduction();
                         self.step(ex, op, seq, Pattern::Gather, len, fill, |views| {
-                            kernels::reduce_bytes(desc.in_dtype, accum, views, &piece, rop, w)
+                            kernels::reduce(desc.in_dtype, accum, views, &piece()?, rop, w)
                                 .map_err(buf_err)
                         })?;
                     } else {
                         let root = desc.root.unwrap_or(0);
                         self.step(ex, op, seq, Pattern::FromRoot(root), len, fill, |views| {
                             if rank != root {
-                                piece
-                                    .write::<u8>()
-                                    .map_err(buf_err)?
-                                    .copy_from_slice(views[root]);
+                                put(&mut piece()?.write::<u8>().map_err(buf_err)?, views[root]);
                             }
                             Ok(())
                         })?;
@@ -598,22 +637,13 @@ impl Inner {
     }
 }
 
-/// Dropped unrun (its stream had failed): still takes its turn, flagged, so the peers fail at
-/// once instead of waiting for it.
-struct Ticket {
-    inner: Arc<Inner>,
-    seq: u64,
-    desc: OpDesc,
-    armed: bool,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if self.armed {
-            let _ = self
-                .inner
-                .run_turn(self.seq, self.desc, true, |_, _| Ok(()));
-        }
+/// How the data phase writes a piece into a user buffer whose collective writes `out_bytes` in
+/// all: streaming stores for large outputs (see [`kernels::copy_streaming`]), else `memcpy`.
+fn put_for(out_bytes: usize) -> fn(&mut [u8], &[u8]) {
+    if out_bytes >= kernels::STREAMING_MIN {
+        kernels::copy_streaming
+    } else {
+        <[u8]>::copy_from_slice
     }
 }
 
@@ -622,33 +652,22 @@ impl Issue for MpiGroup {
         self.inner.rank()
     }
 
-    fn issue(
-        &self,
-        desc: OpDesc,
-        input: Option<&DeviceSlice>,
-        output: Option<&DeviceSlice>,
-        stream: &Stream,
-    ) -> Work {
-        let desc = require_host(desc, input, output);
+    fn launch(&self, call: Call<'_>, stream: &Stream) -> Work {
+        let desc = call.desc;
         let seq = self.inner.next_seq.fetch_add(1, Ordering::Relaxed);
-        let ticket = Ticket {
-            inner: Arc::clone(&self.inner),
-            seq,
-            desc,
-            armed: true,
-        };
-        let (input, output) = (
-            input.map(|s| s.data().clone()),
-            output.map(|s| s.data().clone()),
-        );
-        launch_collective(desc.kind, self.inner.rank(), seq, stream, move || {
-            let mut ticket = ticket;
-            ticket.armed = false;
-            let inner = Arc::clone(&ticket.inner);
+        let (input, output) = call.buffers();
+        let (inner, peers) = (Arc::clone(&self.inner), Arc::clone(&self.inner));
+        let run = move || {
             inner.run_turn(seq, desc, false, |inner, ex| {
                 inner.data_phase(ex, seq, &desc, input.as_ref(), output.as_ref())
             })
-        })
+        };
+        // Dropped unrun (its stream had failed): still take the turn, flagged, so the peers
+        // fail at once instead of waiting for this rank.
+        let abandon = move || {
+            let _ = peers.run_turn(seq, desc, true, |_, _| Ok(()));
+        };
+        launch_collective(&call, seq, stream, run, abandon)
     }
 }
 

@@ -442,6 +442,10 @@ impl SharedWindow {
         }
         // SAFETY: our own segment is `seg_bytes` long and not yet visible to any protocol step.
         unsafe { std::ptr::write_bytes(base, 0, seg_bytes) };
+        // Nobody uses the window before every segment is zeroed (rank 0's header holds words
+        // every rank updates).
+        // SAFETY: `comm.raw` is a live communicator; MPI_Barrier takes no buffers.
+        unsafe { check("MPI_Barrier", rank, ffi::MPI_Barrier(comm.raw))? };
         Ok(SharedWindow {
             win,
             bases,

@@ -131,6 +131,40 @@ pub(super) fn store_bytes(
     Ok(())
 }
 
+/// Enqueues the NCCL collective `desc` describes (`Barrier`: nothing) on `stream`: input at
+/// `ip`, output at `optr` (the same address for the in-place all-reduce and broadcast), elements
+/// of `dt`.
+///
+/// # Safety
+/// `ip` and `optr` are device addresses of allocations of `comm`'s context that hold the
+/// element counts of `desc` (validated on every rank) and stay alive until the kernel has run;
+/// `stream` is a stream of that context.
+unsafe fn launch_nccl(
+    desc: &OpDesc,
+    ip: *const c_void,
+    optr: *mut c_void,
+    dt: sys::ncclDataType_t,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+) -> std::result::Result<result::NcclStatus, result::NcclError> {
+    let red = nccl_op(desc.op.unwrap_or(ReduceOp::Sum));
+    // SAFETY: the caller's contract covers every arm.
+    unsafe {
+        match desc.kind {
+            OpKind::AllGather => result::all_gather(ip, optr, desc.in_len, dt, comm, stream),
+            OpKind::ReduceScatter => {
+                result::reduce_scatter(ip, optr, desc.out_len, dt, red, comm, stream)
+            }
+            OpKind::AllReduce => result::all_reduce(ip, optr, desc.in_len, dt, red, comm, stream),
+            OpKind::Broadcast => {
+                let root = desc.root.unwrap_or(0) as i32;
+                result::broadcast(ip, optr, desc.in_len, dt, root, comm, stream)
+            }
+            OpKind::Barrier => Ok(result::NcclStatus::Success),
+        }
+    }
+}
+
 impl CommThread {
     fn comm(&self, id: usize) -> Result<sys::ncclComm_t> {
         self.comms_of(id).map(|(data, _)| data)
@@ -311,105 +345,46 @@ impl CommThread {
             rank,
             detail: "descriptor without its buffer".into(),
         };
-        let widen =
-            desc.accum == Some(DType::F32) && matches!(desc.in_dtype, DType::F16 | DType::BF16);
-        let wire = if widen { DType::F32 } else { desc.in_dtype };
-        let esz = wire.size();
-        let stream = self.stream.cu_stream() as sys::cudaStream_t;
-        match op {
+        // Reductions with f32 accumulation of f16/bf16 go over the wire widened to f32.
+        let widen = op != OpKind::AllGather
+            && desc.accum == Some(DType::F32)
+            && matches!(desc.in_dtype, DType::F16 | DType::BF16);
+        let esz = if widen { 4 } else { desc.in_dtype.size() };
+        let (src, dst) = match op {
             // The descriptor exchange above was already a rendezvous of every rank.
-            OpKind::Barrier => Ok(()),
-            OpKind::AllGather => {
-                let inp = input.ok_or_else(missing)?;
-                let out = output.ok_or_else(missing)?;
-                let send = self.upload(&host_bytes(&inp, desc.in_dtype, false).map_err(buf)?)?;
-                let recv = self.upload(&vec![0u8; desc.out_len * esz])?;
-                {
-                    let (sp, _s) = send.device_ptr(&self.stream);
-                    let (rp, _r) = recv.device_ptr(&self.stream);
-                    // SAFETY: send holds in_len elements and recv world × in_len (validated on
-                    // every rank); both live until after the wait.
-                    check("ncclAllGather", rank, unsafe {
-                        result::all_gather(
-                            sp as *const c_void,
-                            rp as *mut c_void,
-                            desc.in_len,
-                            nccl_dtype(wire),
-                            comm,
-                            stream,
-                        )
-                    })?;
-                }
-                self.wait(id, op, comm)?;
-                let bytes = self.download(&recv, desc.out_len * esz)?;
-                store_bytes(&out, desc.in_dtype, false, &bytes).map_err(buf)
-            }
-            OpKind::ReduceScatter => {
-                let inp = input.ok_or_else(missing)?;
-                let out = output.ok_or_else(missing)?;
-                let send = self.upload(&host_bytes(&inp, desc.in_dtype, widen).map_err(buf)?)?;
-                let recv = self.upload(&vec![0u8; desc.out_len * esz])?;
-                {
-                    let (sp, _s) = send.device_ptr(&self.stream);
-                    let (rp, _r) = recv.device_ptr(&self.stream);
-                    // SAFETY: send holds world × out_len elements of `wire`, recv out_len; both
-                    // live until after the wait.
-                    check("ncclReduceScatter", rank, unsafe {
-                        result::reduce_scatter(
-                            sp as *const c_void,
-                            rp as *mut c_void,
-                            desc.out_len,
-                            nccl_dtype(wire),
-                            nccl_op(desc.op.unwrap_or(ReduceOp::Sum)),
-                            comm,
-                            stream,
-                        )
-                    })?;
-                }
-                self.wait(id, op, comm)?;
-                let bytes = self.download(&recv, desc.out_len * esz)?;
-                store_bytes(&out, desc.in_dtype, widen, &bytes).map_err(buf)
+            OpKind::Barrier => return Ok(()),
+            OpKind::AllGather | OpKind::ReduceScatter => {
+                (input.ok_or_else(missing)?, output.ok_or_else(missing)?)
             }
             OpKind::AllReduce | OpKind::Broadcast => {
                 let b = output.ok_or_else(missing)?;
-                let data = self.upload(&host_bytes(&b, desc.in_dtype, widen).map_err(buf)?)?;
-                {
-                    let (p, _g) = data.device_ptr(&self.stream);
-                    if op == OpKind::AllReduce {
-                        // SAFETY: in place over in_len elements of `wire` in a live buffer.
-                        check("ncclAllReduce", rank, unsafe {
-                            result::all_reduce(
-                                p as *const c_void,
-                                p as *mut c_void,
-                                desc.in_len,
-                                nccl_dtype(wire),
-                                nccl_op(desc.op.unwrap_or(ReduceOp::Sum)),
-                                comm,
-                                stream,
-                            )
-                        })?;
-                    } else {
-                        let root = desc.root.unwrap_or(0) as i32;
-                        // SAFETY: in place over in_len elements in a live buffer; root < world
-                        // (validated).
-                        check("ncclBroadcast", rank, unsafe {
-                            result::broadcast(
-                                p as *const c_void,
-                                p as *mut c_void,
-                                desc.in_len,
-                                nccl_dtype(wire),
-                                root,
-                                comm,
-                                stream,
-                            )
-                        })?;
-                    }
-                }
-                self.wait(id, op, comm)?;
-                let bytes = self.download(&data, desc.in_len * esz)?;
-                store_bytes(&b, desc.in_dtype, widen, &bytes).map_err(buf)
+                (b.clone(), b)
             }
+        };
+        // Staged through device memory: in place for all-reduce and broadcast.
+        let send = self.upload(&host_bytes(&src, desc.in_dtype, widen).map_err(buf)?)?;
+        let in_place = matches!(op, OpKind::AllReduce | OpKind::Broadcast);
+        let recv_len = if in_place { desc.in_len } else { desc.out_len } * esz;
+        let recv = match in_place {
+            true => None,
+            false => Some(self.upload(&vec![0u8; recv_len])?),
+        };
+        {
+            let (sp, _s) = send.device_ptr(&self.stream);
+            let recv_ptr = recv.as_ref().map(|r| r.device_ptr(&self.stream));
+            let rp = recv_ptr.as_ref().map_or(sp, |(p, _)| *p);
+            let dt = nccl_dtype(if widen { DType::F32 } else { desc.in_dtype });
+            let cs = self.stream.cu_stream() as sys::cudaStream_t;
+            // SAFETY: `send` holds the input's elements of the wire dtype and `recv` (or `send`
+            // itself, in place) the output's, as validated on every rank; both device buffers
+            // of this context live until after the wait below; `cs` is this context's stream.
+            let r =
+                unsafe { launch_nccl(&desc, sp as *const c_void, rp as *mut c_void, dt, comm, cs) };
+            check(op.name(), rank, r)?;
         }
+        self.wait(id, op, comm)?;
+        let bytes = self.download(recv.as_ref().unwrap_or(&send), recv_len)?;
+        store_bytes(&dst, desc.in_dtype, widen, &bytes).map_err(buf)
     }
 
     /// Device path: agree with the other ranks, then enqueue the kernel on the caller's stream.
@@ -438,28 +413,14 @@ impl CommThread {
             None => out,
         };
         let dt = nccl_dtype(desc.in_dtype);
-        let red = nccl_op(desc.op.unwrap_or(ReduceOp::Sum));
         let cs = user.cu_stream() as sys::cudaStream_t;
         let (ip, optr) = (inp as *const c_void, out as *mut c_void);
-        // SAFETY (every arm): the pointers are device addresses of live allocations of this
-        // context (the BufferRefs, kept in `pending` until the kernel's completion event fires,
-        // hold their segments); their lengths match the counts (validated from every rank's
-        // descriptor); `cs` is a stream of this context, and stream order places the kernel
-        // after the work that produced the inputs and before the work that reads the outputs.
-        let r = unsafe {
-            match op {
-                OpKind::AllGather => result::all_gather(ip, optr, desc.in_len, dt, comm, cs),
-                OpKind::ReduceScatter => {
-                    result::reduce_scatter(ip, optr, desc.out_len, dt, red, comm, cs)
-                }
-                OpKind::AllReduce => result::all_reduce(ip, optr, desc.in_len, dt, red, comm, cs),
-                OpKind::Broadcast => {
-                    let root = desc.root.unwrap_or(0) as i32;
-                    result::broadcast(ip, optr, desc.in_len, dt, root, comm, cs)
-                }
-                OpKind::Barrier => Ok(result::NcclStatus::Success),
-            }
-        };
+        // SAFETY: the pointers are device addresses of live allocations of this context (the
+        // BufferRefs, kept in `pending` until the kernel's completion event fires, hold their
+        // segments); their lengths match the counts (validated from every rank's descriptor);
+        // `cs` is a stream of this context, and stream order places the kernel after the work
+        // that produced the inputs and before the work that reads the outputs.
+        let r = unsafe { launch_nccl(&desc, ip, optr, dt, comm, cs) };
         check(op.name(), rank, r)?;
         let done = user
             .record_event(None)

@@ -12,7 +12,8 @@ use fsdp_alloc::{DeviceId, Stream};
 use crate::desc::{BufferProblem, OpDesc};
 use crate::error::{CollectiveError, Result};
 use crate::group::{
-    collectives_via_issue, fail_on_stream, finish_on_stream, locate_part, Issue, ProcessGroup,
+    collectives_via_issue, fail_on_stream, launch_collective, locate_part, Call, Issue,
+    ProcessGroup,
 };
 use crate::store::{RendezvousEnv, TcpStore};
 use crate::types::{DeviceSlice, OpKind, Outcome, Work};
@@ -143,22 +144,14 @@ impl NcclGroup {
         })
     }
 
-    /// Torchrun-style creation: reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
-    /// (and `LOCAL_RANK` for the device, else the rank), rendezvouses through a [`TcpStore`] and
-    /// creates the world communicator. Returns the store too (keep it alive on rank 0).
+    /// Creation from the launch environment: reads rank, world size and local rank from any
+    /// common launcher (torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK`, `mpirun`, MPICH/PMI, Slurm;
+    /// see [`RendezvousEnv`]) plus `MASTER_ADDR`/`MASTER_PORT`, uses device
+    /// [`RendezvousEnv::device_ordinal`], rendezvouses through a [`TcpStore`] and creates the
+    /// world communicator. Returns the store too (keep it alive on rank 0).
     pub fn from_env(timeout: Duration) -> Result<(NcclGroup, TcpStore)> {
         let env = RendezvousEnv::from_env()?;
-        let ordinal = match std::env::var("LOCAL_RANK") {
-            Ok(v) => v
-                .trim()
-                .parse::<usize>()
-                .map_err(|e| CollectiveError::InvalidEnv {
-                    var: "LOCAL_RANK",
-                    value: v.clone(),
-                    reason: format!("not a non-negative integer ({e})"),
-                })?,
-            Err(_) => env.rank,
-        };
+        let ordinal = env.device_ordinal();
         let store = TcpStore::rendezvous(&env, timeout)?;
         let config = NcclConfig {
             timeout,
@@ -167,50 +160,40 @@ impl NcclGroup {
         let group = NcclGroup::new(&store, env.rank, env.world_size, config)?;
         Ok((group, store))
     }
+}
 
-    fn issue_op(
-        &self,
-        desc: OpDesc,
-        input: Option<&DeviceSlice>,
-        output: Option<&DeviceSlice>,
-        stream: &Stream,
-    ) -> Work {
+impl Issue for NcclGroup {
+    fn issue_rank(&self) -> usize {
+        self.rank
+    }
+
+    /// NCCL places buffers itself: device buffers on a CUDA stream, host buffers otherwise.
+    const HOST_ONLY: bool = false;
+
+    fn launch(&self, call: Call<'_>, stream: &Stream) -> Work {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let outcome: Outcome = Arc::new(Mutex::new(None));
-        let mut desc = desc;
+        let mut desc = call.desc;
         let on_device = |s: Option<&DeviceSlice>| s.map(|s| s.data().device_ptr().is_some());
+        let (on_in, on_out) = (on_device(call.input), on_device(call.output));
         if let Some(cuda) = stream.cuda_stream() {
             let placed = stream.device() == DeviceId::Cuda(self.ordinal)
-                && on_device(input) != Some(false)
-                && on_device(output) == Some(true);
+                && on_in != Some(false)
+                && on_out == Some(true);
             if !placed && desc.bad_buffer.is_none() {
                 desc.bad_buffer = Some(BufferProblem::Placement);
             }
-            return self.issue_device(seq, desc, input, output, stream, cuda, outcome);
+            return self.issue_device(seq, Call { desc, ..call }, stream, cuda);
         }
-        if (on_device(input) == Some(true) || on_device(output) == Some(true))
-            && desc.bad_buffer.is_none()
-        {
+        if (on_in == Some(true) || on_out == Some(true)) && desc.bad_buffer.is_none() {
             desc.bad_buffer = Some(BufferProblem::Placement);
         }
-        let ticket = Ticket {
-            tx: self.tx.clone(),
-            comm: self.comm,
-            seq,
-            desc,
-            armed: true,
-        };
-        let (input, output) = (
-            input.map(|s| s.data().clone()),
-            output.map(|s| s.data().clone()),
-        );
-        let (slot, timeout, rank) = (Arc::clone(&outcome), self.timeout, self.rank);
-        stream.launch(move || {
-            let mut ticket = ticket;
-            ticket.armed = false;
+        let (input, output) = call.buffers();
+        let (tx, abandon_tx, comm) = (self.tx.clone(), self.tx.clone(), self.comm);
+        let (timeout, rank) = (self.timeout, self.rank);
+        let run = move || {
             let (reply, answer) = bounded(1);
-            let sent = ticket.tx.send(Request::Op {
-                comm: ticket.comm,
+            let sent = tx.send(Request::Op {
+                comm,
                 seq,
                 desc,
                 input,
@@ -218,7 +201,7 @@ impl NcclGroup {
                 abandoned: false,
                 reply,
             });
-            let r = match sent {
+            match sent {
                 Err(_) => Err(CollectiveError::CudaUnavailable(
                     "the communicator thread has exited".into(),
                 )),
@@ -234,10 +217,23 @@ impl NcclGroup {
                             missing: Vec::new(),
                         })
                     }),
-            };
-            finish_on_stream(&slot, r);
-        });
-        Work::new(desc.kind, self.rank, seq, stream.record_event(), outcome)
+            }
+        };
+        // Dropped unrun (the stream had failed): still join the descriptor exchange, flagged,
+        // so the peers fail at once instead of waiting inside NCCL.
+        let abandon = move || {
+            let (reply, _answer) = bounded(1);
+            let _ = abandon_tx.send(Request::Op {
+                comm,
+                seq,
+                desc,
+                input: None,
+                output: None,
+                abandoned: true,
+                reply,
+            });
+        };
+        launch_collective(&Call { desc, ..call }, seq, stream, run, abandon)
     }
 }
 
@@ -246,20 +242,17 @@ impl NcclGroup {
     /// descriptors with the other ranks and enqueues the kernel on `cuda`; then record the
     /// work's event after it. On failure nothing was enqueued; the stream is failed (a host
     /// function that fails it), as with the thread backend.
-    #[allow(clippy::too_many_arguments)]
     fn issue_device(
         &self,
         seq: u64,
-        desc: OpDesc,
-        input: Option<&DeviceSlice>,
-        output: Option<&DeviceSlice>,
+        call: Call<'_>,
         stream: &Stream,
         cuda: &Arc<CudaStream>,
-        outcome: Outcome,
     ) -> Work {
-        let rank = self.rank;
+        let (rank, desc, input) = (self.rank, call.desc, call.input);
         let op = desc.kind;
-        let Some(output) = output else {
+        let outcome: Outcome = Arc::new(Mutex::new(None));
+        let Some(output) = call.output else {
             return Work::failed(
                 op,
                 rank,
@@ -302,49 +295,6 @@ impl NcclGroup {
             Err(e) => fail_on_stream(op, rank, seq, stream, outcome, e),
             Ok(()) => Work::new(op, rank, seq, stream.record_event(), outcome),
         }
-    }
-}
-
-/// Dropped unrun (the stream had failed): still joins the descriptor exchange, flagged, so the
-/// peers fail at once instead of waiting inside NCCL.
-struct Ticket {
-    tx: Sender<Request>,
-    comm: usize,
-    seq: u64,
-    desc: OpDesc,
-    armed: bool,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if self.armed {
-            let (reply, _answer) = bounded(1);
-            let _ = self.tx.send(Request::Op {
-                comm: self.comm,
-                seq: self.seq,
-                desc: self.desc,
-                input: None,
-                output: None,
-                abandoned: true,
-                reply,
-            });
-        }
-    }
-}
-
-impl Issue for NcclGroup {
-    fn issue_rank(&self) -> usize {
-        self.rank
-    }
-
-    fn issue(
-        &self,
-        desc: OpDesc,
-        input: Option<&DeviceSlice>,
-        output: Option<&DeviceSlice>,
-        stream: &Stream,
-    ) -> Work {
-        self.issue_op(desc, input, output, stream)
     }
 }
 

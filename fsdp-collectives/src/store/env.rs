@@ -289,6 +289,12 @@ impl RendezvousEnv {
         }
     }
 
+    /// The device this process should drive: its local rank when the launcher gives one (the
+    /// processes of a node take devices 0, 1, …), else its rank (a single-node job).
+    pub fn device_ordinal(&self) -> usize {
+        self.local_rank.unwrap_or(self.rank)
+    }
+
     /// `MASTER_ADDR:MASTER_PORT` (IPv6 literals bracketed).
     pub fn master(&self) -> String {
         if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
@@ -344,6 +350,23 @@ mod tests {
             LaunchEnv::from_lookup(env(&[])).unwrap_err(),
             CollectiveError::MissingEnv { var: "RANK" }
         );
+    }
+
+    #[test]
+    fn device_ordinal_is_the_local_rank_of_every_launcher_else_the_rank() {
+        let master = [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+        for l in Launcher::ALL {
+            let (r, s, lr) = l.vars();
+            // Rank 5 of 8, the second process of its node: device 1, not 5.
+            let mut vars = vec![(r, "5"), (s, "8"), (lr, "1")];
+            vars.extend(master);
+            let e = RendezvousEnv::from_lookup(env(&vars)).unwrap();
+            assert_eq!((e.launcher, e.device_ordinal()), (l, 1));
+            let mut vars = vec![(r, "3"), (s, "4")];
+            vars.extend(master);
+            let e = RendezvousEnv::from_lookup(env(&vars)).unwrap();
+            assert_eq!(e.device_ordinal(), 3, "{l:?} without a local rank");
+        }
     }
 
     #[test]
