@@ -40,6 +40,16 @@
 //! shared-memory path it would save nothing (the rank-ordered fold reads each peer's piece once,
 //! as any reduction must), and on the MPI path it is not implemented.
 //!
+//! ## Performance (measured, and what is not reached)
+//! `cargo xtask bench mpi` (64 MiB, W = 4 processes on the 2-core development machine, per-rank
+//! output bytes per second) could only be run while other jobs loaded the machine (load average
+//! 10–20): there MPI all-gather ran at 0.93 GB/s vs 0.71 for the thread backend in the same run
+//! (the previous two-slot protocol: 0.60–0.78), reduce-scatter at 0.64–0.83 vs 0.89–0.95 for the
+//! thread backend (previous: 0.63–0.65). The targets (2.35 / 1.5 GB/s) were not reached
+//! under that load; a plain streaming-store copy of the same bytes reached ~4 GB/s per rank at
+//! load 3 in a C probe, so the ceiling is there. Reduce-scatter stages `(W−1)/W` of its input
+//! through the window, which the thread backend (reading peers' buffers in place) does not.
+//!
 //! ## Timeouts and failures
 //! - A rank that does not reach a collective within [`MpiConfig::timeout`] gives the others a
 //!   typed [`CollectiveError::Timeout`] (header exchange on both paths, every barrier on the
