@@ -51,6 +51,7 @@ enum Op {
     ReduceScatter(ReduceOp, DType),
     AllReduce(ReduceOp, DType),
     Broadcast(usize),
+    AllToAll,
 }
 
 /// Runs `op` on `pg` with rank `r`'s input (`n` elements per chunk) and returns the output bytes.
@@ -62,6 +63,7 @@ fn run(pg: &dyn ProcessGroup, op: Op, dtype: DType, n: usize, salt: usize) -> Ve
         Op::AllGather => (n, w * n),
         Op::ReduceScatter(..) => (w * n, n),
         Op::AllReduce(..) | Op::Broadcast(_) => (n, n),
+        Op::AllToAll => (w * n, w * n),
     };
     let es = dtype.size();
     let input = dev.alloc(in_n * es, &st).unwrap();
@@ -78,6 +80,7 @@ fn run(pg: &dyn ProcessGroup, op: Op, dtype: DType, n: usize, salt: usize) -> Ve
         Op::ReduceScatter(rop, accum) => pg.reduce_scatter_with(&i, &o, rop, accum, &st),
         Op::AllReduce(rop, accum) => pg.all_reduce_with(&i, rop, accum, &st),
         Op::Broadcast(root) => pg.broadcast(&i, root, &st),
+        Op::AllToAll => pg.all_to_all_into(&i, &o, &st),
     };
     work.wait()
         .unwrap_or_else(|e| panic!("{op:?} {dtype} on rank {r}: {e}"));
@@ -118,7 +121,7 @@ fn main() {
     for (label, g) in groups {
         for &n in &[1usize, 7, 3000] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let mut ops = vec![Op::AllGather, Op::Broadcast(w - 1)];
+                let mut ops = vec![Op::AllGather, Op::Broadcast(w - 1), Op::AllToAll];
                 for rop in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
                     let mut accums = vec![DType::F32];
                     if dtype != DType::F32 {

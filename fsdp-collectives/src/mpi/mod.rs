@@ -23,9 +23,9 @@
 //!   barrier per step suffices. Large buffers stream through the slots in
 //!   [`MpiConfig::slot_bytes`] pieces.
 //! - **MPI collectives** (a group that spans nodes, or `shared_memory` off): byte-wise
-//!   `MPI_Allgather` (all-gather, all-reduce), `MPI_Alltoall` (reduce-scatter) and `MPI_Bcast`
-//!   move the pieces; the header exchange is a non-blocking `MPI_Iallgather` polled with sleeps.
-//!   There is no hierarchical (shared memory inside a node, MPI between nodes) path yet.
+//!   `MPI_Allgather` (all-gather, all-reduce), `MPI_Alltoall` (reduce-scatter, all-to-all) and
+//!   `MPI_Bcast` move the pieces; the header exchange is a non-blocking `MPI_Iallgather`
+//!   polled with sleeps. There is no hierarchical (shared memory inside a node, MPI between nodes) path yet.
 //!
 //! ## Determinism
 //! Reductions never use MPI's reduction operators: the pieces are exchanged, then every rank
@@ -554,6 +554,41 @@ impl Inner {
                             let out = output.slice(off, len).map_err(buf_err)?;
                             kernels::reduce_bytes(desc.in_dtype, accum, views, &out, rop, w)
                                 .map_err(buf_err)
+                        },
+                    )?;
+                    off += len;
+                }
+                Ok(())
+            }
+            OpKind::AllToAll => {
+                // The reduce-scatter's exchange without the reduction: piece d of our input goes
+                // to rank d; the piece from rank p lands in chunk p of our output.
+                let (input, output) = (input.ok_or_else(missing)?, output.ok_or_else(missing)?);
+                let total = output.len() / w;
+                let chunk = (slot / w / es).max(1) * es;
+                let mut off = 0;
+                while off < total {
+                    let len = chunk.min(total - off);
+                    self.step(
+                        ex,
+                        op,
+                        seq,
+                        Pattern::ToAll,
+                        len,
+                        |dst| {
+                            for d in 0..w {
+                                let src = input.slice(d * total + off, len).map_err(buf_err)?;
+                                dst[d * len..(d + 1) * len]
+                                    .copy_from_slice(&src.read::<u8>().map_err(buf_err)?);
+                            }
+                            Ok(())
+                        },
+                        |views| {
+                            for (p, v) in views.iter().enumerate() {
+                                let out = output.slice(p * total + off, len).map_err(buf_err)?;
+                                out.write::<u8>().map_err(buf_err)?.copy_from_slice(v);
+                            }
+                            Ok(())
                         },
                     )?;
                     off += len;

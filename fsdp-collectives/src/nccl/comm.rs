@@ -370,6 +370,34 @@ impl CommThread {
                 let bytes = self.download(&recv, desc.out_len * esz)?;
                 store_bytes(&out, desc.in_dtype, widen, &bytes).map_err(buf)
             }
+            OpKind::AllToAll => {
+                let inp = input.ok_or_else(missing)?;
+                let out = output.ok_or_else(missing)?;
+                let world = self.comms.get(id).map_or(1, |c| c.size).max(1);
+                let send = self.upload(&host_bytes(&inp, desc.in_dtype, false).map_err(buf)?)?;
+                let recv = self.upload(&vec![0u8; desc.out_len * esz])?;
+                {
+                    let (sp, _s) = send.device_ptr(&self.stream);
+                    let (rp, _r) = recv.device_ptr(&self.stream);
+                    // SAFETY: send and recv hold in_len = out_len = world × count elements
+                    // (validated on every rank), are separate allocations, and live until after
+                    // the wait; the stream is the thread's own stream of this context.
+                    check("ncclSend/ncclRecv (all-to-all)", rank, unsafe {
+                        grouped_all_to_all(
+                            sp,
+                            rp,
+                            desc.in_len / world,
+                            wire,
+                            world,
+                            comm,
+                            stream,
+                        )
+                    })?;
+                }
+                self.wait(id, op, comm)?;
+                let bytes = self.download(&recv, desc.out_len * esz)?;
+                store_bytes(&out, desc.in_dtype, false, &bytes).map_err(buf)
+            }
             OpKind::AllReduce | OpKind::Broadcast => {
                 let b = output.ok_or_else(missing)?;
                 let data = self.upload(&host_bytes(&b, desc.in_dtype, widen).map_err(buf)?)?;
@@ -456,6 +484,18 @@ impl CommThread {
                 OpKind::Broadcast => {
                     let root = desc.root.unwrap_or(0) as i32;
                     result::broadcast(ip, optr, desc.in_len, dt, root, comm, cs)
+                }
+                OpKind::AllToAll => {
+                    let world = self.comms.get(id).map_or(1, |c| c.size).max(1);
+                    grouped_all_to_all(
+                        inp,
+                        out,
+                        desc.in_len / world,
+                        desc.in_dtype,
+                        world,
+                        comm,
+                        cs,
+                    )
                 }
                 OpKind::Barrier => Ok(result::NcclStatus::Success),
             }
