@@ -184,7 +184,7 @@ impl OpDesc {
                             "input"
                         },
                     ),
-                })
+                });
             }
             Some(BufferProblem::Placement) => {
                 return Err(CollectiveError::InvalidBuffer {

@@ -101,7 +101,14 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
                 .into(),
         };
         let outcome: Outcome = Arc::new(Mutex::new(None));
-        fail_on_stream(OpKind::AllToAll, self.rank(), u64::MAX, stream, outcome, error)
+        fail_on_stream(
+            OpKind::AllToAll,
+            self.rank(),
+            u64::MAX,
+            stream,
+            outcome,
+            error,
+        )
     }
 
     /// Blocks the calling thread until every rank of the group has called `barrier`.

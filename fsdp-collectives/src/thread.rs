@@ -543,7 +543,11 @@ impl Shared {
                 let n = d.in_len / world * sz;
                 let out = me.output.as_ref().ok_or_else(missing)?;
                 for (p, peer) in posted.iter().enumerate() {
-                    let src = peer.input.as_ref().ok_or_else(missing)?.slice(rank * n, n)?;
+                    let src = peer
+                        .input
+                        .as_ref()
+                        .ok_or_else(missing)?
+                        .slice(rank * n, n)?;
                     kernels::copy(&src, &out.slice(p * n, n)?)?;
                 }
                 Ok(())

@@ -68,12 +68,19 @@ fn link_emulation_keeps_the_result_and_charges_the_wire_bytes() {
         4096,
         5,
     );
-    assert!(t0.elapsed() >= Duration::from_micros(4900), "{:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() >= Duration::from_micros(4900),
+        "{:?}",
+        t0.elapsed()
+    );
 }
 
 /// Every rank runs `issue` with its own (input length, output length, dtype) and must get the
 /// same kind of error.
-fn all_fail(w: usize, args: impl Fn(usize) -> (usize, usize, DType) + Sync) -> Vec<CollectiveError> {
+fn all_fail(
+    w: usize,
+    args: impl Fn(usize) -> (usize, usize, DType) + Sync,
+) -> Vec<CollectiveError> {
     run_ranks(ThreadGroup::new(w), |r| {
         let (ilen, olen, dtype) = args(r.rank);
         let ib = r.dev.alloc(ilen * dtype.size(), &r.stream).unwrap();
@@ -91,7 +98,13 @@ fn bad_arguments_fail_on_every_rank() {
     // Not a multiple of the world size.
     for e in all_fail(3, |_| (8, 8, DType::F32)) {
         assert!(
-            matches!(e, CollectiveError::SizeMismatch { op: OpKind::AllToAll, .. }),
+            matches!(
+                e,
+                CollectiveError::SizeMismatch {
+                    op: OpKind::AllToAll,
+                    ..
+                }
+            ),
             "{e}"
         );
         assert!(e.to_string().contains("multiple of the world size"), "{e}");
@@ -101,7 +114,13 @@ fn bad_arguments_fail_on_every_rank() {
         assert!(matches!(e, CollectiveError::SizeMismatch { .. }), "{e}");
     }
     // One rank passes other lengths than the others: every rank reports it.
-    for e in all_fail(2, |r| if r == 0 { (4, 4, DType::U8) } else { (6, 6, DType::U8) }) {
+    for e in all_fail(2, |r| {
+        if r == 0 {
+            (4, 4, DType::U8)
+        } else {
+            (6, 6, DType::U8)
+        }
+    }) {
         assert!(matches!(e, CollectiveError::InconsistentArgs { .. }), "{e}");
     }
 }
@@ -115,7 +134,13 @@ fn overlapping_buffers_are_refused() {
     });
     for e in errs {
         assert!(
-            matches!(e, CollectiveError::InvalidBuffer { op: OpKind::AllToAll, .. }),
+            matches!(
+                e,
+                CollectiveError::InvalidBuffer {
+                    op: OpKind::AllToAll,
+                    ..
+                }
+            ),
             "{e}"
         );
         assert!(e.to_string().contains("no in-place form"), "{e}");
@@ -192,7 +217,13 @@ fn other_process_groups_get_a_typed_unsupported_error() {
         .wait()
         .unwrap_err();
     assert!(
-        matches!(e, CollectiveError::Unsupported { op: OpKind::AllToAll, .. }),
+        matches!(
+            e,
+            CollectiveError::Unsupported {
+                op: OpKind::AllToAll,
+                ..
+            }
+        ),
         "{e}"
     );
     // The stream is failed: nothing after it consumes the unwritten output.

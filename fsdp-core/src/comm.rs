@@ -319,7 +319,9 @@ impl CommContext {
         );
         let (packets, dst) = (recv.data().clone(), out.data().clone());
         stream.launch(move || {
-            let packets = packets.read::<u8>().expect("int8 all-gather: packets unreadable");
+            let packets = packets
+                .read::<u8>()
+                .expect("int8 all-gather: packets unreadable");
             let mut dst = dst
                 .write::<f32>()
                 .expect("int8 all-gather: output unwritable");
@@ -360,7 +362,9 @@ impl CommContext {
         );
         let (packets, dst) = (recv.data().clone(), tensor_slice(out)?.data().clone());
         stream.launch(move || {
-            let packets = packets.read::<u8>().expect("int8 reduce: packets unreadable");
+            let packets = packets
+                .read::<u8>()
+                .expect("int8 reduce: packets unreadable");
             let mut dst = dst.write::<f32>().expect("int8 reduce: output unwritable");
             for (src, p) in packets.chunks_exact(packet).enumerate() {
                 let r = if src == 0 {
@@ -460,7 +464,9 @@ fn launch_encode(
     let packet = codec.packed_len(n);
     stream.launch(move || {
         let x = src.read::<f32>().expect("int8 quantize: input unreadable");
-        let mut d = dst.write::<u8>().expect("int8 quantize: packets unwritable");
+        let mut d = dst
+            .write::<u8>()
+            .expect("int8 quantize: packets unwritable");
         for (vals, p) in x
             .chunks_exact(n.max(1))
             .zip(d.chunks_exact_mut(packet.max(1)))

@@ -377,7 +377,9 @@ mod tests {
         });
         for mode in [LimitAllGathers::Off, LimitAllGathers::On, auto] {
             assert_eq!(
-                FsdpConfig::default().with_limit_all_gathers(mode).limit_mode(),
+                FsdpConfig::default()
+                    .with_limit_all_gathers(mode)
+                    .limit_mode(),
                 mode
             );
         }

@@ -340,9 +340,10 @@ impl<M: Module + 'static> Fsdp<M> {
                             .into(),
                     ));
                 }
-                Some(fsdp_collectives::Int8Codec::new(block).map_err(|e| {
-                    FsdpError::Config(format!("quantize_collectives: {e}"))
-                })?)
+                Some(
+                    fsdp_collectives::Int8Codec::new(block)
+                        .map_err(|e| FsdpError::Config(format!("quantize_collectives: {e}")))?,
+                )
             }
         };
         let factor = if config.strategy.is_sharded() {

@@ -54,7 +54,8 @@ fn train(cap: Option<usize>, mode: LimitAllGathers) -> Vec<RankRun> {
         for i in 0..STEPS {
             let before = dev.memory_stats().num_alloc_retries;
             let (x, y) = token_tensors(i * 2 + rank, 2, 64, 256, &dev);
-            run.losses.push(fsdp_sgd_step(&fsdp, &x, &y, 2, 0.01).to_bits());
+            run.losses
+                .push(fsdp_sgd_step(&fsdp, &x, &y, 2, 0.01).to_bits());
             run.retries
                 .push(dev.memory_stats().num_alloc_retries - before);
         }
@@ -122,12 +123,19 @@ fn auto_never_turns_on_without_memory_pressure_and_changes_nothing() {
         assert_eq!(a.losses, o.losses, "rank {rank}: losses of the off run");
         assert_eq!(a.retries, vec![0; STEPS], "rank {rank}: no retries");
         assert_eq!(
-            (a.status.turned_on, a.status.active, a.status.limited_all_gathers),
+            (
+                a.status.turned_on,
+                a.status.active,
+                a.status.limited_all_gathers
+            ),
             (0, false, 0),
             "rank {rank}: the limiter never turned on: {:?}",
             a.status
         );
-        assert_eq!(a.all_gathers, o.all_gathers, "rank {rank}: same all-gathers");
+        assert_eq!(
+            a.all_gathers, o.all_gathers,
+            "rank {rank}: same all-gathers"
+        );
         // The runtime does exactly what it does without a limiter: the same allocations in the
         // same order, so the same peak.
         assert_eq!(
@@ -136,4 +144,3 @@ fn auto_never_turns_on_without_memory_pressure_and_changes_nothing() {
         );
     }
 }
-

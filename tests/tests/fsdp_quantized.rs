@@ -8,8 +8,7 @@ use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
 use fsdp_collectives::DeviceMesh;
 use fsdp_core::{
-    Comm, CommStats, Fsdp, FsdpConfig, MixedPrecision, Quantization, ShardingStrategy,
-    WrapPolicy,
+    Comm, CommStats, Fsdp, FsdpConfig, MixedPrecision, Quantization, ShardingStrategy, WrapPolicy,
 };
 use fsdp_tests::{fsdp_sgd_step, full_named, run_ranks, token_tensors, Named};
 
@@ -76,7 +75,15 @@ fn relative_param_difference(a: &Named, b: &Named) -> f32 {
 fn int8_trains_close_to_f32_with_a_quarter_of_the_bytes() {
     let steps = 12;
     for world in [2, 3] {
-        let f32_run = train(world, small(), ShardingStrategy::FullShard, None, steps, 2, 0.1);
+        let f32_run = train(
+            world,
+            small(),
+            ShardingStrategy::FullShard,
+            None,
+            steps,
+            2,
+            0.1,
+        );
         let int8_run = train(
             world,
             small(),
@@ -112,7 +119,11 @@ fn int8_trains_close_to_f32_with_a_quarter_of_the_bytes() {
             assert!(d < 0.02, "W={world} rank {rank}: parameters drift by {d}");
             assert_eq!(f.stats.num_all_gathers, q.stats.num_all_gathers);
             for (what, fb, qb) in [
-                ("all-gather", f.stats.all_gather_bytes, q.stats.all_gather_bytes),
+                (
+                    "all-gather",
+                    f.stats.all_gather_bytes,
+                    q.stats.all_gather_bytes,
+                ),
                 (
                     "reduce-scatter",
                     f.stats.reduce_scatter_bytes,
@@ -141,7 +152,10 @@ fn int8_is_deterministic_and_every_rank_agrees() {
         assert_eq!(bits(&a[rank]), bits(&b[rank]), "rank {rank}: run to run");
         assert_eq!(a[rank].params, b[rank].params, "rank {rank}: run to run");
     }
-    assert_eq!(a[0].params, a[1].params, "every rank gathers the same model");
+    assert_eq!(
+        a[0].params, a[1].params,
+        "every rank gathers the same model"
+    );
 }
 
 #[test]
@@ -215,7 +229,15 @@ fn unsupported_combinations_are_config_errors() {
 #[ignore]
 fn int8_gpt_mini_300_steps_within_two_percent() {
     let (world, steps) = (4, 300);
-    let f = train(world, GptConfig::mini(), ShardingStrategy::FullShard, None, steps, 4, 0.05);
+    let f = train(
+        world,
+        GptConfig::mini(),
+        ShardingStrategy::FullShard,
+        None,
+        steps,
+        4,
+        0.05,
+    );
     let q = train(
         world,
         GptConfig::mini(),

@@ -383,15 +383,7 @@ impl CommThread {
                     // (validated on every rank), are separate allocations, and live until after
                     // the wait; the stream is the thread's own stream of this context.
                     check("ncclSend/ncclRecv (all-to-all)", rank, unsafe {
-                        grouped_all_to_all(
-                            sp,
-                            rp,
-                            desc.in_len / world,
-                            wire,
-                            world,
-                            comm,
-                            stream,
-                        )
+                        grouped_all_to_all(sp, rp, desc.in_len / world, wire, world, comm, stream)
                     })?;
                 }
                 self.wait(id, op, comm)?;

@@ -565,7 +565,8 @@ impl Cli {
         if p.mixed_precision.is_some() && strategy == ShardingStrategy::NoShard {
             return usage("--mixed-precision needs a sharded strategy (not no-shard)");
         }
-        let quantize_collectives = match (self.comm.quantize_collectives, self.comm.quantize_block) {
+        let quantize_collectives = match (self.comm.quantize_collectives, self.comm.quantize_block)
+        {
             (QuantArg::None, None) => None,
             (QuantArg::None, Some(_)) => {
                 return usage("--quantize-block only applies with --quantize-collectives int8")
@@ -841,7 +842,13 @@ mod tests {
         );
         assert!(parse(&["--quantize-collectives", "int4"]).is_err());
         assert!(parse(&["--quantize-collectives", "int8", "--strategy", "no-shard"]).is_err());
-        assert!(parse(&["--quantize-collectives", "int8", "--mixed-precision", "bf16"]).is_err());
+        assert!(parse(&[
+            "--quantize-collectives",
+            "int8",
+            "--mixed-precision",
+            "bf16"
+        ])
+        .is_err());
         assert!(parse(&["--quantize-block", "0"]).is_err());
         assert!(parse(&["--quantize-block", "64"]).is_err());
     }
