@@ -25,38 +25,7 @@
 //! - **end of backward** (queued callback): the compute stream waits for every pending reduction;
 //!   units still unsharded are resharded; the forward order is kept for the next iteration.
 //!
-//! ## The adaptive rate limiter
-//! With [`crate::LimitAllGathers::Auto`] the limiter starts off. Before every all-gather (and at
-//! the start of every iteration, to count retries of the optimizer step) the runtime reads the
-//! device allocator's `num_alloc_retries`; a new retry turns the limiter on at once. After
-//! `clean_iterations_to_disable` iterations in a row without a retry it turns off again; each
-//! time it has to come back on, the clean streak it needs doubles (so a model that needs it
-//! does not flap). The limiter only delays the issuing thread, never changes what is computed:
-//! every parity law holds in all three modes. While off, the runtime does exactly what it does
-//! with `limit_all_gathers: false`. [`Fsdp::limiter_status`] reports the state.
-//!
-//! ## Quantized collectives
-//! With [`FsdpConfig::quantize_collectives`] = [`Quantization::Int8`] (sharded strategies, f32
-//! communication), each unshard quantizes this rank's f32 shard into int8 codes with one f32
-//! scale per block (`scale = max|x|/127`, round to nearest; [`fsdp_collectives::Int8Codec`]),
-//! all-gathers those packets as bytes and dequantizes every rank's packet into the unsharded
-//! f32 flat parameter, on the unshard stream. Each post-backward reduction quantizes the W
-//! destination chunks of the f32 flat gradient, exchanges them with
-//! [`fsdp_collectives::ProcessGroup::all_to_all_into`], and sums the W dequantized chunks in
-//! f32 in rank order on the reduce stream (each contribution is quantized once, so errors do
-//! not compound across ranks). [`CommStats`] counts the packets' bytes: about a quarter of the
-//! f32 bytes plus 4 bytes per block per rank. HybridShard's replicate all-reduce stays f32.
-//!
-//! What changes, precisely: the forward and backward compute on dequantized parameters (each
-//! element within `max|block|/254` of the f32 shard value) and the optimizer sees the sum of
-//! dequantized gradient chunks (each rank's contribution within `max|block|/254` per element).
-//! So these laws **do not hold** with quantization on: FSDP == local training bit for bit (in
-//! every strategy, with prefetching, gradient accumulation, clipping, scalers, CPU offload);
-//! results equal across world sizes; the thread and MPI backends equal *each other* bit for
-//! bit still holds (the same deterministic codec and rank-ordered sum on both). These still
-//! hold: determinism run to run, all ranks holding identical results, the shards themselves
-//! staying f32 (quantization is on the wire only), exact state dicts and `full_parameters`
-//! (they gather unquantized f32), and everything with quantization off (bit for bit as before).
+//! The adaptive rate limiter and quantized collectives are described on [`Fsdp`].
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -207,6 +176,40 @@ pub(crate) struct Inner {
 /// Built by [`Fsdp::wrap`] on every rank with the same model (same seed, same structure).
 /// Call [`Fsdp::forward`] (not the model's `call`) so the root unit's hooks run, then `backward`
 /// on the loss as usual, then [`Fsdp::sgd_step`] and [`Fsdp::zero_grad`].
+///
+/// ## The adaptive rate limiter
+/// With [`crate::LimitAllGathers::Auto`] the limiter starts off. Before every all-gather (and at
+/// the start of every iteration, to count retries of the optimizer step) the runtime reads the
+/// device allocator's `num_alloc_retries`; a new retry turns the limiter on at once. After
+/// `clean_iterations_to_disable` iterations in a row without a retry it turns off again; each
+/// time it has to come back on, the clean streak it needs doubles (so a model that needs it
+/// does not flap). The limiter only delays the issuing thread, never changes what is computed:
+/// every parity law holds in all three modes. While off, the runtime does exactly what it does
+/// with `limit_all_gathers: false`. [`Fsdp::limiter_status`] reports the state.
+///
+/// ## Quantized collectives
+/// With [`FsdpConfig::quantize_collectives`] = [`Quantization::Int8`] (sharded strategies, f32
+/// communication), each unshard quantizes this rank's f32 shard into int8 codes with one f32
+/// scale per block (`scale = max|x|/127`, round to nearest; [`fsdp_collectives::Int8Codec`]),
+/// all-gathers those packets as bytes and dequantizes every rank's packet into the unsharded
+/// f32 flat parameter, on the unshard stream. Each post-backward reduction quantizes the W
+/// destination chunks of the f32 flat gradient, exchanges them with
+/// [`fsdp_collectives::ProcessGroup::all_to_all_into`], and sums the W dequantized chunks in
+/// f32 in rank order on the reduce stream (each contribution is quantized once, so errors do
+/// not compound across ranks). [`CommStats`] counts the packets' bytes: about a quarter of the
+/// f32 bytes plus 4 bytes per block per rank. HybridShard's replicate all-reduce stays f32.
+///
+/// What changes, precisely: the forward and backward compute on dequantized parameters (each
+/// element within `max|block|/254` of the f32 shard value) and the optimizer sees the sum of
+/// dequantized gradient chunks (each rank's contribution within `max|block|/254` per element).
+/// So these laws **do not hold** with quantization on: FSDP == local training bit for bit (in
+/// every strategy, with prefetching, gradient accumulation, clipping, scalers, CPU offload), and
+/// results independent of the world size or the shard-group size (each size quantizes other
+/// chunks in other blocks). These still hold: the thread and MPI backends equal each other bit
+/// for bit (the same deterministic codec and rank-ordered sum on both); determinism run to run;
+/// every rank computing on the same dequantized parameters; the shards and the optimizer state
+/// staying f32 (quantization is on the wire only); exact state dicts and `full_parameters`
+/// (they gather unquantized f32); and with quantization off, everything bit for bit as before.
 pub struct Fsdp<M: Module> {
     model: M,
     inner: Arc<Inner>,
