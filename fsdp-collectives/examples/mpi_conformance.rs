@@ -55,6 +55,7 @@ enum Op {
     AllGatherInPlace,
     /// Reduce-scatter whose output is this rank's chunk of the input.
     ReduceScatterInPlace(ReduceOp, DType),
+    AllToAll,
 }
 
 /// Runs `op` on `pg` with rank `r`'s input (`n` elements per chunk) and returns the output bytes.
@@ -68,6 +69,7 @@ fn run(pg: &dyn ProcessGroup, op: Op, dtype: DType, n: usize, salt: usize) -> Ve
         Op::AllReduce(..) | Op::Broadcast(_) => (n, n),
         Op::AllGatherInPlace => (w * n, 1),
         Op::ReduceScatterInPlace(..) => (w * n, 1),
+        Op::AllToAll => (w * n, w * n),
     };
     let es = dtype.size();
     let input = dev.alloc(in_n * es, &st).unwrap();
@@ -93,6 +95,7 @@ fn run(pg: &dyn ProcessGroup, op: Op, dtype: DType, n: usize, salt: usize) -> Ve
         Op::ReduceScatterInPlace(rop, accum) => {
             pg.reduce_scatter_with(&i, &i.slice(r * n, n).unwrap(), rop, accum, &st)
         }
+        Op::AllToAll => pg.all_to_all_into(&i, &o, &st),
     };
     work.wait()
         .unwrap_or_else(|e| panic!("{op:?} {dtype} on rank {r}: {e}"));
@@ -135,7 +138,7 @@ fn main() {
     for (label, g) in groups {
         for &n in &[1usize, 7, 3000] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let mut ops = vec![Op::AllGather, Op::Broadcast(w - 1)];
+                let mut ops = vec![Op::AllGather, Op::Broadcast(w - 1), Op::AllToAll];
                 for rop in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
                     let mut accums = vec![DType::F32];
                     if dtype != DType::F32 {

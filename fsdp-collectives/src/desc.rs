@@ -107,6 +107,18 @@ impl OpDesc {
         }
     }
 
+    pub fn all_to_all(input: &DeviceSlice, output: &DeviceSlice) -> OpDesc {
+        // No in-place form: every rank writes every chunk of its output while peers still read
+        // its input.
+        let bad_alias = input.data().overlaps(output.data());
+        OpDesc {
+            out_dtype: output.dtype(),
+            out_len: output.len(),
+            bad_buffer: bad_alias.then_some(BufferProblem::Alias),
+            ..OpDesc::base(OpKind::AllToAll, input.dtype(), input.len())
+        }
+    }
+
     pub fn barrier() -> OpDesc {
         OpDesc::base(OpKind::Barrier, DType::U8, 0)
     }
@@ -125,6 +137,7 @@ impl OpDesc {
         let size_ok = match op {
             OpKind::AllGather => self.in_len.checked_mul(world) == Some(self.out_len),
             OpKind::ReduceScatter => self.out_len.checked_mul(world) == Some(self.in_len),
+            OpKind::AllToAll => self.in_len == self.out_len && self.in_len % world.max(1) == 0,
             _ => true,
         };
         if !size_ok {
@@ -152,6 +165,15 @@ impl OpDesc {
         match self.bad_buffer {
             None => {}
             Some(BufferProblem::Alias) => {
+                if op == OpKind::AllToAll {
+                    return Err(CollectiveError::InvalidBuffer {
+                        op,
+                        rank,
+                        detail: "input and output overlap, but all_to_all has no in-place form; \
+                                 use separate buffers"
+                            .into(),
+                    });
+                }
                 return Err(CollectiveError::InvalidBuffer {
                     op,
                     rank,
@@ -170,7 +192,7 @@ impl OpDesc {
                             "input"
                         },
                     ),
-                })
+                });
             }
             Some(BufferProblem::Placement) => {
                 return Err(CollectiveError::InvalidBuffer {

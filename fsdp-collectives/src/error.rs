@@ -130,6 +130,19 @@ pub enum CollectiveError {
         detail: String,
     },
 
+    /// The backend does not implement this collective.
+    #[error("{op} on rank {rank} of group {group}: not supported by this backend: {detail}")]
+    Unsupported {
+        /// The collective.
+        op: OpKind,
+        /// The rank that issued it.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// Which backend, and what to use instead.
+        detail: String,
+    },
+
     /// A [`crate::DeviceSlice`] that cannot be formed (ragged length, out of range).
     #[error("invalid device slice: {0}")]
     InvalidSlice(String),

@@ -82,6 +82,35 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Copies rank `root`'s `buf` into `buf` on every other rank.
     fn broadcast(&self, buf: &DeviceSlice, root: usize, stream: &Stream) -> Work;
 
+    /// Personalized exchange with equal chunks: `input` and `output` have the same length, a
+    /// multiple of `size()`; chunk `d` of this rank's `input` goes to rank `d`, and chunk `s` of
+    /// this rank's `output` receives chunk `rank()` of rank `s`'s input. Any dtype (the bytes
+    /// are moved, nothing is reduced); no in-place form (the buffers must not overlap).
+    ///
+    /// Implemented by the thread, MPI and NCCL backends. The default implementation, for other
+    /// implementors of this trait, fails with [`CollectiveError::Unsupported`] and fails
+    /// `stream` (so nothing consumes the unwritten output).
+    fn all_to_all_into(&self, input: &DeviceSlice, output: &DeviceSlice, stream: &Stream) -> Work {
+        let _ = (input, output);
+        let error = CollectiveError::Unsupported {
+            op: OpKind::AllToAll,
+            rank: self.rank(),
+            group: self.name(),
+            detail: "this ProcessGroup does not implement all_to_all_into; implement it (the \
+                     thread, MPI and NCCL backends do)"
+                .into(),
+        };
+        let outcome: Outcome = Arc::new(Mutex::new(None));
+        fail_on_stream(
+            OpKind::AllToAll,
+            self.rank(),
+            u64::MAX,
+            stream,
+            outcome,
+            error,
+        )
+    }
+
     /// Blocks the calling thread until every rank of the group has called `barrier`.
     ///
     /// It orders host threads; it does not wait for work already launched on streams (wait on
@@ -217,7 +246,6 @@ pub(crate) fn launch_collective(
 /// A collective that failed before anything ran on the device: the error is the outcome and the
 /// stream is failed after the work already on it, so later work is skipped as for a failure
 /// during the collective.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn fail_on_stream(
     op: OpKind,
     rank: usize,
@@ -294,8 +322,9 @@ pub(crate) trait Issue {
     }
 }
 
-/// Expands, inside an `impl ProcessGroup for X` where `X: Issue`, to the four stream
-/// collectives (`all_gather_into`, `reduce_scatter_with`, `all_reduce_with`, `broadcast`).
+/// Expands, inside an `impl ProcessGroup for X` where `X: Issue`, to the stream collectives
+/// (`all_gather_into`, `reduce_scatter_with`, `all_reduce_with`, `broadcast`,
+/// `all_to_all_into`).
 macro_rules! collectives_via_issue {
     () => {
         fn all_gather_into(
@@ -349,6 +378,16 @@ macro_rules! collectives_via_issue {
         ) -> $crate::types::Work {
             let desc = $crate::desc::OpDesc::broadcast(buf, root);
             $crate::group::Issue::issue(self, desc, None, Some(buf), stream)
+        }
+
+        fn all_to_all_into(
+            &self,
+            input: &$crate::types::DeviceSlice,
+            output: &$crate::types::DeviceSlice,
+            stream: &fsdp_alloc::Stream,
+        ) -> $crate::types::Work {
+            let desc = $crate::desc::OpDesc::all_to_all(input, output);
+            $crate::group::Issue::issue(self, desc, Some(input), Some(output), stream)
         }
     };
 }

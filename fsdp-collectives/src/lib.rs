@@ -14,6 +14,11 @@
 //! - `MpiGroup` (`mpi`, with the `mpi` feature): one rank per process over MPI; shared-memory
 //!   windows inside a node, rank-ordered reductions (bit-equal to the thread backend).
 //! - `NcclGroup` (`nccl`, with the `cuda` feature): the same trait over NCCL.
+//! - [`ProcessGroup::all_to_all_into`]: the personalized exchange with equal chunks (thread and
+//!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`, compile-checked only), the wire
+//!   of quantized reduce-scatters.
+//! - [`Int8Codec`] ([`quant`]): int8 block quantization with a per-block f32 scale
+//!   (ZeRO++-style), the codec of fsdp-core's quantized collectives.
 //! - [`Backend`] and [`Launched`] ([`launch`]): one call that gives this process its group(s)
 //!   for a backend choice (`--backend thread|mpi`).
 //!
@@ -42,6 +47,7 @@ pub mod mesh;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod quant;
 pub mod store;
 pub mod thread;
 pub mod types;
@@ -54,6 +60,7 @@ pub use mesh::DeviceMesh;
 pub use mpi::{mpi_launched, MpiConfig, MpiGroup};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, NcclConfig, NcclGroup};
+pub use quant::Int8Codec;
 pub use store::{RendezvousEnv, StoreServer, TcpStore};
 pub use thread::{GroupConfig, LinkModel, ThreadGroup};
 pub use types::{default_accum, DeviceSlice, OpKind, ReduceOp, Work};

@@ -18,7 +18,8 @@
 //!    reduces it into its own output; in all-gather rank r *pushes* its input into chunk r of
 //!    every output, block by block, so each input is read from memory once for all W copies;
 //!    all-reduce is a reduce-scatter in place followed (after a middle rendezvous) by an
-//!    all-gather in place; in broadcast every other rank pulls the root's buffer.
+//!    all-gather in place; in broadcast every other rank pulls the root's buffer; in
+//!    all-to-all rank r pulls chunk r of every input into its output.
 //!    Reductions fold ranks in order 0, 1, …, W−1, so results are bitwise reproducible and equal
 //!    on every rank.
 //! 3. **Departure.** Wait until every rank is done reading, so no rank's later stream work can
@@ -59,7 +60,7 @@ static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 /// Emulated link: each collective completes no earlier than `latency + bytes / bytes_per_sec`
 /// after all ranks arrived, where `bytes` is what one rank receives in a ring algorithm
 /// (all-gather and reduce-scatter: (W−1)/W of the large buffer; all-reduce: twice that;
-/// broadcast: the whole buffer). Each rank has **one** link per group: collectives running at
+/// broadcast: the whole buffer; all-to-all: (W−1)/W of the output). Each rank has **one** link per group: collectives running at
 /// the same time on different streams (an all-gather on the unshard stream, a reduce-scatter on
 /// the reduce stream) queue for it, each transfer starting when the previous one finished — as
 /// on one NIC. With a link, a group's collectives also run **in issue order** on each rank, as
@@ -542,6 +543,20 @@ impl Shared {
                     kernels::copy_to_all(&chunk(me, rank)?, &dsts)
                 })
             }
+            OpKind::AllToAll => guarded(&|| {
+                // Pull: chunk `rank` of every rank's input lands in chunk p of our output.
+                let n = d.in_len / world * sz;
+                let out = me.output.as_ref().ok_or_else(missing)?;
+                for (p, peer) in posted.iter().enumerate() {
+                    let src = peer
+                        .input
+                        .as_ref()
+                        .ok_or_else(missing)?
+                        .slice(rank * n, n)?;
+                    kernels::copy(&src, &out.slice(p * n, n)?)?;
+                }
+                Ok(())
+            }),
             OpKind::Broadcast => guarded(&|| {
                 let root = d.root.unwrap_or(0);
                 if rank == root {
@@ -564,6 +579,7 @@ impl Shared {
             OpKind::AllReduce => 2 * (w - 1) * d.in_len * sz / w,
             OpKind::Broadcast => d.in_len * sz,
             OpKind::Barrier => 0,
+            OpKind::AllToAll => (w - 1) * (d.in_len / w) * sz,
         }
     }
 

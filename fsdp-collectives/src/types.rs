@@ -21,6 +21,8 @@ pub enum OpKind {
     Broadcast,
     /// [`crate::ProcessGroup::barrier`].
     Barrier,
+    /// [`crate::ProcessGroup::all_to_all_into`].
+    AllToAll,
 }
 
 impl OpKind {
@@ -32,6 +34,7 @@ impl OpKind {
             OpKind::AllReduce => "all_reduce",
             OpKind::Broadcast => "broadcast",
             OpKind::Barrier => "barrier",
+            OpKind::AllToAll => "all_to_all",
         }
     }
 
@@ -43,6 +46,9 @@ impl OpKind {
             OpKind::AllReduce | OpKind::Broadcast | OpKind::Barrier => {
                 "the same length on every rank"
             }
+            OpKind::AllToAll => {
+                "input length = output length, a multiple of the world size, the same on every rank"
+            }
         }
     }
 
@@ -53,6 +59,7 @@ impl OpKind {
             OpKind::AllReduce => 3,
             OpKind::Broadcast => 4,
             OpKind::Barrier => 5,
+            OpKind::AllToAll => 6,
         }
     }
 
@@ -64,6 +71,7 @@ impl OpKind {
             3 => OpKind::AllReduce,
             4 => OpKind::Broadcast,
             5 => OpKind::Barrier,
+            6 => OpKind::AllToAll,
             _ => return None,
         })
     }

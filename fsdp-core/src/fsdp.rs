@@ -24,6 +24,8 @@
 //!   reshard; with `BackwardPost`, prefetch the next unit after issuing the reduction.
 //! - **end of backward** (queued callback): the compute stream waits for every pending reduction;
 //!   units still unsharded are resharded; the forward order is kept for the next iteration.
+//!
+//! The adaptive rate limiter and quantized collectives are described on [`Fsdp`].
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -36,12 +38,14 @@ use fsdp_collectives::{DeviceMesh, ProcessGroup};
 use fsdp_flatparam::FlatParamLayout;
 use fsdp_init::InitPlan;
 
-pub use crate::comm::CommStats;
+pub use crate::comm::{CommStats, LimiterStatus};
 // Collective plumbing, here for the modules that import it from `crate::fsdp`.
 pub(crate) use crate::comm::{gather_flat, tensor_slice};
 
-use crate::comm::{CommContext, Ledger};
-use crate::config::{BackwardPrefetch, DeferredInit, FsdpConfig, ShardingStrategy};
+use crate::comm::{AutoLimit, CommContext, Ledger};
+use crate::config::{
+    BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers, Quantization, ShardingStrategy,
+};
 use crate::error::{FsdpError, Result};
 use crate::handle::FlatParamHandle;
 use crate::wrap::{plan_units, ModuleInfo};
@@ -172,6 +176,40 @@ pub(crate) struct Inner {
 /// Built by [`Fsdp::wrap`] on every rank with the same model (same seed, same structure).
 /// Call [`Fsdp::forward`] (not the model's `call`) so the root unit's hooks run, then `backward`
 /// on the loss as usual, then [`Fsdp::sgd_step`] and [`Fsdp::zero_grad`].
+///
+/// ## The adaptive rate limiter
+/// With [`crate::LimitAllGathers::Auto`] the limiter starts off. Before every all-gather (and at
+/// the start of every iteration, to count retries of the optimizer step) the runtime reads the
+/// device allocator's `num_alloc_retries`; a new retry turns the limiter on at once. After
+/// `clean_iterations_to_disable` iterations in a row without a retry it turns off again; each
+/// time it has to come back on, the clean streak it needs doubles (so a model that needs it
+/// does not flap). The limiter only delays the issuing thread, never changes what is computed:
+/// every parity law holds in all three modes. While off, the runtime does exactly what it does
+/// with `limit_all_gathers: false`. [`Fsdp::limiter_status`] reports the state.
+///
+/// ## Quantized collectives
+/// With [`FsdpConfig::quantize_collectives`] = [`Quantization::Int8`] (sharded strategies, f32
+/// communication), each unshard quantizes this rank's f32 shard into int8 codes with one f32
+/// scale per block (`scale = max|x|/127`, round to nearest; [`fsdp_collectives::Int8Codec`]),
+/// all-gathers those packets as bytes and dequantizes every rank's packet into the unsharded
+/// f32 flat parameter, on the unshard stream. Each post-backward reduction quantizes the W
+/// destination chunks of the f32 flat gradient, exchanges them with
+/// [`fsdp_collectives::ProcessGroup::all_to_all_into`], and sums the W dequantized chunks in
+/// f32 in rank order on the reduce stream (each contribution is quantized once, so errors do
+/// not compound across ranks). [`CommStats`] counts the packets' bytes: about a quarter of the
+/// f32 bytes plus 4 bytes per block per rank. HybridShard's replicate all-reduce stays f32.
+///
+/// What changes, precisely: the forward and backward compute on dequantized parameters (each
+/// element within `max|block|/254` of the f32 shard value) and the optimizer sees the sum of
+/// dequantized gradient chunks (each rank's contribution within `max|block|/254` per element).
+/// So these laws **do not hold** with quantization on: FSDP == local training bit for bit (in
+/// every strategy, with prefetching, gradient accumulation, clipping, scalers, CPU offload), and
+/// results independent of the world size or the shard-group size (each size quantizes other
+/// chunks in other blocks). These still hold: the thread and MPI backends equal each other bit
+/// for bit (the same deterministic codec and rank-ordered sum on both); determinism run to run;
+/// every rank computing on the same dequantized parameters; the shards and the optimizer state
+/// staying f32 (quantization is on the wire only); exact state dicts and `full_parameters`
+/// (they gather unquantized f32); and with quantization off, everything bit for bit as before.
 pub struct Fsdp<M: Module> {
     model: M,
     inner: Arc<Inner>,
@@ -287,6 +325,30 @@ impl<M: Module + 'static> Fsdp<M> {
                     .into(),
             ));
         }
+        let quant = match config.quantize_collectives {
+            None => None,
+            Some(Quantization::Int8 { block }) => {
+                if !config.strategy.is_sharded() {
+                    return Err(FsdpError::Config(
+                        "quantize_collectives applies to the all-gathers and reduce-scatters of \
+                         a sharded strategy; NoShard only all-reduces (use FullShard, \
+                         ShardGradOp or HybridShard, or no quantization)"
+                            .into(),
+                    ));
+                }
+                if (param_dtype, reduce_dtype) != (DType::F32, DType::F32) {
+                    return Err(FsdpError::Config(
+                        "quantize_collectives quantizes f32 parameters and gradients; it does \
+                         not combine with mixed_precision yet (pick one)"
+                            .into(),
+                    ));
+                }
+                Some(
+                    fsdp_collectives::Int8Codec::new(block)
+                        .map_err(|e| FsdpError::Config(format!("quantize_collectives: {e}")))?,
+                )
+            }
+        };
         let factor = if config.strategy.is_sharded() {
             group.size()
         } else {
@@ -377,8 +439,13 @@ impl<M: Module + 'static> Fsdp<M> {
             ));
         }
         let params_ready = host_stream.record_event();
-        let limiter = (config.limit_all_gathers && config.strategy.is_sharded())
+        let mode = config.limit_mode();
+        let limiter = (mode != LimitAllGathers::Off && config.strategy.is_sharded())
             .then(|| RateLimiter::new(config.max_inflight_all_gathers));
+        let auto_limit = match mode {
+            LimitAllGathers::Auto(a) if limiter.is_some() => Some(AutoLimit::new(a, device)),
+            _ => None,
+        };
         let ctx = CommContext {
             device: device.clone(),
             compute,
@@ -393,6 +460,8 @@ impl<M: Module + 'static> Fsdp<M> {
             buffer_lifetime: config.buffer_lifetime,
             reduce_dtype,
             limiter,
+            auto_limit,
+            quant,
             ledger: Mutex::new(Ledger::default()),
         };
         let inner = Arc::new(Inner {
@@ -586,6 +655,12 @@ impl<M: Module + 'static> Fsdp<M> {
         self.inner.ctx.stats()
     }
 
+    /// The all-gather rate limiter's state: whether it is on now and, in the adaptive mode
+    /// ([`crate::LimitAllGathers::Auto`]), how often it turned on and off.
+    pub fn limiter_status(&self) -> LimiterStatus {
+        self.inner.ctx.limiter_status()
+    }
+
     /// Number of units (the root included).
     pub fn num_units(&self) -> usize {
         self.inner.lock().units.len()
@@ -724,6 +799,7 @@ impl Inner {
             return Ok(());
         }
         if !st.iter.open {
+            self.ctx.iteration_start();
             st.iter.open = true;
             st.iter.order.clear();
             st.iter.callback_queued = false;

@@ -108,9 +108,7 @@ impl FlatParamHandle {
             return Ok(());
         }
         if ctx.sharded {
-            if let Some(l) = &ctx.limiter {
-                l.acquire()?;
-            }
+            ctx.acquire_for_all_gather()?;
             ctx.drop_released_buffers();
             ctx.unshard_stream.wait_event(params_ready);
             let bytes = self.unsharded_bytes();
@@ -118,7 +116,11 @@ impl FlatParamHandle {
             let out = DeviceSlice::new(buf.data().clone(), self.param_dtype)?;
             let shard = ctx.shard_on_device(&self.shard, &ctx.unshard_stream, params_ready)?;
             let input = cast_on(&ctx.unshard_stream, shard, self.param_dtype)?;
-            let gathered = ctx.all_gather(&input, &out, bytes)?;
+            let gathered = match ctx.quant {
+                // Quantized: int8 codes and scales on the wire, dequantized into f32.
+                Some(codec) if input.numel() > 0 => ctx.all_gather_int8(codec, &input, &out)?,
+                _ => ctx.all_gather(&input, &out, bytes)?,
+            };
             self.storage.attach(buf)?;
             self.pending_unshard = Some(gathered);
         }
@@ -261,7 +263,10 @@ impl FlatParamHandle {
         let out = with_stream(&ctx.reduce_stream, || {
             Tensor::empty(&[chunk], grad.dtype(), &ctx.device)
         })?;
-        ctx.reduce_scatter(grad, &out)?;
+        match ctx.quant {
+            Some(codec) if chunk > 0 => ctx.reduce_scatter_int8(codec, grad, &out)?,
+            _ => ctx.reduce_scatter(grad, &out)?,
+        }
         if let Some(rep) = &ctx.replicate {
             ctx.all_reduce(rep, &out)?;
         }

@@ -35,10 +35,12 @@ pub mod state_dict;
 pub mod wrap;
 
 pub use clip::{clip_grad_norm, grad_norm, grad_norms_per_param, param_norms_per_param};
+pub use config::{AdaptiveLimiter, LimitAllGathers, Quantization};
 pub use config::{
     BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, MixedPrecision, ShardingStrategy,
 };
 pub use error::{FsdpError, Result};
+pub use fsdp::LimiterStatus;
 pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, ParamBytes, UnitInfo, UnitShard};
 pub use optim::{
     AdamParams, AdamW, Lamb, LocalAdamW, LocalLamb, LocalOptimizer, LocalSgd, Sgd,

@@ -26,9 +26,9 @@
 //!   piece never goes through the window (it copies or reduces it from its own buffer), and
 //!   large outputs (≥ 8 MiB) are written with streaming stores that bypass the caches.
 //! - **MPI collectives** (a group that spans nodes, or `shared_memory` off): byte-wise
-//!   `MPI_Allgather` (all-gather, all-reduce), `MPI_Alltoall` (reduce-scatter) and `MPI_Bcast`
-//!   move the pieces; the header exchange is a non-blocking `MPI_Iallgather` polled with sleeps.
-//!   There is no hierarchical (shared memory inside a node, MPI between nodes) path yet.
+//!   `MPI_Allgather` (all-gather, all-reduce), `MPI_Alltoall` (reduce-scatter, all-to-all) and
+//!   `MPI_Bcast` move the pieces; the header exchange is a non-blocking `MPI_Iallgather`
+//!   polled with sleeps. There is no hierarchical (shared memory inside a node, MPI between nodes) path yet.
 //!
 //! ## Determinism
 //! Reductions never use MPI's reduction operators: the pieces are exchanged, then every rank
@@ -605,6 +605,41 @@ impl Inner {
                             }
                             kernels::reduce(desc.in_dtype, accum, &views[..], &out, rop, w)
                                 .map_err(buf_err)
+                        },
+                    )?;
+                    off += len;
+                }
+                Ok(())
+            }
+            OpKind::AllToAll => {
+                // The reduce-scatter's exchange without the reduction: piece d of our input goes
+                // to rank d; the piece from rank p lands in chunk p of our output.
+                let (input, output) = (input.ok_or_else(missing)?, output.ok_or_else(missing)?);
+                let total = output.len() / w;
+                let chunk = (slot / w / es).max(1) * es;
+                let mut off = 0;
+                while off < total {
+                    let len = chunk.min(total - off);
+                    self.step(
+                        ex,
+                        op,
+                        seq,
+                        Pattern::ToAll,
+                        len,
+                        |dst| {
+                            for d in 0..w {
+                                let src = input.slice(d * total + off, len).map_err(buf_err)?;
+                                dst[d * len..(d + 1) * len]
+                                    .copy_from_slice(&src.read::<u8>().map_err(buf_err)?);
+                            }
+                            Ok(())
+                        },
+                        |views| {
+                            for (p, v) in views.iter().enumerate() {
+                                let out = output.slice(p * total + off, len).map_err(buf_err)?;
+                                out.write::<u8>().map_err(buf_err)?.copy_from_slice(v);
+                            }
+                            Ok(())
                         },
                     )?;
                     off += len;

@@ -139,15 +139,18 @@ pub(super) fn store_bytes(
 /// `ip` and `optr` are device addresses of allocations of `comm`'s context that hold the
 /// element counts of `desc` (validated on every rank) and stay alive until the kernel has run;
 /// `stream` is a stream of that context.
+#[allow(clippy::too_many_arguments)]
 unsafe fn launch_nccl(
     desc: &OpDesc,
     ip: *const c_void,
     optr: *mut c_void,
-    dt: sys::ncclDataType_t,
+    wire: DType,
+    world: usize,
     comm: sys::ncclComm_t,
     stream: sys::cudaStream_t,
 ) -> std::result::Result<result::NcclStatus, result::NcclError> {
     let red = nccl_op(desc.op.unwrap_or(ReduceOp::Sum));
+    let dt = nccl_dtype(wire);
     // SAFETY: the caller's contract covers every arm.
     unsafe {
         match desc.kind {
@@ -159,6 +162,18 @@ unsafe fn launch_nccl(
             OpKind::Broadcast => {
                 let root = desc.root.unwrap_or(0) as i32;
                 result::broadcast(ip, optr, desc.in_len, dt, root, comm, stream)
+            }
+            OpKind::AllToAll => {
+                let world = world.max(1);
+                grouped_all_to_all(
+                    ip as u64,
+                    optr as u64,
+                    desc.in_len / world,
+                    wire,
+                    world,
+                    comm,
+                    stream,
+                )
             }
             OpKind::Barrier => Ok(result::NcclStatus::Success),
         }
@@ -346,14 +361,14 @@ impl CommThread {
             detail: "descriptor without its buffer".into(),
         };
         // Reductions with f32 accumulation of f16/bf16 go over the wire widened to f32.
-        let widen = op != OpKind::AllGather
+        let widen = matches!(op, OpKind::ReduceScatter | OpKind::AllReduce)
             && desc.accum == Some(DType::F32)
             && matches!(desc.in_dtype, DType::F16 | DType::BF16);
         let esz = if widen { 4 } else { desc.in_dtype.size() };
         let (src, dst) = match op {
             // The descriptor exchange above was already a rendezvous of every rank.
             OpKind::Barrier => return Ok(()),
-            OpKind::AllGather | OpKind::ReduceScatter => {
+            OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => {
                 (input.ok_or_else(missing)?, output.ok_or_else(missing)?)
             }
             OpKind::AllReduce | OpKind::Broadcast => {
@@ -373,13 +388,23 @@ impl CommThread {
             let (sp, _s) = send.device_ptr(&self.stream);
             let recv_ptr = recv.as_ref().map(|r| r.device_ptr(&self.stream));
             let rp = recv_ptr.as_ref().map_or(sp, |(p, _)| *p);
-            let dt = nccl_dtype(if widen { DType::F32 } else { desc.in_dtype });
+            let wire = if widen { DType::F32 } else { desc.in_dtype };
+            let world = self.comms.get(id).map_or(1, |c| c.size);
             let cs = self.stream.cu_stream() as sys::cudaStream_t;
             // SAFETY: `send` holds the input's elements of the wire dtype and `recv` (or `send`
             // itself, in place) the output's, as validated on every rank; both device buffers
             // of this context live until after the wait below; `cs` is this context's stream.
-            let r =
-                unsafe { launch_nccl(&desc, sp as *const c_void, rp as *mut c_void, dt, comm, cs) };
+            let r = unsafe {
+                launch_nccl(
+                    &desc,
+                    sp as *const c_void,
+                    rp as *mut c_void,
+                    wire,
+                    world,
+                    comm,
+                    cs,
+                )
+            };
             check(op.name(), rank, r)?;
         }
         self.wait(id, op, comm)?;
@@ -412,7 +437,6 @@ impl CommThread {
             Some(b) => b.device_ptr().ok_or_else(placement)?,
             None => out,
         };
-        let dt = nccl_dtype(desc.in_dtype);
         let cs = user.cu_stream() as sys::cudaStream_t;
         let (ip, optr) = (inp as *const c_void, out as *mut c_void);
         // SAFETY: the pointers are device addresses of live allocations of this context (the
@@ -420,7 +444,8 @@ impl CommThread {
         // segments); their lengths match the counts (validated from every rank's descriptor);
         // `cs` is a stream of this context, and stream order places the kernel after the work
         // that produced the inputs and before the work that reads the outputs.
-        let r = unsafe { launch_nccl(&desc, ip, optr, dt, comm, cs) };
+        let world = self.comms.get(id).map_or(1, |c| c.size);
+        let r = unsafe { launch_nccl(&desc, ip, optr, desc.in_dtype, world, comm, cs) };
         check(op.name(), rank, r)?;
         let done = user
             .record_event(None)

@@ -70,6 +70,48 @@ pub(super) fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
+/// All-to-all with equal chunks as grouped point-to-point calls (NCCL has no all-to-all
+/// collective): inside one `ncclGroupStart`/`ncclGroupEnd`, chunk `p` of `send` goes to rank
+/// `p` (`ncclSend`) and chunk `p` of `recv` comes from rank `p` (`ncclRecv`), `count` elements
+/// of `dtype` each. `ncclGroupEnd` is called even when a send or receive failed.
+///
+/// # Safety
+/// `send` and `recv` are device addresses of live, non-overlapping allocations of `comm`'s
+/// context, each holding `world × count` elements of `dtype`, that stay alive until the enqueued
+/// work completes; `world` is `comm`'s size; `stream` is a stream of that context.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn grouped_all_to_all(
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: DType,
+    world: usize,
+    comm: sys::ncclComm_t,
+    stream: sys::cudaStream_t,
+) -> std::result::Result<result::NcclStatus, result::NcclError> {
+    let bytes = (count * dtype.size()) as u64;
+    let dt = nccl_dtype(dtype);
+    result::group_start()?;
+    let mut r = Ok(result::NcclStatus::Success);
+    for peer in 0..world {
+        if r.is_err() {
+            break;
+        }
+        let off = peer as u64 * bytes;
+        let sp = (send + off) as *const std::ffi::c_void;
+        let rp = (recv + off) as *mut std::ffi::c_void;
+        // SAFETY: per the function's contract, chunk `peer` of both buffers is in bounds and
+        // alive; `peer` < world is a rank of `comm`.
+        r = unsafe { result::send(sp, count, dt, peer as std::ffi::c_int, comm, stream) };
+        if r.is_ok() {
+            // SAFETY: as above.
+            r = unsafe { result::recv(rp, count, dt, peer as std::ffi::c_int, comm, stream) };
+        }
+    }
+    let end = result::group_end();
+    r.and(end)
+}
+
 /// A communicator owned by the communicator thread; aborted if it timed out, destroyed on drop.
 ///
 /// Each group has two NCCL communicators over the same ranks: `comm` carries the data (enqueued

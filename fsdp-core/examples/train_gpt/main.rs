@@ -183,6 +183,9 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
     if c.checked {
         extras.push_str(" | checked devices");
     }
+    if let Some(fsdp_core::Quantization::Int8 { block }) = c.quantize_collectives {
+        extras.push_str(&format!(" | int8 collectives (block {block})"));
+    }
     format!(
         "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} gelu {} ({} parameters) | data: {data} | \
          {} ranks × batch {} | {}{shard}, Block units, backward prefetch {}, forward prefetch {}, \
@@ -200,7 +203,7 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
         strategy_name(c.strategy),
         prefetch_name(c.backward_prefetch),
         if c.forward_prefetch { "on" } else { "off" },
-        if c.limit_all_gathers { "on" } else { "off" },
+        limit_name(c),
         match c.optimizer {
             Optimizer::Sgd => "SGD",
             Optimizer::AdamW => "AdamW",
@@ -209,6 +212,23 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
         c.steps,
         c.seed,
     )
+}
+
+/// The `--limit-all-gathers` spelling of the configuration.
+fn limit_name(c: &TrainConfig) -> &'static str {
+    match (c.adaptive_limiter, c.limit_all_gathers) {
+        (Some(_), _) => "auto",
+        (None, true) => "on",
+        (None, false) => "off",
+    }
+}
+
+/// The `--quantize-collectives` spelling of the configuration.
+fn quant_name(c: &TrainConfig) -> &'static str {
+    match c.quantize_collectives {
+        None => "none",
+        Some(fsdp_core::Quantization::Int8 { .. }) => "int8",
+    }
 }
 
 /// JSON has no NaN or infinity: those become `null`.
@@ -445,6 +465,8 @@ fn summary(
             "first_step": rep.first_step,
             "model_flops_per_s": json_num(model_flops),
             "gemm_flops_per_s": json_num(gemm_rate),
+            "limit_all_gathers": limit_name(c),
+            "quantize_collectives": quant_name(c),
         });
         println!("{j}");
     }

@@ -83,8 +83,12 @@ pub struct TrainConfig {
     pub backward_prefetch: BackwardPrefetch,
     /// Forward prefetch.
     pub forward_prefetch: bool,
-    /// Rate limiter.
+    /// Rate limiter (ignored when `adaptive_limiter` is set).
     pub limit_all_gathers: bool,
+    /// `--limit-all-gathers auto`: the adaptive limiter.
+    pub adaptive_limiter: Option<fsdp_core::AdaptiveLimiter>,
+    /// `--quantize-collectives`.
+    pub quantize_collectives: Option<fsdp_core::Quantization>,
     /// Build on the fake device.
     pub deferred_init: bool,
     /// Low-precision dtype.
@@ -472,6 +476,8 @@ impl Rank {
             backward_prefetch: cfg.backward_prefetch,
             forward_prefetch: cfg.forward_prefetch,
             limit_all_gathers: cfg.limit_all_gathers,
+            adaptive_limiter: cfg.adaptive_limiter,
+            quantize_collectives: cfg.quantize_collectives,
             mixed_precision: cfg.mixed_precision.map(MixedPrecision::uniform),
             cpu_offload: host.clone(),
             ..FsdpConfig::default()
