@@ -176,7 +176,7 @@ pub struct CommArgs {
     /// --mixed-precision
     #[arg(long, value_enum, value_name = "none|int8", default_value_t = QuantArg::None)]
     pub quantize_collectives: QuantArg,
-    /// Values per f32 scale with --quantize-collectives int8 (default 256)
+    /// Values per f32 scale with --quantize-collectives int8 (default 64)
     #[arg(long, value_name = "B", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
     pub quantize_block: Option<u64>,
 }
