@@ -32,6 +32,7 @@ pub mod plan;
 pub mod scaler;
 mod sharded;
 pub mod state_dict;
+mod units;
 pub mod wrap;
 
 pub use clip::{clip_grad_norm, grad_norm, grad_norms_per_param, param_norms_per_param};

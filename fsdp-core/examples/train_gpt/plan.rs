@@ -328,10 +328,12 @@ pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> 
             p.shard_size, c.ranks
         )));
     }
-    if p.strategy == ShardingStrategy::NoShard && (c.cpu_offload || c.mixed_precision.is_some()) {
+    if p.strategy == ShardingStrategy::NoShard
+        && (c.cpu_offload || c.mixed_precision.is_some() || c.quantize_collectives.is_some())
+    {
         return Err(UsageError(
-            "the top plan is no-shard, which cannot run with --cpu-offload or --mixed-precision; \
-             drop those flags or plan without them"
+            "the top plan is no-shard, which cannot run with --cpu-offload, --mixed-precision or \
+             --quantize-collectives; drop those flags or plan without them"
                 .into(),
         ));
     }
@@ -340,6 +342,9 @@ pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> 
     c.backward_prefetch = p.backward_prefetch;
     c.forward_prefetch = p.forward_prefetch;
     c.limit_all_gathers = p.limit_all_gathers;
+    // The plan decides the limiter outright: an adaptive (`--limit-all-gathers auto`) setting
+    // would override it.
+    c.adaptive_limiter = None;
     println!(
         "plan: applying the top plan: {} (--strategy {}{})",
         p.label(),
