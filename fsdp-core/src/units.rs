@@ -36,7 +36,7 @@ impl From<DeviceMesh> for Comm {
 /// One gathered parameter: (fully-qualified name, shape, values).
 pub type FullParameter = (String, Vec<usize>, Vec<f32>);
 
-/// One unit as [`Fsdp::units`] describes it.
+/// One unit as [`Fsdp::units`](crate::Fsdp::units) describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnitInfo {
     /// Module path of the unit ("" for the root).
@@ -76,7 +76,7 @@ impl ParamBytes {
 /// One unit's sharded state on this rank, for optimizers, gradient clipping, scalers and state
 /// dicts. The tensors are handles to FSDP's own shards: in-place updates (launched on the compute
 /// stream, e.g. inside `with_stream(fsdp.compute_stream(), ..)`) change the parameters; call
-/// [`Fsdp::params_updated`] afterwards so the next all-gather waits for them.
+/// [`Fsdp::params_updated`](crate::Fsdp::params_updated) afterwards so the next all-gather waits for them.
 #[derive(Debug, Clone)]
 pub struct UnitShard {
     /// Module path of the unit ("" for the root).
