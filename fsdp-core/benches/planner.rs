@@ -46,6 +46,9 @@ use fsdp_collectives::{DeviceMesh, GroupConfig, LinkModel, ProcessGroup, ReduceO
 use fsdp_core::plan::{Batch, Cluster, Link, ModelDesc, PlanConfig, Planner};
 use fsdp_core::{BackwardPrefetch, Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
 
+mod common;
+use common::{median, token_batch};
+
 const W: usize = 4;
 const RANKS_PER_NODE: usize = 2;
 const BATCH: usize = 2;
@@ -81,34 +84,6 @@ enum Net {
 
 fn policy() -> WrapPolicy {
     WrapPolicy::ModuleTypes(vec!["Block".into()])
-}
-
-/// The synthetic counting sequences of `train_gpt`.
-fn token_batch(index: usize, batch: usize, seq: usize, vocab: usize) -> (Vec<i64>, Vec<i64>) {
-    let mut ids = Vec::with_capacity(batch * seq);
-    let mut targets = Vec::with_capacity(batch * seq);
-    for b in 0..batch {
-        let k = index * batch + b;
-        let start = (k * 7 + 3) % vocab;
-        let stride = 1 + (k % 3);
-        for t in 0..seq {
-            ids.push(((start + stride * t) % vocab) as i64);
-            targets.push(((start + stride * (t + 1)) % vocab) as i64);
-        }
-    }
-    (ids, targets)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn link(bytes_per_sec: f64) -> LinkModel {

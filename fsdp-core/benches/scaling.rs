@@ -51,6 +51,9 @@ use fsdp_core::{
     AdamW, BackwardPrefetch, Comm, Fsdp, FsdpConfig, ShardedOptimizer, ShardingStrategy, WrapPolicy,
 };
 
+mod common;
+use common::median;
+
 const SEED: u64 = 0;
 const LR: f32 = 1e-3;
 
@@ -74,19 +77,6 @@ struct Outcome {
     step_secs: Vec<f64>,
     sharded_state_bytes: u64,
     peak_allocated_bytes: u64,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
-    }
 }
 
 fn bytes_of(t: &Tensor) -> u64 {
