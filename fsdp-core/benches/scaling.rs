@@ -21,7 +21,8 @@
 //!     for the big models) and tokens/s.
 //! (c) **Model FLOP rate over the GEMM peak**: model FLOPs per step = tokens · (6Ψ + 12·L·T·d)
 //!     (Ψ = all parameters, embeddings included; the second term is attention's QKᵀ and AV,
-//!     forward and backward, counted over the full T×T square like PaLM's formula) divided by
+//!     forward and backward, counted over the full T×T square like PaLM's formula, although the
+//!     CPU kernel is block-causal and does 5/8 of that square at T = 128) divided by
 //!     the step time, over `gemm_peak_gflops`: the best rate, measured in this run, of one
 //!     2-thread `gemm` call and of two concurrent 1-thread calls on f32 1024×1024×1024 (three
 //!     repetitions each, measured before the runs and again right after GPT-mini's — on a

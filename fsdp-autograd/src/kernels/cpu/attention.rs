@@ -1,6 +1,9 @@
-//! Causal scaled-dot-product attention on `[batch, heads, t, d]`, built on `gemm`.
+//! Causal scaled-dot-product attention on `[batch, heads, t, d]`, built on `gemm`, block-causal:
+//! the sequence is cut into blocks of [`BLOCK`] positions and every product skips the blocks that
+//! lie entirely above the diagonal (at t = 128 the products do 5/8 of the full square's work).
 
-use super::matmul::{gemm_checked, matmul_parallelism};
+use super::math::{vectorized, SimdKernel};
+use super::matmul::{gemm_view, matmul_parallelism, View};
 use super::norm::softmax_row_inplace;
 use crate::kernels::check;
 use crate::kernels::KernelError;
@@ -29,6 +32,29 @@ fn shapes(
     Ok((bh, td, tt))
 }
 
+/// Positions per block of the block-causal products. Query block `b` (positions
+/// `b·BLOCK..(b+1)·BLOCK`) only meets keys `0..(b+1)·BLOCK`; smaller blocks skip more of the masked
+/// triangle but make smaller `gemm` calls (32 rows still fill gemm's 16-row microkernel twice).
+pub(crate) const BLOCK: usize = 32;
+
+/// `(start, end)` of each block of `0..t`.
+fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(BLOCK)
+        .map(move |r0| (r0, (r0 + BLOCK).min(t)))
+}
+
+/// Rows `r0..r1` of a row-major matrix with `ld` columns, up to column `c1` of the last row: the
+/// slice a [`View`] of those rows with `ld` needs.
+fn rows(m: &[f32], ld: usize, r0: usize, r1: usize, c1: usize) -> &[f32] {
+    &m[r0 * ld..(r1 - 1) * ld + c1]
+}
+
+/// Mutable [`rows`].
+fn rows_mut(m: &mut [f32], ld: usize, r0: usize, r1: usize, c1: usize) -> &mut [f32] {
+    &mut m[r0 * ld..(r1 - 1) * ld + c1]
+}
+
 /// The softmax scale `1/√d` in f32.
 fn softmax_scale(d: usize) -> f32 {
     (1.0 / (d as f64).sqrt()) as f32
@@ -40,9 +66,10 @@ fn softmax_scale(d: usize) -> f32 {
 /// `q`, `k`, `v` and `out` are `[batch, heads, t, d]`, contiguous; `probs` is
 /// `[batch, heads, t, t]` and is saved for [`causal_attention_backward`] (row `i` holds the
 /// weights over positions `0..=i`; entries above the diagonal are exactly 0). Both products are
-/// `gemm` calls (the `1/√d` scale is folded into the first), with the current
+/// `gemm` calls per block of 32 queries over the keys up to the block's end (the `1/√d` scale
+/// is folded into the first), with the current
 /// [`matmul_parallelism`](super::matmul_parallelism); the softmax is stable (max subtraction).
-/// For simplicity the full `t×t` score matrix is computed and the upper triangle discarded.
+/// Blocks above the diagonal are never computed (zeros are written there).
 ///
 /// # Errors
 /// [`KernelError::LengthMismatch`] if a slice does not match the shape; [`KernelError::InvalidShape`]
@@ -87,6 +114,55 @@ pub fn causal_attention(
     if tt == 0 {
         return Ok(());
     }
+    struct Body<'a> {
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        out: &'a mut [f32],
+        probs: &'a mut [f32],
+        dims: [usize; 5],
+    }
+    impl SimdKernel for Body<'_> {
+        type Output = Result<(), KernelError>;
+        #[inline(always)]
+        fn run(self) -> Result<(), KernelError> {
+            let Body {
+                q,
+                k,
+                v,
+                out,
+                probs,
+                dims: [bh, t, d, td, tt],
+            } = self;
+            forward_heads(q, k, v, out, probs, bh, t, d, td, tt)
+        }
+    }
+    vectorized(Body {
+        q,
+        k,
+        v,
+        out,
+        probs,
+        dims: [bh, t, d, td, tt],
+    })
+}
+
+/// The per-head loop of [`causal_attention`] (arguments already checked).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn forward_heads(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    probs: &mut [f32],
+    bh: usize,
+    t: usize,
+    d: usize,
+    td: usize,
+    tt: usize,
+) -> Result<(), KernelError> {
+    let op = "causal_attention";
     let scale = softmax_scale(d);
     let par = matmul_parallelism();
     for h in 0..bh {
@@ -96,14 +172,47 @@ pub fn causal_attention(
             &v[h * td..(h + 1) * td],
         );
         let ph = &mut probs[h * tt..(h + 1) * tt];
-        gemm_checked(op, qh, kh, ph, t, d, t, false, true, false, scale, par)?;
-        for (i, row) in ph.chunks_exact_mut(t).enumerate() {
-            let (visible, masked) = row.split_at_mut(i + 1);
-            softmax_row_inplace(visible);
-            masked.fill(0.0);
-        }
         let oh = &mut out[h * td..(h + 1) * td];
-        gemm_checked(op, ph, vh, oh, t, t, d, false, false, false, 1.0, par)?;
+        for (r0, r1) in blocks(t) {
+            let nq = r1 - r0;
+            // S[r0..r1, 0..r1] = q[r0..r1] · k[0..r1]ᵀ / √d
+            gemm_view(
+                op,
+                &qh[r0 * d..r1 * d],
+                View::dense(nq, d, false),
+                &kh[..r1 * d],
+                View::dense(d, r1, true),
+                rows_mut(ph, t, r0, r1, r1),
+                t,
+                false,
+                scale,
+                par,
+            )?;
+            for i in r0..r1 {
+                let row = &mut ph[i * t..(i + 1) * t];
+                let (visible, masked) = row.split_at_mut(i + 1);
+                softmax_row_inplace(visible);
+                masked.fill(0.0);
+            }
+            // out[r0..r1] = P[r0..r1, 0..r1] · v[0..r1]
+            gemm_view(
+                op,
+                rows(ph, t, r0, r1, r1),
+                View {
+                    rows: nq,
+                    cols: r1,
+                    ld: t,
+                    trans: false,
+                },
+                &vh[..r1 * d],
+                View::dense(r1, d, false),
+                &mut oh[r0 * d..r1 * d],
+                d,
+                false,
+                1.0,
+                par,
+            )?;
+        }
     }
     Ok(())
 }
@@ -113,8 +222,9 @@ pub fn causal_attention(
 /// `dv = Pᵀ·dout`, `dP = dout·vᵀ`, `dS = P ⊙ (dP − rowsum(P ⊙ dP))` (zero above the diagonal),
 /// `dq = dS·k/√d`, `dk = dSᵀ·q/√d`. `dq`, `dk` and `dv` are **overwritten**.
 ///
-/// The four products are `gemm` calls; `dP`/`dS` live in one `t×t` scratch buffer allocated once
-/// per call (the only allocation in the attention kernels).
+/// The four products are block-causal `gemm` calls (as in the forward, blocks above the diagonal
+/// are skipped); `dP`/`dS` live in one `t×t` scratch buffer allocated once per call (the only
+/// allocation in the attention kernels).
 ///
 /// # Errors
 /// [`KernelError::LengthMismatch`] if a slice does not match the shape; [`KernelError::InvalidShape`]
@@ -167,6 +277,47 @@ pub fn causal_attention_backward(
     if tt == 0 || td == 0 {
         return Ok(());
     }
+    struct Body<'a> {
+        ins: [&'a [f32]; 5],
+        dq: &'a mut [f32],
+        dk: &'a mut [f32],
+        dv: &'a mut [f32],
+        dims: [usize; 5],
+    }
+    impl SimdKernel for Body<'_> {
+        type Output = Result<(), KernelError>;
+        #[inline(always)]
+        fn run(self) -> Result<(), KernelError> {
+            let Body {
+                ins,
+                dq,
+                dk,
+                dv,
+                dims,
+            } = self;
+            backward_heads(ins, dq, dk, dv, dims)
+        }
+    }
+    vectorized(Body {
+        ins: [q, k, v, probs, dout],
+        dq,
+        dk,
+        dv,
+        dims: [bh, t, d, td, tt],
+    })
+}
+
+/// The per-head loop of [`causal_attention_backward`] (arguments already checked):
+/// `ins` = q, k, v, probs, dout; `dims` = batch·heads, t, d, t·d, t·t.
+#[inline(always)]
+fn backward_heads(
+    [q, k, v, probs, dout]: [&[f32]; 5],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    [bh, t, d, td, tt]: [usize; 5],
+) -> Result<(), KernelError> {
+    let op = "causal_attention_backward";
     let scale = softmax_scale(d);
     let par = matmul_parallelism();
     let mut ds = vec![0.0f32; tt];
@@ -179,50 +330,88 @@ pub fn causal_attention_backward(
             &dout[r.clone()],
         );
         let ph = &probs[h * tt..(h + 1) * tt];
-        // dv = Pᵀ · dout
-        gemm_checked(
-            op,
-            ph,
-            doh,
-            &mut dv[r.clone()],
-            t,
-            t,
-            d,
-            true,
-            false,
-            false,
-            1.0,
-            par,
-        )?;
-        // dP = dout · vᵀ
-        gemm_checked(op, doh, vh, &mut ds, t, d, t, false, true, false, 1.0, par)?;
-        for (i, (drow, prow)) in ds.chunks_exact_mut(t).zip(ph.chunks_exact(t)).enumerate() {
-            let (dvis, dmasked) = drow.split_at_mut(i + 1);
-            let pvis = &prow[..i + 1];
-            let dot = super::elementwise::dot_f64(pvis, dvis) as f32;
-            for (o, &p) in dvis.iter_mut().zip(pvis) {
-                *o = p * (*o - dot);
+        let (dqh, dkh, dvh) = (&mut dq[r.clone()], &mut dk[r.clone()], &mut dv[r]);
+        // Per query block: dP, then dS (rows r0..r1, columns 0..r1; the masked entries of the
+        // diagonal block are zeroed), then dq = dS · k / √d.
+        for (r0, r1) in blocks(t) {
+            let nq = r1 - r0;
+            gemm_view(
+                op,
+                &doh[r0 * d..r1 * d],
+                View::dense(nq, d, false),
+                &vh[..r1 * d],
+                View::dense(d, r1, true),
+                rows_mut(&mut ds, t, r0, r1, r1),
+                t,
+                false,
+                1.0,
+                par,
+            )?;
+            for i in r0..r1 {
+                let drow = &mut ds[i * t..i * t + r1];
+                let (dvis, dmasked) = drow.split_at_mut(i + 1);
+                let pvis = &ph[i * t..i * t + i + 1];
+                let dot = super::elementwise::dot_f64(pvis, dvis) as f32;
+                for (o, &p) in dvis.iter_mut().zip(pvis) {
+                    *o = p * (*o - dot);
+                }
+                dmasked.fill(0.0);
             }
-            dmasked.fill(0.0);
+            gemm_view(
+                op,
+                rows(&ds, t, r0, r1, r1),
+                View {
+                    rows: nq,
+                    cols: r1,
+                    ld: t,
+                    trans: false,
+                },
+                &kh[..r1 * d],
+                View::dense(r1, d, false),
+                &mut dqh[r0 * d..r1 * d],
+                d,
+                false,
+                scale,
+                par,
+            )?;
         }
-        // dq = dS · k / √d ; dk = dSᵀ · q / √d
-        gemm_checked(
-            op,
-            &ds,
-            kh,
-            &mut dq[r.clone()],
-            t,
-            t,
-            d,
-            false,
-            false,
-            false,
-            scale,
-            par,
-        )?;
-        gemm_checked(
-            op, &ds, qh, &mut dk[r], t, t, d, true, false, false, scale, par,
-        )?;
+        // Per key block c0..c1, over the queries c0..t that see it:
+        // dv = P[c0..t, c0..c1]ᵀ · dout[c0..t], dk = dS[c0..t, c0..c1]ᵀ · q[c0..t] / √d.
+        // (Query i ≥ c0 lies in a block at or after the key block, so its dS row was computed
+        // up to at least c1.)
+        for (c0, c1) in blocks(t) {
+            let (nk, nq) = (c1 - c0, t - c0);
+            let block_t = View {
+                rows: nk,
+                cols: nq,
+                ld: t,
+                trans: true,
+            };
+            gemm_view(
+                op,
+                &ph[c0 * t + c0..(t - 1) * t + c1],
+                block_t,
+                &doh[c0 * d..],
+                View::dense(nq, d, false),
+                &mut dvh[c0 * d..c1 * d],
+                d,
+                false,
+                1.0,
+                par,
+            )?;
+            gemm_view(
+                op,
+                &ds[c0 * t + c0..(t - 1) * t + c1],
+                block_t,
+                &qh[c0 * d..],
+                View::dense(nq, d, false),
+                &mut dkh[c0 * d..c1 * d],
+                d,
+                false,
+                scale,
+                par,
+            )?;
+        }
     }
     Ok(())
 }
@@ -274,6 +463,9 @@ mod tests {
             (2, 1, 3, 1),
             (1, 2, 5, 3),
             (2, 2, 7, 4),
+            // Several blocks: exactly two, and three with a partial last one.
+            (1, 1, 2 * BLOCK, 2),
+            (1, 2, 2 * BLOCK + 6, 3),
         ] {
             let n = batch * heads * t * d;
             let q = rng.vec_scaled(n, 1.5);

@@ -1,6 +1,6 @@
 //! Elementwise kernels, reductions, row-bias broadcast and GELU.
 
-use super::math::exp;
+use super::math::{exp, map1, map2, normal_cdf, normal_pdf, vectorized, Map1, Map2, SimdKernel};
 use crate::kernels::check;
 use crate::kernels::KernelError;
 
@@ -15,7 +15,7 @@ fn combine(acc: [f64; LANES], tail: f64) -> f64 {
 }
 
 /// `Σ x` in f64, in a fixed order (8 interleaved lanes, then the tail).
-#[inline]
+#[inline(always)]
 pub(crate) fn sum_f64(x: &[f32]) -> f64 {
     let mut acc = [0.0f64; LANES];
     let chunks = x.chunks_exact(LANES);
@@ -30,7 +30,7 @@ pub(crate) fn sum_f64(x: &[f32]) -> f64 {
 
 /// Maximum of `x` (`-∞` for an empty slice; NaNs are skipped, as by `f32::max`), in 8 lanes so
 /// the loop vectorizes. The maximum is exact, so the lane order does not affect the result.
-#[inline]
+#[inline(always)]
 pub(crate) fn max_f32(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = x.chunks_exact(LANES);
@@ -48,7 +48,7 @@ pub(crate) fn max_f32(x: &[f32]) -> f32 {
 }
 
 /// `Σ a·b` in f64 (products formed in f64), in the same fixed order as [`sum_f64`].
-#[inline]
+#[inline(always)]
 pub(crate) fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f64; LANES];
@@ -245,13 +245,22 @@ pub fn add_row_bias_inplace(y: &mut [f32], bias: &[f32]) -> Result<(), KernelErr
 /// ```
 pub fn col_sums(x: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
     check::rows("col_sums", "x", x.len(), out.len())?;
-    out.fill(0.0);
-    let cols = out.len();
-    for row in x.chunks_exact(cols) {
-        for (o, &v) in out.iter_mut().zip(row) {
-            *o += v;
+    struct Body<'a>(&'a [f32], &'a mut [f32]);
+    impl SimdKernel for Body<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run(self) {
+            let Body(x, out) = self;
+            out.fill(0.0);
+            let cols = out.len();
+            for row in x.chunks_exact(cols) {
+                for (o, &v) in out.iter_mut().zip(row) {
+                    *o += v;
+                }
+            }
         }
     }
+    vectorized(Body(x, out));
     Ok(())
 }
 
@@ -273,6 +282,45 @@ fn exp_neg_2u(u: f32) -> f32 {
     exp((-2.0 * u).min(88.0))
 }
 
+/// One element of [`gelu`].
+struct GeluTanh;
+impl Map1 for GeluTanh {
+    #[inline(always)]
+    fn one(v: f32) -> f32 {
+        v / (1.0 + exp_neg_2u(gelu_arg(v)))
+    }
+}
+
+/// One element of [`gelu_backward`]: `x`, then `dy`.
+struct GeluTanhGrad;
+impl Map2 for GeluTanhGrad {
+    #[inline(always)]
+    fn one(v: f32, g: f32) -> f32 {
+        let e = exp_neg_2u(gelu_arg(v));
+        let s = 1.0 / (1.0 + e);
+        let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
+        g * (s + 2.0 * v * (e * s * s) * du)
+    }
+}
+
+/// One element of [`gelu_exact`].
+struct GeluExact;
+impl Map1 for GeluExact {
+    #[inline(always)]
+    fn one(v: f32) -> f32 {
+        v * normal_cdf(v)
+    }
+}
+
+/// One element of [`gelu_exact_backward`]: `x`, then `dy`.
+struct GeluExactGrad;
+impl Map2 for GeluExactGrad {
+    #[inline(always)]
+    fn one(v: f32, g: f32) -> f32 {
+        g * (normal_cdf(v) + v * normal_pdf(v))
+    }
+}
+
 /// GELU, tanh approximation (GPT-2's, PyTorch's `approximate="tanh"`):
 /// `y = ½·x·(1 + tanh(u))`, `u = √(2/π)·(x + 0.044715·x³)`.
 ///
@@ -290,9 +338,7 @@ fn exp_neg_2u(u: f32) -> f32 {
 /// ```
 pub fn gelu(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     check::same_len("gelu", "y", y.len(), "x", x.len())?;
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o = v / (1.0 + exp_neg_2u(gelu_arg(v)));
-    }
+    map1::<GeluTanh>(x, y);
     Ok(())
 }
 
@@ -311,30 +357,13 @@ pub fn gelu(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
 pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
     check::same_len("gelu_backward", "dy", dy.len(), "x", x.len())?;
     check::same_len("gelu_backward", "dx", dx.len(), "x", x.len())?;
-    for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-        let e = exp_neg_2u(gelu_arg(v));
-        let s = 1.0 / (1.0 + e);
-        let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
-        *o = g * (s + 2.0 * v * (e * s * s) * du);
-    }
+    map2::<GeluTanhGrad>(x, dy, dx);
     Ok(())
 }
 
-/// 1/√2.
-const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
-/// 1/√(2π), the standard normal density at 0.
-const INV_SQRT_2PI: f32 = 0.398_942_3;
-
-/// `Φ(x) = ½·erfc(−x/√2)`, the standard normal CDF (erfc instead of `1 + erf` so that negative
-/// `x` suffers no cancellation). `erfcf` is the `libm` crate's (pure Rust, < 1 ulp-class error,
-/// the same bits on every platform).
-#[inline(always)]
-fn normal_cdf(x: f32) -> f32 {
-    0.5 * libm::erfcf(-x * FRAC_1_SQRT_2)
-}
-
 /// GELU, exact form (PyTorch's default `approximate="none"`): `y = x·Φ(x)` with `Φ` the
-/// standard normal CDF, evaluated as `½·x·erfc(−x/√2)`.
+/// standard normal CDF (a vectorizable evaluation: relative error below 4e-6 for `|x| < 5`,
+/// `Φ(0) = ½` exactly).
 ///
 /// # Errors
 /// [`KernelError::LengthMismatch`] unless `x` and `y` have the same length.
@@ -347,9 +376,7 @@ fn normal_cdf(x: f32) -> f32 {
 /// ```
 pub fn gelu_exact(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     check::same_len("gelu_exact", "y", y.len(), "x", x.len())?;
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o = v * normal_cdf(v);
-    }
+    map1::<GeluExact>(x, y);
     Ok(())
 }
 
@@ -367,11 +394,7 @@ pub fn gelu_exact(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
 pub fn gelu_exact_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
     check::same_len("gelu_exact_backward", "dy", dy.len(), "x", x.len())?;
     check::same_len("gelu_exact_backward", "dx", dx.len(), "x", x.len())?;
-    for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-        // −x²/2 capped below so exp never sees −∞ (the density is 0 in f32 long before).
-        let pdf = INV_SQRT_2PI * exp((-0.5 * v * v).max(-104.0));
-        *o = g * (normal_cdf(v) + v * pdf);
-    }
+    map2::<GeluExactGrad>(x, dy, dx);
     Ok(())
 }
 
@@ -512,7 +535,7 @@ mod tests {
     }
 
     /// erf in f64 by its Maclaurin series (|x| ≤ 3) or the continued fraction of erfc (|x| > 3),
-    /// independent of the kernel's `libm` call.
+    /// independent of the kernel's evaluation.
     fn erf_ref(x: f64) -> f64 {
         let a = x.abs();
         let r = if a <= 3.0 {
@@ -548,7 +571,7 @@ mod tests {
         let mut y = vec![0.0; x.len()];
         gelu_exact(&x, &mut y).unwrap();
         let want: Vec<f64> = x.iter().map(|&v| gelu_exact_ref(v as f64)).collect();
-        // erfcf is within a few ulp; one product and one halving after it.
+        // Φ is within 4e-6 relative for |x| < 5 (below that gelu is under 1e-6); one product after it.
         assert_close("gelu_exact", &y, &want, 1e-5, 1e-6);
         assert!(y.iter().all(|v| v.is_finite()));
         // The exact form differs from the tanh approximation (by up to ~5e-4 near |x| = 2).
@@ -567,6 +590,83 @@ mod tests {
         assert_close("gelu_exact_backward", &dx, &want, 1e-4, 1e-5);
         assert!(gelu_exact(&[1.0; 2], &mut [0.0; 3]).is_err());
         assert!(gelu_exact_backward(&[1.0; 3], &[1.0; 2], &mut [0.0; 3]).is_err());
+    }
+
+    /// The AVX2 and baseline paths of the element-wise maps give the same bits (the claim that
+    /// lets `map1`/`map2` pick the lane width at run time without breaking determinism).
+    #[test]
+    fn simd_dispatch_paths_give_the_same_bits() {
+        use crate::kernels::cpu::math::scalar_only;
+        let mut rng = Rng::new(77);
+        let mut x = rng.vec_scaled(4099, 8.0);
+        x.extend_from_slice(&[0.0, -0.0, 1e-30, 1.0 / 64.0, 20.0, -20.0, 80.0, -80.0]);
+        let dy = rng.vec(x.len());
+        type Unary = fn(&[f32], &mut [f32]) -> Result<(), KernelError>;
+        type Binary = fn(&[f32], &[f32], &mut [f32]) -> Result<(), KernelError>;
+        let unary: [(&str, Unary); 2] = [("gelu", gelu), ("gelu_exact", gelu_exact)];
+        let binary: [(&str, Binary); 2] = [
+            ("gelu_backward", gelu_backward),
+            ("gelu_exact_backward", gelu_exact_backward),
+        ];
+        for (name, f) in unary {
+            let mut fast = vec![0.0; x.len()];
+            let mut base = vec![0.0; x.len()];
+            f(&x, &mut fast).unwrap();
+            scalar_only::with(|| f(&x, &mut base)).unwrap();
+            assert_eq!(bits(&fast), bits(&base), "{name}");
+        }
+        for (name, f) in binary {
+            let mut fast = vec![0.0; x.len()];
+            let mut base = vec![0.0; x.len()];
+            f(&x, &dy, &mut fast).unwrap();
+            scalar_only::with(|| f(&x, &dy, &mut base)).unwrap();
+            assert_eq!(bits(&fast), bits(&base), "{name}");
+        }
+        // The row kernels: col_sums, layer norm and attention, forward and backward.
+        let both = |f: &dyn Fn() -> Vec<Vec<f32>>| {
+            let fast = f();
+            let base = scalar_only::with(f);
+            for (i, (a, b)) in fast.iter().zip(&base).enumerate() {
+                assert_eq!(bits(a), bits(b), "output {i}");
+            }
+        };
+        let cols = 37;
+        let rows = x.len() / cols;
+        let xs = &x[..rows * cols];
+        both(&|| {
+            let mut out = vec![0.0; cols];
+            col_sums(xs, &mut out).unwrap();
+            vec![out]
+        });
+        let gamma = rng.vec(cols);
+        let beta = rng.vec(cols);
+        let dys = &dy[..rows * cols];
+        both(&|| {
+            use crate::kernels::cpu::{layer_norm, layer_norm_backward};
+            let (mut y, mut mean, mut rstd) =
+                (vec![0.0; xs.len()], vec![0.0; rows], vec![0.0; rows]);
+            layer_norm(xs, &gamma, &beta, &mut y, &mut mean, &mut rstd, cols, 1e-5).unwrap();
+            let (mut dx, mut dg, mut db) = (vec![0.0; xs.len()], vec![0.0; cols], vec![0.0; cols]);
+            layer_norm_backward(
+                xs, &gamma, &mean, &rstd, dys, &mut dx, &mut dg, &mut db, cols,
+            )
+            .unwrap();
+            vec![y, mean, rstd, dx, dg, db]
+        });
+        let (bh, t, d) = (3, 70, 8);
+        let n = bh * t * d;
+        let (q, k, v, dout) = (&x[..n], &x[n..2 * n], &dy[..n], &dy[n..2 * n]);
+        both(&|| {
+            use crate::kernels::cpu::{causal_attention, causal_attention_backward};
+            let (mut out, mut probs) = (vec![0.0; n], vec![0.0; bh * t * t]);
+            causal_attention(q, k, v, &mut out, &mut probs, bh, 1, t, d).unwrap();
+            let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            causal_attention_backward(
+                q, k, v, &probs, dout, &mut dq, &mut dk, &mut dv, bh, 1, t, d,
+            )
+            .unwrap();
+            vec![out, probs, dq, dk, dv]
+        });
     }
 
     #[test]

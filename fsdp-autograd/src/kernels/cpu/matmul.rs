@@ -47,58 +47,121 @@ pub fn matmul_parallelism() -> Parallelism {
     }
 }
 
-/// Row/column strides of the operands of `C (m×n) = op(A) · op(B)` with row-major storage.
-///
-/// `A` is stored `m×k` (or `k×m` when `trans_a`), `B` `k×n` (or `n×k` when `trans_b`), `C` `m×n`.
-/// Returned as `(a_rs, a_cs, b_rs, b_cs, c_rs)`; `C`'s column stride is 1.
-#[inline]
-fn strides(
-    op: &'static str,
-    m: usize,
-    k: usize,
-    n: usize,
-    trans_a: bool,
-    trans_b: bool,
-) -> Result<(isize, isize, isize, isize, isize), KernelError> {
-    let (a_rs, a_cs) = if trans_a { (1, m) } else { (k, 1) };
-    let (b_rs, b_cs) = if trans_b { (1, k) } else { (n, 1) };
-    Ok((
-        check::stride(op, a_rs)?,
-        check::stride(op, a_cs)?,
-        check::stride(op, b_rs)?,
-        check::stride(op, b_cs)?,
-        check::stride(op, n)?,
-    ))
+/// One operand of [`gemm_view`]: `op(M)` is `rows × cols`; `M` is stored row-major with `ld`
+/// elements between consecutive stored rows (`ld` ≥ the stored row width), as `rows × cols`, or
+/// as `cols × rows` when `trans` (then `op(M) = Mᵀ`). With `ld` larger than the row width the
+/// operand is a block of a bigger matrix (blocked attention multiplies such blocks).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct View {
+    /// Rows of `op(M)`.
+    pub rows: usize,
+    /// Columns of `op(M)`.
+    pub cols: usize,
+    /// Elements between consecutive stored rows.
+    pub ld: usize,
+    /// Stored transposed.
+    pub trans: bool,
 }
 
-/// The checked core of [`matmul`]: `C = scale · op(A) · op(B) (+ C if accumulate)` with an
-/// explicit parallelism. Shared by `matmul`, `bmm` and attention (which folds `1/√d` into the
-/// product).
+impl View {
+    /// A contiguous (`ld` = stored row width) operand whose `op(M)` is `rows × cols`.
+    pub(crate) fn dense(rows: usize, cols: usize, trans: bool) -> View {
+        let ld = if trans { rows } else { cols };
+        View {
+            rows,
+            cols,
+            ld,
+            trans,
+        }
+    }
+
+    /// `(stored rows, stored row width)`.
+    fn stored(self) -> (usize, usize) {
+        if self.trans {
+            (self.cols, self.rows)
+        } else {
+            (self.rows, self.cols)
+        }
+    }
+
+    /// Checks `ld` and that `len` elements hold the operand; returns `(row stride, column
+    /// stride)` of `op(M)`.
+    fn strides(
+        self,
+        op: &'static str,
+        arg: &'static str,
+        len: usize,
+    ) -> Result<(isize, isize), KernelError> {
+        let (srows, width) = self.stored();
+        if self.ld < width {
+            return Err(KernelError::InvalidShape {
+                op,
+                reason: format!("{arg}: leading dimension {} < row width {width}", self.ld),
+            });
+        }
+        let need = if srows == 0 || width == 0 {
+            0
+        } else {
+            check::mul(op, srows - 1, self.ld)?
+                .checked_add(width)
+                .ok_or_else(|| KernelError::InvalidShape {
+                    op,
+                    reason: format!("{arg}: size overflows usize"),
+                })?
+        };
+        if len < need {
+            return Err(KernelError::LengthMismatch {
+                op,
+                arg,
+                expected: need,
+                actual: len,
+                shape: format!("{self:?}"),
+            });
+        }
+        let ld = check::stride(op, self.ld)?;
+        Ok(if self.trans { (1, ld) } else { (ld, 1) })
+    }
+}
+
+/// `C = scale · op(A) · op(B) (+ C if accumulate)` on strided operands: `op(A)` is `m×k`
+/// (`a_view`), `op(B)` is `k×n` (`b_view`), `C` is `m×n` row-major with `ldc` elements between
+/// rows. Every operand is bounds-checked against its slice before `gemm` runs. The core of
+/// [`gemm_checked`] and of blocked attention.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-pub(crate) fn gemm_checked(
+pub(crate) fn gemm_view(
     op: &'static str,
     a: &[f32],
+    a_view: View,
     b: &[f32],
+    b_view: View,
     c: &mut [f32],
-    m: usize,
-    k: usize,
-    n: usize,
-    trans_a: bool,
-    trans_b: bool,
+    ldc: usize,
     accumulate: bool,
     scale: f32,
     parallelism: Parallelism,
 ) -> Result<(), KernelError> {
-    let shape = || format!("m={m}, k={k}, n={n}, trans_a={trans_a}, trans_b={trans_b}");
-    check::len(op, "a", a.len(), check::mul(op, m, k)?, shape)?;
-    check::len(op, "b", b.len(), check::mul(op, k, n)?, shape)?;
-    check::len(op, "c", c.len(), check::mul(op, m, n)?, shape)?;
-    let (a_rs, a_cs, b_rs, b_cs, c_rs) = strides(op, m, k, n, trans_a, trans_b)?;
-    // SAFETY: the lengths were checked above: `a` holds m·k elements and gemm reads A[i][p] at
-    // i·a_rs + p·a_cs ≤ m·k − 1 for i < m, p < k in both layouts (likewise `b` with k·n elements
-    // and `c` with m·n, written at i·n + j). `c` is a unique borrow, so it aliases neither input.
-    // gemm returns before touching memory when m or n is 0, and reads no input when k is 0.
+    let (m, k, n) = (a_view.rows, a_view.cols, b_view.cols);
+    if b_view.rows != k {
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!("op(A) is {m}×{k} but op(B) has {} rows", b_view.rows),
+        });
+    }
+    let (a_rs, a_cs) = a_view.strides(op, "a", a.len())?;
+    let (b_rs, b_cs) = b_view.strides(op, "b", b.len())?;
+    let (c_rs, _) = View {
+        rows: m,
+        cols: n,
+        ld: ldc,
+        trans: false,
+    }
+    .strides(op, "c", c.len())?;
+    // SAFETY: `View::strides` checked that each slice holds its operand: gemm reads op(A)[i][p]
+    // at i·a_rs + p·a_cs ≤ (stored rows − 1)·ld + (row width − 1) < a.len() for i < m, p < k
+    // (likewise B), and writes C[i][j] at i·ldc + j ≤ (m − 1)·ldc + n − 1 < c.len(). `c` is a
+    // unique borrow, so it aliases neither input. gemm returns before touching memory when m or
+    // n is 0, and reads no input when k is 0.
     unsafe {
         gemm::gemm(
             m,
@@ -123,6 +186,43 @@ pub(crate) fn gemm_checked(
         );
     }
     Ok(())
+}
+
+/// The checked core of [`matmul`]: `C = scale · op(A) · op(B) (+ C if accumulate)` with an
+/// explicit parallelism, on contiguous operands whose lengths must match exactly. Shared by
+/// `matmul` and `bmm`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(crate) fn gemm_checked(
+    op: &'static str,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+    scale: f32,
+    parallelism: Parallelism,
+) -> Result<(), KernelError> {
+    let shape = || format!("m={m}, k={k}, n={n}, trans_a={trans_a}, trans_b={trans_b}");
+    check::len(op, "a", a.len(), check::mul(op, m, k)?, shape)?;
+    check::len(op, "b", b.len(), check::mul(op, k, n)?, shape)?;
+    check::len(op, "c", c.len(), check::mul(op, m, n)?, shape)?;
+    gemm_view(
+        op,
+        a,
+        View::dense(m, k, trans_a),
+        b,
+        View::dense(k, n, trans_b),
+        c,
+        n,
+        accumulate,
+        scale,
+        parallelism,
+    )
 }
 
 /// `C (m×n) = op(A) · op(B)`, plus the old `C` if `accumulate`; all row-major `f32`.

@@ -1,7 +1,7 @@
 //! Row softmax and layer norm, with their backward passes.
 
 use super::elementwise::{dot_f64, max_f32, sum_f64};
-use super::math::exp;
+use super::math::{exp, vectorized, SimdKernel};
 use crate::kernels::check;
 use crate::kernels::KernelError;
 
@@ -10,7 +10,7 @@ use crate::kernels::KernelError;
 /// The exponentials (this module's vectorizable `exp`, ≤ 2 ulp) are summed in f64 in a fixed
 /// order. A row whose maximum is not finite
 /// (all `-inf`, or containing `+inf`/NaN) yields NaNs, as PyTorch does.
-#[inline]
+#[inline(always)]
 pub(crate) fn softmax_row_inplace(row: &mut [f32]) {
     let max = max_f32(row);
     for v in row.iter_mut() {
@@ -23,7 +23,7 @@ pub(crate) fn softmax_row_inplace(row: &mut [f32]) {
 }
 
 /// Softmax backward for one row: `dx = y ⊙ (dy − Σ y·dy)`, written over `dx`.
-#[inline]
+#[inline(always)]
 pub(crate) fn softmax_row_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) {
     let dot = dot_f64(y, dy) as f32;
     for ((o, &p), &g) in dx.iter_mut().zip(y).zip(dy) {
@@ -127,37 +127,73 @@ pub fn layer_norm(
     check::len(op, "y", y.len(), x.len(), shape)?;
     check::len(op, "mean", mean.len(), rows, shape)?;
     check::len(op, "rstd", rstd.len(), rows, shape)?;
-    let n = cols as f64;
-    for (r, (xr, yr)) in x
-        .chunks_exact(cols)
-        .zip(y.chunks_exact_mut(cols))
-        .enumerate()
-    {
-        let mu = sum_f64(xr) / n;
-        let mut acc = [0.0f64; 8];
-        let chunks = xr.chunks_exact(8);
-        let tail: f64 = chunks
-            .remainder()
-            .iter()
-            .map(|&v| (v as f64 - mu) * (v as f64 - mu))
-            .sum();
-        for c in chunks {
-            for l in 0..8 {
-                let d = c[l] as f64 - mu;
-                acc[l] += d * d;
+    struct Body<'a> {
+        x: &'a [f32],
+        gamma: &'a [f32],
+        beta: &'a [f32],
+        y: &'a mut [f32],
+        mean: &'a mut [f32],
+        rstd: &'a mut [f32],
+        cols: usize,
+        eps: f32,
+    }
+    impl SimdKernel for Body<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run(self) {
+            let Body {
+                x,
+                gamma,
+                beta,
+                y,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } = self;
+            let n = cols as f64;
+            for (r, (xr, yr)) in x
+                .chunks_exact(cols)
+                .zip(y.chunks_exact_mut(cols))
+                .enumerate()
+            {
+                let mu = sum_f64(xr) / n;
+                let mut acc = [0.0f64; 8];
+                let chunks = xr.chunks_exact(8);
+                let tail: f64 = chunks
+                    .remainder()
+                    .iter()
+                    .map(|&v| (v as f64 - mu) * (v as f64 - mu))
+                    .sum();
+                for c in chunks {
+                    for l in 0..8 {
+                        let d = c[l] as f64 - mu;
+                        acc[l] += d * d;
+                    }
+                }
+                let var = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
+                    + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+                    + tail;
+                let rs = (1.0 / (var / n + eps as f64).sqrt()) as f32;
+                let m = mu as f32;
+                mean[r] = m;
+                rstd[r] = rs;
+                for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
+                    *o = (v - m) * rs * g + b;
+                }
             }
         }
-        let var = ((acc[0] + acc[4]) + (acc[1] + acc[5]))
-            + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
-            + tail;
-        let rs = (1.0 / (var / n + eps as f64).sqrt()) as f32;
-        let m = mu as f32;
-        mean[r] = m;
-        rstd[r] = rs;
-        for (((o, &v), &g), &b) in yr.iter_mut().zip(xr).zip(gamma).zip(beta) {
-            *o = (v - m) * rs * g + b;
-        }
     }
+    vectorized(Body {
+        x,
+        gamma,
+        beta,
+        y,
+        mean,
+        rstd,
+        cols,
+        eps,
+    });
     Ok(())
 }
 
@@ -204,36 +240,99 @@ pub fn layer_norm_backward(
     check::len(op, "dx", dx.len(), x.len(), shape)?;
     check::len(op, "dgamma", dgamma.len(), cols, shape)?;
     check::len(op, "dbeta", dbeta.len(), cols, shape)?;
-    dgamma.fill(0.0);
-    dbeta.fill(0.0);
-    let n = cols as f64;
-    for (r, ((xr, gr), dxr)) in x
-        .chunks_exact(cols)
-        .zip(dy.chunks_exact(cols))
-        .zip(dx.chunks_exact_mut(cols))
-        .enumerate()
-    {
-        let (m, rs) = (mean[r], rstd[r]);
-        // Pass 1: the two row means, and the parameter gradients.
-        let mut s_g = [0.0f64; 8];
-        let mut s_gx = [0.0f64; 8];
-        for (j, ((&v, &d), &w)) in xr.iter().zip(gr).zip(gamma).enumerate() {
-            let xhat = (v - m) * rs;
-            let g = d * w;
-            s_g[j % 8] += g as f64;
-            s_gx[j % 8] += g as f64 * xhat as f64;
-            dgamma[j] += d * xhat;
-            dbeta[j] += d;
-        }
-        let fold = |a: [f64; 8]| ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-        let mean_g = (fold(s_g) / n) as f32;
-        let mean_gx = (fold(s_gx) / n) as f32;
-        // Pass 2: the input gradient.
-        for (((o, &v), &d), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(gamma) {
-            let xhat = (v - m) * rs;
-            *o = rs * (d * w - mean_g - xhat * mean_gx);
+    struct Body<'a> {
+        x: &'a [f32],
+        gamma: &'a [f32],
+        mean: &'a [f32],
+        rstd: &'a [f32],
+        dy: &'a [f32],
+        dx: &'a mut [f32],
+        dgamma: &'a mut [f32],
+        dbeta: &'a mut [f32],
+        cols: usize,
+    }
+    impl SimdKernel for Body<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run(self) {
+            let Body {
+                x,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                dbeta,
+                cols,
+            } = self;
+            dgamma.fill(0.0);
+            dbeta.fill(0.0);
+            let n = cols as f64;
+            for (r, ((xr, gr), dxr)) in x
+                .chunks_exact(cols)
+                .zip(dy.chunks_exact(cols))
+                .zip(dx.chunks_exact_mut(cols))
+                .enumerate()
+            {
+                let (m, rs) = (mean[r], rstd[r]);
+                // Pass 1: the two row means (f64, lane j % 8 takes column j), and the parameter
+                // gradients; in chunks of 8 so the lanes map onto SIMD registers.
+                let mut s_g = [0.0f64; 8];
+                let mut s_gx = [0.0f64; 8];
+                let mut step = |l: usize, v: f32, d: f32, w: f32, dg: &mut f32, db: &mut f32| {
+                    let xhat = (v - m) * rs;
+                    let g = d * w;
+                    s_g[l] += g as f64;
+                    s_gx[l] += g as f64 * xhat as f64;
+                    *dg += d * xhat;
+                    *db += d;
+                };
+                let full = cols / 8 * 8;
+                for ((((xs, ds), ws), dgs), dbs) in xr[..full]
+                    .chunks_exact(8)
+                    .zip(gr[..full].chunks_exact(8))
+                    .zip(gamma[..full].chunks_exact(8))
+                    .zip(dgamma[..full].chunks_exact_mut(8))
+                    .zip(dbeta[..full].chunks_exact_mut(8))
+                {
+                    for l in 0..8 {
+                        step(l, xs[l], ds[l], ws[l], &mut dgs[l], &mut dbs[l]);
+                    }
+                }
+                for j in full..cols {
+                    step(
+                        j - full,
+                        xr[j],
+                        gr[j],
+                        gamma[j],
+                        &mut dgamma[j],
+                        &mut dbeta[j],
+                    );
+                }
+                let fold =
+                    |a: [f64; 8]| ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+                let mean_g = (fold(s_g) / n) as f32;
+                let mean_gx = (fold(s_gx) / n) as f32;
+                // Pass 2: the input gradient.
+                for (((o, &v), &d), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(gamma) {
+                    let xhat = (v - m) * rs;
+                    *o = rs * (d * w - mean_g - xhat * mean_gx);
+                }
+            }
         }
     }
+    vectorized(Body {
+        x,
+        gamma,
+        mean,
+        rstd,
+        dy,
+        dx,
+        dgamma,
+        dbeta,
+        cols,
+    });
     Ok(())
 }
 

@@ -226,8 +226,8 @@ pub(super) fn gelu(e: &mut dyn Exec) {
     assert_close("gelu_backward", &down_f32(e, dx), &want, 1e-5, 1e-6);
 }
 
-/// Exact (erf) GELU and its backward: the device's erfcf/expf vs libm's erfcf and the CPU's
-/// polynomial exp (a few ulp each).
+/// Exact (erf) GELU and its backward: the device's erfcf/expf vs the CPU's vectorizable normal
+/// CDF (relative error below 4e-6 for |x| < 5) and polynomial exp.
 pub(super) fn gelu_exact(e: &mut dyn Exec) {
     let mut r = Rng::new(41);
     let mut x = r.vec(2000, 6.0);
@@ -241,7 +241,9 @@ pub(super) fn gelu_exact(e: &mut dyn Exec) {
     run(e, Op::Gelu { kind, x: hx, y });
     let mut want = vec![0.0; x.len()];
     cpu::gelu_exact(&x, &mut want).unwrap();
-    assert_close("gelu_exact", &down_f32(e, y), &want, 4e-6, 1e-37);
+    // The CPU's Φ is within 4e-6 relative for |x| < 5 and ~1e-5 at x = −10 (the rounding of
+    // x²/2 amplified by exp(−x²/2)).
+    assert_close("gelu_exact", &down_f32(e, y), &want, 1.5e-5, 1e-37);
     let dx = nan_f32(e, x.len());
     run(
         e,
