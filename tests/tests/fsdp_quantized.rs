@@ -1,7 +1,8 @@
 //! Int8 quantized collectives (issue #18 part 4): FSDP with `quantize_collectives = Int8`
 //! trains close to (not bit-equal to) the f32 run, moves about a quarter of the bytes, is
 //! deterministic, and works in every sharded strategy. The issue's 300-step GPT-mini comparison
-//! is run with `train_gpt` itself (the README's "Adaptive rate limiter and int8 collectives").
+//! is `cargo xtask bench quantized` (`fsdp-core/benches/quantized.rs`) and `train_gpt` itself
+//! (the README's "Adaptive rate limiter and int8 collectives").
 
 use fsdp_alloc::Device;
 use fsdp_autograd::nn::{Gpt, GptConfig};
