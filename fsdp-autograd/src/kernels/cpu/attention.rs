@@ -97,7 +97,7 @@ pub fn causal_attention(
     d: usize,
 ) -> Result<(), KernelError> {
     let op = "causal_attention";
-    let (bh, td, tt) = shapes(
+    let (bh, _, tt) = shapes(
         op,
         &[
             ("q", q.len()),
@@ -115,53 +115,36 @@ pub fn causal_attention(
         return Ok(());
     }
     struct Body<'a> {
-        q: &'a [f32],
-        k: &'a [f32],
-        v: &'a [f32],
+        ins: [&'a [f32]; 3],
         out: &'a mut [f32],
         probs: &'a mut [f32],
-        dims: [usize; 5],
+        dims: [usize; 3],
     }
     impl SimdKernel for Body<'_> {
         type Output = Result<(), KernelError>;
         #[inline(always)]
         fn run(self) -> Result<(), KernelError> {
-            let Body {
-                q,
-                k,
-                v,
-                out,
-                probs,
-                dims: [bh, t, d, td, tt],
-            } = self;
-            forward_heads(q, k, v, out, probs, bh, t, d, td, tt)
+            forward_heads(self.ins, self.out, self.probs, self.dims)
         }
     }
     vectorized(Body {
-        q,
-        k,
-        v,
+        ins: [q, k, v],
         out,
         probs,
-        dims: [bh, t, d, td, tt],
+        dims: [bh, t, d],
     })
 }
 
-/// The per-head loop of [`causal_attention`] (arguments already checked).
-#[allow(clippy::too_many_arguments)]
+/// The per-head loop of [`causal_attention`] (arguments already checked, so `t·d` and `t·t`
+/// do not overflow): `ins` = q, k, v; `dims` = batch·heads, t, d.
 #[inline(always)]
 fn forward_heads(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    [q, k, v]: [&[f32]; 3],
     out: &mut [f32],
     probs: &mut [f32],
-    bh: usize,
-    t: usize,
-    d: usize,
-    td: usize,
-    tt: usize,
+    [bh, t, d]: [usize; 3],
 ) -> Result<(), KernelError> {
+    let (td, tt) = (t * d, t * t);
     let op = "causal_attention";
     let scale = softmax_scale(d);
     let par = matmul_parallelism();
@@ -282,20 +265,13 @@ pub fn causal_attention_backward(
         dq: &'a mut [f32],
         dk: &'a mut [f32],
         dv: &'a mut [f32],
-        dims: [usize; 5],
+        dims: [usize; 3],
     }
     impl SimdKernel for Body<'_> {
         type Output = Result<(), KernelError>;
         #[inline(always)]
         fn run(self) -> Result<(), KernelError> {
-            let Body {
-                ins,
-                dq,
-                dk,
-                dv,
-                dims,
-            } = self;
-            backward_heads(ins, dq, dk, dv, dims)
+            backward_heads(self.ins, self.dq, self.dk, self.dv, self.dims)
         }
     }
     vectorized(Body {
@@ -303,21 +279,22 @@ pub fn causal_attention_backward(
         dq,
         dk,
         dv,
-        dims: [bh, t, d, td, tt],
+        dims: [bh, t, d],
     })
 }
 
-/// The per-head loop of [`causal_attention_backward`] (arguments already checked):
-/// `ins` = q, k, v, probs, dout; `dims` = batch·heads, t, d, t·d, t·t.
+/// The per-head loop of [`causal_attention_backward`] (arguments already checked, so `t·d` and
+/// `t·t` do not overflow): `ins` = q, k, v, probs, dout; `dims` = batch·heads, t, d.
 #[inline(always)]
 fn backward_heads(
     [q, k, v, probs, dout]: [&[f32]; 5],
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
-    [bh, t, d, td, tt]: [usize; 5],
+    [bh, t, d]: [usize; 3],
 ) -> Result<(), KernelError> {
     let op = "causal_attention_backward";
+    let (td, tt) = (t * d, t * t);
     let scale = softmax_scale(d);
     let par = matmul_parallelism();
     let mut ds = vec![0.0f32; tt];
