@@ -4,7 +4,7 @@ use std::str::FromStr;
 
 use fsdp_alloc::{DType, Device};
 
-use crate::wrap::WrapPolicy;
+use crate::runtime::wrap::WrapPolicy;
 
 /// How parameters, gradients and optimizer state are sharded (the paper's §3.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -21,19 +21,14 @@
 #![deny(missing_docs)]
 
 pub mod clip;
-mod comm;
 pub mod config;
 pub mod error;
-mod fsdp;
-mod handle;
-mod offload;
 pub mod optim;
 pub mod plan;
+mod runtime;
 pub mod scaler;
 mod sharded;
 pub mod state_dict;
-mod units;
-pub mod wrap;
 
 pub use clip::{clip_grad_norm, grad_norm, grad_norms_per_param, param_norms_per_param};
 pub use config::{AdaptiveLimiter, LimitAllGathers, Quantization};
@@ -41,19 +36,20 @@ pub use config::{
     BackwardPrefetch, BufferLifetime, DeferredInit, FsdpConfig, MixedPrecision, ShardingStrategy,
 };
 pub use error::{FsdpError, Result};
-pub use fsdp::LimiterStatus;
-pub use fsdp::{Comm, CommStats, Fsdp, FullParameter, ParamBytes, UnitInfo, UnitShard};
 pub use optim::{
     AdamParams, AdamW, Lamb, LocalAdamW, LocalLamb, LocalOptimizer, LocalSgd, Sgd,
     ShardedOptimizer, ShardedParams,
 };
+pub use runtime::fsdp::LimiterStatus;
+pub use runtime::fsdp::{Comm, CommStats, Fsdp, FullParameter, ParamBytes, UnitInfo, UnitShard};
+pub use runtime::wrap;
+pub use runtime::wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
 pub use scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
 pub use state_dict::checkpoint;
 pub use state_dict::{FullStateDict, OptimState, ShardedStateDict, StateDictError};
-pub use wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
 
 /// Low-level helpers for code that runs its own collectives on [`fsdp_autograd::Tensor`]s (a
 /// training loop all-reducing a metric, say). Training with [`Fsdp`] does not need them.
 pub mod plumbing {
-    pub use crate::comm::tensor_slice;
+    pub use crate::runtime::comm::tensor_slice;
 }

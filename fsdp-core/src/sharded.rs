@@ -14,7 +14,7 @@ use fsdp_autograd::{with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, ProcessGroup, ReduceOp, Work};
 
 use crate::error::{FsdpError, Result};
-use crate::fsdp::{Fsdp, UnitShard};
+use crate::runtime::fsdp::{Fsdp, UnitShard};
 
 /// What sharded optimizers, gradient clipping and grad scalers need from a wrapped model.
 /// Implemented by [`Fsdp`]; passing `&fsdp` where a `&dyn ShardedParams` is expected just works.

@@ -33,7 +33,7 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("fsdp", "fsdp-core", "fsdp-core"),
     ("scaling", "fsdp-core", "fsdp-core"),
     ("planner", "fsdp-core", "fsdp-core"),
-    ("quantized", "fsdp-core", "fsdp-core"),
+    ("quantized", "fsdp-train", "fsdp-train"),
 ];
 
 fn root() -> PathBuf {
@@ -160,6 +160,10 @@ fn ci() -> Result<(), String> {
             "xtask",
             "--exclude",
             "fsdp-tests",
+            "--exclude",
+            "fsdp-train",
+            "--exclude",
+            "fsdp-candle-mlp",
             "--no-verify",
             "--allow-dirty",
         ]),

@@ -242,12 +242,12 @@ pub fn bench_mpi() -> Result<(), String> {
             "-p",
             "fsdp-collectives",
             "-p",
-            "fsdp-core",
+            "fsdp-train",
             "--features",
-            "fsdp-collectives/mpi,fsdp-core/mpi",
+            "fsdp-collectives/mpi,fsdp-train/mpi",
             "--example",
             "mpi_bench",
-            "--example",
+            "--bin",
             "train_gpt",
         ]),
     )?;
@@ -257,7 +257,7 @@ pub fn bench_mpi() -> Result<(), String> {
     )?;
     let field =
         |line: &str, k: &str| json_number(line, k).ok_or_else(|| format!("no {k} in {line}"));
-    let train_gpt = example("release", "train_gpt");
+    let train_gpt = target_dir().join("release").join("train_gpt");
     let steps = ["--steps", "10", "--json"];
     // Interleaved thread, MPI, thread, MPI: load changes hit both alike; each figure is the
     // mean of its two runs.

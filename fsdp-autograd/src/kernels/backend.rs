@@ -41,7 +41,7 @@ use super::{Gelu, KernelError};
 use crate::error::{AutogradError, Result};
 
 pub use super::cpu::backend::CpuBackend;
-pub use super::cuda_backend::CudaBackend;
+pub use super::cuda::CudaBackend;
 
 /// A kernel operand: a tensor's elements (contiguous, row-major, or the span of a strided view
 /// for the layout kernels) as a range of device memory, and their element type.

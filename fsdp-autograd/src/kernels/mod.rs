@@ -22,9 +22,7 @@
 pub mod backend;
 mod check;
 pub mod cpu;
-#[cfg(feature = "cuda")]
 pub mod cuda;
-mod cuda_backend;
 
 use thiserror::Error;
 

@@ -13,7 +13,7 @@ use super::rule::{ElementwiseRule, Rule};
 use super::state::{local_sizes, OptimizerState, Slots};
 use super::{LocalOptimizer, ShardedOptimizer};
 use crate::error::{FsdpError, Result};
-use crate::fsdp::UnitShard;
+use crate::runtime::fsdp::UnitShard;
 use crate::sharded::{f32_mem, launch_f32, trainable_ranges, ShardedParams};
 
 /// What one update writes and reads: the parameter tensor (a unit's shard, or a local

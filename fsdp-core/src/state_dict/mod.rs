@@ -152,7 +152,7 @@ use fsdp_autograd::{no_grad, with_stream, Tensor};
 use fsdp_collectives::{ProcessGroup, ReduceOp};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
 
-use crate::fsdp::{gather_flat, tensor_slice, Fsdp, UnitShard};
+use crate::runtime::fsdp::{gather_flat, tensor_slice, Fsdp, UnitShard};
 
 /// Version of the on-disk format written by this module (the `format_version` metadata key).
 /// Files of another version are refused with [`StateDictError::UnsupportedVersion`].

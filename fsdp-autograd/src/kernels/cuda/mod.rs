@@ -127,24 +127,46 @@
 //!   backend seam), which casts half-precision operands to `f32` temporaries around these
 //!   kernels; that glue is compile-checked only.
 
+// The seam's CUDA backend: compiled in every build (without the `cuda` feature its constructor
+// says CUDA was not built); the kernels below it only with the feature.
+mod backend;
+pub use backend::CudaBackend;
+
+#[cfg(feature = "cuda")]
 mod attention;
+#[cfg(feature = "cuda")]
 mod cast;
+#[cfg(feature = "cuda")]
 mod context;
+#[cfg(feature = "cuda")]
 mod elementwise;
+#[cfg(feature = "cuda")]
 mod embedding;
+#[cfg(feature = "cuda")]
 mod error;
+#[cfg(feature = "cuda")]
 mod layout;
+#[cfg(feature = "cuda")]
 mod loss;
+#[cfg(feature = "cuda")]
 mod matmul;
+#[cfg(feature = "cuda")]
 mod plan;
+#[cfg(feature = "cuda")]
 mod program;
+#[cfg(feature = "cuda")]
 mod rows;
+#[cfg(feature = "cuda")]
 mod transfer;
 
+#[cfg(feature = "cuda")]
 pub use context::CudaKernels;
+#[cfg(feature = "cuda")]
 pub use embedding::IndexCheck;
+#[cfg(feature = "cuda")]
 pub use error::{CudaKernelError, Result};
+#[cfg(feature = "cuda")]
 pub use layout::MAX_VIEW_RANK;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda"))]
 mod tests;

@@ -2,7 +2,7 @@
 //! different kinds (a CUDA compute device with a CPU host): the bytes go through the kernel
 //! seam's host↔device copies ([`Kernels::write`] uploads, [`Kernels::read`] downloads).
 //!
-//! Copies between two CPU devices never come here: [`crate::comm::copy_tensor`] keeps its
+//! Copies between two CPU devices never come here: [`crate::runtime::comm::copy_tensor`] keeps its
 //! asynchronous host copy for them, so CPU-only runs are bit for bit what they were.
 //!
 //! These copies are synchronous for the issuing thread (the seam's CUDA upload and download
@@ -16,8 +16,8 @@ use fsdp_alloc::{DeviceId, Stream};
 use fsdp_autograd::kernels::backend::{Kernels, Operand};
 use fsdp_autograd::Tensor;
 
-use crate::comm::tensor_slice;
 use crate::error::{FsdpError, Result};
+use crate::runtime::comm::tensor_slice;
 
 /// Whether copying between these devices needs the seam (the memories are not both
 /// host-accessible CPU memory).
@@ -153,7 +153,7 @@ mod tests {
     use fsdp_alloc::{DType, Device};
 
     use super::*;
-    use crate::comm::copy_tensor;
+    use crate::runtime::comm::copy_tensor;
 
     #[test]
     fn offload_pairs_need_a_cpu_host() {

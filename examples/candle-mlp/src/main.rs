@@ -36,7 +36,7 @@
 //! prefetch); no mixed precision; and ranks are threads (the same code with an MPI or NCCL
 //! `ProcessGroup` spans processes).
 //!
-//! Run: `cargo run --release -p fsdp-core --example candle_mlp`.
+//! Run: `cargo run --release -p fsdp-candle-mlp`.
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! [`CudaBackend`]: the seam's CUDA implementation over [`kernels::cuda`](super::cuda)'s
+//! [`CudaBackend`]: the seam's CUDA implementation over [`kernels::cuda`](super)'s
 //! `CudaKernels` (feature `cuda`). Without the feature the type exists with the same
 //! constructor, which returns [`AutogradError::CudaNotBuilt`].
 //!

@@ -2,7 +2,7 @@
 //! process groups, the all-gather rate limiter, and the bookkeeping of issued collectives
 //! (their [`Work`]s, buffers whose release waits on an event, byte statistics).
 //!
-//! One [`CommContext`] exists per wrapped model (per rank). [`crate::handle::FlatParamHandle`]'s
+//! One [`CommContext`] exists per wrapped model (per rank). [`crate::runtime::handle::FlatParamHandle`]'s
 //! methods take it to unshard, reshard and reduce a unit; `fsdp.rs` decides *when* they run.
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -530,7 +530,7 @@ pub(crate) fn gather_flat(
 
 /// Copies `src` into `dst` (contiguous f32 tensors of equal length, possibly on different CPU
 /// devices) as work launched on `stream`. Between a CUDA device and a CPU host the copy goes
-/// through the kernel seam instead ([`crate::offload::copy_across`]).
+/// through the kernel seam instead ([`crate::runtime::offload::copy_across`]).
 pub(crate) fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
     if src.numel() != dst.numel() {
         return Err(FsdpError::InvalidArgument(format!(
@@ -539,8 +539,8 @@ pub(crate) fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result
             dst.numel()
         )));
     }
-    if crate::offload::needs_seam_copy(src.device().id(), dst.device().id()) {
-        return crate::offload::copy_across(src, dst, stream);
+    if crate::runtime::offload::needs_seam_copy(src.device().id(), dst.device().id()) {
+        return crate::runtime::offload::copy_across(src, dst, stream);
     }
     let (s, d) = (tensor_slice(src)?, tensor_slice(dst)?);
     let (s, d) = (s.data().clone(), d.data().clone());

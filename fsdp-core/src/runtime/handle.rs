@@ -19,8 +19,8 @@ use fsdp_autograd::{no_grad, with_stream, Parameter, Storage, Tensor};
 use fsdp_collectives::DeviceSlice;
 use fsdp_flatparam::FlatParamLayout;
 
-use crate::comm::{cast_on, copy_tensor, CommContext};
 use crate::error::Result;
+use crate::runtime::comm::{cast_on, copy_tensor, CommContext};
 
 /// One unit's runtime state.
 pub(crate) struct FlatParamHandle {

@@ -15,8 +15,8 @@
 //! while forward, backward, all-gathers and reduce-scatters run on the GPU. Shards are uploaded before each all-gather and reduced gradient shards downloaded
 //! after each reduce-scatter, synchronously for the issuing thread.
 //!
-//! **Never run on a GPU**: this path is compile-checked (`cargo check -p fsdp-core --features
-//! cuda --example train_gpt`); here, without a CUDA driver, `--device cuda` exits with a one-line
+//! **Never run on a GPU**: this path is compile-checked (`cargo check -p fsdp-train --features
+//! cuda`); here, without a CUDA driver, `--device cuda` exits with a one-line
 //! error naming what is missing.
 
 use std::sync::Arc;
@@ -83,7 +83,7 @@ pub fn preflight(launch: CudaLaunch) -> Result<usize, AllocError> {
     if !cfg!(feature = "cuda") {
         return Err(AllocError::CudaUnavailable(format!(
             "cuda:{}: this train_gpt was built without CUDA support, so no CUDA driver was looked \
-             for; rebuild it with `cargo build --release -p fsdp-core --features cuda --example \
+             for; rebuild it with `cargo build --release -p fsdp-train --features cuda --bin \
              train_gpt` (needs the NVIDIA driver and NCCL at run time)",
             launch.ordinal(0)
         )));

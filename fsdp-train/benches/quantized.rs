@@ -13,7 +13,7 @@
 //! - real text: the workspace's own `*.rs` and `*.md` files (every checkout has them; `target/`
 //!   and dot-directories skipped), concatenated in byte order of their relative paths into
 //!   `target/quantized/corpus.txt`, read as bytes (vocab 256) by `train_gpt`'s data module
-//!   (`examples/train_gpt/data.rs`: training sequences at SplitMix64 offsets of the first 90%,
+//!   (`fsdp-train/src/data.rs`: training sequences at SplitMix64 offsets of the first 90%,
 //!   a fixed validation set of 32 sequences evenly spaced over the last 10%). The corpus grows
 //!   with the code; its size and FNV-1a hash are printed and put in the JSON;
 //! - the compared loss is the **validation loss at step 300** (held-out, the same 32 sequences
@@ -48,7 +48,7 @@ use fsdp_core::{
 };
 
 #[allow(dead_code, unused_imports)]
-#[path = "../examples/train_gpt/data.rs"]
+#[path = "../src/data.rs"]
 mod data;
 use data::{DataFormat, Dataset};
 

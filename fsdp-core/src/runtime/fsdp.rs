@@ -4,8 +4,8 @@
 //! This file decides *when* a unit's work runs: the hooks, the execution order (recorded, and
 //! verified across ranks) and the prefetch decisions. *What* a unit does — gather, views, free,
 //! reduce its gradient, accumulate the sharded gradient — is
-//! [`FlatParamHandle`](crate::handle::FlatParamHandle)'s, within the rank's
-//! [`CommContext`](crate::comm::CommContext) (streams, groups, rate limiter, statistics).
+//! [`FlatParamHandle`](crate::runtime::handle::FlatParamHandle)'s, within the rank's
+//! [`CommContext`](crate::runtime::comm::CommContext) (streams, groups, rate limiter, statistics).
 //!
 //! ## One iteration, per unit (the paper's §4)
 //! - **pre-forward** (module pre-hook): all-gather the unit's shards into a buffer on the
@@ -38,19 +38,19 @@ use fsdp_collectives::ProcessGroup;
 use fsdp_flatparam::FlatParamLayout;
 use fsdp_init::InitPlan;
 
-pub use crate::comm::{CommStats, LimiterStatus};
-// Collective plumbing, here for the modules that import it from `crate::fsdp`.
-pub(crate) use crate::comm::{gather_flat, tensor_slice};
+pub use crate::runtime::comm::{CommStats, LimiterStatus};
+// Collective plumbing, here for the modules that import it from `crate::runtime::fsdp`.
+pub(crate) use crate::runtime::comm::{gather_flat, tensor_slice};
 
-use crate::comm::{AutoLimit, CommContext, Ledger};
 use crate::config::{
     BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers, Quantization, ShardingStrategy,
 };
 use crate::error::{FsdpError, Result};
-use crate::handle::FlatParamHandle;
-use crate::units::{describe, for_each_module};
-pub use crate::units::{Comm, FullParameter, ParamBytes, UnitInfo, UnitShard};
-use crate::wrap::plan_units;
+use crate::runtime::comm::{AutoLimit, CommContext, Ledger};
+use crate::runtime::handle::FlatParamHandle;
+use crate::runtime::units::{describe, for_each_module};
+pub use crate::runtime::units::{Comm, FullParameter, ParamBytes, UnitInfo, UnitShard};
+use crate::runtime::wrap::plan_units;
 
 #[derive(Default)]
 struct IterState {
@@ -235,7 +235,7 @@ impl<M: Module + 'static> Fsdp<M> {
         let reduce_stream = device.new_stream("fsdp-reduce");
         let (host, host_stream, offload) = match &config.cpu_offload {
             Some(h) => {
-                crate::offload::check_offload_devices(device.id(), h.id())?;
+                crate::runtime::offload::check_offload_devices(device.id(), h.id())?;
                 if !config.strategy.is_sharded() {
                     return Err(FsdpError::Config(
                         "CPU offload needs a sharded strategy: NoShard computes on the full \

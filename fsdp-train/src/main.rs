@@ -1,17 +1,17 @@
 //! Trains a GPT with FSDP on CPU thread ranks — fsdp-rs's main job.
 //!
 //! ```sh
-//! cargo run --release --example train_gpt                       # 4 ranks, FullShard, GPT-mini
-//! cargo run --release --example train_gpt -- --strategy no-shard --steps 10 --json
-//! cargo run --release --example train_gpt -- --data input.txt --steps 300 --eval-every 100 \
+//! cargo run --release --bin train_gpt                       # 4 ranks, FullShard, GPT-mini
+//! cargo run --release --bin train_gpt -- --strategy no-shard --steps 10 --json
+//! cargo run --release --bin train_gpt -- --data input.txt --steps 300 --eval-every 100 \
 //!     --metrics m.jsonl --plot loss.svg
-//! cargo run --release --example train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
-//! cargo run --release --example train_gpt -- --plan --cluster-nodes 2 --cluster-ranks-per-node 2 \
+//! cargo run --release --bin train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
+//! cargo run --release --bin train_gpt -- --plan --cluster-nodes 2 --cluster-ranks-per-node 2 \
 //!     --cluster-inter-gbps 0.05                                 # ranked FSDP plans, no training
-//! cargo run --release --example train_gpt -- --plan --apply --steps 20  # train with the top plan
-//! cargo run --release --example train_gpt -- --help
-//! cargo build --release -p fsdp-core --features mpi --example train_gpt &&
-//!     mpirun -n 4 target/release/examples/train_gpt --backend mpi   # one process per rank
+//! cargo run --release --bin train_gpt -- --plan --apply --steps 20  # train with the top plan
+//! cargo run --release --bin train_gpt -- --help
+//! cargo build --release -p fsdp-train --features mpi --bin train_gpt &&
+//!     mpirun -n 4 target/release/train_gpt --backend mpi   # one process per rank
 //! ```
 //!
 //! Checkpoints (`--checkpoint-dir`) go through `fsdp_core::checkpoint::CheckpointManager`
