@@ -164,6 +164,52 @@ pub struct Attention {
     pub d: usize,
 }
 
+/// What causal attention keeps for its backward; the backend decides
+/// ([`Kernels::attention_save`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionSave {
+    /// The probabilities, `[batch, heads, t, t]` `f32` (the unfused kernels: CPU, and CUDA
+    /// with [`set_fused_attention(false)`](crate::kernels::cuda::set_fused_attention) or large
+    /// head dimensions).
+    Probs,
+    /// The log-sum-exp of each query's scaled scores, `[batch, heads, t]` `f32`, plus the
+    /// forward's output (the fused flash-style kernels on CUDA).
+    Lse,
+}
+
+impl AttentionSave {
+    /// The shape of the saved statistics tensor for `a`.
+    pub fn shape(self, a: &Attention) -> Vec<usize> {
+        match self {
+            AttentionSave::Probs => vec![a.batch, a.heads, a.t, a.t],
+            AttentionSave::Lse => vec![a.batch, a.heads, a.t],
+        }
+    }
+}
+
+/// The statistics a causal attention forward writes (see [`AttentionSave`]).
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionStats<'a> {
+    /// The probabilities (`f32`, `[batch, heads, t, t]`, exactly 0 above the diagonal).
+    Probs(&'a Operand),
+    /// The per-query log-sum-exp of the scaled scores (`f32`, `[batch, heads, t]`).
+    Lse(&'a Operand),
+}
+
+/// What a causal attention backward reads from its forward (see [`AttentionSave`]).
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionSaved<'a> {
+    /// The forward's probabilities.
+    Probs(&'a Operand),
+    /// The forward's log-sum-exp and output.
+    Lse {
+        /// Log-sum-exp (`f32`, `[batch, heads, t]`).
+        lse: &'a Operand,
+        /// The forward's output (`[batch, heads, t, d]`).
+        out: &'a Operand,
+    },
+}
+
 /// A strided view: `shape` indexed with `strides` from element `offset` of an operand.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct View {
@@ -427,7 +473,8 @@ pub enum Launch<'a> {
         /// Gradient of the table.
         dtable: &'a Operand,
     },
-    /// Causal attention forward; writes `out` and the probabilities `probs` (`f32`).
+    /// Causal attention forward; writes `out` and the statistics the backend saves for the
+    /// backward ([`Kernels::attention_save`]).
     Attention {
         /// The sizes.
         a: Attention,
@@ -439,8 +486,8 @@ pub enum Launch<'a> {
         v: &'a Operand,
         /// Output.
         out: &'a Operand,
-        /// Probabilities (`f32`), saved for the backward.
-        probs: &'a Operand,
+        /// Probabilities or log-sum-exp (`f32`), saved for the backward.
+        stats: AttentionStats<'a>,
     },
     /// Causal attention backward.
     AttentionBackward {
@@ -452,8 +499,8 @@ pub enum Launch<'a> {
         k: &'a Operand,
         /// Values.
         v: &'a Operand,
-        /// The forward's probabilities.
-        probs: &'a Operand,
+        /// What the forward saved.
+        saved: AttentionSaved<'a>,
         /// Upstream gradient.
         dout: &'a Operand,
         /// Gradient of `q`.
@@ -584,6 +631,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Reads `src` to the host in stream order and hands the bytes to `f` once available
     /// (CPU: on the stream's worker; CUDA: after synchronizing the stream).
     fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()>;
+    /// What causal attention of shape `a` saves for its backward on this backend (the forward
+    /// must be launched with matching [`AttentionStats`]). Default: the probabilities.
+    fn attention_save(&self, a: &Attention) -> AttentionSave {
+        let _ = a;
+        AttentionSave::Probs
+    }
 }
 
 /// The seam's front: a device's [`Backend`] behind argument checks done once for every backend.
@@ -675,6 +728,7 @@ fn exact<'a>(
 
 const STATS: &str = "layer-norm statistics";
 const PROBS: &str = "attention probabilities";
+const LSE: &str = "attention log-sum-exp";
 
 impl Kernels {
     /// The kernels of `device`: [`CpuBackend`] for CPU devices, [`CudaBackend`] for CUDA devices
@@ -702,6 +756,12 @@ impl Kernels {
     /// The backend behind the checks.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// What causal attention of shape `a` saves for its backward on this device: the CPU
+    /// keeps the probabilities, CUDA (fused kernels, the default) the log-sum-exp and output.
+    pub fn attention_save(&self, a: &Attention) -> AttentionSave {
+        self.backend.attention_save(a)
     }
 
     fn dev(&self, op: &'static str, arg: &'static str, o: &Operand) -> Result<()> {
@@ -936,41 +996,54 @@ impl Kernels {
                 k,
                 v,
                 out,
-                probs,
+                stats,
             } => {
-                let (n, np) = Kernels::attention_sizes(op, a)?;
+                let (n, np, nl) = Kernels::attention_sizes(op, a)?;
+                let st = match stats {
+                    AttentionStats::Probs(p) => exact("probs", p, DType::F32, PROBS, np),
+                    AttentionStats::Lse(l) => exact("lse", l, DType::F32, LSE, nl),
+                };
+                let stats_n = st.n;
                 let table = [
                     float("q", q, n),
                     float("k", k, n),
                     float("v", v, n),
                     float("out", out, n),
-                    exact("probs", probs, DType::F32, PROBS, np),
+                    st,
                 ];
                 self.args(op, || format!("{a:?}"), &table)?;
-                Ok(n > 0 || np > 0)
+                Ok(n > 0 || stats_n > 0)
             }
             Launch::AttentionBackward {
                 a,
                 q,
                 k,
                 v,
-                probs,
+                saved,
                 dout,
                 dq,
                 dk,
                 dv,
             } => {
-                let (n, np) = Kernels::attention_sizes(op, a)?;
-                let table = [
+                let (n, np, nl) = Kernels::attention_sizes(op, a)?;
+                let (st, fwd_out) = match saved {
+                    AttentionSaved::Probs(p) => (exact("probs", p, DType::F32, PROBS, np), None),
+                    AttentionSaved::Lse { lse, out } => (
+                        exact("lse", lse, DType::F32, LSE, nl),
+                        Some(float("out", out, n)),
+                    ),
+                };
+                let mut table = vec![
                     float("q", q, n),
                     float("k", k, n),
                     float("v", v, n),
-                    exact("probs", probs, DType::F32, PROBS, np),
+                    st,
                     float("dout", dout, n),
                     float("dq", dq, n),
                     float("dk", dk, n),
                     float("dv", dv, n),
                 ];
+                table.extend(fwd_out);
                 self.args(op, || format!("{a:?}"), &table)?;
                 Ok(n > 0 || np > 0)
             }
@@ -1037,12 +1110,11 @@ impl Kernels {
         }
     }
 
-    fn attention_sizes(op: &'static str, a: Attention) -> Result<(usize, usize)> {
+    /// Elements of q-shaped operands, of the probabilities and of the log-sum-exp.
+    fn attention_sizes(op: &'static str, a: Attention) -> Result<(usize, usize, usize)> {
         let bh = mul(op, a.batch, a.heads)?;
-        Ok((
-            mul(op, mul(op, bh, a.t)?, a.d)?,
-            mul(op, mul(op, bh, a.t)?, a.t)?,
-        ))
+        let rows = mul(op, bh, a.t)?;
+        Ok((mul(op, rows, a.d)?, mul(op, rows, a.t)?, rows))
     }
 
     /// The checks of [`Launch::Copy`]: both operands here, equal element sizes, views of one

@@ -5,7 +5,10 @@ use fsdp_alloc::DType;
 
 use crate::autograd::{needs_grad, record, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::kernels::backend::{Attention, EmbeddingShape, Launch, LayerNormShape, Rows};
+use crate::kernels::backend::{
+    Attention, AttentionSave, AttentionSaved, AttentionStats, EmbeddingShape, Launch,
+    LayerNormShape, Rows,
+};
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
@@ -274,8 +277,11 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
 }
 
 /// Causal scaled-dot-product attention: `q`, `k`, `v` `[batch, heads, t, d]` →
-/// `softmax(q·kᵀ/√d + causal mask) · v`, same shape. Saves the probabilities
-/// (`[batch, heads, t, t]`, `f32`) for backward.
+/// `softmax(q·kᵀ/√d + causal mask) · v`, same shape. Saves for backward what the device's
+/// kernels ask for ([`Kernels::attention_save`](crate::kernels::backend::Kernels::attention_save)):
+/// on the CPU the probabilities (`[batch, heads, t, t]`, `f32`); on CUDA, with the fused
+/// kernels (the default), the per-query log-sum-exp (`[batch, heads, t]`, `f32`) and the output,
+/// so memory stays linear in `t`.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     check_pair("causal_attention", q, k)?;
     check_pair("causal_attention", q, v)?;
@@ -295,20 +301,21 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let s = &ctx.stream;
     let (qc, kc, vc) = (q.contig()?, k.contig()?, v.contig()?);
     let out = ctx.empty(q.shape(), q.dtype())?;
-    let probs = ctx.empty(&[b, h, t, t], DType::F32)?;
-    let op = "attention";
     let at = Attention {
         batch: b,
         heads: h,
         t,
         d,
     };
-    let (qa, ka, va, oa, pa) = (
+    let save = ctx.k()?.attention_save(&at);
+    let stats = ctx.empty(&save.shape(&at), DType::F32)?;
+    let op = "attention";
+    let (qa, ka, va, oa, sa) = (
         qc.operand_on(op, s)?,
         kc.operand_on(op, s)?,
         vc.operand_on(op, s)?,
         out.operand_on(op, s)?,
-        probs.operand_on(op, s)?,
+        stats.operand_on(op, s)?,
     );
     ctx.k()?.launch(
         s,
@@ -318,7 +325,10 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
             k: &ka,
             v: &va,
             out: &oa,
-            probs: &pa,
+            stats: match save {
+                AttentionSave::Probs => AttentionStats::Probs(&sa),
+                AttentionSave::Lse => AttentionStats::Lse(&sa),
+            },
         },
     )?;
     if !needs_grad(&[q, k, v]) {
@@ -329,8 +339,10 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         SavedTensor::new(&qc),
         SavedTensor::new(&kc),
         SavedTensor::new(&vc),
-        SavedTensor::new(&probs),
+        SavedTensor::new(&stats),
     ];
+    // The fused backward also reads the forward's output (saved before it joins the graph).
+    let mut saved_out = (save == AttentionSave::Lse).then(|| SavedTensor::new(&out));
     Ok(record1(
         op,
         &[q, k, v],
@@ -346,6 +358,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
                 sv.unpack(op)?,
                 sp.unpack(op)?,
             );
+            let fwd_out = saved_out.as_mut().map(|o| o.unpack(op)).transpose()?;
             let ctx = Ctx::of(&dout);
             let s = &ctx.stream;
             let dq = ctx.empty(q.shape(), q.dtype())?;
@@ -361,6 +374,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
                 dk.operand_on(op, s)?,
                 dv.operand_on(op, s)?,
             );
+            let oa = fwd_out.as_ref().map(|o| o.operand_on(op, s)).transpose()?;
+            let saved = match &oa {
+                Some(out) => AttentionSaved::Lse { lse: &pa, out },
+                None => AttentionSaved::Probs(&pa),
+            };
             ctx.k()?.launch(
                 s,
                 &Launch::AttentionBackward {
@@ -368,7 +386,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
                     q: &qa,
                     k: &ka,
                     v: &va,
-                    probs: &pa,
+                    saved,
                     dout: &ga,
                     dq: &dqa,
                     dk: &dka,

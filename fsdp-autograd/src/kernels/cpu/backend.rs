@@ -4,11 +4,23 @@
 
 use fsdp_alloc::Stream;
 
-use crate::error::Result;
-use crate::kernels::backend::{Backend, BinaryOp, Launch, Operand, ReadFn, SumTo};
+use crate::error::{AutogradError, Result};
+use crate::kernels::backend::{
+    AttentionSaved, AttentionStats, Backend, BinaryOp, Launch, Operand, ReadFn, SumTo,
+};
 use crate::kernels::{cpu, Gelu};
 use crate::launch::{launch, launch_f32, strided_copy_arg};
 use crate::tensor::fill_arg;
+
+/// The CPU attention saves probabilities (its `attention_save` is the default `Probs`); a launch
+/// asking for the fused kernels' log-sum-exp is an error.
+fn lse_unsupported(op: &'static str) -> AutogradError {
+    AutogradError::Unsupported {
+        op,
+        detail: "the CPU attention saves the probabilities, not the log-sum-exp; launch it with                  the statistics `Kernels::attention_save` names"
+            .into(),
+    }
+}
 
 /// The CPU kernels behind the seam (stateless; one value serves every CPU device).
 #[derive(Debug, Clone, Copy, Default)]
@@ -194,8 +206,11 @@ impl Backend for CpuBackend {
                 k,
                 v,
                 out,
-                probs,
+                stats,
             } => {
+                let AttentionStats::Probs(probs) = stats else {
+                    return Err(lse_unsupported("attention"));
+                };
                 let (ins, outs) = ([q, k, v], [out, probs]);
                 launch_f32(
                     s,
@@ -213,12 +228,15 @@ impl Backend for CpuBackend {
                 q,
                 k,
                 v,
-                probs,
+                saved,
                 dout,
                 dq,
                 dk,
                 dv,
             } => {
+                let AttentionSaved::Probs(probs) = saved else {
+                    return Err(lse_unsupported("attention_backward"));
+                };
                 let (ins, outs) = ([q, k, v, probs, dout], [dq, dk, dv]);
                 let op = "attention_backward";
                 launch_f32(

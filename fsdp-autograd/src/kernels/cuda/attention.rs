@@ -49,7 +49,7 @@ fn shapes(
 }
 
 /// The softmax scale `1/√d` in f32, as the CPU kernel computes it.
-fn softmax_scale(d: usize) -> f32 {
+pub(crate) fn softmax_scale(d: usize) -> f32 {
     (1.0 / (d as f64).sqrt()) as f32
 }
 

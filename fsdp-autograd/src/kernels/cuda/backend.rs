@@ -44,8 +44,11 @@ mod imp {
     use fsdp_alloc::{Buffer, BufferRef, DType, Device, DeviceId, Stream};
 
     use crate::error::{AutogradError, Result};
-    use crate::kernels::backend::{Backend, BinaryOp, Launch, Operand, ReadFn, View};
-    use crate::kernels::cuda::{CudaKernelError, CudaKernels, IndexCheck};
+    use crate::kernels::backend::{
+        Attention, AttentionSave, AttentionSaved, AttentionStats, Backend, BinaryOp, Launch,
+        Operand, ReadFn, View,
+    };
+    use crate::kernels::cuda::{CudaKernelError, CudaKernels, GemmPrecision, IndexCheck};
 
     /// The CUDA kernels behind the seam: one per CUDA device, created on first use (compiling
     /// the kernels with NVRTC once per process). Float operands in `f16`/`bf16` are cast to `f32`
@@ -258,6 +261,30 @@ mod imp {
         }
     }
 
+    /// The common float dtype of `ops` (the fused attention kernels take one element type), or
+    /// `None` if they differ.
+    fn one_dtype(ops: &[&Operand]) -> Option<DType> {
+        let d = ops.first()?.dtype;
+        ops.iter().all(|o| o.dtype == d).then_some(d)
+    }
+
+    /// The cuBLAS call that takes a product's operands as they are: all f32, or A and B of one
+    /// half type with C of that type or f32. Mixed operand types return `None` (they go through
+    /// f32 temporaries).
+    fn direct_gemm(a: DType, b: DType, c: DType, tf32: bool) -> Option<GemmPrecision> {
+        let half = |d: DType| d == DType::F16 || d == DType::BF16;
+        let ok = match (a, c) {
+            (DType::F32, DType::F32) => b == DType::F32,
+            (x, y) if half(x) => b == x && (y == x || y == DType::F32),
+            _ => false,
+        };
+        ok.then_some(GemmPrecision {
+            inputs: a,
+            output: c,
+            tf32,
+        })
+    }
+
     /// Byte range of `count` elements of `o` from element `first`.
     fn elems(o: &Operand, first: usize, count: usize) -> Result<BufferRef> {
         let sz = o.dtype.size();
@@ -272,9 +299,22 @@ mod imp {
         fn launch(&self, s: &Stream, l: &Launch<'_>) -> Result<()> {
             match *l {
                 Launch::Gemm { g, a, b, c } => {
+                    let tf32 = crate::kernels::cuda::allow_tf32();
+                    if let Some(p) = direct_gemm(a.dtype, b.dtype, c.dtype, tf32) {
+                        // f32 (maybe TF32), or f16/bf16 on the tensor cores with f32
+                        // accumulation, reading and writing the operands as they are.
+                        let (a, b, c) = (&a.buf, &b.buf, &c.buf);
+                        return self.k.gemm_ex(s, &g, p, a, b, c).map_err(err("matmul"));
+                    }
                     let mut f = self.scope("matmul", s);
                     let (a, b, c) = (f.input(a)?, f.input(b)?, f.output(c, g.accumulate)?);
-                    self.k.gemm(s, &g, &a, &b, &c).map_err(err("matmul"))?;
+                    let p = GemmPrecision {
+                        tf32,
+                        ..GemmPrecision::F32
+                    };
+                    self.k
+                        .gemm_ex(s, &g, p, &a, &b, &c)
+                        .map_err(err("matmul"))?;
                     f.finish()
                 }
                 Launch::Binary {
@@ -466,15 +506,36 @@ mod imp {
                     k,
                     v,
                     out,
-                    probs,
+                    stats,
                 } => {
                     let op = "attention";
+                    let (b, h, t, d) = (a.batch, a.heads, a.t, a.d);
+                    let probs = match stats {
+                        AttentionStats::Probs(p) => p,
+                        AttentionStats::Lse(lse) => {
+                            let l = &lse.buf;
+                            if let Some(dt) = one_dtype(&[q, k, v, out]) {
+                                let [q, kk, v, o] = [q, k, v, out].map(|o| &o.buf);
+                                return self
+                                    .k
+                                    .flash_attention(s, dt, q, kk, v, o, l, b, h, t, d)
+                                    .map_err(err(op));
+                            }
+                            let mut f = self.scope(op, s);
+                            let [q, kk, v] = f.inputs([q, k, v])?;
+                            let o = f.output(out, false)?;
+                            self.k
+                                .flash_attention(s, DType::F32, &q, &kk, &v, &o, l, b, h, t, d)
+                                .map_err(err(op))?;
+                            return f.finish();
+                        }
+                    };
                     let mut f = self.scope(op, s);
                     let [q, kk, v] = f.inputs([q, k, v])?;
                     let o = f.output(out, false)?;
                     let p = &probs.buf;
                     self.k
-                        .causal_attention(s, &q, &kk, &v, &o, p, a.batch, a.heads, a.t, a.d)
+                        .causal_attention(s, &q, &kk, &v, &o, p, b, h, t, d)
                         .map_err(err(op))?;
                     f.finish()
                 }
@@ -483,17 +544,57 @@ mod imp {
                     q,
                     k,
                     v,
-                    probs,
+                    saved,
                     dout,
                     dq,
                     dk,
                     dv,
                 } => {
                     let op = "attention_backward";
+                    let (b, h, t, d) = (a.batch, a.heads, a.t, a.d);
+                    let probs = match saved {
+                        AttentionSaved::Probs(p) => p,
+                        AttentionSaved::Lse { lse, out } => {
+                            let l = &lse.buf;
+                            let all = [q, k, v, out, dout, dq, dk, dv];
+                            if let Some(dt) = one_dtype(&all) {
+                                let [q, kk, v, o, g, dq, dk, dv] = all.map(|o| &o.buf);
+                                return self
+                                    .k
+                                    .flash_attention_backward(
+                                        s, dt, q, kk, v, o, l, g, dq, dk, dv, b, h, t, d,
+                                    )
+                                    .map_err(err(op));
+                            }
+                            let mut f = self.scope(op, s);
+                            let [q, kk, v, o, g] = f.inputs([q, k, v, out, dout])?;
+                            let [dq, dk, dv] = f.outputs([dq, dk, dv])?;
+                            self.k
+                                .flash_attention_backward(
+                                    s,
+                                    DType::F32,
+                                    &q,
+                                    &kk,
+                                    &v,
+                                    &o,
+                                    l,
+                                    &g,
+                                    &dq,
+                                    &dk,
+                                    &dv,
+                                    b,
+                                    h,
+                                    t,
+                                    d,
+                                )
+                                .map_err(err(op))?;
+                            return f.finish();
+                        }
+                    };
                     let mut f = self.scope(op, s);
                     let [q, kk, v, g] = f.inputs([q, k, v, dout])?;
                     let [dq, dk, dv] = f.outputs([dq, dk, dv])?;
-                    let (p, b, h, t, d) = (&probs.buf, a.batch, a.heads, a.t, a.d);
+                    let p = &probs.buf;
                     self.k
                         .causal_attention_backward(s, &q, &kk, &v, p, &g, &dq, &dk, &dv, b, h, t, d)
                         .map_err(err(op))?;
@@ -566,6 +667,16 @@ mod imp {
 
         fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()> {
             self.k.upload(s, &bytes, &dst.buf).map_err(err("write"))
+        }
+
+        fn attention_save(&self, a: &Attention) -> AttentionSave {
+            if crate::kernels::cuda::fused_attention()
+                && (1..=crate::kernels::cuda::FUSED_ATTENTION_MAX_D).contains(&a.d)
+            {
+                AttentionSave::Lse
+            } else {
+                AttentionSave::Probs
+            }
         }
 
         fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {

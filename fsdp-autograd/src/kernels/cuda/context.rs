@@ -9,7 +9,7 @@ use fsdp_alloc::{Buffer, BufferRef, Device, DeviceId, Stream};
 
 use super::error::{CudaKernelError, Result};
 use super::layout::ViewDesc;
-use super::plan::{PArg, Plan, Ptr, Step};
+use super::plan::{GemmType, PArg, Plan, Ptr, Step};
 use super::program::{module_for, ArgKind, LoadedModule, BLOCK, MAX_GRID};
 use crate::kernels::{check, KernelError};
 
@@ -514,39 +514,97 @@ impl Call<'_> {
                     c,
                     alpha,
                     beta,
+                    types,
                 } => {
                     let blas = self.k.blas_for(op, self.cs)?;
-                    // SAFETY: the handle is bound to `self.cs` (one handle per stream, never
-                    // re-bound); the operands hold the batches `g` describes (the caller's
-                    // contract); alpha and beta are host scalars (the handle's default pointer
-                    // mode) that outlive the call. With beta = 0 cuBLAS does not read C.
-                    unsafe {
-                        cudarc::cublas::result::sgemm_strided_batched(
-                            *blas.handle(),
-                            g.op_first,
-                            g.op_second,
-                            g.m,
-                            g.n,
-                            g.k,
-                            alpha,
-                            resolve(*b) as *const f32,
-                            g.ld_first,
-                            g.stride_first,
-                            resolve(*a) as *const f32,
-                            g.ld_second,
-                            g.stride_second,
-                            beta,
-                            resolve(*c) as *mut f32,
-                            g.ldc,
-                            g.stride_c,
-                            g.batch,
-                        )
+                    if types.is_plain_f32() {
+                        // SAFETY: the handle is bound to `self.cs` (one handle per stream, never
+                        // re-bound); the operands hold the f32 batches `g` describes (the
+                        // caller's contract); alpha and beta are host scalars (the handle's
+                        // default pointer mode) that outlive the call. With beta = 0 cuBLAS does
+                        // not read C.
+                        unsafe {
+                            cudarc::cublas::result::sgemm_strided_batched(
+                                *blas.handle(),
+                                g.op_first,
+                                g.op_second,
+                                g.m,
+                                g.n,
+                                g.k,
+                                alpha,
+                                resolve(*b) as *const f32,
+                                g.ld_first,
+                                g.stride_first,
+                                resolve(*a) as *const f32,
+                                g.ld_second,
+                                g.stride_second,
+                                beta,
+                                resolve(*c) as *mut f32,
+                                g.ldc,
+                                g.stride_c,
+                                g.batch,
+                            )
+                        }
+                        .map_err(|source| CudaKernelError::Blas {
+                            op,
+                            call: "cublasSgemmStridedBatched",
+                            source,
+                        })?;
+                    } else {
+                        use cudarc::cublas::sys::{
+                            cublasComputeType_t::{
+                                CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32,
+                            },
+                            cublasGemmAlgo_t,
+                            cudaDataType_t::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F},
+                        };
+                        let dt = |t: GemmType| match t {
+                            GemmType::F32 => CUDA_R_32F,
+                            GemmType::F16 => CUDA_R_16F,
+                            GemmType::Bf16 => CUDA_R_16BF,
+                        };
+                        let compute = if types.tf32 {
+                            CUBLAS_COMPUTE_32F_FAST_TF32
+                        } else {
+                            CUBLAS_COMPUTE_32F
+                        };
+                        // SAFETY: as for the f32 call above; the operands hold elements of the
+                        // types passed (the plan's `types`, checked by the caller against the
+                        // buffers); with CUBLAS_COMPUTE_32F(_FAST_TF32) alpha and beta are f32
+                        // host scalars, as passed, and live until the call returns.
+                        unsafe {
+                            cudarc::cublas::result::gemm_strided_batched_ex(
+                                *blas.handle(),
+                                g.op_first,
+                                g.op_second,
+                                g.m,
+                                g.n,
+                                g.k,
+                                (alpha as *const f32).cast(),
+                                resolve(*b) as *const std::ffi::c_void,
+                                dt(types.ab),
+                                g.ld_first,
+                                g.stride_first,
+                                resolve(*a) as *const std::ffi::c_void,
+                                dt(types.ab),
+                                g.ld_second,
+                                g.stride_second,
+                                (beta as *const f32).cast(),
+                                resolve(*c) as *mut std::ffi::c_void,
+                                dt(types.c),
+                                g.ldc,
+                                g.stride_c,
+                                g.batch,
+                                compute,
+                                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                            )
+                        }
+                        .map_err(|source| CudaKernelError::Blas {
+                            op,
+                            call: "cublasGemmStridedBatchedEx",
+                            source,
+                        })?;
                     }
-                    .map_err(|source| CudaKernelError::Blas {
-                        op,
-                        call: "cublasSgemmStridedBatched",
-                        source,
-                    })?;
                 }
             }
         }

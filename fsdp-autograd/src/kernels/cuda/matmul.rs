@@ -1,13 +1,15 @@
-//! Matrix products through cuBLAS (`cublasSgemmStridedBatched`, row-major via the transposition
-//! trick of [`ColMajorGemm`]).
+//! Matrix products through cuBLAS (`cublasSgemmStridedBatched` for plain f32,
+//! `cublasGemmStridedBatchedEx` for TF32 and for f16/bf16 operands on the tensor cores with f32
+//! accumulation), row-major via the transposition trick of [`ColMajorGemm`].
 
 use cudarc::cublas::sys::cublasOperation_t;
-use fsdp_alloc::{BufferRef, Stream};
+use fsdp_alloc::{BufferRef, DType, Stream};
 
 use super::context::{expect_len, mul, CudaKernels, Elem};
 use super::error::{CudaKernelError, Result};
-use super::plan::{ColMajorGemm, Plan, Ptr, Step};
+use super::plan::{ColMajorGemm, GemmType, GemmTypes, Plan, Ptr, Step};
 use crate::kernels::backend::Gemm;
+use crate::kernels::KernelError;
 
 fn to_i32(op: &'static str, what: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaKernelError::TooLarge {
@@ -64,22 +66,35 @@ pub(crate) fn col_major_gemm(op: &'static str, g: &Gemm) -> Result<ColMajorGemm>
     })
 }
 
-/// Appends the products of `g`, scaled: `C = scale·op(A)·op(B) (+ C if g.accumulate)` on
+/// Appends the f32 products of `g`, scaled: `C = scale·op(A)·op(B) (+ C if g.accumulate)` on
 /// consecutive blocks, to `plan`. Empty products do nothing; `k == 0` zeroes C (or leaves it
 /// when accumulating), as the CPU kernels do.
 pub(crate) fn plan_gemm(
     plan: &mut Plan,
     op: &'static str,
+    ptrs: (Ptr, Ptr, Ptr),
+    g: &Gemm,
+    scale: f32,
+) -> Result<()> {
+    plan_gemm_typed(plan, op, ptrs, g, scale, GemmTypes::F32)
+}
+
+/// [`plan_gemm`] with operand types and math mode `types` (C's zeroing for `k == 0` covers
+/// C's element size).
+pub(crate) fn plan_gemm_typed(
+    plan: &mut Plan,
+    op: &'static str,
     (a, b, c): (Ptr, Ptr, Ptr),
     g: &Gemm,
     scale: f32,
+    types: GemmTypes,
 ) -> Result<()> {
     if g.batch == 0 || g.m == 0 || g.n == 0 {
         return Ok(());
     }
     if g.k == 0 {
         if !g.accumulate {
-            plan.memset(c, 0, g.batch * g.m * g.n * 4);
+            plan.memset(c, 0, g.batch * g.m * g.n * types.c.size());
         }
         return Ok(());
     }
@@ -90,8 +105,67 @@ pub(crate) fn plan_gemm(
         c,
         alpha: scale,
         beta: if g.accumulate { 1.0 } else { 0.0 },
+        types,
     });
     Ok(())
+}
+
+/// The cuBLAS element type of a float dtype.
+fn gemm_type(op: &'static str, arg: &str, d: DType) -> Result<GemmType> {
+    match d {
+        DType::F32 => Ok(GemmType::F32),
+        DType::F16 => Ok(GemmType::F16),
+        DType::BF16 => Ok(GemmType::Bf16),
+        other => Err(KernelError::InvalidShape {
+            op,
+            reason: format!("`{arg}` of a matrix product must be f32, f16 or bf16, not {other}"),
+        }
+        .into()),
+    }
+}
+
+/// The element types and math mode of a [`CudaKernels::gemm_ex`] call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmPrecision {
+    /// Element type of A and B: `f32`, `f16` or `bf16`.
+    pub inputs: DType,
+    /// Element type of C: `f32`, or the inputs' half type.
+    pub output: DType,
+    /// With f32 inputs: let cuBLAS round them to TF32 on the tensor cores
+    /// (`CUBLAS_COMPUTE_32F_FAST_TF32`, like PyTorch's `allow_tf32`). Ignored for half inputs,
+    /// which always use the tensor cores.
+    pub tf32: bool,
+}
+
+impl GemmPrecision {
+    /// Plain f32: `cublasSgemmStridedBatched` in full precision (what [`CudaKernels::gemm`]
+    /// does).
+    pub const F32: GemmPrecision = GemmPrecision {
+        inputs: DType::F32,
+        output: DType::F32,
+        tf32: false,
+    };
+
+    /// The plan-level types, or an error for an unsupported combination.
+    pub(crate) fn types(self, op: &'static str) -> Result<GemmTypes> {
+        let ab = gemm_type(op, "a/b", self.inputs)?;
+        let c = gemm_type(op, "c", self.output)?;
+        if c != GemmType::F32 && c != ab {
+            return Err(KernelError::InvalidShape {
+                op,
+                reason: format!(
+                    "a {} product cannot write {} (cuBLAS writes f32 or the inputs' type)",
+                    self.inputs, self.output
+                ),
+            }
+            .into());
+        }
+        Ok(GemmTypes {
+            ab,
+            c,
+            tf32: self.tf32 && ab == GemmType::F32,
+        })
+    }
 }
 
 impl CudaKernels {
@@ -117,12 +191,43 @@ impl CudaKernels {
         b: &BufferRef,
         c: &BufferRef,
     ) -> Result<()> {
+        self.gemm_ex(stream, g, GemmPrecision::F32, a, b, c)
+    }
+
+    /// [`CudaKernels::gemm`] with the element types and math mode of `p`: A and B hold
+    /// `p.inputs` (f32, f16 or bf16), C holds `p.output` (f32 or the inputs' half type);
+    /// products accumulate in f32 (`CUBLAS_COMPUTE_32F`). f16/bf16 inputs, and f32 inputs with
+    /// `p.tf32`, go through `cublasGemmStridedBatchedEx` (tensor cores; TF32 rounds f32 inputs
+    /// to 10 mantissa bits, so results differ from the plain f32 product by about `2⁻¹¹`
+    /// relative per term); plain f32 goes through `cublasSgemmStridedBatched`. With half C the
+    /// f32 result (`alpha·AB + beta·C`) is rounded once to C's type.
+    ///
+    /// # Errors
+    /// As [`CudaKernels::gemm`], plus [`KernelError::InvalidShape`] for a non-float type or a
+    /// half C of another type than A and B.
+    pub fn gemm_ex(
+        &self,
+        stream: &Stream,
+        g: &Gemm,
+        p: GemmPrecision,
+        a: &BufferRef,
+        b: &BufferRef,
+        c: &BufferRef,
+    ) -> Result<()> {
         let op = if g.batch == 1 { "matmul" } else { "bmm" };
+        let types = p.types(op)?;
         let call = self.call(op, stream)?;
+        let elem = |t: GemmType| {
+            if t == GemmType::F32 {
+                Elem::F32
+            } else {
+                Elem::U16
+            }
+        };
         let (da, db, dc) = (
-            call.buf("a", a, Elem::F32)?,
-            call.buf("b", b, Elem::F32)?,
-            call.buf("c", c, Elem::F32)?,
+            call.buf("a", a, elem(types.ab))?,
+            call.buf("b", b, elem(types.ab))?,
+            call.buf("c", c, elem(types.c))?,
         );
         let (batch, m, k, n) = (g.batch, g.m, g.k, g.n);
         let shape = || format!("batch={batch}, m={m}, k={k}, n={n}");
@@ -132,10 +237,10 @@ impl CudaKernels {
         call.disjoint(&[("c", c)], &[("a", a), ("b", b)])?;
         let mut plan = Plan::new();
         let ptrs = (da.as_ptr(), db.as_ptr(), dc.as_ptr());
-        plan_gemm(&mut plan, op, ptrs, g, 1.0)?;
-        // SAFETY: a, b and c hold `batch` consecutive blocks of m·k, k·n and m·n f32 on this
-        // device (checked above) and c overlaps neither a nor b; the plan's gemm (or memset of
-        // C) describes exactly those blocks.
+        plan_gemm_typed(&mut plan, op, ptrs, g, 1.0, types)?;
+        // SAFETY: a, b and c hold `batch` consecutive blocks of m·k, k·n and m·n elements of the
+        // types in `types` on this device (checked above) and c overlaps neither a nor b; the
+        // plan's gemm (or memset of C) describes exactly those blocks.
         unsafe { call.exec(&plan) }.map(drop)
     }
 }

@@ -130,7 +130,11 @@
 // The seam's CUDA backend: compiled in every build (without the `cuda` feature its constructor
 // says CUDA was not built); the kernels below it only with the feature.
 mod backend;
+mod config;
 pub use backend::CudaBackend;
+pub use config::{
+    allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, FUSED_ATTENTION_MAX_D,
+};
 
 #[cfg(feature = "cuda")]
 mod attention;
@@ -144,6 +148,8 @@ mod elementwise;
 mod embedding;
 #[cfg(feature = "cuda")]
 mod error;
+#[cfg(feature = "cuda")]
+mod flash;
 #[cfg(feature = "cuda")]
 mod layout;
 #[cfg(feature = "cuda")]
@@ -167,6 +173,8 @@ pub use embedding::IndexCheck;
 pub use error::{CudaKernelError, Result};
 #[cfg(feature = "cuda")]
 pub use layout::MAX_VIEW_RANK;
+#[cfg(feature = "cuda")]
+pub use matmul::GemmPrecision;
 
 #[cfg(all(test, feature = "cuda"))]
 mod tests;

@@ -94,6 +94,55 @@ pub(crate) struct ColMajorGemm {
     pub(crate) batch: i32,
 }
 
+/// The element type of a matrix-product operand as cuBLAS sees it (`cudaDataType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GemmType {
+    /// `CUDA_R_32F`.
+    F32,
+    /// `CUDA_R_16F`.
+    F16,
+    /// `CUDA_R_16BF`.
+    Bf16,
+}
+
+impl GemmType {
+    /// Bytes per element.
+    pub(crate) fn size(self) -> usize {
+        match self {
+            GemmType::F32 => 4,
+            GemmType::F16 | GemmType::Bf16 => 2,
+        }
+    }
+}
+
+/// Element types and math mode of one [`Step::Gemm`]: A and B of type `ab`, C of type `c`,
+/// always accumulated in f32 (`CUBLAS_COMPUTE_32F`), or with `tf32` (f32 operands only)
+/// `CUBLAS_COMPUTE_32F_FAST_TF32` (inputs rounded to TF32 on the tensor cores).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GemmTypes {
+    /// Type of A and B.
+    pub(crate) ab: GemmType,
+    /// Type of C.
+    pub(crate) c: GemmType,
+    /// TF32 tensor-core math for f32 operands.
+    pub(crate) tf32: bool,
+}
+
+impl GemmTypes {
+    /// All f32, full-precision math: `cublasSgemmStridedBatched`.
+    pub(crate) const F32: GemmTypes = GemmTypes {
+        ab: GemmType::F32,
+        c: GemmType::F32,
+        tf32: false,
+    };
+
+    /// Whether this is the plain f32 product (`cublasSgemmStridedBatched`); everything else goes
+    /// through `cublasGemmStridedBatchedEx`.
+    pub(crate) fn is_plain_f32(self) -> bool {
+        self == GemmTypes::F32
+    }
+}
+
 /// One enqueued operation.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Step {
@@ -138,6 +187,8 @@ pub(crate) enum Step {
         alpha: f32,
         /// Scale of the old C (0: C is not read).
         beta: f32,
+        /// Element types and math mode.
+        types: GemmTypes,
     },
 }
 

@@ -13,8 +13,9 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::error::CudaKernelError;
 
-/// The CUDA C source of every kernel.
-pub(crate) const SOURCE: &str = include_str!("kernels.cu");
+/// The CUDA C source of every kernel: `kernels.cu`, then the fused attention of `flash.cu`
+/// (one program, so `flash.cu` uses `kernels.cu`'s helpers).
+pub(crate) const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("flash.cu"));
 
 /// Threads per block of every launch (`BLOCK` in `kernels.cu`; the block reductions need a power
 /// of two).
@@ -107,6 +108,28 @@ kernels! {
     StridedCopyB4 => "strided_copy_b4" [U64, View, Ptr, Ptr];
     StridedCopyB8 => "strided_copy_b8" [U64, View, Ptr, Ptr];
     StridedAddF32 => "strided_add_f32" [U64, View, Ptr, Ptr];
+    // flash.cu: fused causal attention.
+    FlashFwdF32D64 => "flash_fwd_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdBf16D64 => "flash_fwd_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdF16D64 => "flash_fwd_f16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdF32D128 => "flash_fwd_f32_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdBf16D128 => "flash_fwd_bf16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdF16D128 => "flash_fwd_f16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdPreF32 => "flash_bwd_pre_f32" [U64, U64, Ptr, Ptr, Ptr];
+    FlashBwdPreBf16 => "flash_bwd_pre_bf16" [U64, U64, Ptr, Ptr, Ptr];
+    FlashBwdPreF16 => "flash_bwd_pre_f16" [U64, U64, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF32D64 => "flash_bwd_dkdv_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvBf16D64 => "flash_bwd_dkdv_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF16D64 => "flash_bwd_dkdv_f16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF32D128 => "flash_bwd_dkdv_f32_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvBf16D128 => "flash_bwd_dkdv_bf16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF16D128 => "flash_bwd_dkdv_f16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF32D64 => "flash_bwd_dq_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqBf16D64 => "flash_bwd_dq_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF16D64 => "flash_bwd_dq_f16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF32D128 => "flash_bwd_dq_f32_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqBf16D128 => "flash_bwd_dq_bf16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF16D128 => "flash_bwd_dq_f16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
 }
 
 /// NVRTC options: IEEE division and square root, no flush-to-zero, and no FMA contraction, so

@@ -12,7 +12,9 @@
 //   launch <kernel> <grid> <nargs> <arg>...   arg: u:<dec> f:<hex bits> d:<hex bits> p:<addr>
 //                                             v:<rank>,<offset>,<8 shape>,<8 strides>
 //   gemm <ta> <tb> <m> <n> <k> <alpha bits> <A> <lda> <sA> <B> <ldb> <sB> <beta bits> <C> <ldc>
-//        <sC> <batch>                 cublasSgemmStridedBatched semantics (column-major)
+//        <sC> <batch> <ab type> <c type> <tf32>
+//                                     cublasGemmStridedBatchedEx semantics (column-major); types
+//                                     0 = f32, 1 = f16, 2 = bf16; tf32 0 or 1
 //   list                               print the kernel names
 //   quit
 // Any error prints "error: ..." on stderr and exits with status 2.
@@ -20,6 +22,7 @@
 #include "cuda_emu.h"
 
 #include "../kernels.cu"
+#include "../flash.cu"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -176,39 +179,89 @@ static const std::map<std::string, Runner> g_kernels = {
     K(emb_scan), K(emb_scatter), K(emb_accum), K(ce_fwd), K(ce_bwd), K(cast_f32_f16),
     K(cast_f16_f32), K(cast_f32_bf16), K(cast_bf16_f32), K(strided_copy_b2), K(strided_copy_b4),
     K(strided_copy_b8), K(strided_add_f32),
+    // flash.cu
+    K(flash_fwd_f32_d64), K(flash_fwd_bf16_d64), K(flash_fwd_f16_d64), K(flash_fwd_f32_d128),
+    K(flash_fwd_bf16_d128), K(flash_fwd_f16_d128), K(flash_bwd_pre_f32), K(flash_bwd_pre_bf16),
+    K(flash_bwd_pre_f16), K(flash_bwd_dkdv_f32_d64), K(flash_bwd_dkdv_bf16_d64),
+    K(flash_bwd_dkdv_f16_d64), K(flash_bwd_dkdv_f32_d128), K(flash_bwd_dkdv_bf16_d128),
+    K(flash_bwd_dkdv_f16_d128), K(flash_bwd_dq_f32_d64), K(flash_bwd_dq_bf16_d64),
+    K(flash_bwd_dq_f16_d64), K(flash_bwd_dq_f32_d128), K(flash_bwd_dq_bf16_d128),
+    K(flash_bwd_dq_f16_d128),
 };
 #undef K
 
 // ---------------------------------------------------------------------------------------------
-// cublasSgemmStridedBatched, column-major, with cuBLAS's argument checks.
+// cublasSgemmStridedBatched / cublasGemmStridedBatchedEx, column-major, with cuBLAS's argument
+// checks. Element types: 0 = f32, 1 = f16, 2 = bf16 (A and B share one, C has its own). Products
+// accumulate in f32, sequentially over k (cuBLAS's order is unspecified). Half inputs are read
+// exactly (their values are what the tensor cores multiply); a half C is read as f32 and the
+// result rounded once to nearest even. With tf32, f32 inputs are rounded to TF32 (10 mantissa
+// bits, to nearest with ties away from zero, as PTX cvt.rna.tf32.f32) before multiplying: a
+// stand-in for the tensor cores' conversion, whose exact rounding cuBLAS does not document.
+
+static float tf32_round(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u) return x;  // inf / NaN unchanged
+    u = (u + 0x1000u) & 0xffffe000u;
+    return __uint_as_float(u);
+}
+
+static float load_elem(const unsigned char* base, long i, int type) {
+    if (type == 0) {
+        float f;
+        memcpy(&f, base + 4 * i, 4);
+        return f;
+    }
+    unsigned short h;
+    memcpy(&h, base + 2 * i, 2);
+    if (type == 1) return f16_bits_to_f32(h);
+    return __uint_as_float((unsigned)h << 16);
+}
+
+static void store_elem(unsigned char* base, long i, int type, float v) {
+    if (type == 0) {
+        memcpy(base + 4 * i, &v, 4);
+        return;
+    }
+    unsigned short h = type == 1 ? f32_to_f16_bits(v) : f32_to_bf16_bits(v);
+    memcpy(base + 2 * i, &h, 2);
+}
 
 static void gemm(bool ta, bool tb, long m, long n, long k, float alpha, uint64_t A, long lda,
                  long sa, uint64_t B, long ldb, long sb, float beta, uint64_t C, long ldc, long sc,
-                 long batch) {
+                 long batch, int ab_type, int c_type, bool tf32) {
     long rows_a = ta ? k : m, rows_b = tb ? n : k;
     if (m < 0 || n < 0 || k < 0 || batch < 0) fail("gemm: negative size");
+    if (ab_type < 0 || ab_type > 2 || c_type < 0 || c_type > 2) fail("gemm: bad element type");
+    if (c_type != 0 && c_type != ab_type) fail("gemm: CUBLAS_STATUS_NOT_SUPPORTED (C type)");
+    if (tf32 && ab_type != 0) fail("gemm: tf32 needs f32 inputs");
     if (lda < (rows_a > 1 ? rows_a : 1) || ldb < (rows_b > 1 ? rows_b : 1) ||
         ldc < (m > 1 ? m : 1))
         fail("gemm: CUBLAS_STATUS_INVALID_VALUE (leading dimension too small)");
+    const uint64_t es = ab_type == 0 ? 4 : 2, cs = c_type == 0 ? 4 : 2;
     for (long p = 0; p < batch; ++p) {
         // Extents: the last element each operand's batch touches.
         long a_cols = ta ? m : k, b_cols = tb ? k : n;
-        float* a = (float*)translate(A + 4 * (uint64_t)(p * sa),
-                                     4 * (uint64_t)((a_cols - 1) * lda + rows_a));
-        float* b = (float*)translate(B + 4 * (uint64_t)(p * sb),
-                                     4 * (uint64_t)((b_cols - 1) * ldb + rows_b));
-        float* c = (float*)translate(C + 4 * (uint64_t)(p * sc), 4 * (uint64_t)((n - 1) * ldc + m));
+        const unsigned char* a =
+            translate(A + es * (uint64_t)(p * sa), es * (uint64_t)((a_cols - 1) * lda + rows_a));
+        const unsigned char* b =
+            translate(B + es * (uint64_t)(p * sb), es * (uint64_t)((b_cols - 1) * ldb + rows_b));
+        unsigned char* c = translate(C + cs * (uint64_t)(p * sc), cs * (uint64_t)((n - 1) * ldc + m));
         for (long j = 0; j < n; ++j) {
             for (long i = 0; i < m; ++i) {
                 float acc = 0.0f;
                 for (long l = 0; l < k; ++l) {
-                    float av = ta ? a[l + i * lda] : a[i + l * lda];
-                    float bv = tb ? b[j + l * ldb] : b[l + j * ldb];
+                    float av = load_elem(a, ta ? l + i * lda : i + l * lda, ab_type);
+                    float bv = load_elem(b, tb ? j + l * ldb : l + j * ldb, ab_type);
+                    if (tf32) {
+                        av = tf32_round(av);
+                        bv = tf32_round(bv);
+                    }
                     acc = acc + av * bv;
                 }
                 float r = alpha * acc;
-                if (beta != 0.0f) r = r + beta * c[i + j * ldc];
-                c[i + j * ldc] = r;
+                if (beta != 0.0f) r = r + beta * load_elem(c, i + j * ldc, c_type);
+                store_elem(c, i + j * ldc, c_type, r);
             }
         }
     }
@@ -323,7 +376,7 @@ int main() {
             if (g == 0 || g > 65535) fail("bad grid " + grid);
             it->second(args, (unsigned)g);
         } else if (cmd == "gemm") {
-            std::string t[17];
+            std::string t[20];
             for (auto& s : t) in >> s;
             auto f = [&](int i) {
                 uint32_t b = (uint32_t)parse_hex(t[i]);
@@ -334,7 +387,8 @@ int main() {
             auto l = [&](int i) { return (long)(int64_t)parse_u64(t[i]); };
             gemm(parse_u64(t[0]) != 0, parse_u64(t[1]) != 0, l(2), l(3), l(4), f(5),
                  parse_u64(t[6]), l(7), l(8), parse_u64(t[9]), l(10), l(11), f(12),
-                 parse_u64(t[13]), l(14), l(15), l(16));
+                 parse_u64(t[13]), l(14), l(15), l(16), (int)parse_u64(t[17]),
+                 (int)parse_u64(t[18]), parse_u64(t[19]) != 0);
         } else if (cmd == "list") {
             std::string out;
             for (auto& [name, _] : g_kernels) out += name + " ";

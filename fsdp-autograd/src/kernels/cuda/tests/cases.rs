@@ -12,6 +12,7 @@ use crate::kernels::{Gelu, KernelError};
 use super::exec::{
     down_f32, down_u16, down_u64, nan_f32, run, up_f32, up_i64, up_u16, up_u64, CastKind, Exec, Op,
 };
+pub(super) use super::fused::{flash_attention_f32, flash_attention_half, gemm_half, gemm_tf32};
 
 /// SplitMix64: a small deterministic generator.
 pub(super) struct Rng(u64);
@@ -80,7 +81,7 @@ pub(super) fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32, abs:
     }
 }
 
-fn max_abs(v: &[f32]) -> f32 {
+pub(super) fn max_abs(v: &[f32]) -> f32 {
     v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
 }
 

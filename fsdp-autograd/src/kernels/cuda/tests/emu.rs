@@ -19,10 +19,11 @@ use crate::kernels::cuda::elementwise::{
     plan_gelu_backward, plan_scale, plan_scale_inplace, plan_sum,
 };
 use crate::kernels::cuda::embedding::{plan_embedding, plan_embedding_backward};
+use crate::kernels::cuda::flash::{plan_flash, plan_flash_backward, FlashType};
 use crate::kernels::cuda::layout::{plan_strided, view_desc};
 use crate::kernels::cuda::loss::{plan_cross_entropy, plan_cross_entropy_backward};
-use crate::kernels::cuda::matmul::plan_gemm;
-use crate::kernels::cuda::plan::{PArg, Plan, Ptr, Step};
+use crate::kernels::cuda::matmul::{plan_gemm, plan_gemm_typed};
+use crate::kernels::cuda::plan::{GemmType, PArg, Plan, Ptr, Step};
 use crate::kernels::cuda::program::{ArgKind, Kernel};
 use crate::kernels::cuda::rows::{
     plan_layer_norm, plan_layer_norm_backward, plan_softmax, plan_softmax_backward,
@@ -230,12 +231,18 @@ impl EmuExec {
                     c,
                     alpha,
                     beta,
+                    types,
                 } => {
+                    let ty = |t: GemmType| match t {
+                        GemmType::F32 => 0,
+                        GemmType::F16 => 1,
+                        GemmType::Bf16 => 2,
+                    };
                     let t = |op: cudarc::cublas::sys::cublasOperation_t| {
                         u8::from(op == cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T)
                     };
                     format!(
-                        "gemm {} {} {} {} {} {:x} {} {} {} {} {} {} {:x} {} {} {} {}",
+                        "gemm {} {} {} {} {} {:x} {} {} {} {} {} {} {:x} {} {} {} {} {} {} {}",
                         t(g.op_first),
                         t(g.op_second),
                         g.m,
@@ -252,7 +259,10 @@ impl EmuExec {
                         resolve(*c),
                         g.ldc,
                         g.stride_c,
-                        g.batch
+                        g.batch,
+                        ty(types.ab),
+                        ty(types.c),
+                        u8::from(types.tf32)
                     )
                 }
             };
@@ -562,6 +572,53 @@ impl Exec for EmuExec {
                     .accumulating(*acc);
                 plan_gemm(&mut plan, "bmm", (d(*a), d(*b), d(*c)), &g, 1.0).map(|()| plan)
             }
+            Op::GemmEx { a, b, c, g, p } => {
+                let mut plan = Plan::new();
+                let op = if g.batch == 1 { "matmul" } else { "bmm" };
+                p.types(op)
+                    .and_then(|ty| {
+                        plan_gemm_typed(&mut plan, op, (d(*a), d(*b), d(*c)), g, 1.0, ty)
+                    })
+                    .map(|()| plan)
+            }
+            Op::Flash {
+                dtype,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                batch,
+                heads,
+                t,
+                d: dd,
+            } => FlashType::of("flash_attention", *dtype).and_then(|ty| {
+                plan_flash(ty, batch * heads, *t, *dd, [*q, *k, *v, *out, *lse].map(d))
+            }),
+            Op::FlashBackward {
+                dtype,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dout,
+                dq,
+                dk,
+                dv,
+                batch,
+                heads,
+                t,
+                d: dd,
+            } => FlashType::of("flash_attention_backward", *dtype).and_then(|ty| {
+                plan_flash_backward(
+                    ty,
+                    batch * heads,
+                    *t,
+                    *dd,
+                    [*q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv].map(d),
+                )
+            }),
             Op::Cast { kind, src, dst } => {
                 let (kernel, n) = match kind {
                     CastKind::F32ToF16 => (Kernel::CastF32F16, self.lens[*src] / 4),

@@ -15,6 +15,7 @@
 mod cases;
 mod emu;
 mod exec;
+mod fused;
 mod gpu;
 mod gpu_only;
 
@@ -80,6 +81,10 @@ on_both!(
     strided,
     zero_and_copy,
     deterministic,
+    gemm_half,
+    gemm_tf32,
+    flash_attention_f32,
+    flash_attention_half,
 );
 
 /// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.

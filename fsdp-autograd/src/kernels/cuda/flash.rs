@@ -1,0 +1,328 @@
+//! Fused causal attention, FlashAttention-2 style (`flash.cu`): forward and backward without any
+//! `t×t` buffer, in f32, bf16 or f16 (f32 arithmetic inside), for head dimensions
+//! `1..=`[`FUSED_ATTENTION_MAX_D`].
+//!
+//! The forward saves the log-sum-exp of each query's scaled scores (`[batch, heads, t]`, f32)
+//! instead of the probabilities; the backward recomputes the probabilities tile by tile from it.
+//! The backward is deterministic: `delta = rowsum(dout ⊙ out)`, then one pass over key tiles
+//! for `dk`/`dv` and a separate pass over query tiles for `dq`, so every output element is
+//! summed by one thread in a fixed order (no atomics). Scratch: `delta`, `[batch, heads, t]`
+//! f32.
+
+use fsdp_alloc::{BufferRef, DType, Stream};
+
+use super::attention::softmax_scale;
+use super::config::FUSED_ATTENTION_MAX_D;
+use super::context::{expect_len, grid_for, mul, CudaKernels, Elem};
+use super::error::Result;
+use super::plan::{PArg, Plan, Ptr};
+use super::program::{Kernel, MAX_GRID};
+use crate::kernels::KernelError;
+
+/// The element type of the fused kernels' tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FlashType {
+    /// `f32`.
+    F32,
+    /// `bf16` bits.
+    Bf16,
+    /// `f16` bits.
+    F16,
+}
+
+impl FlashType {
+    /// The fused kernels' type for `d`, or an error naming the operation.
+    pub(crate) fn of(op: &'static str, d: DType) -> Result<FlashType> {
+        match d {
+            DType::F32 => Ok(FlashType::F32),
+            DType::BF16 => Ok(FlashType::Bf16),
+            DType::F16 => Ok(FlashType::F16),
+            other => Err(KernelError::InvalidShape {
+                op,
+                reason: format!("fused attention takes f32, bf16 or f16 tensors, not {other}"),
+            }
+            .into()),
+        }
+    }
+
+    fn elem(self) -> Elem {
+        match self {
+            FlashType::F32 => Elem::F32,
+            FlashType::Bf16 | FlashType::F16 => Elem::U16,
+        }
+    }
+}
+
+/// Query rows per forward block, and query/key rows per backward block, for head dimension
+/// `d` (the tile constants of `flash.cu`'s entry points).
+fn tiles(d: usize) -> (usize, usize) {
+    if d <= 64 {
+        (64, 32)
+    } else {
+        (32, 16)
+    }
+}
+
+/// The kernels for `ty` and `d`: forward, backward preprocessing, dk/dv pass, dq pass.
+fn kernels(ty: FlashType, d: usize) -> [Kernel; 4] {
+    use Kernel::*;
+    let small = d <= 64;
+    match (ty, small) {
+        (FlashType::F32, true) => [
+            FlashFwdF32D64,
+            FlashBwdPreF32,
+            FlashBwdDkdvF32D64,
+            FlashBwdDqF32D64,
+        ],
+        (FlashType::Bf16, true) => [
+            FlashFwdBf16D64,
+            FlashBwdPreBf16,
+            FlashBwdDkdvBf16D64,
+            FlashBwdDqBf16D64,
+        ],
+        (FlashType::F16, true) => [
+            FlashFwdF16D64,
+            FlashBwdPreF16,
+            FlashBwdDkdvF16D64,
+            FlashBwdDqF16D64,
+        ],
+        (FlashType::F32, false) => [
+            FlashFwdF32D128,
+            FlashBwdPreF32,
+            FlashBwdDkdvF32D128,
+            FlashBwdDqF32D128,
+        ],
+        (FlashType::Bf16, false) => [
+            FlashFwdBf16D128,
+            FlashBwdPreBf16,
+            FlashBwdDkdvBf16D128,
+            FlashBwdDqBf16D128,
+        ],
+        (FlashType::F16, false) => [
+            FlashFwdF16D128,
+            FlashBwdPreF16,
+            FlashBwdDkdvF16D128,
+            FlashBwdDqF16D128,
+        ],
+    }
+}
+
+fn check_d(op: &'static str, d: usize) -> Result<()> {
+    if d == 0 || d > FUSED_ATTENTION_MAX_D {
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!(
+                "fused attention takes head dimensions 1..={FUSED_ATTENTION_MAX_D}, got d={d}; \
+                 use the unfused kernels (causal_attention) for other sizes"
+            ),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Blocks for `bh` heads of `t` rows in tiles of `rows` (the kernels loop over the rest).
+fn tile_grid(bh: usize, t: usize, rows: usize) -> u32 {
+    ((bh as u64) * (t.div_ceil(rows) as u64)).clamp(1, MAX_GRID as u64) as u32
+}
+
+fn head_args(bh: usize, t: usize, d: usize) -> Vec<PArg> {
+    vec![
+        PArg::U64(bh as u64),
+        PArg::U64(t as u64),
+        PArg::U64(d as u64),
+        PArg::F32(softmax_scale(d)),
+    ]
+}
+
+/// The fused forward: `out = softmax(q·kᵀ/√d + causal mask)·v` and `lse` per query row.
+pub(crate) fn plan_flash(
+    ty: FlashType,
+    bh: usize,
+    t: usize,
+    d: usize,
+    [q, k, v, out, lse]: [Ptr; 5],
+) -> Result<Plan> {
+    let mut plan = Plan::new();
+    if bh == 0 || t == 0 {
+        return Ok(plan);
+    }
+    check_d("flash_attention", d)?;
+    let [fwd, ..] = kernels(ty, d);
+    let mut args = head_args(bh, t, d);
+    args.extend([q, k, v, out, lse].map(PArg::Ptr));
+    plan.launch(fwd, tile_grid(bh, t, tiles(d).0), args);
+    Ok(plan)
+}
+
+/// The fused backward from the forward's `out` and `lse`; overwrites `dq`, `dk`, `dv`.
+pub(crate) fn plan_flash_backward(
+    ty: FlashType,
+    bh: usize,
+    t: usize,
+    d: usize,
+    [q, k, v, out, lse, dout, dq, dk, dv]: [Ptr; 9],
+) -> Result<Plan> {
+    let mut plan = Plan::new();
+    if bh == 0 || t == 0 {
+        return Ok(plan);
+    }
+    check_d("flash_attention_backward", d)?;
+    let [_, pre, dkdv, dqk] = kernels(ty, d);
+    let rows = bh * t;
+    let delta = Ptr::scratch(plan.scratch(rows, Elem::F32));
+    plan.launch(
+        pre,
+        grid_for(rows as u64),
+        vec![
+            PArg::U64(rows as u64),
+            PArg::U64(d as u64),
+            PArg::Ptr(out),
+            PArg::Ptr(dout),
+            PArg::Ptr(delta),
+        ],
+    );
+    let b = tiles(d).1;
+    let mut args = head_args(bh, t, d);
+    args.extend([q, k, v, dout, lse, delta, dk, dv].map(PArg::Ptr));
+    plan.launch(dkdv, tile_grid(bh, t, b), args);
+    let mut args = head_args(bh, t, d);
+    args.extend([q, k, v, dout, lse, delta, dq].map(PArg::Ptr));
+    plan.launch(dqk, tile_grid(bh, t, b), args);
+    Ok(plan)
+}
+
+impl CudaKernels {
+    /// Fused causal attention per (batch, head), FlashAttention-2 style: `out =
+    /// softmax(q·kᵀ/√d + causal mask)·v` with `q`, `k`, `v`, `out` `[batch, heads, t, d]` of
+    /// element type `dtype` (f32, bf16 or f16; arithmetic in f32), and `lse` (`[batch, heads,
+    /// t]`, f32) the log-sum-exp of each query's scaled scores, saved for
+    /// [`flash_attention_backward`](CudaKernels::flash_attention_backward). No `t×t` buffer:
+    /// memory is linear in `t`. Agrees with [`causal_attention`](CudaKernels::causal_attention)
+    /// to f32 rounding (different summation order and `exp` arguments), not bitwise.
+    ///
+    /// # Errors
+    /// Shape errors as [`causal_attention`](CudaKernels::causal_attention) (with `lse` in place
+    /// of `probs`); [`KernelError::InvalidShape`] for `d` outside `1..=`[`FUSED_ATTENTION_MAX_D`]
+    /// (when there is work) or a non-float `dtype`; buffer/stream errors; `out`/`lse`
+    /// overlapping any other argument.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention(
+        &self,
+        stream: &Stream,
+        dtype: DType,
+        q: &BufferRef,
+        k: &BufferRef,
+        v: &BufferRef,
+        out: &BufferRef,
+        lse: &BufferRef,
+        batch: usize,
+        heads: usize,
+        t: usize,
+        d: usize,
+    ) -> Result<()> {
+        let op = "flash_attention";
+        let ty = FlashType::of(op, dtype)?;
+        let c = self.call(op, stream)?;
+        let bh = mul(op, batch, heads)?;
+        let (n, nl) = (mul(op, bh, mul(op, t, d)?)?, mul(op, bh, t)?);
+        let shape = || format!("batch={batch}, heads={heads}, t={t}, d={d}");
+        let mut ptrs = [Ptr::Dev(0); 5];
+        for (i, (arg, b, len, elem)) in [
+            ("q", q, n, ty.elem()),
+            ("k", k, n, ty.elem()),
+            ("v", v, n, ty.elem()),
+            ("out", out, n, ty.elem()),
+            ("lse", lse, nl, Elem::F32),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let dev = c.buf(arg, b, elem)?;
+            expect_len(op, arg, dev.len, len, shape)?;
+            ptrs[i] = dev.as_ptr();
+        }
+        c.disjoint(
+            &[("out", out), ("lse", lse)],
+            &[("q", q), ("k", k), ("v", v)],
+        )?;
+        let plan = plan_flash(ty, bh, t, d, ptrs)?;
+        // SAFETY: q, k, v and out hold bh·t·d elements of `dtype` and lse bh·t f32 on this
+        // device (checked above); out and lse overlap no other argument; the kernel reads and
+        // writes rows h·t..(h+1)·t of head h only, with d ≤ FUSED_ATTENTION_MAX_D (checked by
+        // the plan) matching its shared-memory tiles.
+        unsafe { c.exec(&plan) }.map(drop)
+    }
+
+    /// Gradient of [`flash_attention`](CudaKernels::flash_attention) from `q`, `k`, `v`, the
+    /// forward's `out` and `lse`, and `dout`; overwrites `dq`, `dk`, `dv` (all of `dtype`
+    /// except `lse`). Three kernels: `delta = rowsum(dout ⊙ out)` (scratch, `[batch, heads,
+    /// t]` f32), a pass over key tiles for `dk` and `dv`, a pass over query tiles for `dq`; no
+    /// atomics, so bit-reproducible.
+    ///
+    /// # Errors
+    /// As [`flash_attention`](CudaKernels::flash_attention); `dq`, `dk`, `dv` overlapping any
+    /// argument; scratch allocation failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward(
+        &self,
+        stream: &Stream,
+        dtype: DType,
+        q: &BufferRef,
+        k: &BufferRef,
+        v: &BufferRef,
+        out: &BufferRef,
+        lse: &BufferRef,
+        dout: &BufferRef,
+        dq: &BufferRef,
+        dk: &BufferRef,
+        dv: &BufferRef,
+        batch: usize,
+        heads: usize,
+        t: usize,
+        d: usize,
+    ) -> Result<()> {
+        let op = "flash_attention_backward";
+        let ty = FlashType::of(op, dtype)?;
+        let c = self.call(op, stream)?;
+        let bh = mul(op, batch, heads)?;
+        let (n, nl) = (mul(op, bh, mul(op, t, d)?)?, mul(op, bh, t)?);
+        let shape = || format!("batch={batch}, heads={heads}, t={t}, d={d}");
+        let mut ptrs = [Ptr::Dev(0); 9];
+        for (i, (arg, b, len, elem)) in [
+            ("q", q, n, ty.elem()),
+            ("k", k, n, ty.elem()),
+            ("v", v, n, ty.elem()),
+            ("out", out, n, ty.elem()),
+            ("lse", lse, nl, Elem::F32),
+            ("dout", dout, n, ty.elem()),
+            ("dq", dq, n, ty.elem()),
+            ("dk", dk, n, ty.elem()),
+            ("dv", dv, n, ty.elem()),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let dev = c.buf(arg, b, elem)?;
+            expect_len(op, arg, dev.len, len, shape)?;
+            ptrs[i] = dev.as_ptr();
+        }
+        c.disjoint(
+            &[("dq", dq), ("dk", dk), ("dv", dv)],
+            &[
+                ("q", q),
+                ("k", k),
+                ("v", v),
+                ("out", out),
+                ("lse", lse),
+                ("dout", dout),
+            ],
+        )?;
+        let plan = plan_flash_backward(ty, bh, t, d, ptrs)?;
+        // SAFETY: q, k, v, out, dout, dq, dk, dv hold bh·t·d elements of `dtype` and lse bh·t
+        // f32 on this device (checked above); dq, dk, dv overlap no other argument; delta is
+        // the plan's bh·t f32 scratch; every kernel stays within head h's rows, with d ≤
+        // FUSED_ATTENTION_MAX_D (checked by the plan).
+        unsafe { c.exec(&plan) }.map(drop)
+    }
+}

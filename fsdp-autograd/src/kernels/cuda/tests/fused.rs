@@ -1,0 +1,478 @@
+//! Shared cases (emulator and GPU) of the tensor-core matrix products (`gemm_ex`: f16/bf16
+//! operands, TF32) and of the fused flash-style attention, against the CPU kernels and against
+//! the unfused CUDA attention.
+
+use fsdp_alloc::DType;
+use half::{bf16, f16};
+
+use crate::kernels::backend::Gemm;
+use crate::kernels::cpu;
+use crate::kernels::cuda::GemmPrecision;
+
+use super::cases::{assert_close, max_abs, Rng};
+use super::exec::{down_f32, down_u16, nan_f32, run, up_f32, up_u16, Exec, Op, H};
+
+/// A half type under test: its dtype, rounding of f32 values, and unit roundoff
+/// `u = 2^-p` for its `p` significant bits (bf16: 8, f16: 11), the relative error bound of one
+/// round-to-nearest.
+#[derive(Clone, Copy)]
+struct Half {
+    dtype: DType,
+    u: f32,
+}
+
+const BF16: Half = Half {
+    dtype: DType::BF16,
+    u: 1.0 / 256.0,
+};
+const F16: Half = Half {
+    dtype: DType::F16,
+    u: 1.0 / 2048.0,
+};
+
+impl Half {
+    fn bits(self, x: f32) -> u16 {
+        if self.dtype == DType::BF16 {
+            bf16::from_f32(x).to_bits()
+        } else {
+            f16::from_f32(x).to_bits()
+        }
+    }
+
+    fn value(self, b: u16) -> f32 {
+        if self.dtype == DType::BF16 {
+            bf16::from_bits(b).to_f32()
+        } else {
+            f16::from_bits(b).to_f32()
+        }
+    }
+
+    /// `v` rounded to this type (as f32) and its bits.
+    fn round(self, v: &[f32]) -> (Vec<f32>, Vec<u16>) {
+        let bits: Vec<u16> = v.iter().map(|&x| self.bits(x)).collect();
+        (bits.iter().map(|&b| self.value(b)).collect(), bits)
+    }
+
+    fn down(self, e: &mut dyn Exec, h: H) -> Vec<f32> {
+        down_u16(e, h).into_iter().map(|b| self.value(b)).collect()
+    }
+}
+
+/// `|a|·|b|` products through the CPU kernel (for rounding bounds).
+#[allow(clippy::too_many_arguments)]
+fn abs_bmm(a: &[f32], b: &[f32], g: &Gemm) -> Vec<f32> {
+    let (aa, ab): (Vec<f32>, Vec<f32>) = (
+        a.iter().map(|v| v.abs()).collect(),
+        b.iter().map(|v| v.abs()).collect(),
+    );
+    let mut bound = vec![0.0; g.batch * g.m * g.n];
+    let (bt, m, k, n) = (g.batch, g.m, g.k, g.n);
+    cpu::bmm(
+        &aa, &ab, &mut bound, bt, m, k, n, g.trans_a, g.trans_b, false,
+    )
+    .unwrap();
+    bound
+}
+
+/// f16/bf16 products with f32 accumulation (`cublasGemmStridedBatchedEx`), C in the half type
+/// or f32, with and without accumulation, against the CPU product of the same (rounded) inputs.
+/// The product of two half values is exact in f32, so the only differences are the f32
+/// accumulation order, bounded by `(k+2)·2u₃₂·Σ|a||b|`, and, for a half C, one final rounding
+/// (`u·|c|`, u the half type's unit roundoff) plus the rounding of C's old value when
+/// accumulating (also `u·|c₀|`, already in the reference since it reads the rounded C).
+pub(super) fn gemm_half(e: &mut dyn Exec) {
+    let mut r = Rng::new(251);
+    for half in [BF16, F16] {
+        for (batch, m, k, n) in [
+            (1usize, 3usize, 4usize, 2usize),
+            (3, 5, 33, 6),
+            (2, 1, 0, 3),
+        ] {
+            for (ta, tb) in [(false, false), (true, false), (false, true)] {
+                for half_c in [false, true] {
+                    for acc in [false, true] {
+                        let g = Gemm::new(batch, m, k, n)
+                            .transposed(ta, tb)
+                            .accumulating(acc);
+                        let (a, ab) = half.round(&r.vec(batch * m * k, 2.0));
+                        let (b, bb) = half.round(&r.vec(batch * k * n, 2.0));
+                        let (c0, c0b) = half.round(&r.vec(batch * m * n, 2.0));
+                        let (ha, hb) = (up_u16(e, &ab), up_u16(e, &bb));
+                        let hc = if half_c {
+                            up_u16(e, &c0b)
+                        } else {
+                            up_f32(e, &c0)
+                        };
+                        let p = GemmPrecision {
+                            inputs: half.dtype,
+                            output: if half_c { half.dtype } else { DType::F32 },
+                            tf32: false,
+                        };
+                        run(
+                            e,
+                            Op::GemmEx {
+                                a: ha,
+                                b: hb,
+                                c: hc,
+                                g,
+                                p,
+                            },
+                        );
+                        let mut want = c0.clone();
+                        cpu::bmm(&a, &b, &mut want, batch, m, k, n, ta, tb, acc).unwrap();
+                        let bound = abs_bmm(&a, &b, &g);
+                        let got = if half_c {
+                            half.down(e, hc)
+                        } else {
+                            down_f32(e, hc)
+                        };
+                        for i in 0..got.len() {
+                            let base = if acc { c0[i].abs() } else { 0.0 };
+                            let sum = (k as f32 + 2.0) * 2.0 * f32::EPSILON * (bound[i] + base);
+                            let round = if half_c { half.u * want[i].abs() } else { 0.0 };
+                            // f16 results below its normal range round to multiples of 2^-24.
+                            let tol = sum + round + if half_c { 6e-8 } else { 1e-30 };
+                            assert!(
+                                (got[i] - want[i]).abs() <= tol,
+                                "gemm_ex {:?} batch={batch} m={m} k={k} n={n} ta={ta} tb={tb} \
+                                 half_c={half_c} acc={acc} [{i}]: got {} want {} (tolerance \
+                                 {tol:e})",
+                                half.dtype,
+                                got[i],
+                                want[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// TF32 products (`CUBLAS_COMPUTE_32F_FAST_TF32`): within the TF32 bound of the CPU product —
+/// each input rounded to 11 significant bits (relative error ≤ 2⁻¹¹ each, so ≤ 2·2⁻¹¹ + 2⁻²²
+/// per product) plus the f32 accumulation bound — and, for these random inputs, not equal to
+/// the plain f32 product everywhere (the switch reaches the product).
+pub(super) fn gemm_tf32(e: &mut dyn Exec) {
+    let mut r = Rng::new(252);
+    let (batch, m, k, n) = (2usize, 7usize, 33usize, 5usize);
+    let g = Gemm::new(batch, m, k, n);
+    let (a, b) = (r.vec(batch * m * k, 1.0), r.vec(batch * k * n, 1.0));
+    let (ha, hb) = (up_f32(e, &a), up_f32(e, &b));
+    let (tc, fc) = (nan_f32(e, batch * m * n), nan_f32(e, batch * m * n));
+    let p = GemmPrecision {
+        tf32: true,
+        ..GemmPrecision::F32
+    };
+    run(
+        e,
+        Op::GemmEx {
+            a: ha,
+            b: hb,
+            c: tc,
+            g,
+            p,
+        },
+    );
+    let p = GemmPrecision::F32;
+    run(
+        e,
+        Op::GemmEx {
+            a: ha,
+            b: hb,
+            c: fc,
+            g,
+            p,
+        },
+    );
+    let mut want = vec![0.0; batch * m * n];
+    cpu::bmm(&a, &b, &mut want, batch, m, k, n, false, false, false).unwrap();
+    let bound = abs_bmm(&a, &b, &g);
+    let (got, plain) = (down_f32(e, tc), down_f32(e, fc));
+    let u11 = 1.0f32 / 2048.0;
+    for i in 0..got.len() {
+        let tol = (2.0 * u11 + u11 * u11 + (k as f32 + 2.0) * 2.0 * f32::EPSILON) * bound[i];
+        assert!(
+            (got[i] - want[i]).abs() <= tol,
+            "tf32 [{i}]: got {} want {} (tolerance {tol:e})",
+            got[i],
+            want[i]
+        );
+    }
+    assert!(
+        got.iter().zip(&plain).any(|(x, y)| x != y),
+        "TF32 products equal the f32 products everywhere: the TF32 mode did not reach cuBLAS"
+    );
+}
+
+/// The log-sum-exp of each query's scaled, causally masked scores, in f64 on the host.
+fn reference_lse(q: &[f32], k: &[f32], bh: usize, t: usize, d: usize) -> Vec<f32> {
+    let scale = (1.0 / (d as f64).sqrt()) as f32 as f64;
+    let mut out = Vec::with_capacity(bh * t);
+    for h in 0..bh {
+        for i in 0..t {
+            let s: Vec<f64> = (0..=i)
+                .map(|j| {
+                    let dot: f64 = (0..d)
+                        .map(|c| q[(h * t + i) * d + c] as f64 * k[(h * t + j) * d + c] as f64)
+                        .sum();
+                    dot * scale
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            out.push((m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln()) as f32);
+        }
+    }
+    out
+}
+
+/// Shapes of the fused attention cases: t = 1, t not a multiple of any tile (5, 17, 70; the
+/// forward tiles are 64/32 queries, the backward 32/16), both head-dimension classes (d ≤ 64
+/// and 64 < d ≤ 128), several heads.
+const SHAPES: [(usize, usize, usize, usize); 6] = [
+    (1, 1, 1, 1),
+    (1, 1, 1, 64),
+    (2, 3, 5, 4),
+    (1, 2, 17, 8),
+    (1, 1, 70, 16),
+    (1, 1, 37, 100),
+];
+
+/// f32 fused attention, forward and backward, against the CPU kernels (and the forward against
+/// the unfused CUDA kernels): every output within `1e-5` relative to the tensor's largest
+/// magnitude, `|got − want| ≤ 1e-5·(|want| + max|want|)`; the log-sum-exp against an f64
+/// reference within `1e-5` relative. The backward runs twice and must repeat bit for bit.
+pub(super) fn flash_attention_f32(e: &mut dyn Exec) {
+    let mut r = Rng::new(253);
+    for (batch, heads, t, d) in SHAPES {
+        let (bh, n, np) = (batch * heads, batch * heads * t * d, batch * heads * t * t);
+        let what = format!("batch={batch} heads={heads} t={t} d={d}");
+        let (q, k, v, dout) = (r.vec(n, 1.0), r.vec(n, 1.0), r.vec(n, 1.0), r.vec(n, 1.0));
+        let [hq, hk, hv, hg] = [&q, &k, &v, &dout].map(|x| up_f32(e, x));
+        let (out, lse) = (nan_f32(e, n), nan_f32(e, bh * t));
+        let dtype = DType::F32;
+        run(
+            e,
+            Op::Flash {
+                dtype,
+                q: hq,
+                k: hk,
+                v: hv,
+                out,
+                lse,
+                batch,
+                heads,
+                t,
+                d,
+            },
+        );
+        let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
+        cpu::causal_attention(&q, &k, &v, &mut wo, &mut wp, batch, heads, t, d).unwrap();
+        let got = down_f32(e, out);
+        let tol = |w: &[f32]| 1e-5 * max_abs(w);
+        assert_close(
+            &format!("flash out vs cpu, {what}"),
+            &got,
+            &wo,
+            1e-5,
+            tol(&wo),
+        );
+        let wl = reference_lse(&q, &k, bh, t, d);
+        assert_close(
+            &format!("flash lse, {what}"),
+            &down_f32(e, lse),
+            &wl,
+            1e-5,
+            1e-5,
+        );
+        // Against the unfused CUDA kernels on the same executor.
+        let (uo, up) = (nan_f32(e, n), nan_f32(e, np));
+        let (qq, kk, vv) = (hq, hk, hv);
+        run(
+            e,
+            Op::Attention {
+                q: qq,
+                k: kk,
+                v: vv,
+                out: uo,
+                probs: up,
+                batch,
+                heads,
+                t,
+                d,
+            },
+        );
+        let unfused = down_f32(e, uo);
+        assert_close(
+            &format!("flash out vs unfused, {what}"),
+            &got,
+            &unfused,
+            1e-5,
+            tol(&unfused),
+        );
+
+        let mut first: Option<Vec<Vec<f32>>> = None;
+        for _ in 0..2 {
+            let (dq, dk, dv) = (nan_f32(e, n), nan_f32(e, n), nan_f32(e, n));
+            run(
+                e,
+                Op::FlashBackward {
+                    dtype,
+                    q: hq,
+                    k: hk,
+                    v: hv,
+                    out,
+                    lse,
+                    dout: hg,
+                    dq,
+                    dk,
+                    dv,
+                    batch,
+                    heads,
+                    t,
+                    d,
+                },
+            );
+            let grads: Vec<Vec<f32>> = [dq, dk, dv].iter().map(|&h| down_f32(e, h)).collect();
+            match &first {
+                None => first = Some(grads),
+                Some(f) => {
+                    let same = f.iter().flatten().zip(grads.iter().flatten());
+                    assert!(
+                        same.clone().all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "flash backward is not deterministic, {what}"
+                    );
+                }
+            }
+        }
+        let grads = first.expect("ran");
+        let (mut wdq, mut wdk, mut wdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        cpu::causal_attention_backward(
+            &q, &k, &v, &wp, &dout, &mut wdq, &mut wdk, &mut wdv, batch, heads, t, d,
+        )
+        .unwrap();
+        for (name, g, w) in [
+            ("dq", &grads[0], &wdq),
+            ("dk", &grads[1], &wdk),
+            ("dv", &grads[2], &wdv),
+        ] {
+            assert_close(&format!("flash {name} vs cpu, {what}"), g, w, 1e-5, tol(w));
+        }
+    }
+}
+
+/// bf16 (all shapes) and f16 (two shapes) fused attention against the CPU kernels run in f32 on
+/// the same rounded inputs. The kernels compute in f32 and round each output once, so the
+/// tolerance is `u·|want|` (u = 2⁻⁸ for bf16, 2⁻¹¹ for f16: one round-to-nearest) plus the f32
+/// term of [`flash_attention_f32`]; for the gradients add what the rounded forward output
+/// contributes through `delta = rowsum(dout ⊙ out)`: `|Δδᵢ| ≤ u·Σ|doutᵢ||outᵢ|`, hence
+/// `|Δdqᵢ| ≤ scale·|Δδᵢ|·Σⱼ Pᵢⱼ|kⱼ|` and `|Δdkⱼ| ≤ scale·Σᵢ Pᵢⱼ|Δδᵢ||qᵢ|` (dv does not use
+/// delta), evaluated per element from the CPU's probabilities.
+pub(super) fn flash_attention_half(e: &mut dyn Exec) {
+    let mut r = Rng::new(254);
+    let cases = SHAPES
+        .iter()
+        .map(|&s| (BF16, s))
+        .chain([(F16, SHAPES[2]), (F16, SHAPES[5])]);
+    for (half, (batch, heads, t, d)) in cases {
+        let (bh, n, np) = (batch * heads, batch * heads * t * d, batch * heads * t * t);
+        let what = format!("{:?} batch={batch} heads={heads} t={t} d={d}", half.dtype);
+        let [(q, qb), (k, kb), (v, vb), (dout, gb)] = [(); 4].map(|()| half.round(&r.vec(n, 1.0)));
+        let [hq, hk, hv, hg] = [&qb, &kb, &vb, &gb].map(|x| up_u16(e, x));
+        let (out, lse) = (up_u16(e, &vec![0x7fc0; n]), nan_f32(e, bh * t));
+        let dtype = half.dtype;
+        run(
+            e,
+            Op::Flash {
+                dtype,
+                q: hq,
+                k: hk,
+                v: hv,
+                out,
+                lse,
+                batch,
+                heads,
+                t,
+                d,
+            },
+        );
+        let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
+        cpu::causal_attention(&q, &k, &v, &mut wo, &mut wp, batch, heads, t, d).unwrap();
+        let got_out = half.down(e, out);
+        let f32_tol = |w: &[f32]| 1e-5 * max_abs(w);
+        assert_close(
+            &format!("flash out, {what}"),
+            &got_out,
+            &wo,
+            half.u + 1e-5,
+            f32_tol(&wo),
+        );
+
+        let (dq, dk, dv) = [(); 3].map(|()| up_u16(e, &vec![0x7fc0; n])).into();
+        run(
+            e,
+            Op::FlashBackward {
+                dtype,
+                q: hq,
+                k: hk,
+                v: hv,
+                out,
+                lse,
+                dout: hg,
+                dq,
+                dk,
+                dv,
+                batch,
+                heads,
+                t,
+                d,
+            },
+        );
+        let (mut wdq, mut wdk, mut wdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        cpu::causal_attention_backward(
+            &q, &k, &v, &wp, &dout, &mut wdq, &mut wdk, &mut wdv, batch, heads, t, d,
+        )
+        .unwrap();
+        // The delta perturbation bounds.
+        let scale = (1.0 / (d as f64).sqrt()) as f32;
+        let row = |h: usize, i: usize| (h * t + i) * d;
+        let mut ddq = vec![0.0f32; n];
+        let mut ddk = vec![0.0f32; n];
+        for h in 0..bh {
+            let delta_err: Vec<f32> = (0..t)
+                .map(|i| {
+                    let o = row(h, i);
+                    half.u * (0..d).map(|c| (dout[o + c] * wo[o + c]).abs()).sum::<f32>()
+                })
+                .collect();
+            for i in 0..t {
+                for j in 0..=i {
+                    let p = wp[h * t * t + i * t + j];
+                    let w = scale * p * delta_err[i];
+                    for c in 0..d {
+                        ddq[row(h, i) + c] += w * k[row(h, j) + c].abs();
+                        ddk[row(h, j) + c] += w * q[row(h, i) + c].abs();
+                    }
+                }
+            }
+        }
+        let zero = vec![0.0f32; n];
+        for (name, h, w, extra) in [
+            ("dq", dq, &wdq, &ddq),
+            ("dk", dk, &wdk, &ddk),
+            ("dv", dv, &wdv, &zero),
+        ] {
+            let got = half.down(e, h);
+            let base = f32_tol(w);
+            for i in 0..n {
+                let tol = (half.u + 1e-5) * w[i].abs() + base + 1.01 * extra[i] + 6e-8;
+                assert!(
+                    (got[i] - w[i]).abs() <= tol,
+                    "flash {name}, {what} [{i}]: got {} want {} (tolerance {tol:e})",
+                    got[i],
+                    w[i]
+                );
+            }
+        }
+    }
+}
