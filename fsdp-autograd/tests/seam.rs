@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use fsdp_alloc::{DType, Device, Stream};
 use fsdp_autograd::kernels::backend::{
-    Backend, CpuBackend, Gemm, Kernels, Launch, Operand, ReadFn, Rows,
+    Attention, AttentionSave, AttentionStats, Backend, CpuBackend, Gemm, Kernels, Launch, Operand,
+    ReadFn, Rows,
 };
 use fsdp_autograd::{AutogradError, Tensor};
 
@@ -153,4 +154,53 @@ fn cuda_devices_are_a_typed_error_here_never_a_panic() {
             assert!(!msg.contains("not implemented"), "{msg}");
         }
     }
+}
+
+/// What attention saves is the backend's choice: the CPU keeps the probabilities (so its
+/// attention is unchanged by the fused CUDA kernels), the launch is checked against the chosen
+/// shape, and a CPU launch asking for the fused kernels' log-sum-exp is a typed error.
+#[test]
+fn attention_statistics_are_the_backends_choice() {
+    let dev = Device::cpu(0);
+    let k = Kernels::for_device(&dev).unwrap();
+    let s = dev.default_stream();
+    let a = Attention {
+        batch: 1,
+        heads: 2,
+        t: 3,
+        d: 4,
+    };
+    assert_eq!(k.attention_save(&a), AttentionSave::Probs);
+    assert_eq!(AttentionSave::Probs.shape(&a), vec![1, 2, 3, 3]);
+    assert_eq!(AttentionSave::Lse.shape(&a), vec![1, 2, 3]);
+    // The tensors stay alive while their operands are used (else their memory is reused).
+    let ts: Vec<Tensor> = [&[1, 2, 3, 4][..], &[1, 2, 3, 4], &[1, 2, 3, 3], &[1, 2, 3]]
+        .iter()
+        .map(|shape| Tensor::zeros(shape, DType::F32, &dev).unwrap())
+        .collect();
+    let [q, out, probs, lse] = [0, 1, 2, 3].map(|i| ts[i].operand().unwrap());
+    let launch = |stats| {
+        k.launch(
+            s,
+            &Launch::Attention {
+                a,
+                q: &q,
+                k: &q,
+                v: &q,
+                out: &out,
+                stats,
+            },
+        )
+    };
+    launch(AttentionStats::Probs(&probs)).unwrap();
+    // Statistics of the other kind's shape are a length error, before any backend runs.
+    let e = launch(AttentionStats::Probs(&lse)).unwrap_err();
+    assert!(matches!(e, AutogradError::Kernel(_)), "{e}");
+    let e = launch(AttentionStats::Lse(&probs)).unwrap_err();
+    assert!(matches!(e, AutogradError::Kernel(_)), "{e}");
+    // The CPU has no fused kernels.
+    let e = launch(AttentionStats::Lse(&lse)).unwrap_err();
+    assert!(matches!(e, AutogradError::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("attention_save"), "{e}");
+    s.synchronize().unwrap();
 }

@@ -164,6 +164,10 @@ pub struct ParallelArgs {
     /// streams named)
     #[arg(long)]
     pub checked: bool,
+    /// Let f32 matrix products run on the tensor cores in TF32 (10-bit mantissa inputs, f32
+    /// accumulation; like PyTorch's allow_tf32). Needs --device cuda; off by default
+    #[arg(long)]
+    pub tf32: bool,
 }
 
 /// How collectives move bytes.
@@ -530,6 +534,12 @@ impl Cli {
         };
 
         let p = &self.parallel;
+        if p.tf32 && p.device != DeviceArg::Cuda {
+            return usage(
+                "--tf32 needs --device cuda (TF32 is a tensor-core mode of CUDA matrix products; \
+                 CPU products are always full f32)",
+            );
+        }
         let cuda = CudaLaunch::from_args(p.device, p.backend).map_err(UsageError)?;
         let mpi = p.backend == BackendArg::Mpi;
         if mpi && !cfg!(feature = "mpi") {
@@ -677,6 +687,7 @@ impl Cli {
             // CUDA ranks keep shards and optimizer state on the host (crate::cuda).
             cpu_offload: p.cpu_offload || cuda.is_some(),
             checked: p.checked,
+            tf32: p.tf32,
             steps: o.steps as usize,
             optimizer,
             lr,
@@ -758,6 +769,17 @@ mod tests {
         assert_eq!(c.strategy, ShardingStrategy::FullShard);
         assert!(c.limit_all_gathers);
         assert!(matches!(c.data, DataSpec::Synthetic));
+    }
+
+    #[test]
+    fn tf32_needs_a_cuda_device() {
+        assert!(!parse(&[]).unwrap().tf32);
+        let e = parse(&["--tf32"]).unwrap_err();
+        assert!(e.contains("--tf32 needs --device cuda"), "{e}");
+        assert!(!e.contains("  "), "one line, no runs of spaces: {e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        let e = parse(&["--tf32", "--device", "cpu"]).unwrap_err();
+        assert!(e.contains("--tf32 needs --device cuda"), "{e}");
     }
 
     #[test]

@@ -257,6 +257,7 @@ fn primary_process(c: &TrainConfig) -> bool {
 
 fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
     check_outputs(&cli, &c)?;
+    fsdp_autograd::kernels::cuda::set_allow_tf32(c.tf32);
     let primary = primary_process(&c);
     let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
         Some(p) => Some((

@@ -97,6 +97,9 @@ pub struct TrainConfig {
     pub cpu_offload: bool,
     /// Checked devices.
     pub checked: bool,
+    /// `--tf32`: f32 matrix products on CUDA devices in TF32 (see
+    /// [`fsdp_autograd::kernels::cuda::set_allow_tf32`]).
+    pub tf32: bool,
     /// Total optimizer steps.
     pub steps: usize,
     /// Optimizer.

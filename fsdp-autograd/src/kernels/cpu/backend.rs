@@ -17,7 +17,8 @@ use crate::tensor::fill_arg;
 fn lse_unsupported(op: &'static str) -> AutogradError {
     AutogradError::Unsupported {
         op,
-        detail: "the CPU attention saves the probabilities, not the log-sum-exp; launch it with                  the statistics `Kernels::attention_save` names"
+        detail: "the CPU attention saves the probabilities, not the log-sum-exp; launch it with \
+                 the statistics `Kernels::attention_save` names"
             .into(),
     }
 }

@@ -7,11 +7,12 @@
 //! What was verified there, and how:
 //! - the Rust code compiles and passes `clippy -D warnings` with `--features cuda`;
 //! - NVRTC 12.9 (the `nvidia-cuda-nvrtc-cu12` wheel; NVRTC is a compiler library and needs no
-//!   GPU) compiles `kernels.cu` with the production options into PTX defining every kernel
-//!   (test `nvrtc_compiles_the_kernels`, which skips where libnvrtc is absent);
+//!   GPU) compiles `kernels.cu` and `flash.cu` with the production options into PTX defining
+//!   every kernel (test `nvrtc_compiles_the_kernels`, which skips where libnvrtc is absent);
 //! - a host C++ emulation of the CUDA execution model (`emu/`: blocks of host threads,
-//!   barriers, shared memory; cuBLAS's `SgemmStridedBatched` by a plain loop with cuBLAS's
-//!   argument checks) runs `kernels.cu` and the very launch plans the methods enqueue, and the
+//!   barriers, shared memory; cuBLAS's `SgemmStridedBatched` and `GemmStridedBatchedEx` by a
+//!   plain loop with cuBLAS's argument checks) runs `kernels.cu` and `flash.cu` and the very
+//!   launch plans the methods enqueue, and the
 //!   shared test cases compare the results with the CPU kernels (tests `emulated::*`; they
 //!   skip where no C++ compiler exists). With `FSDP_EMU_SANITIZE=address` or `=thread` the
 //!   emulator is built with that sanitizer (both runs were clean), which catches out-of-bounds
@@ -57,7 +58,9 @@
 //! | reductions / broadcasts | [`sum`](CudaKernels::sum), [`mean`](CudaKernels::mean), [`add_row_bias`](CudaKernels::add_row_bias), [`add_row_bias_inplace`](CudaKernels::add_row_bias_inplace), [`col_sums`](CudaKernels::col_sums) |
 //! | row-wise | [`softmax_rows`](CudaKernels::softmax_rows), [`softmax_rows_backward`](CudaKernels::softmax_rows_backward), [`layer_norm`](CudaKernels::layer_norm), [`layer_norm_backward`](CudaKernels::layer_norm_backward) |
 //! | lookup / loss | [`embedding`](CudaKernels::embedding), [`embedding_backward`](CudaKernels::embedding_backward), [`cross_entropy`](CudaKernels::cross_entropy), [`cross_entropy_backward`](CudaKernels::cross_entropy_backward) |
-//! | attention | [`causal_attention`](CudaKernels::causal_attention), [`causal_attention_backward`](CudaKernels::causal_attention_backward) |
+//! | matrix products, f16/bf16/TF32 (cuBLAS Ex) | [`gemm_ex`](CudaKernels::gemm_ex) with a [`GemmPrecision`] |
+//! | attention | [`causal_attention`](CudaKernels::causal_attention), [`causal_attention_backward`](CudaKernels::causal_attention_backward) (unfused: saves the `t×t` probabilities) |
+//! | fused attention (`flash.cu`) | [`flash_attention`](CudaKernels::flash_attention), [`flash_attention_backward`](CudaKernels::flash_attention_backward) (FlashAttention-2 style: saves a per-query log-sum-exp; f32/bf16/f16) |
 //! | layout (views) | [`strided_copy`](CudaKernels::strided_copy), [`strided_add_assign`](CudaKernels::strided_add_assign) |
 //! | casts | [`cast_f32_to_f16`](CudaKernels::cast_f32_to_f16), [`cast_f16_to_f32`](CudaKernels::cast_f16_to_f32), [`cast_f32_to_bf16`](CudaKernels::cast_f32_to_bf16), [`cast_bf16_to_f32`](CudaKernels::cast_bf16_to_f32) |
 //! | memory | [`upload`](CudaKernels::upload), [`download`](CudaKernels::download), [`zero`](CudaKernels::zero), [`copy`](CudaKernels::copy) |
@@ -104,7 +107,13 @@
 //! bitwise. Matrix products use cuBLAS (default math mode: full f32, no TF32) with one handle
 //! per stream; cuBLAS documents bitwise reproducibility for a fixed GPU architecture, SM count
 //! and library version under those conditions, and its summation order differs from the `gemm`
-//! crate's.
+//! crate's. [`set_allow_tf32`] (off by default, `train_gpt --tf32`) lets the seam's f32
+//! products use TF32 tensor cores; f16/bf16 products ([`gemm_ex`](CudaKernels::gemm_ex)) always
+//! use the tensor cores with f32 accumulation. The fused attention
+//! ([`flash_attention`](CudaKernels::flash_attention), the seam's default, see
+//! [`set_fused_attention`]) agrees with the unfused kernels and the CPU to f32 rounding (tests:
+//! `1e-5` relative to each tensor's largest magnitude); its backward has no atomics, so it is
+//! bit-reproducible too.
 //!
 //! # Limitations
 //!
@@ -114,18 +123,23 @@
 //!   (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`): keep NVRTC no newer than the driver.
 //! - The first [`CudaKernels::new`] per process compiles the program (typically a fraction of
 //!   a second); compile errors are cached for the process.
-//! - f32 compute only (half-precision tensors are cast to f32 and back, as on the CPU).
+//! - f32 compute except matrix products and the fused attention: the other kernels take f32,
+//!   and the seam casts half-precision tensors to f32 temporaries around them (as on the CPU).
 //! - Speed was not a goal beyond avoiding pathologies: [`col_sums`](CudaKernels::col_sums) and
 //!   the layer-norm parameter gradients use one thread per column; the embedding backward ranks
-//!   positions in a single block; [`sum`](CudaKernels::sum) uses at most 1024 partial blocks;
-//!   attention materializes the `t×t` probabilities (no flash attention).
+//!   positions in a single block; [`sum`](CudaKernels::sum) uses at most 1024 partial blocks.
+//!   The fused attention keeps its tiles in shared memory but multiplies with plain f32 FMA-free
+//!   arithmetic on the CUDA cores (no tensor-core `mma`), and its speed has never been measured;
+//!   head dimensions above [`FUSED_ATTENTION_MAX_D`] fall back to the unfused kernels.
 //! - [`strided_add_assign`](CudaKernels::strided_add_assign) refuses overlapping (broadcast)
 //!   views, and views have at most [`MAX_VIEW_RANK`] dims.
 //! - Limits: matrix dimensions and batch counts up to `i32::MAX` (cuBLAS), embedding id lists up
 //!   to `u32::MAX` entries.
 //! - Reached from `Tensor` operations through [`CudaBackend`](super::backend::CudaBackend) (the
 //!   backend seam), which casts half-precision operands to `f32` temporaries around these
-//!   kernels; that glue is compile-checked only.
+//!   kernels except for matrix products with one half type (and f32 or that type for C) and
+//!   the fused attention with one dtype throughout, which read and write the half tensors
+//!   directly; that glue is compile-checked only.
 
 // The seam's CUDA backend: compiled in every build (without the `cuda` feature its constructor
 // says CUDA was not built); the kernels below it only with the feature.

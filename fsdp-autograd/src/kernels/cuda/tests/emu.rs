@@ -2,8 +2,9 @@
 //! system C++ compiler, and runs the production launch plans through it.
 //!
 //! The emulator executes `kernels.cu` itself (compiled for the host) under a software model of
-//! blocks, threads, barriers and shared memory, and cuBLAS's `SgemmStridedBatched` by a plain
-//! column-major loop with cuBLAS's argument checks. It checks the kernels' logic and the plans'
+//! blocks, threads, barriers and shared memory, and cuBLAS's `SgemmStridedBatched` /
+//! `GemmStridedBatchedEx` by a plain column-major loop with cuBLAS's argument checks (half inputs
+//! read exactly, f32 accumulation, TF32 inputs rounded to 10 mantissa bits). It checks the kernels' logic and the plans'
 //! orchestration; it says nothing about real GPUs.
 
 use std::io::{BufRead, BufReader, BufWriter, Write};
