@@ -304,6 +304,7 @@ fn plans_are_well_formed() {
     use super::attention::{plan_attention, plan_attention_backward};
     use super::elementwise::{plan_binary, plan_col_sums, plan_gelu_backward, plan_sum};
     use super::embedding::{plan_embedding, plan_embedding_backward};
+    use super::flash::{plan_flash, plan_flash_backward, FlashType};
     use super::loss::{plan_cross_entropy, plan_cross_entropy_backward};
     use super::rows::{plan_layer_norm, plan_layer_norm_backward, plan_softmax};
 
@@ -324,6 +325,16 @@ fn plans_are_well_formed() {
         plan_attention(6, 5, 4, [1, 2, 3, 4, 5].map(p)).unwrap(),
         plan_attention(6, 5, 0, [1, 2, 3, 4, 5].map(p)).unwrap(),
         plan_attention_backward(6, 5, 4, [1, 2, 3, 4, 5, 6, 7, 8].map(p)).unwrap(),
+        plan_flash(FlashType::Bf16, 6, 5, 4, [1, 2, 3, 4, 5].map(p)).unwrap(),
+        plan_flash(FlashType::F32, 100_000, 4096, 128, [1, 2, 3, 4, 5].map(p)).unwrap(),
+        plan_flash_backward(
+            FlashType::F16,
+            6,
+            70,
+            100,
+            [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p),
+        )
+        .unwrap(),
     ];
     for plan in &plans {
         assert!(!plan.steps.is_empty());
@@ -358,6 +369,38 @@ fn plans_are_well_formed() {
         .steps
         .is_empty());
     assert!(plan_embedding(0, 4, 5, p(1), p(2), p(3)).1.is_none());
+    let five = [1, 2, 3, 4, 5].map(p);
+    assert!(plan_flash(FlashType::F32, 0, 5, 4, five)
+        .unwrap()
+        .steps
+        .is_empty());
+    // Head dimensions outside the fused kernels' tiles are shape errors, not launches.
+    for d in [0, 129] {
+        let err = plan_flash(FlashType::F32, 1, 5, d, five).unwrap_err();
+        assert!(err.to_string().contains("1..=128"), "{err}");
+        let nine = [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p);
+        assert!(plan_flash_backward(FlashType::F32, 1, 5, d, nine).is_err());
+    }
+    // The fused backward: delta, then the dk/dv and dq passes, with one bh·t f32 scratch slot.
+    let nine = [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p);
+    let b = plan_flash_backward(FlashType::Bf16, 2, 40, 64, nine).unwrap();
+    assert_eq!(b.scratch, vec![(80, super::context::Elem::F32)]);
+    let kernels: Vec<Kernel> = b
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Launch { kernel, .. } => Some(*kernel),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        kernels,
+        [
+            Kernel::FlashBwdPreBf16,
+            Kernel::FlashBwdDkdvBf16D64,
+            Kernel::FlashBwdDqBf16D64
+        ]
+    );
 }
 
 #[test]
