@@ -55,10 +55,10 @@ mod imp {
     /// temporaries on the stream, computed, and cast back, as the CPU backend does on the host,
     /// except where a kernel takes them directly: matrix products with A and B of one half type
     /// (cuBLAS Ex on the tensor cores, f32 accumulation) and the fused attention with one dtype
-    /// throughout. f32 products use TF32 when [`set_allow_tf32`](super::set_allow_tf32) is on;
+    /// throughout. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
     /// attention is fused ([`Backend::attention_save`] says `Lse`) unless
-    /// [`set_fused_attention`](super::set_fused_attention) is off or `d` is above
-    /// [`FUSED_ATTENTION_MAX_D`](super::FUSED_ATTENTION_MAX_D).
+    /// [`set_fused_attention`](crate::kernels::cuda::set_fused_attention) is off or `d` is above
+    /// [`FUSED_ATTENTION_MAX_D`](crate::kernels::cuda::FUSED_ATTENTION_MAX_D).
     ///
     /// Deferred index checks (embedding ids, cross-entropy targets) are collected and reported
     /// by the next [`Backend::read`] (the next synchronization), like the CPU's stream failure.

@@ -135,7 +135,7 @@
 //!   views, and views have at most [`MAX_VIEW_RANK`] dims.
 //! - Limits: matrix dimensions and batch counts up to `i32::MAX` (cuBLAS), embedding id lists up
 //!   to `u32::MAX` entries.
-//! - Reached from `Tensor` operations through [`CudaBackend`](super::backend::CudaBackend) (the
+//! - Reached from `Tensor` operations through [`CudaBackend`] (the
 //!   backend seam), which casts half-precision operands to `f32` temporaries around these
 //!   kernels except for matrix products with one half type (and f32 or that type for C) and
 //!   the fused attention with one dtype throughout, which read and write the half tensors
