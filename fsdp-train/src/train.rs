@@ -20,23 +20,16 @@ use fsdp_core::checkpoint::{self, CheckpointManager};
 use fsdp_core::plumbing::tensor_slice;
 use fsdp_core::state_dict::{self, FullStateDict};
 use fsdp_core::{
-    clip_grad_norm, grad_norm, param_norms_per_param, AdamW, BackwardPrefetch, Comm, Fsdp,
-    FsdpConfig, FsdpError, MixedPrecision, ParamBytes, ShardedOptimizer, ShardingStrategy,
-    WrapPolicy,
+    clip_grad_norm, grad_norm, param_norms_per_param, BackwardPrefetch, Comm, Fsdp, FsdpConfig,
+    FsdpError, MixedPrecision, ParamBytes, ShardingStrategy, WrapPolicy,
 };
 use serde_json::{json, Value};
 
 use crate::ckpt::{self, CheckpointError};
 use crate::data::{DataError, DataFormat, Dataset};
 
-/// The optimizer `--optimizer` picks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Optimizer {
-    /// Plain SGD (no state).
-    Sgd,
-    /// Sharded AdamW.
-    AdamW,
-}
+use crate::optim::RankOptimizer;
+pub use crate::optim::{OptimHyper, Optimizer};
 
 /// Where the training data comes from.
 #[derive(Debug, Clone)]
@@ -101,6 +94,10 @@ pub struct TrainConfig {
     pub steps: usize,
     /// Optimizer.
     pub optimizer: Optimizer,
+    /// Its hyper-parameters besides the learning rate.
+    pub optim_hyper: OptimHyper,
+    /// `--init-from`, `--export-hf`, `--sample-every`, `--tokenizer` (see [`crate::interop`]).
+    pub interop: crate::interop::Interop,
     /// Peak learning rate.
     pub lr: f32,
     /// Linear warm-up steps.
@@ -209,6 +206,9 @@ pub enum TrainError {
     /// Writing the `--profile` trace failed.
     #[error("{0}")]
     Profile(String),
+    /// `--init-from`, `--export-hf` or `--sample-every` failed.
+    #[error("{0}")]
+    Interop(String),
 }
 
 /// One step as rank 0 reports it (values reduced over all ranks).
@@ -423,7 +423,7 @@ struct Rank {
     dev: Device,
     host: Option<Device>,
     fsdp: Fsdp<Gpt>,
-    adamw: Option<AdamW>,
+    opt: Option<RankOptimizer>,
     observer: Box<dyn Observer>,
 }
 
@@ -485,7 +485,7 @@ impl Rank {
         // With --deferred-init the parameters live on the fake device (recorded init ops only)
         // and Fsdp::wrap generates just this rank's shards.
         let fsdp = Fsdp::wrap(model, &dev, comm, config).map_err(fsdp_err("wrapping the model"))?;
-        let adamw = (cfg.optimizer == Optimizer::AdamW).then(|| AdamW::new(cfg.lr));
+        let opt = RankOptimizer::new(cfg.optimizer, cfg.lr, &cfg.optim_hyper);
         Ok(Rank {
             rank,
             pg,
@@ -494,7 +494,7 @@ impl Rank {
             dev,
             host,
             fsdp,
-            adamw,
+            opt,
             observer,
         })
     }
@@ -635,7 +635,7 @@ impl Rank {
         let manager = CheckpointManager::new(&dir, self.cfg.keep_checkpoints)
             .map_err(self.sd_err("--checkpoint-dir"))?;
         let meta = ckpt::metadata(self.cfg.ranks, fingerprint(&self.cfg), history);
-        let opt = self.adamw.as_ref().map(|o| o as &dyn ShardedOptimizer);
+        let opt = self.opt.as_ref().map(RankOptimizer::as_dyn);
         let fin = manager
             .save(&self.fsdp, step as u64, opt, None, &meta)
             .map_err(self.sd_err(format!(
@@ -674,14 +674,14 @@ impl Rank {
             }
             return Ok((0, Vec::new()));
         };
-        let mut opt = self.adamw.take();
+        let mut opt = self.opt.take();
         let loaded = checkpoint::load(
             &self.fsdp,
             &path,
-            opt.as_mut().map(|o| o as &mut dyn ShardedOptimizer),
+            opt.as_mut().map(RankOptimizer::as_dyn_mut),
             None,
         );
-        self.adamw = opt;
+        self.opt = opt;
         let loaded = loaded.map_err(self.sd_err(format!("loading {}", path.display())))?;
         let meta = ckpt::parse(
             &path,
@@ -719,6 +719,11 @@ impl Rank {
                 ));
             }
         }
+        let init = crate::interop::init_rank(&self.fsdp, &self.cfg);
+        if self.agree(init.map_err(TrainError::Interop), "--init-from")? && rank == 0 {
+            self.observer
+                .note("loaded the Hugging Face GPT-2 weights (--init-from)");
+        }
         let (done, mut history) = if self.cfg.resume {
             self.resume()?
         } else {
@@ -729,7 +734,10 @@ impl Rank {
             total: total_param_bytes,
         } = self.fsdp.param_bytes();
         let units = self.fsdp.num_units();
-        let optim_slots = self.adamw.as_ref().map_or(0, |o| o.slot_names().len());
+        let optim_slots = self
+            .opt
+            .as_ref()
+            .map_or(0, |o| o.as_dyn().slot_names().len());
         let steps = self.cfg.steps;
         let last = self.cfg.stop_after.map_or(steps, |s| s.min(steps));
         if rank == 0 {
@@ -831,6 +839,10 @@ impl Rank {
                 self.observer.step(&rec);
             }
             records.push(rec);
+            let sample = crate::interop::sample_rank(&self.fsdp, &self.cfg, step);
+            if let Some(line) = sample.map_err(TrainError::Interop)? {
+                self.observer.note(&line);
+            }
             let periodic = self.cfg.checkpoint_every.is_some_and(|n| step % n == 0);
             if self.cfg.checkpoint_dir.is_some() && (periodic || step == steps) {
                 self.save_checkpoint(step, &history)?;
@@ -843,6 +855,16 @@ impl Rank {
             if rank == 0 {
                 self.observer
                     .note(&format!("saved the full state dict to {}", path.display()));
+            }
+        }
+        if let Some(dir) =
+            crate::interop::export_rank(&self.fsdp, &self.cfg).map_err(TrainError::Interop)?
+        {
+            if rank == 0 {
+                self.observer.note(&format!(
+                    "exported Hugging Face GPT-2 weights to {}",
+                    dir.display()
+                ));
             }
         }
         let final_params = if gather_final {
@@ -906,11 +928,8 @@ impl Rank {
             self.fsdp.zero_grad();
             return Ok((scaled, norm));
         }
-        match self.adamw.as_mut() {
-            Some(opt) => {
-                opt.hyper.lr = lr;
-                opt.step(&self.fsdp)?;
-            }
+        match self.opt.as_mut() {
+            Some(opt) => opt.step(&self.fsdp, lr)?,
             None => self.fsdp.sgd_step(lr)?,
         }
         self.fsdp.synchronize()?;
