@@ -981,6 +981,70 @@ mod tests {
                 .contains("--backend mpi"));
         }
     }
+
+    #[test]
+    fn optimizer_flags_reach_the_config() {
+        let c = parse(&["--optimizer", "lamb"]).unwrap();
+        assert_eq!((c.optimizer, c.lr), (Optimizer::Lamb, 1e-3));
+        assert_eq!(c.optim_hyper, OptimHyper::defaults(Optimizer::Lamb));
+        assert_eq!(c.optim_hyper.weight_decay, 0.01);
+        let c = parse(&[
+            "--optimizer",
+            "adamw",
+            "--beta1",
+            "0.8",
+            "--beta2",
+            "0.95",
+            "--eps",
+            "1e-6",
+            "--weight-decay",
+            "0.1",
+        ])
+        .unwrap();
+        let h = c.optim_hyper;
+        assert_eq!(
+            (h.beta1, h.beta2, h.eps, h.weight_decay),
+            (0.8, 0.95, 1e-6, 0.1)
+        );
+        let c = parse(&["--momentum", "0.9", "--weight-decay", "1e-4"]).unwrap();
+        assert_eq!(
+            (c.optim_hyper.momentum, c.optim_hyper.weight_decay),
+            (0.9, 1e-4)
+        );
+        assert_eq!(parse(&[]).unwrap().optim_hyper.weight_decay, 0.0);
+        // Flags of another optimizer, and out-of-range values, are usage errors.
+        assert!(parse(&["--beta1", "0.8"]).unwrap_err().contains("--beta1"));
+        assert!(parse(&["--optimizer", "lamb", "--momentum", "0.9"]).is_err());
+        for bad in [
+            ["--momentum", "1"],
+            ["--beta2", "-0.1"],
+            ["--eps", "0"],
+            ["--weight-decay", "nan"],
+        ] {
+            assert!(
+                Cli::try_parse_from(std::iter::once("train_gpt").chain(bad)).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn tokenizer_and_init_from_flags() {
+        let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt"]).unwrap();
+        assert_eq!(c.gpt.vocab, 50257, "vocab set automatically");
+        assert_eq!(c.interop.tokenizer, crate::tokenizer::Tokenizer::Gpt2);
+        let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50304"]).unwrap();
+        assert_eq!(c.gpt.vocab, 50304);
+        assert!(
+            parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50000"])
+                .unwrap_err()
+                .contains("--vocab 50257 or more")
+        );
+        assert!(parse(&["--init-from", "m", "--d-model", "64"]).is_err());
+        assert!(parse(&["--init-from", "m", "--load", "s.safetensors"]).is_err());
+        let c = parse(&["--init-from", "m", "--seq-len", "32", "--sample-every", "5"]).unwrap();
+        assert_eq!((c.interop.seq_len, c.interop.sample_every), (Some(32), 5));
+    }
 }
 
 /// `--device`.

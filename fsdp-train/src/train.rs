@@ -1247,6 +1247,111 @@ mod tests {
         );
     }
 
+    /// Every optimizer of `--optimizer` trains (loss falls over 12 steps), SGD momentum and
+    /// weight decay change the run, and a LAMB run resumes bit for bit (its state is
+    /// checkpointed).
+    #[test]
+    fn every_optimizer_trains_from_the_command_line() {
+        let run = |extra: &[&str]| {
+            let mut a = vec!["--steps", "12", "--ranks", "2"];
+            a.extend_from_slice(extra);
+            let r = run_job(&cfg_with(&a), Box::new(Quiet), false).unwrap();
+            let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+            assert!(l[11] < l[0], "{extra:?}: {l:?}");
+            (losses(&r), r.optim_slots)
+        };
+        let (plain, slots) = run(&["--optimizer", "sgd"]);
+        assert_eq!(slots, 0);
+        let (mom, slots) = run(&["--optimizer", "sgd", "--momentum", "0.9"]);
+        assert_eq!(slots, 1);
+        assert_ne!(plain, mom);
+        assert_ne!(mom, run(&["--momentum", "0.9", "--weight-decay", "0.01"]).0);
+        let (adamw, slots) = run(&["--optimizer", "adamw", "--lr", "0.01"]);
+        assert_eq!(slots, 2);
+        assert_ne!(
+            adamw,
+            run(&["--optimizer", "adamw", "--lr", "0.01", "--beta2", "0.95"]).0
+        );
+        let (lamb, _) = run(&["--optimizer", "lamb", "--lr", "0.01"]);
+        assert_ne!(lamb, adamw);
+
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck = ck.to_str().unwrap();
+        let lamb_args = ["--optimizer", "lamb", "--lr", "0.01", "--ranks", "2"];
+        let mut first = cfg_with(
+            &[
+                &lamb_args[..],
+                &[
+                    "--steps",
+                    "12",
+                    "--checkpoint-dir",
+                    ck,
+                    "--checkpoint-every",
+                    "6",
+                ],
+            ]
+            .concat(),
+        );
+        first.stop_after = Some(6);
+        run_job(&first, Box::new(Quiet), false).unwrap();
+        let rest = cfg_with(
+            &[
+                &lamb_args[..],
+                &["--steps", "12", "--checkpoint-dir", ck, "--resume"],
+            ]
+            .concat(),
+        );
+        let r = run_job(&rest, Box::new(Quiet), false).unwrap();
+        assert_eq!(losses(&r), lamb[6..].to_vec());
+    }
+
+    /// `--init-from` the transformers fixture on 2 ranks, 2 steps with `--sample-every`, then
+    /// `--export-hf`: the export holds the trained parameters (bit for bit those the run ends
+    /// with) and loads again.
+    #[test]
+    fn init_from_trains_and_exports() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2-tiny");
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("hf");
+        let mut c = config(&[
+            "--init-from",
+            fixture,
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--ranks",
+            "2",
+            "--batch",
+            "1",
+            "--sample-every",
+            "2",
+            "--export-hf",
+            out.to_str().unwrap(),
+        ]);
+        crate::interop::prepare(&mut c).unwrap();
+        assert_eq!((c.gpt.vocab, c.gpt.d_model, c.gpt.seq_len), (50257, 64, 16));
+        assert!(c.gpt.tied);
+        let r = run_job(&c, Box::new(Quiet), true).unwrap();
+        assert!(r.steps.iter().all(|s| s.loss.is_finite()));
+        let ck = crate::hf::HfCheckpoint::open(&out).unwrap();
+        let exported = ck.full_state_dict();
+        let trained = r.final_params.unwrap();
+        for e in &trained.entries {
+            let x = exported.get(&e.name).unwrap();
+            // Positional rows past --seq-len 16 are not exported (config n_positions 16).
+            assert_eq!(x.values, e.values, "{}", e.name);
+        }
+        let orig = crate::hf::HfCheckpoint::open(std::path::Path::new(fixture))
+            .unwrap()
+            .full_state_dict();
+        assert_ne!(
+            orig.get("blocks.0.mlp.fc.weight"),
+            exported.get("blocks.0.mlp.fc.weight")
+        );
+    }
+
     /// Resident set size of this process, in bytes (Linux `/proc/self/statm`).
     fn rss_bytes() -> u64 {
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
