@@ -632,12 +632,12 @@ pub fn load_into(fsdp: &Fsdp<Gpt>, ck: &HfCheckpoint) -> Result<(), HfError> {
         .map_err(sd_err(&format!("loading {}", ck.path.display())))
 }
 
+/// A tensor in Hugging Face's naming: name, shape, row-major f32 values.
+type HfTensor = (String, Vec<usize>, Vec<f32>);
+
 /// Turns a full state dict of a `nn::Gpt` of config `g` into Hugging Face's tensors (name,
 /// shape, f32 values), in the file's order.
-fn to_hf(
-    full: &FullStateDict,
-    g: &GptConfig,
-) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, String> {
+fn to_hf(full: &FullStateDict, g: &GptConfig) -> Result<Vec<HfTensor>, String> {
     let mut out = Vec::new();
     for (ours, shape) in our_params(g) {
         let e = full

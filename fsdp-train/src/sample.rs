@@ -355,6 +355,7 @@ pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, GptConfig, FullStateDict)> 
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "train_gpt sample",
+    bin_name = "train_gpt sample",
     about = "Generates text from the newest complete checkpoint of --checkpoint-dir, or from Hugging Face GPT-2 weights (--init-from), with a KV cache, on the CPU",
     max_term_width = 100
 )]
