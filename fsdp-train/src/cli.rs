@@ -12,7 +12,7 @@ use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrateg
 
 use crate::cuda::CudaLaunch;
 use crate::data::DataFormat;
-use crate::train::{DataSpec, Optimizer, TrainConfig};
+use crate::train::{DataSpec, OptimHyper, Optimizer, TrainConfig};
 
 /// Largest `--steps`, `--warmup-steps`, `--eval-every`, `--checkpoint-every`.
 pub const MAX_STEPS: u64 = 10_000_000;
@@ -48,6 +48,8 @@ pub struct Cli {
     pub logging: LoggingArgs,
     #[command(flatten)]
     pub planning: crate::plan::PlanArgs,
+    #[command(flatten)]
+    pub interop: crate::interop::InteropArgs,
 }
 
 /// Model shape.
@@ -205,7 +207,7 @@ pub struct OptimArgs {
     /// Sharded optimizer (state sharded like the parameters)
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
     pub optimizer: OptimizerArg,
-    /// Peak learning rate (default 0.05 for sgd, 0.001 for adamw)
+    /// Peak learning rate (default 0.05 for sgd, 0.001 for adamw and lamb)
     #[arg(long, value_name = "X", value_parser = parse_lr)]
     pub lr: Option<f32>,
     /// Linear warm-up from lr/N to lr over the first N steps
@@ -226,6 +228,22 @@ pub struct OptimArgs {
     /// Clip the global gradient norm (across all shards) to X
     #[arg(long, value_name = "X", value_parser = parse_positive)]
     pub clip_grad_norm: Option<f64>,
+    /// SGD momentum μ (default 0: plain SGD)
+    #[arg(long, value_name = "M", value_parser = parse_unit)]
+    pub momentum: Option<f32>,
+    /// Adam/LAMB β1, the first moment's decay (default 0.9)
+    #[arg(long, value_name = "B", value_parser = parse_unit)]
+    pub beta1: Option<f32>,
+    /// Adam/LAMB β2, the second moment's decay (default 0.999)
+    #[arg(long, value_name = "B", value_parser = parse_unit)]
+    pub beta2: Option<f32>,
+    /// Adam/LAMB ε added to the denominator (default 1e-8)
+    #[arg(long, value_name = "E", value_parser = parse_eps)]
+    pub eps: Option<f32>,
+    /// Weight decay λ: SGD adds λ·p to the gradient, AdamW decays decoupled, LAMB adds λ·p to
+    /// the direction (default 0 for sgd, 0.01 for adamw and lamb)
+    #[arg(long, value_name = "L", value_parser = parse_weight_decay)]
+    pub weight_decay: Option<f32>,
 }
 
 /// Checkpoints and state dicts.
@@ -353,8 +371,34 @@ pub enum PrefetchArg {
 pub enum OptimizerArg {
     /// plain SGD (no state)
     Sgd,
-    /// AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01)
+    /// AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01 unless set)
     Adamw,
+    /// LAMB: Adam moments with a per-parameter trust ratio ‖p‖/‖u‖
+    Lamb,
+}
+
+/// A value in `[0, 1)` (momentum, betas).
+fn parse_unit(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a number in [0, 1)")),
+    }
+}
+
+/// A positive, finite ε up to 1.
+fn parse_eps(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a number in (0, 1]")),
+    }
+}
+
+/// A weight decay in `[0, 10]`.
+fn parse_weight_decay(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if (0.0..=10.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a number in [0, 10]")),
+    }
 }
 
 /// `--mixed-precision`.
@@ -488,6 +532,15 @@ impl Cli {
             gpt = gpt.with_tied(true);
         }
         apply_gelu(&mut gpt, m.gelu);
+        let shaped = m.d_model.is_some()
+            || m.layers.is_some()
+            || m.heads.is_some()
+            || m.tied
+            || m.gelu != GeluArg::Exact;
+        let interop = self
+            .interop
+            .resolve(&mut gpt, m.vocab, m.seq_len, shaped)
+            .map_err(UsageError)?;
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
                 "--d-model {} is not divisible by --heads {}",
@@ -517,7 +570,7 @@ impl Cli {
                         }
                     }
                 };
-                if format == DataFormat::Text && gpt.vocab < 256 {
+                if format == DataFormat::Text && gpt.vocab < interop.tokenizer.vocab() {
                     return usage(format!(
                         "--data {} is read as bytes (ids 0..=255) but --vocab is {}; use --vocab 256 \
                          or more",
@@ -618,11 +671,25 @@ impl Cli {
         let optimizer = match o.optimizer {
             OptimizerArg::Sgd => Optimizer::Sgd,
             OptimizerArg::Adamw => Optimizer::AdamW,
+            OptimizerArg::Lamb => Optimizer::Lamb,
         };
         let lr = o.lr.unwrap_or(match optimizer {
             Optimizer::Sgd => 0.05,
-            Optimizer::AdamW => 1e-3,
+            Optimizer::AdamW | Optimizer::Lamb => 1e-3,
         });
+        let mut optim_hyper = OptimHyper::defaults(optimizer);
+        let adam_only = o.beta1.is_some() || o.beta2.is_some() || o.eps.is_some();
+        if optimizer == Optimizer::Sgd && adam_only {
+            return usage("--beta1, --beta2 and --eps apply to --optimizer adamw or lamb");
+        }
+        if optimizer != Optimizer::Sgd && o.momentum.is_some() {
+            return usage("--momentum applies to --optimizer sgd (Adam's is --beta1)");
+        }
+        optim_hyper.momentum = o.momentum.unwrap_or(optim_hyper.momentum);
+        optim_hyper.beta1 = o.beta1.unwrap_or(optim_hyper.beta1);
+        optim_hyper.beta2 = o.beta2.unwrap_or(optim_hyper.beta2);
+        optim_hyper.eps = o.eps.unwrap_or(optim_hyper.eps);
+        optim_hyper.weight_decay = o.weight_decay.unwrap_or(optim_hyper.weight_decay);
         if let Some(min) = o.min_lr {
             if min > lr {
                 return usage(format!("--min-lr {min} is above --lr {lr}"));
@@ -650,6 +717,9 @@ impl Cli {
         }
         if c.resume && c.load.is_some() {
             return usage("--resume and --load both set the starting state; pick one");
+        }
+        if c.load.is_some() && self.interop.init_from.is_some() {
+            return usage("--load and --init-from both set the starting state; pick one");
         }
         let l = &self.logging;
         if let Some(plot) = &l.plot {
@@ -690,6 +760,8 @@ impl Cli {
             tf32: p.tf32,
             steps: o.steps as usize,
             optimizer,
+            optim_hyper,
+            interop,
             lr,
             warmup_steps: o.warmup_steps as usize,
             min_lr: o.min_lr,
@@ -930,6 +1002,70 @@ mod tests {
                 .unwrap_err()
                 .contains("--backend mpi"));
         }
+    }
+
+    #[test]
+    fn optimizer_flags_reach_the_config() {
+        let c = parse(&["--optimizer", "lamb"]).unwrap();
+        assert_eq!((c.optimizer, c.lr), (Optimizer::Lamb, 1e-3));
+        assert_eq!(c.optim_hyper, OptimHyper::defaults(Optimizer::Lamb));
+        assert_eq!(c.optim_hyper.weight_decay, 0.01);
+        let c = parse(&[
+            "--optimizer",
+            "adamw",
+            "--beta1",
+            "0.8",
+            "--beta2",
+            "0.95",
+            "--eps",
+            "1e-6",
+            "--weight-decay",
+            "0.1",
+        ])
+        .unwrap();
+        let h = c.optim_hyper;
+        assert_eq!(
+            (h.beta1, h.beta2, h.eps, h.weight_decay),
+            (0.8, 0.95, 1e-6, 0.1)
+        );
+        let c = parse(&["--momentum", "0.9", "--weight-decay", "1e-4"]).unwrap();
+        assert_eq!(
+            (c.optim_hyper.momentum, c.optim_hyper.weight_decay),
+            (0.9, 1e-4)
+        );
+        assert_eq!(parse(&[]).unwrap().optim_hyper.weight_decay, 0.0);
+        // Flags of another optimizer, and out-of-range values, are usage errors.
+        assert!(parse(&["--beta1", "0.8"]).unwrap_err().contains("--beta1"));
+        assert!(parse(&["--optimizer", "lamb", "--momentum", "0.9"]).is_err());
+        for bad in [
+            ["--momentum", "1"],
+            ["--beta2", "-0.1"],
+            ["--eps", "0"],
+            ["--weight-decay", "nan"],
+        ] {
+            assert!(
+                Cli::try_parse_from(std::iter::once("train_gpt").chain(bad)).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn tokenizer_and_init_from_flags() {
+        let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt"]).unwrap();
+        assert_eq!(c.gpt.vocab, 50257, "vocab set automatically");
+        assert_eq!(c.interop.tokenizer, crate::tokenizer::Tokenizer::Gpt2);
+        let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50304"]).unwrap();
+        assert_eq!(c.gpt.vocab, 50304);
+        assert!(
+            parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50000"])
+                .unwrap_err()
+                .contains("--vocab 50257 or more")
+        );
+        assert!(parse(&["--init-from", "m", "--d-model", "64"]).is_err());
+        assert!(parse(&["--init-from", "m", "--load", "s.safetensors"]).is_err());
+        let c = parse(&["--init-from", "m", "--seq-len", "32", "--sample-every", "5"]).unwrap();
+        assert_eq!((c.interop.seq_len, c.interop.sample_every), (Some(32), 5));
     }
 }
 

@@ -72,8 +72,13 @@ mod ckpt;
 mod cli;
 mod cuda;
 mod data;
+mod hf;
+mod interop;
+mod optim;
 mod plan;
 mod report;
+mod sample;
+mod tokenizer;
 mod train;
 
 use std::io::IsTerminal;
@@ -207,6 +212,7 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
         match c.optimizer {
             Optimizer::Sgd => "SGD",
             Optimizer::AdamW => "AdamW",
+            Optimizer::Lamb => "LAMB",
         },
         c.lr,
         c.steps,
@@ -259,6 +265,12 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
     check_outputs(&cli, &c)?;
     fsdp_autograd::kernels::cuda::set_allow_tf32(c.tf32);
     let primary = primary_process(&c);
+    // --init-from (the model's shape), --tokenizer gpt2 (the cached token file).
+    for note in interop::prepare(&mut c)? {
+        if primary {
+            println!("{note}");
+        }
+    }
     let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
         Some(p) => Some((
             p.clone(),
@@ -474,6 +486,37 @@ fn summary(
 }
 
 fn main() -> ExitCode {
+    // `train_gpt sample …`: generation (module `sample`), its own flags.
+    if std::env::args().nth(1).as_deref() == Some("sample") {
+        let args = std::env::args().skip(1);
+        let cli = match sample::SampleCli::try_parse_from(args) {
+            Ok(c) => c,
+            Err(e) => {
+                use clap::error::ErrorKind;
+                if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                    let _ = e.print();
+                    return ExitCode::SUCCESS;
+                }
+                let msg = e.to_string();
+                let line = msg
+                    .lines()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("usage error");
+                eprintln!(
+                    "train_gpt sample: {} (see --help)",
+                    line.trim_start_matches("error: ")
+                );
+                return ExitCode::from(2);
+            }
+        };
+        return match sample::run(cli) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("train_gpt sample: error: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -261,7 +261,7 @@ pub fn planner(c: &TrainConfig, cluster: Cluster) -> Result<Planner, String> {
     };
     let slots = match c.optimizer {
         Optimizer::Sgd => 0,
-        Optimizer::AdamW => 2,
+        Optimizer::AdamW | Optimizer::Lamb => 2,
     };
     Ok(Planner::new(model, cluster, batch)
         .map_err(|e| e.to_string())?
@@ -283,6 +283,7 @@ pub fn print_plan(c: &TrainConfig, p: &Planner) -> Result<PlanEstimate, String> 
         match c.optimizer {
             Optimizer::Sgd => "SGD",
             Optimizer::AdamW => "AdamW",
+            Optimizer::Lamb => "LAMB",
         },
         cl.nodes,
         cl.ranks_per_node,

@@ -20,23 +20,16 @@ use fsdp_core::checkpoint::{self, CheckpointManager};
 use fsdp_core::plumbing::tensor_slice;
 use fsdp_core::state_dict::{self, FullStateDict};
 use fsdp_core::{
-    clip_grad_norm, grad_norm, param_norms_per_param, AdamW, BackwardPrefetch, Comm, Fsdp,
-    FsdpConfig, FsdpError, MixedPrecision, ParamBytes, ShardedOptimizer, ShardingStrategy,
-    WrapPolicy,
+    clip_grad_norm, grad_norm, param_norms_per_param, BackwardPrefetch, Comm, Fsdp, FsdpConfig,
+    FsdpError, MixedPrecision, ParamBytes, ShardingStrategy, WrapPolicy,
 };
 use serde_json::{json, Value};
 
 use crate::ckpt::{self, CheckpointError};
 use crate::data::{DataError, DataFormat, Dataset};
 
-/// The optimizer `--optimizer` picks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Optimizer {
-    /// Plain SGD (no state).
-    Sgd,
-    /// Sharded AdamW.
-    AdamW,
-}
+use crate::optim::RankOptimizer;
+pub use crate::optim::{OptimHyper, Optimizer};
 
 /// Where the training data comes from.
 #[derive(Debug, Clone)]
@@ -104,6 +97,10 @@ pub struct TrainConfig {
     pub steps: usize,
     /// Optimizer.
     pub optimizer: Optimizer,
+    /// Its hyper-parameters besides the learning rate.
+    pub optim_hyper: OptimHyper,
+    /// `--init-from`, `--export-hf`, `--sample-every`, `--tokenizer` (see [`crate::interop`]).
+    pub interop: crate::interop::Interop,
     /// Peak learning rate.
     pub lr: f32,
     /// Linear warm-up steps.
@@ -212,6 +209,9 @@ pub enum TrainError {
     /// Writing the `--profile` trace failed.
     #[error("{0}")]
     Profile(String),
+    /// `--init-from`, `--export-hf` or `--sample-every` failed.
+    #[error("{0}")]
+    Interop(String),
 }
 
 /// One step as rank 0 reports it (values reduced over all ranks).
@@ -426,7 +426,7 @@ struct Rank {
     dev: Device,
     host: Option<Device>,
     fsdp: Fsdp<Gpt>,
-    adamw: Option<AdamW>,
+    opt: Option<RankOptimizer>,
     observer: Box<dyn Observer>,
 }
 
@@ -488,7 +488,7 @@ impl Rank {
         // With --deferred-init the parameters live on the fake device (recorded init ops only)
         // and Fsdp::wrap generates just this rank's shards.
         let fsdp = Fsdp::wrap(model, &dev, comm, config).map_err(fsdp_err("wrapping the model"))?;
-        let adamw = (cfg.optimizer == Optimizer::AdamW).then(|| AdamW::new(cfg.lr));
+        let opt = RankOptimizer::new(cfg.optimizer, cfg.lr, &cfg.optim_hyper);
         Ok(Rank {
             rank,
             pg,
@@ -497,7 +497,7 @@ impl Rank {
             dev,
             host,
             fsdp,
-            adamw,
+            opt,
             observer,
         })
     }
@@ -638,7 +638,7 @@ impl Rank {
         let manager = CheckpointManager::new(&dir, self.cfg.keep_checkpoints)
             .map_err(self.sd_err("--checkpoint-dir"))?;
         let meta = ckpt::metadata(self.cfg.ranks, fingerprint(&self.cfg), history);
-        let opt = self.adamw.as_ref().map(|o| o as &dyn ShardedOptimizer);
+        let opt = self.opt.as_ref().map(RankOptimizer::as_dyn);
         let fin = manager
             .save(&self.fsdp, step as u64, opt, None, &meta)
             .map_err(self.sd_err(format!(
@@ -677,14 +677,14 @@ impl Rank {
             }
             return Ok((0, Vec::new()));
         };
-        let mut opt = self.adamw.take();
+        let mut opt = self.opt.take();
         let loaded = checkpoint::load(
             &self.fsdp,
             &path,
-            opt.as_mut().map(|o| o as &mut dyn ShardedOptimizer),
+            opt.as_mut().map(RankOptimizer::as_dyn_mut),
             None,
         );
-        self.adamw = opt;
+        self.opt = opt;
         let loaded = loaded.map_err(self.sd_err(format!("loading {}", path.display())))?;
         let meta = ckpt::parse(
             &path,
@@ -722,6 +722,11 @@ impl Rank {
                 ));
             }
         }
+        let init = crate::interop::init_rank(&self.fsdp, &self.cfg);
+        if self.agree(init.map_err(TrainError::Interop), "--init-from")? && rank == 0 {
+            self.observer
+                .note("loaded the Hugging Face GPT-2 weights (--init-from)");
+        }
         let (done, mut history) = if self.cfg.resume {
             self.resume()?
         } else {
@@ -732,7 +737,10 @@ impl Rank {
             total: total_param_bytes,
         } = self.fsdp.param_bytes();
         let units = self.fsdp.num_units();
-        let optim_slots = self.adamw.as_ref().map_or(0, |o| o.slot_names().len());
+        let optim_slots = self
+            .opt
+            .as_ref()
+            .map_or(0, |o| o.as_dyn().slot_names().len());
         let steps = self.cfg.steps;
         let last = self.cfg.stop_after.map_or(steps, |s| s.min(steps));
         if rank == 0 {
@@ -834,6 +842,10 @@ impl Rank {
                 self.observer.step(&rec);
             }
             records.push(rec);
+            let sample = crate::interop::sample_rank(&self.fsdp, &self.cfg, step);
+            if let Some(line) = sample.map_err(TrainError::Interop)? {
+                self.observer.note(&line);
+            }
             let periodic = self.cfg.checkpoint_every.is_some_and(|n| step % n == 0);
             if self.cfg.checkpoint_dir.is_some() && (periodic || step == steps) {
                 self.save_checkpoint(step, &history)?;
@@ -846,6 +858,16 @@ impl Rank {
             if rank == 0 {
                 self.observer
                     .note(&format!("saved the full state dict to {}", path.display()));
+            }
+        }
+        if let Some(dir) =
+            crate::interop::export_rank(&self.fsdp, &self.cfg).map_err(TrainError::Interop)?
+        {
+            if rank == 0 {
+                self.observer.note(&format!(
+                    "exported Hugging Face GPT-2 weights to {}",
+                    dir.display()
+                ));
             }
         }
         let final_params = if gather_final {
@@ -909,11 +931,8 @@ impl Rank {
             self.fsdp.zero_grad();
             return Ok((scaled, norm));
         }
-        match self.adamw.as_mut() {
-            Some(opt) => {
-                opt.hyper.lr = lr;
-                opt.step(&self.fsdp)?;
-            }
+        match self.opt.as_mut() {
+            Some(opt) => opt.step(&self.fsdp, lr)?,
             None => self.fsdp.sgd_step(lr)?,
         }
         self.fsdp.synchronize()?;
@@ -1228,6 +1247,111 @@ mod tests {
         assert!(
             (a - b).abs() < 1e-5 * a && (a - c).abs() < 1e-5 * a,
             "{a} {b} {c}"
+        );
+    }
+
+    /// Every optimizer of `--optimizer` trains (loss falls over 12 steps), SGD momentum and
+    /// weight decay change the run, and a LAMB run resumes bit for bit (its state is
+    /// checkpointed).
+    #[test]
+    fn every_optimizer_trains_from_the_command_line() {
+        let run = |extra: &[&str]| {
+            let mut a = vec!["--steps", "12", "--ranks", "2"];
+            a.extend_from_slice(extra);
+            let r = run_job(&cfg_with(&a), Box::new(Quiet), false).unwrap();
+            let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+            assert!(l[11] < l[0], "{extra:?}: {l:?}");
+            (losses(&r), r.optim_slots)
+        };
+        let (plain, slots) = run(&["--optimizer", "sgd"]);
+        assert_eq!(slots, 0);
+        let (mom, slots) = run(&["--optimizer", "sgd", "--momentum", "0.9"]);
+        assert_eq!(slots, 1);
+        assert_ne!(plain, mom);
+        assert_ne!(mom, run(&["--momentum", "0.9", "--weight-decay", "0.01"]).0);
+        let (adamw, slots) = run(&["--optimizer", "adamw", "--lr", "0.01"]);
+        assert_eq!(slots, 2);
+        assert_ne!(
+            adamw,
+            run(&["--optimizer", "adamw", "--lr", "0.01", "--beta2", "0.95"]).0
+        );
+        let (lamb, _) = run(&["--optimizer", "lamb", "--lr", "0.01"]);
+        assert_ne!(lamb, adamw);
+
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck = ck.to_str().unwrap();
+        let lamb_args = ["--optimizer", "lamb", "--lr", "0.01", "--ranks", "2"];
+        let mut first = cfg_with(
+            &[
+                &lamb_args[..],
+                &[
+                    "--steps",
+                    "12",
+                    "--checkpoint-dir",
+                    ck,
+                    "--checkpoint-every",
+                    "6",
+                ],
+            ]
+            .concat(),
+        );
+        first.stop_after = Some(6);
+        run_job(&first, Box::new(Quiet), false).unwrap();
+        let rest = cfg_with(
+            &[
+                &lamb_args[..],
+                &["--steps", "12", "--checkpoint-dir", ck, "--resume"],
+            ]
+            .concat(),
+        );
+        let r = run_job(&rest, Box::new(Quiet), false).unwrap();
+        assert_eq!(losses(&r), lamb[6..].to_vec());
+    }
+
+    /// `--init-from` the transformers fixture on 2 ranks, 2 steps with `--sample-every`, then
+    /// `--export-hf`: the export holds the trained parameters (bit for bit those the run ends
+    /// with) and loads again.
+    #[test]
+    fn init_from_trains_and_exports() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2-tiny");
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("hf");
+        let mut c = config(&[
+            "--init-from",
+            fixture,
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--ranks",
+            "2",
+            "--batch",
+            "1",
+            "--sample-every",
+            "2",
+            "--export-hf",
+            out.to_str().unwrap(),
+        ]);
+        crate::interop::prepare(&mut c).unwrap();
+        assert_eq!((c.gpt.vocab, c.gpt.d_model, c.gpt.seq_len), (50257, 64, 16));
+        assert!(c.gpt.tied);
+        let r = run_job(&c, Box::new(Quiet), true).unwrap();
+        assert!(r.steps.iter().all(|s| s.loss.is_finite()));
+        let ck = crate::hf::HfCheckpoint::open(&out).unwrap();
+        let exported = ck.full_state_dict();
+        let trained = r.final_params.unwrap();
+        for e in &trained.entries {
+            let x = exported.get(&e.name).unwrap();
+            // Positional rows past --seq-len 16 are not exported (config n_positions 16).
+            assert_eq!(x.values, e.values, "{}", e.name);
+        }
+        let orig = crate::hf::HfCheckpoint::open(std::path::Path::new(fixture))
+            .unwrap()
+            .full_state_dict();
+        assert_ne!(
+            orig.get("blocks.0.mlp.fc.weight"),
+            exported.get("blocks.0.mlp.fc.weight")
         );
     }
 

@@ -1,0 +1,233 @@
+//! The main job and the ecosystem: `--tokenizer`, `--init-from`, `--export-hf`,
+//! `--sample-every` (their flags, their resolution before training, and what a rank does with
+//! them). The formats live in [`crate::tokenizer`], [`crate::hf`] and [`crate::sample`].
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use fsdp_autograd::nn::{Gpt, GptConfig};
+use fsdp_core::{state_dict, Fsdp};
+
+use crate::data::DataFormat;
+use crate::hf::{self, HfCheckpoint};
+use crate::sample::{self, SampleOpts};
+use crate::tokenizer::Tokenizer;
+use crate::train::{DataSpec, TrainConfig};
+
+/// Tokenizer, Hugging Face weights and samples.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Ecosystem")]
+pub struct InteropArgs {
+    /// How text --data becomes tokens: bytes (vocab 256) or gpt2 (GPT-2's BPE, vocab 50257, set
+    /// automatically; a larger --vocab such as 50304 is allowed). gpt2 caches the tokens next to
+    /// the text as FILE.gpt2.bin (nanoGPT's u16 format) and reuses them while the text is
+    /// unchanged
+    #[arg(long, value_enum, default_value_t = TokenizerArg::Bytes)]
+    pub tokenizer: TokenizerArg,
+    /// Start from Hugging Face GPT-2 weights: a directory with model.safetensors and config.json
+    /// (GPT2LMHeadModel's layout), or its model.safetensors. The model's shape and GELU come
+    /// from config.json (--vocab may be larger, --seq-len shorter)
+    #[arg(long, value_name = "PATH")]
+    pub init_from: Option<PathBuf>,
+    /// After training, write the model as a Hugging Face GPT-2 directory (model.safetensors +
+    /// config.json, loadable by GPT2LMHeadModel.from_pretrained)
+    #[arg(long, value_name = "DIR")]
+    pub export_hf: Option<PathBuf>,
+    /// Print a short sample (48 tokens, temperature 0.8, top-k 40, seed 0) every N steps
+    #[arg(long, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=crate::cli::MAX_STEPS))]
+    pub sample_every: u64,
+}
+
+/// `--tokenizer`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerArg {
+    /// every byte is a token (vocab 256)
+    Bytes,
+    /// GPT-2's byte-pair encoding (r50k_base, vocab 50257)
+    Gpt2,
+}
+
+/// The validated flags.
+#[derive(Debug, Clone, Default)]
+pub struct Interop {
+    /// The text tokenizer.
+    pub tokenizer: Tokenizer,
+    /// `--init-from`.
+    pub init_from: Option<PathBuf>,
+    /// An explicit `--vocab` (with `--init-from`: at least the checkpoint's).
+    pub vocab: Option<usize>,
+    /// An explicit `--seq-len` (with `--init-from`: at most `n_positions`).
+    pub seq_len: Option<usize>,
+    /// `--export-hf`.
+    pub export_hf: Option<PathBuf>,
+    /// `--sample-every` (0: never).
+    pub sample_every: usize,
+}
+
+impl InteropArgs {
+    /// Checks the flags against the model (`explicit_vocab`/`explicit_seq`: `--vocab` /
+    /// `--seq-len` as given) and sets a GPT-2 vocabulary when the tokenizer needs one.
+    ///
+    /// # Errors
+    /// A usage message.
+    pub fn resolve(
+        &self,
+        gpt: &mut GptConfig,
+        explicit_vocab: Option<u64>,
+        explicit_seq: Option<u64>,
+        shape_overridden: bool,
+    ) -> Result<Interop, String> {
+        let tokenizer = match self.tokenizer {
+            TokenizerArg::Bytes => Tokenizer::Bytes,
+            TokenizerArg::Gpt2 => Tokenizer::Gpt2,
+        };
+        if tokenizer == Tokenizer::Gpt2 {
+            match explicit_vocab {
+                Some(v) if (v as usize) < tokenizer.vocab() => {
+                    return Err(format!(
+                        "--tokenizer gpt2 needs --vocab {} or more (got {v})",
+                        tokenizer.vocab()
+                    ))
+                }
+                Some(_) => {}
+                None => gpt.vocab = gpt.vocab.max(tokenizer.vocab()),
+            }
+        }
+        if self.init_from.is_some() && shape_overridden {
+            return Err(
+                "--init-from takes the model's shape from its config.json; drop --d-model, \
+                 --layers, --heads, --tied and --gelu"
+                    .into(),
+            );
+        }
+        Ok(Interop {
+            tokenizer,
+            init_from: self.init_from.clone(),
+            vocab: explicit_vocab.map(|v| v as usize),
+            seq_len: explicit_seq.map(|t| t as usize),
+            export_hf: self.export_hf.clone(),
+            sample_every: self.sample_every as usize,
+        })
+    }
+}
+
+/// Before training (exit 1 on error): with `--init-from`, opens and checks the checkpoint and
+/// takes the model's shape from it; with `--tokenizer gpt2` and text data, tokenizes it into
+/// (or reuses) the cached `.bin` and trains on that. Returns notes to print.
+///
+/// # Errors
+/// One line naming the problem (for a file that is not GPT-2's, the first missing or
+/// mismatched tensor).
+pub fn prepare(c: &mut TrainConfig) -> Result<Vec<String>, String> {
+    let mut notes = Vec::new();
+    let i = c.interop.clone();
+    if let Some(p) = &i.init_from {
+        let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
+        let mut g = ck.config.gpt().with_checkpoint(c.gpt.checkpoint);
+        let floor = if i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. }) {
+            i.tokenizer.vocab()
+        } else {
+            0
+        };
+        g.vocab = i.vocab.unwrap_or(g.vocab).max(g.vocab).max(floor);
+        if let Some(t) = i.seq_len {
+            g.seq_len = t;
+        }
+        hf::check_model(&ck, &g).map_err(|e| e.to_string())?;
+        notes.push(format!(
+            "init-from: {} (GPT-2 vocab {} d {} layers {} heads {} positions {}, gelu {})",
+            ck.path().display(),
+            ck.config.vocab,
+            ck.config.d_model,
+            ck.config.n_layers,
+            ck.config.n_heads,
+            ck.config.n_positions,
+            g.gelu.name()
+        ));
+        c.gpt = g;
+    }
+    if i.tokenizer == Tokenizer::Gpt2 {
+        if let DataSpec::File { path, format, .. } = &mut c.data {
+            if *format == DataFormat::Text {
+                let (bin, reused) = crate::tokenizer::gpt2_bin(path)?;
+                notes.push(format!(
+                    "tokenizer: gpt2; {} {}",
+                    if reused { "reusing" } else { "wrote" },
+                    bin.display()
+                ));
+                *path = bin;
+                *format = DataFormat::U16;
+            }
+        }
+    }
+    Ok(notes)
+}
+
+/// A rank's `--init-from`: loads its own pieces of the checkpoint.
+///
+/// # Errors
+/// [`hf::HfError`] as a line.
+pub fn init_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<bool, String> {
+    let Some(p) = &c.interop.init_from else {
+        return Ok(false);
+    };
+    let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
+    hf::load_into(fsdp, &ck).map_err(|e| e.to_string())?;
+    Ok(true)
+}
+
+/// A rank's `--export-hf` after training (a collective).
+///
+/// # Errors
+/// [`hf::HfError`] as a line.
+pub fn export_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<Option<PathBuf>, String> {
+    let Some(dir) = &c.interop.export_hf else {
+        return Ok(None);
+    };
+    hf::export(fsdp, dir).map_err(|e| format!("--export-hf: {e}"))?;
+    Ok(Some(dir.clone()))
+}
+
+/// `--sample-every`: at step `step`, every rank gathers the parameters to rank 0 (a collective)
+/// and rank 0 returns a sample of 48 tokens.
+///
+/// # Errors
+/// Gather or sampling errors as a line.
+pub fn sample_rank(
+    fsdp: &Fsdp<Gpt>,
+    c: &TrainConfig,
+    step: usize,
+) -> Result<Option<String>, String> {
+    let n = c.interop.sample_every;
+    if n == 0 || step % n != 0 {
+        return Ok(None);
+    }
+    let full = state_dict::full_state_dict(fsdp, true).map_err(|e| format!("sample: {e}"))?;
+    if full.is_empty() {
+        return Ok(None);
+    }
+    let tok = if matches!(c.data, DataSpec::Synthetic) {
+        None
+    } else {
+        Some(c.interop.tokenizer)
+    };
+    let model = sample::model_from(&c.gpt, &full)?;
+    let prompt = match tok {
+        Some(t) => sample::prompt_ids(t, "")?,
+        None => vec![3],
+    };
+    let o = SampleOpts {
+        max_new_tokens: 48,
+        temperature: 0.8,
+        top_k: Some(40),
+        seed: 0,
+        max_id: tok.map_or(c.gpt.vocab, |t| t.vocab().min(c.gpt.vocab)),
+    };
+    let out = sample::generate(&model, &prompt, &o)?;
+    let text = match tok {
+        Some(t) => format!("{:?}", t.decode(&out)?),
+        None => format!("{out:?}"),
+    };
+    Ok(Some(format!("sample at step {step}: {text}")))
+}
