@@ -285,7 +285,12 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
         }
         let top = match top {
             Some(t) => t,
-            None => return Err(planner.plan().err().map_or("no plan".into(), |e| e.to_string())),
+            None => {
+                return Err(planner
+                    .plan()
+                    .err()
+                    .map_or("no plan".into(), |e| e.to_string()))
+            }
         };
         if c.mpi && cli.planning.cluster_tflops.is_none() && cli.planning.cluster.is_none() {
             return Err(

@@ -577,7 +577,7 @@ mod tests {
             .unwrap_err()
             .contains("tflops"));
         assert!(parse_cluster_toml("nodes = [").is_err());
-        assert!(parse_cluster_toml("[gpu]").unwrap_err().contains("[gpu]"));
+        assert!(parse_cluster_toml("[tpu]").unwrap_err().contains("[tpu]"));
         assert!(parse_cluster_toml("nodes").is_err());
         assert_eq!(
             parse_cluster_toml("# a comment\n\nnodes = 3 # three\n")
@@ -625,7 +625,18 @@ mod tests {
         };
         let (c, hw) = cluster(&a, 512, 1e9).unwrap();
         let hw = hw.expect("a preset describes a GPU");
-        assert_eq!(hw, Hardware::a100_80gb());
+        let want = Hardware::a100_80gb();
+        assert_eq!(hw.name, want.name);
+        assert_eq!(hw.bf16_flops_per_s, want.bf16_flops_per_s);
+        assert_eq!(hw.gemm_efficiency, want.gemm_efficiency);
+        assert_eq!(hw.nvlink.bytes_per_s, want.nvlink.bytes_per_s);
+        for (a, b) in [
+            (hw.nvlink.latency_s, want.nvlink.latency_s),
+            (hw.network.latency_s, want.network.latency_s),
+            (hw.base_latency_s, want.base_latency_s),
+        ] {
+            assert!((a - b).abs() < 1e-15, "{a} vs {b}");
+        }
         assert_eq!((c.nodes, c.ranks_per_node), (64, 8));
         assert_eq!(c.device_memory_bytes, 80_000_000_000);
         // Fewer ranks than a node: one node of them.
@@ -658,15 +669,31 @@ mod tests {
         .unwrap();
         assert!(f.has_gpu());
         assert_eq!(f.gpu_hbm_gbps, Some(2039.0));
-        assert!(parse_cluster_toml("[gpu]\nclock = 3").unwrap_err().contains("gpu.clock"));
+        assert!(parse_cluster_toml("[gpu]\nclock = 3")
+            .unwrap_err()
+            .contains("gpu.clock"));
     }
 
     #[test]
     fn plan_alone_takes_any_size() {
         let big = [
-            "--plan", "--cluster", "a100-80gb", "--d-model", "12288", "--layers", "96",
-            "--heads", "96", "--seq-len", "2048", "--vocab", "50000", "--batch", "1",
-            "--ranks", "512",
+            "--plan",
+            "--cluster",
+            "a100-80gb",
+            "--d-model",
+            "12288",
+            "--layers",
+            "96",
+            "--heads",
+            "96",
+            "--seq-len",
+            "2048",
+            "--vocab",
+            "50000",
+            "--batch",
+            "1",
+            "--ranks",
+            "512",
         ];
         let c = parse(&big).unwrap().into_config().unwrap();
         assert_eq!(c.ranks, 512);
@@ -675,12 +702,19 @@ mod tests {
         apply.push("--apply");
         assert!(parse(&apply).unwrap().into_config().is_err());
         assert!(parse(&["--ranks", "512"]).unwrap().into_config().is_err());
-        let ck = parse(&["--activation-checkpointing"]).unwrap().into_config().unwrap();
+        let ck = parse(&["--activation-checkpointing"])
+            .unwrap()
+            .into_config()
+            .unwrap();
         assert!(ck.gpt.checkpoint);
-        let (cl, hw) = cluster(&PlanArgs {
-            cluster: Some("a100-80gb".into()),
-            ..PlanArgs::default()
-        }, 512, 1e9)
+        let (cl, hw) = cluster(
+            &PlanArgs {
+                cluster: Some("a100-80gb".into()),
+                ..PlanArgs::default()
+            },
+            512,
+            1e9,
+        )
         .unwrap();
         let p = planner(&c, cl, hw).unwrap();
         assert!(p.hardware.is_some());

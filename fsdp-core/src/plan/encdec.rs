@@ -86,15 +86,7 @@ impl ModelDesc {
             numel: c.vocab * c.d_model + 2 * c.d_model,
         }];
         // (path, unit, fwd FLOPs, saved, transient, weight-grad bytes, traffic) per token.
-        let mut rows: Vec<Row> = vec![(
-            "shared".into(),
-            0,
-            d,
-            0.0,
-            f * d,
-            w(v * d),
-            f * 2.0 * d,
-        )];
+        let mut rows: Vec<Row> = vec![("shared".into(), 0, d, 0.0, f * d, w(v * d), f * 2.0 * d)];
         let attention = |rows: &mut Vec<Row>, p: &str, u: usize, kv_from_input: bool| {
             // Projections: q (and k, v from the block's own stream unless cross-attention).
             let proj_out = if kv_from_input { 3.0 } else { 1.0 };

@@ -66,8 +66,8 @@ pub use hardware::{
     Collective, Hardware, NCCL_NET_STEP_LATENCY_US, NCCL_NVLINK_STEP_LATENCY_US,
     NCCL_RING_BASE_LATENCY_US, NCCL_TREE_BANDWIDTH_FRACTION, PRESETS,
 };
-pub use report::{merge_rows, Bound, MergedRow};
 pub use model::{gpt_modules, Leaf, ModelDesc, UnitDesc};
+pub use report::{merge_rows, Bound, MergedRow};
 pub use search::{PlanConfig, PlanEstimate, Planner};
 pub use simulate::{MemoryBreakdown, StepEstimate};
 

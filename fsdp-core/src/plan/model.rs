@@ -378,8 +378,22 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize, f64)> {
     let bytes = |n: f64| n as usize * 4;
     let mut out = Vec::new();
     // Embeddings: token + position lookups summed into x0; dense weight gradients.
-    out.push(("tok_emb".to_string(), d, 0.0, f * d, bytes(v * d), f * 2.0 * d));
-    out.push(("pos_emb".to_string(), d, 0.0, f * d, bytes(t * d), f * 3.0 * d));
+    out.push((
+        "tok_emb".to_string(),
+        d,
+        0.0,
+        f * d,
+        bytes(v * d),
+        f * 2.0 * d,
+    ));
+    out.push((
+        "pos_emb".to_string(),
+        d,
+        0.0,
+        f * d,
+        bytes(t * d),
+        f * 3.0 * d,
+    ));
     for i in 0..cfg.n_layers {
         let b = format!("blocks.{i}");
         let ln = bytes(2.0 * d);

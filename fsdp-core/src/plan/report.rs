@@ -108,7 +108,10 @@ fn label(members: &[PlanConfig]) -> String {
         let b = if bwd.len() == BWD.len() {
             "any".to_string()
         } else {
-            bwd.iter().map(|&b| bwd_name(b)).collect::<Vec<_>>().join("|")
+            bwd.iter()
+                .map(|&b| bwd_name(b))
+                .collect::<Vec<_>>()
+                .join("|")
         };
         let two = |v: &[bool]| {
             if v.len() == 2 {

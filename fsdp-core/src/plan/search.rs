@@ -2,8 +2,8 @@
 
 use crate::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 use crate::plan::cluster::{Batch, Cluster};
-use crate::plan::model::ModelDesc;
 use crate::plan::hardware::Hardware;
+use crate::plan::model::ModelDesc;
 use crate::plan::simulate::{simulate, SimOptions, StepEstimate};
 use crate::plan::PlanError;
 

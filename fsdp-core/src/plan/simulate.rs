@@ -358,7 +358,14 @@ pub(crate) fn simulate(
     };
     let (main_link, main_cross) = cluster.group_link(true, main_size);
     let hier = |size: usize, stride: usize| {
-        hw.map(|h| (h, cluster.group_shape(size, stride), cluster.intra, cluster.inter))
+        hw.map(|h| {
+            (
+                h,
+                cluster.group_shape(size, stride),
+                cluster.intra,
+                cluster.inter,
+            )
+        })
     };
     let main_shape = cluster.group_shape(main_size, 1);
     let main = Group {
@@ -519,7 +526,10 @@ pub(crate) fn simulate(
                 // Recompute the unit's forward: its leaves' saved tensors come back.
                 let (a, b) = m.spans[u];
                 for (j, l) in m.leaves.iter().enumerate().take(b + 1).skip(a) {
-                    sim.work(l.fwd_flops_per_token * tokens, l.hbm_bytes_per_token * tokens);
+                    sim.work(
+                        l.fwd_flops_per_token * tokens,
+                        l.hbm_bytes_per_token * tokens,
+                    );
                     if j != a {
                         sim.mem
                             .alloc(Cat::Activations, round(l.saved_bytes_per_token * tokens));

@@ -683,9 +683,7 @@ fn collectives_are_priced_over_the_hierarchy() {
     // Size one costs nothing.
     assert_eq!(ag(gb, 1, 1, 1), 0.0);
     // All-reduce of a tiny buffer on 64 nodes: the tree's log latency beats the ring.
-    let ar = |bytes| {
-        hw.collective_time(Collective::AllReduce, bytes, 512, 64, 8, nv, net)
-    };
+    let ar = |bytes| hw.collective_time(Collective::AllReduce, bytes, 512, 64, 8, nv, net);
     let ring_lat = hw.base_latency_s + (2.0 * 511.0 - 126.0) * nv.latency_s + 126.0 * net.latency_s;
     assert!(ar(1e3) < ring_lat);
     // A large all-reduce: the ring's bandwidth term or the tree's (90% of the bus bandwidth,
@@ -705,7 +703,11 @@ fn activation_checkpointing_trades_compute_for_memory() {
     let m = gpt175b();
     let plain = a100_planner(m.clone(), 128, 1);
     let ckpt = a100_planner(m.clone(), 128, 1).with_activation_checkpointing(true);
-    let cfg = pc(ShardingStrategy::FullShard, 128, BackwardPrefetch::BackwardPre);
+    let cfg = pc(
+        ShardingStrategy::FullShard,
+        128,
+        BackwardPrefetch::BackwardPre,
+    );
     let a = plain.estimate(&cfg).unwrap();
     let b = ckpt.estimate(&cfg).unwrap();
     assert!(!a.fits, "no checkpointing: {} B", a.estimate.peak_bytes);
@@ -737,14 +739,22 @@ fn per_gpu_throughput_vs_cluster_size_comes_from_the_model() {
     for w in [128, 256, 512] {
         let p = a100_planner(gpt175b(), w, 1).with_activation_checkpointing(true);
         let e = p
-            .estimate(&pc(ShardingStrategy::FullShard, w, BackwardPrefetch::BackwardPre))
+            .estimate(&pc(
+                ShardingStrategy::FullShard,
+                w,
+                BackwardPrefetch::BackwardPre,
+            ))
             .unwrap()
             .estimate;
         assert!(e.comm_s >= last, "{w}: {} < {last}", e.comm_s);
         assert!(e.inter_busy_s > 0.0 && e.intra_busy_s == 0.0);
         last = e.comm_s;
         let s0 = *first_step.get_or_insert(e.step_s);
-        assert!((e.step_s / s0 - 1.0).abs() < 0.05, "{w}: {} vs {s0}", e.step_s);
+        assert!(
+            (e.step_s / s0 - 1.0).abs() < 0.05,
+            "{w}: {} vs {s0}",
+            e.step_s
+        );
         let tflops = e.hardware_flops / e.step_s / 1e12;
         assert!(tflops > 100.0 && tflops < 312.0, "{w}: {tflops}");
     }
@@ -777,7 +787,10 @@ fn roofline_charges_memory_bound_leaves() {
         .estimate
         .compute_s;
     // Forward 1 GB + backward 2 GB of traffic.
-    assert!(gpu - flat >= 3e9 / hw.hbm_bytes_per_s * 0.999, "{gpu} vs {flat}");
+    assert!(
+        gpu - flat >= 3e9 / hw.hbm_bytes_per_s * 0.999,
+        "{gpu} vs {flat}"
+    );
 }
 
 #[test]
@@ -794,7 +807,11 @@ fn t5_11b_description() {
     let m = m.with_compute_bytes(2).with_activation_bytes(2);
     let p = a100_planner(m, 8, 8).with_activation_checkpointing(true);
     let e = p
-        .estimate(&pc(ShardingStrategy::FullShard, 8, BackwardPrefetch::BackwardPre))
+        .estimate(&pc(
+            ShardingStrategy::FullShard,
+            8,
+            BackwardPrefetch::BackwardPre,
+        ))
         .unwrap();
     assert!(e.fits);
     assert!(ModelDesc::encoder_decoder(&EncDecConfig { d_model: 0, ..cfg }).is_err());
@@ -818,7 +835,10 @@ fn merged_table_and_bound() {
     let all = fast.evaluate_all();
     let rows = merge_rows(&all);
     assert!(rows.len() < all.len());
-    assert_eq!(rows.iter().map(|r| r.members.len()).sum::<usize>(), all.len());
+    assert_eq!(
+        rows.iter().map(|r| r.members.len()).sum::<usize>(),
+        all.len()
+    );
     assert!(rows.iter().any(|r| r.label.contains("any")), "{rows:#?}");
     for r in &rows {
         for c in &r.members[1..] {
@@ -848,8 +868,16 @@ fn merged_table_and_bound() {
 
     // Memory: on slow links, no-shard and shard-grad-op (two collectives per unit) beat
     // full-shard (three) but need more memory; with room for full-shard only, memory bounds.
-    let no_shard = pc(ShardingStrategy::ShardGradOp, 4, BackwardPrefetch::BackwardPre);
-    let full = pc(ShardingStrategy::FullShard, 4, BackwardPrefetch::BackwardPre);
+    let no_shard = pc(
+        ShardingStrategy::ShardGradOp,
+        4,
+        BackwardPrefetch::BackwardPre,
+    );
+    let full = pc(
+        ShardingStrategy::FullShard,
+        4,
+        BackwardPrefetch::BackwardPre,
+    );
     let mut tight = Planner::new(
         m,
         cluster(1, 4, link(0.01, 0.0), link(0.01, 0.0)),
@@ -907,7 +935,9 @@ fn checkpointed_peak_matches_the_allocator() {
     for step in 0..2 {
         dev.reset_peak_stats();
         let n = batch * cfg.seq_len;
-        let ids: Vec<i64> = (0..n).map(|i| ((i * 7 + step) % cfg.vocab) as i64).collect();
+        let ids: Vec<i64> = (0..n)
+            .map(|i| ((i * 7 + step) % cfg.vocab) as i64)
+            .collect();
         let tg: Vec<i64> = (0..n).map(|i| ((i * 5) % cfg.vocab) as i64).collect();
         let x = Tensor::from_vec(ids, &[batch, cfg.seq_len], &dev).unwrap();
         let y = Tensor::from_vec(tg, &[n], &dev).unwrap();
@@ -919,6 +949,12 @@ fn checkpointed_peak_matches_the_allocator() {
         peak = dev.memory_stats().peak_allocated_bytes;
     }
     let err = (predicted as f64 - peak as f64) / peak as f64;
-    eprintln!("checkpointed: measured {peak} predicted {predicted} ({:+.2}%)", err * 100.0);
-    assert!(err.abs() <= 0.05, "measured {peak} B, predicted {predicted} B");
+    eprintln!(
+        "checkpointed: measured {peak} predicted {predicted} ({:+.2}%)",
+        err * 100.0
+    );
+    assert!(
+        err.abs() <= 0.05,
+        "measured {peak} B, predicted {predicted} B"
+    );
 }
