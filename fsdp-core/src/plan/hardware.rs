@@ -161,7 +161,7 @@ impl Hardware {
             return bad("HBM bandwidth, memory and GPUs per node must be positive");
         }
         for l in [self.nvlink, self.network] {
-            if !pos(l.bytes_per_s) || !(l.latency_s.is_finite() && l.latency_s >= 0.0) {
+            if !(pos(l.bytes_per_s) && l.latency_s.is_finite() && l.latency_s >= 0.0) {
                 return bad("link bandwidths must be positive and latencies ≥ 0");
             }
         }
