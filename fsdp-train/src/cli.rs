@@ -16,8 +16,11 @@ use crate::train::{DataSpec, OptimHyper, Optimizer, TrainConfig};
 
 /// Largest `--steps`, `--warmup-steps`, `--eval-every`, `--checkpoint-every`.
 pub const MAX_STEPS: u64 = 10_000_000;
-/// Largest model `--model`/overrides may build (parameters).
+/// Largest model `--model`/overrides may build (parameters); `--plan` alone (no training)
+/// describes models of any size without building them.
 pub const MAX_PARAMS: u64 = 4_000_000_000;
+/// Most thread ranks a training run may start; `--plan` alone accepts up to 65,536.
+pub const MAX_RANKS: u64 = 64;
 
 /// Trains a GPT with FSDP on CPU thread ranks (fsdp-rs's main job).
 ///
@@ -83,6 +86,10 @@ pub struct ModelArgs {
     /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
     #[arg(long)]
     pub tied: bool,
+    /// Activation checkpointing of every transformer block (recomputed in backward; the
+    /// planner models it too)
+    #[arg(long)]
+    pub activation_checkpointing: bool,
 }
 
 /// Training data.
@@ -121,8 +128,9 @@ pub struct DataArgs {
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
     /// Number of thread ranks [default: 4; with --device cuda: every visible GPU] (with
-    /// --backend mpi or nccl: the launcher's process count instead)
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+    /// --backend mpi or nccl: the launcher's process count instead); at most 64 to train, up to
+    /// 65,536 with --plan alone
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub ranks: Option<u64>,
     /// Collectives backend: thread (W thread ranks in this process; NCCL between them with
     /// --device cuda), mpi (one process per CPU rank under mpirun/srun; needs a build with
@@ -532,6 +540,11 @@ impl Cli {
             gpt = gpt.with_tied(true);
         }
         apply_gelu(&mut gpt, m.gelu);
+        if m.activation_checkpointing {
+            gpt = gpt.with_checkpoint(true);
+        }
+        // `--plan` without `--apply` builds nothing: any model size and rank count may be planned.
+        let plan_only = self.planning.plan && !self.planning.apply;
         let shaped = m.d_model.is_some()
             || m.layers.is_some()
             || m.heads.is_some()
@@ -548,7 +561,7 @@ impl Cli {
             ));
         }
         let params = gpt_params(&gpt);
-        if params > MAX_PARAMS {
+        if params > MAX_PARAMS && !plan_only {
             return usage(format!(
                 "the model would have {params} parameters (more than {MAX_PARAMS}); pick a smaller \
                  --model or smaller --d-model/--layers/--vocab"
@@ -608,6 +621,12 @@ impl Cli {
         } else {
             p.ranks.unwrap_or(4) as usize
         };
+        if let Some(r) = p.ranks.filter(|&r| r > MAX_RANKS && !plan_only) {
+            return usage(format!(
+                "--ranks {r}: at most {MAX_RANKS} ranks train in one process (--plan alone plans \
+                 for up to 65536)"
+            ));
+        }
         if cuda.is_some() && p.strategy == StrategyArg::NoShard {
             return usage(
                 "--device cuda trains with CPU offload (the optimizer runs on the host), which                  needs a sharded strategy (not no-shard)",

@@ -286,20 +286,25 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
         .map_err(|e| format!("GEMM probe: {e}"))?;
     if cli.planning.plan {
         // `--plan`: the ranked table (rank 0 prints it); `--apply` trains with the top plan.
-        let cluster = plan::cluster(&cli.planning, c.ranks, gemm_rate)?;
-        let planner = plan::planner(&c, cluster)?;
+        let (cluster, hardware) = plan::cluster(&cli.planning, c.ranks, gemm_rate)?;
+        let planner = plan::planner(&c, cluster, hardware)?;
         let top = if primary {
             plan::print_plan(&c, &planner)?
         } else {
-            *planner
-                .plan()
-                .map_err(|e| e.to_string())?
-                .first()
-                .ok_or("no plan")?
+            planner.plan().ok().and_then(|p| p.first().copied())
         };
         if !cli.planning.apply {
             return Ok(());
         }
+        let top = match top {
+            Some(t) => t,
+            None => {
+                return Err(planner
+                    .plan()
+                    .err()
+                    .map_or("no plan".into(), |e| e.to_string()))
+            }
+        };
         if c.mpi && cli.planning.cluster_tflops.is_none() && cli.planning.cluster.is_none() {
             return Err(
                 "--plan --apply with --backend mpi: give the compute rate (--cluster-tflops or \

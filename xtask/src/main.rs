@@ -33,6 +33,7 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("fsdp", "fsdp-core", "fsdp-core"),
     ("scaling", "fsdp-core", "fsdp-core"),
     ("planner", "fsdp-core", "fsdp-core"),
+    ("paper", "fsdp-core", "fsdp-core"),
     ("quantized", "fsdp-train", "fsdp-train"),
 ];
 

@@ -87,6 +87,42 @@ impl Cluster {
     }
 }
 
+/// Where a process group's ranks sit: how many nodes it spans and how many of its ranks each
+/// of those nodes holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupShape {
+    /// Ranks in the group.
+    pub size: usize,
+    /// Nodes the group spans.
+    pub nodes: usize,
+    /// The group's ranks in each of those nodes.
+    pub per_node: usize,
+}
+
+impl Cluster {
+    /// The shape of a group of `size` ranks: `stride` 1 for consecutive ranks (a shard group,
+    /// the world group), `stride` F for HybridShard's replicate groups (one rank from each shard
+    /// group of F consecutive ranks). Ranks are numbered node by node.
+    pub fn group_shape(&self, size: usize, stride: usize) -> GroupShape {
+        let size = size.max(1);
+        let stride = stride.max(1);
+        let rpn = self.ranks_per_node.max(1);
+        let span = (size - 1) * stride + 1;
+        let per_node = if self.nodes <= 1 || span <= rpn {
+            size
+        } else if stride >= rpn {
+            1
+        } else {
+            (rpn / stride).clamp(1, size)
+        };
+        GroupShape {
+            size,
+            nodes: size.div_ceil(per_node),
+            per_node,
+        }
+    }
+}
+
 /// The work of one step on one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Batch {

@@ -25,23 +25,49 @@
 //! - [`Planner::plan`]: every candidate estimated, the feasible ones (peak × (1 + headroom) ≤
 //!   device memory) ranked by step time.
 //!
-//! Limits: compute is `FLOPs / rate` (give the rate measured on the model's own kernels; the
-//! planner does not model kernel efficiency), the host thread is assumed to run ahead of the
+//! - [`Hardware`] (presets [`Hardware::a100_80gb`], [`Hardware::h100_80gb`], every constant
+//!   citing a vendor specification or a public GEMM/NCCL measurement): attached with
+//!   [`Planner::with_hardware`], compute becomes a per-leaf roofline (`max(FLOPs / (peak of the
+//!   compute dtype × GEMM efficiency), activation bytes / HBM bandwidth)`) and collectives are
+//!   priced as NCCL's cost model prices its ring (and tree, for all-reduce) over nodes of
+//!   NVLink joined by a network ([`Hardware::collective_time`], [`Cluster::group_shape`]): so
+//!   per-GPU throughput vs cluster size comes out of the model. [`ModelDesc::gpt`] describes a
+//!   GPT of any size without allocating it, [`ModelDesc::encoder_decoder`] a T5-style model;
+//!   [`ModelDesc::with_activation_bytes`] for bf16 activations and
+//!   [`Planner::with_activation_checkpointing`] for per-block recomputation.
+//! - [`Planner::merged_table`] merges candidates whose predictions print the same into one row
+//!   naming the settings that do not matter; [`Planner::bound`] says what bounds the top plan
+//!   (compute, intra-node link, inter-node link, memory).
+//!
+//! Limits: without [`Hardware`], compute is `FLOPs / rate` (give the rate measured on the
+//! model's own kernels); with it, a roofline per leaf that knows nothing of kernel launch
+//! overheads, of communication kernels slowing the compute they overlap (they share SMs and
+//! HBM), or of the allocator's retries when memory runs out (the paper's 128-GPU batch-2 case); the host thread is assumed to run ahead of the
 //! device (true for FSDP's eager hooks unless the limiter blocks it), one link per group with no
 //! contention between groups, and the memory model counts what fsdp-autograd's GPT ops save; a
 //! model described by hand must give its own activation figures.
 
 mod cluster;
+mod encdec;
+mod hardware;
 mod model;
+mod report;
 mod search;
 mod simulate;
 #[cfg(test)]
 mod tests;
 
 pub use cluster::{
-    cross_node_bytes, ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, Link,
+    cross_node_bytes, ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, GroupShape,
+    Link,
+};
+pub use encdec::EncDecConfig;
+pub use hardware::{
+    Collective, Hardware, NCCL_NET_STEP_LATENCY_US, NCCL_NVLINK_STEP_LATENCY_US,
+    NCCL_RING_BASE_LATENCY_US, NCCL_TREE_BANDWIDTH_FRACTION, PRESETS,
 };
 pub use model::{gpt_modules, Leaf, ModelDesc, UnitDesc};
+pub use report::{merge_rows, Bound, MergedRow};
 pub use search::{PlanConfig, PlanEstimate, Planner};
 pub use simulate::{MemoryBreakdown, StepEstimate};
 

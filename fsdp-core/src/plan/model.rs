@@ -37,6 +37,11 @@ pub struct Leaf {
     /// Bytes of the parameter gradients the leaf computes before folding them into the unit's
     /// flat gradient (a temporary); 0 exactly when the leaf has no parameters.
     pub weight_grad_bytes: usize,
+    /// Device-memory bytes per token the leaf's forward reads and writes (activations, not the
+    /// weights); backward is counted as twice this. Only a [`crate::plan::Hardware`] roofline
+    /// uses it (a memory-bound leaf — layer norm, GELU, softmax — costs `bytes / HBM
+    /// bandwidth`); 0 when unknown.
+    pub hbm_bytes_per_token: f64,
 }
 
 /// A model description: units, the forward sequence of leaves, element sizes.
@@ -117,6 +122,7 @@ impl ModelDesc {
                 l.fwd_flops_per_token,
                 l.saved_bytes_per_token,
                 l.bwd_transient_bytes_per_token,
+                l.hbm_bytes_per_token,
             ];
             if finite.iter().any(|x| !x.is_finite() || *x < 0.0) {
                 return bad(format!(
@@ -181,7 +187,7 @@ impl ModelDesc {
         };
         let leaves: Vec<Leaf> = gpt_leaves(cfg)
             .into_iter()
-            .map(|(path, fl, saved, tr, wgrad)| {
+            .map(|(path, fl, saved, tr, wgrad, hbm)| {
                 let module = infos.iter().find(|m| m.path == path);
                 let unit = module
                     .and_then(|m| m.params.first())
@@ -194,6 +200,7 @@ impl ModelDesc {
                     saved_bytes_per_token: saved,
                     bwd_transient_bytes_per_token: tr,
                     weight_grad_bytes: wgrad,
+                    hbm_bytes_per_token: hbm,
                 }
             })
             .collect();
@@ -242,6 +249,36 @@ impl ModelDesc {
     pub fn with_compute_bytes(mut self, bytes: usize) -> ModelDesc {
         self.compute_bytes = bytes;
         self
+    }
+
+    /// This description with activations (saved tensors, backward temporaries, the output and
+    /// the activation traffic) in elements of `bytes` instead of the 4 of f32: 2 for a model
+    /// that computes in bf16/f16 (as PyTorch autocast does). Inputs (token ids) are unchanged.
+    pub fn with_activation_bytes(mut self, bytes: usize) -> ModelDesc {
+        let k = bytes as f64 / 4.0;
+        for l in &mut self.leaves {
+            l.saved_bytes_per_token *= k;
+            l.bwd_transient_bytes_per_token *= k;
+            l.hbm_bytes_per_token *= k;
+        }
+        self.output_bytes_per_token *= k;
+        self
+    }
+
+    /// The units that enclose no other unit (the leaves of the unit tree; the root excepted
+    /// unless it is the only unit): what activation checkpointing per block recomputes.
+    pub fn innermost_units(&self) -> Vec<usize> {
+        let n = self.units.len();
+        (0..n)
+            .filter(|&u| {
+                (n == 1 || u != self.root())
+                    && (0..n).all(|v| {
+                        v == u
+                            || !(self.spans[u].0 <= self.spans[v].0
+                                && self.spans[v].1 <= self.spans[u].1)
+                    })
+            })
+            .collect()
     }
 }
 
@@ -317,7 +354,10 @@ pub fn gpt_modules(cfg: &GptConfig) -> Vec<ModuleInfo> {
 }
 
 /// (path, forward FLOPs/token, saved bytes/token, backward transient bytes/token, weight
-/// gradient bytes) for every leaf of the GPT forward, in order.
+/// gradient bytes, forward activation traffic bytes/token) for every leaf of the GPT forward, in
+/// order. The traffic counts each activation read and written once per op (f32), attention as
+/// an unfused kernel that writes the `[h, t]` scores per token, reads and writes them in the
+/// softmax and reads the probabilities for the value product (four passes).
 ///
 /// A saved tensor is charged to the op that saves it (fsdp-autograd's ops, f32): a linear
 /// saves its input; layer norm its input plus mean and rstd; attention q, k, v (views of one
@@ -327,7 +367,7 @@ pub fn gpt_modules(cfg: &GptConfig) -> Vec<ModuleInfo> {
 /// the op's backward runs: the gradient of its output, the gradient of its input, the
 /// residual stream's gradient (held while a block's branch is differentiated) and the op's own
 /// temporaries.
-fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
+fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize, f64)> {
     let (v, d, h, t) = (
         cfg.vocab as f64,
         cfg.d_model as f64,
@@ -338,14 +378,35 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
     let bytes = |n: f64| n as usize * 4;
     let mut out = Vec::new();
     // Embeddings: token + position lookups summed into x0; dense weight gradients.
-    out.push(("tok_emb".to_string(), d, 0.0, f * d, bytes(v * d)));
-    out.push(("pos_emb".to_string(), d, 0.0, f * d, bytes(t * d)));
+    out.push((
+        "tok_emb".to_string(),
+        d,
+        0.0,
+        f * d,
+        bytes(v * d),
+        f * 2.0 * d,
+    ));
+    out.push((
+        "pos_emb".to_string(),
+        d,
+        0.0,
+        f * d,
+        bytes(t * d),
+        f * 3.0 * d,
+    ));
     for i in 0..cfg.n_layers {
         let b = format!("blocks.{i}");
         let ln = bytes(2.0 * d);
         // ln1 saves the block input, mean, rstd; backward: output and input gradients, the
         // residual gradient and their sum.
-        out.push((format!("{b}.ln1"), 8.0 * d, f * d + 8.0, 4.0 * f * d, ln));
+        out.push((
+            format!("{b}.ln1"),
+            8.0 * d,
+            f * d + 8.0,
+            4.0 * f * d,
+            ln,
+            f * 2.0 * d,
+        ));
         // qkv saves ln1's output.
         out.push((
             format!("{b}.attn.qkv"),
@@ -353,6 +414,7 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
             f * d,
             f * (3.0 * d + d + d),
             bytes(3.0 * d * d + 3.0 * d),
+            f * 4.0 * d,
         ));
         // attention saves the contiguous q, k, v copy and the probabilities; backward holds
         // dq, dk, dv and the probabilities' gradient, then their concatenation.
@@ -362,6 +424,7 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
             f * 3.0 * d + f * h * t,
             (f * (5.0 * d) + f * h * t).max(f * 7.0 * d),
             0,
+            f * (7.0 * d + 4.0 * h * t),
         ));
         // proj saves attention's output ([b, t, d] copy); the residual add saves nothing.
         out.push((
@@ -370,8 +433,16 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
             f * d,
             f * 2.0 * d,
             bytes(d * d + d),
+            f * 5.0 * d,
         ));
-        out.push((format!("{b}.ln2"), 8.0 * d, f * d + 8.0, 4.0 * f * d, ln));
+        out.push((
+            format!("{b}.ln2"),
+            8.0 * d,
+            f * d + 8.0,
+            4.0 * f * d,
+            ln,
+            f * 2.0 * d,
+        ));
         // fc saves ln2's output; GELU saves fc's output; proj saves GELU's output.
         out.push((
             format!("{b}.mlp.fc"),
@@ -379,6 +450,7 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
             f * d,
             f * (4.0 * d + d + d),
             bytes(4.0 * d * d + 4.0 * d),
+            f * 5.0 * d,
         ));
         out.push((
             format!("{b}.mlp.gelu"),
@@ -386,6 +458,7 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
             f * 4.0 * d,
             f * (4.0 * d + 4.0 * d + d),
             0,
+            f * 8.0 * d,
         ));
         out.push((
             format!("{b}.mlp.proj"),
@@ -393,6 +466,7 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
             f * 4.0 * d,
             f * (d + 4.0 * d),
             bytes(4.0 * d * d + d),
+            f * 8.0 * d,
         ));
     }
     out.push((
@@ -401,6 +475,7 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
         f * d + 8.0,
         3.0 * f * d,
         bytes(2.0 * d),
+        f * 2.0 * d,
     ));
     // The head saves ln_f's output; its output (the logits) is the model's output.
     out.push((
@@ -409,8 +484,9 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize)> {
         f * d,
         f * v + f * d,
         bytes(v * d),
+        f * (d + v),
     ));
     // Cross-entropy saves the log-sum-exp; its backward allocates the logits' gradient.
-    out.push(("loss".to_string(), 5.0 * v, 4.0, f * v, 0));
+    out.push(("loss".to_string(), 5.0 * v, 4.0, f * v, 0, f * 2.0 * v));
     out
 }

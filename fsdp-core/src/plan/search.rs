@@ -2,8 +2,9 @@
 
 use crate::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 use crate::plan::cluster::{Batch, Cluster};
+use crate::plan::hardware::Hardware;
 use crate::plan::model::ModelDesc;
-use crate::plan::simulate::{simulate, StepEstimate};
+use crate::plan::simulate::{simulate, SimOptions, StepEstimate};
 use crate::plan::PlanError;
 
 /// One configuration the planner considers.
@@ -106,6 +107,13 @@ pub struct Planner {
     /// memory`. Default 0.25: train_gpt's GPT-mini on 4 ranks (hybrid shard) peaked at 55.7 MiB
     /// allocated and 66.6 MiB reserved per rank (ratio 1.20).
     pub allocator_headroom: f64,
+    /// GPU and fabric detail: with it, compute is a per-leaf roofline and collectives are
+    /// priced as NCCL's ring/tree over nodes ([`Hardware::collective_time`]); without it, the
+    /// cluster's flat alpha-beta links and compute rate.
+    pub hardware: Option<Hardware>,
+    /// Activation checkpointing of every innermost unit ([`ModelDesc::innermost_units`]): only
+    /// its input is kept through forward; its forward is recomputed at its backward.
+    pub activation_checkpointing: bool,
 }
 
 impl Planner {
@@ -130,7 +138,23 @@ impl Planner {
             batch,
             optimizer_slots: 0,
             allocator_headroom: 0.25,
+            hardware: None,
+            activation_checkpointing: false,
         })
+    }
+
+    /// With GPU and fabric detail (see [`Planner::hardware`]); checked for sane figures.
+    pub fn with_hardware(mut self, hardware: Hardware) -> Result<Planner, PlanError> {
+        hardware.validate()?;
+        self.hardware = Some(hardware);
+        Ok(self)
+    }
+
+    /// With activation checkpointing per innermost unit (per transformer block under the
+    /// block policy), as `GptConfig::checkpoint` does.
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Planner {
+        self.activation_checkpointing = on;
+        self
     }
 
     /// With `slots` optimizer state slots per parameter (AdamW: 2).
@@ -221,7 +245,11 @@ impl Planner {
             &self.cluster,
             &self.batch,
             c,
-            self.optimizer_slots,
+            &SimOptions {
+                optimizer_slots: self.optimizer_slots,
+                hardware: self.hardware.as_ref(),
+                activation_checkpointing: self.activation_checkpointing,
+            },
         );
         let need = estimate.peak_bytes as f64 * (1.0 + self.allocator_headroom);
         Ok(PlanEstimate {

@@ -12,7 +12,10 @@
 use std::collections::VecDeque;
 
 use crate::config::{BackwardPrefetch, ShardingStrategy};
-use crate::plan::cluster::{ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, Link};
+use crate::plan::cluster::{
+    ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, GroupShape, Link,
+};
+use crate::plan::hardware::{Collective, Hardware};
 use crate::plan::model::ModelDesc;
 use crate::plan::PlanConfig;
 
@@ -70,6 +73,13 @@ pub struct StepEstimate {
     pub cross_node_bytes: f64,
     /// Time the host thread spent blocked in the rate limiter, seconds.
     pub limiter_wait_s: f64,
+    /// Busy time of the links of groups inside one node, seconds.
+    pub intra_busy_s: f64,
+    /// Busy time of the links of groups that span nodes, seconds.
+    pub inter_busy_s: f64,
+    /// FLOPs the rank executes in forward and backward (activation recomputation included,
+    /// the optimizer not): the "hardware FLOPs" of a step.
+    pub hardware_flops: f64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -111,22 +121,35 @@ impl Memory {
 }
 
 /// A process group's in-order link.
-struct Group {
+struct Group<'a> {
     link: Link,
     size: usize,
     free_at: f64,
     busy: f64,
     cross_node: bool,
+    /// With hardware: the group's shape and the two links, priced as NCCL does.
+    hier: Option<(&'a Hardware, GroupShape, Link, Link)>,
 }
 
-impl Group {
+impl Group<'_> {
     /// Runs a collective of `bytes` per rank that may start at `ready`; returns its end.
-    fn run(&mut self, ready: f64, bytes: f64, cross: &mut f64) -> f64 {
+    fn run(&mut self, ready: f64, bytes: f64, kind: Collective, cross: &mut f64) -> f64 {
         if self.size <= 1 {
             return ready;
         }
         let start = ready.max(self.free_at);
-        let t = self.link.time(bytes);
+        let t = match self.hier {
+            Some((hw, shape, intra, inter)) => hw.collective_time(
+                kind,
+                bytes,
+                shape.size,
+                shape.nodes,
+                shape.per_node,
+                intra,
+                inter,
+            ),
+            None => self.link.time(bytes),
+        };
         self.free_at = start + t;
         self.busy += t;
         if self.cross_node {
@@ -147,8 +170,8 @@ struct Sim<'a> {
     compute_busy: f64,
     unshard_stream: f64,
     reduce_stream: f64,
-    main: Group,
-    replicate: Option<Group>,
+    main: Group<'a>,
+    replicate: Option<Group<'a>>,
     cross: f64,
     outstanding: VecDeque<f64>,
     limiter_wait: f64,
@@ -159,6 +182,8 @@ struct Sim<'a> {
     reductions: Vec<f64>,
     mem: Memory,
     factor: usize,
+    hw: Option<&'a Hardware>,
+    flops: f64,
 }
 
 impl<'a> Sim<'a> {
@@ -184,6 +209,17 @@ impl<'a> Sim<'a> {
         let start = self.compute.max(self.host);
         self.compute = start + secs;
         self.compute_busy += secs;
+    }
+
+    /// Runs `flops` of work touching `hbm_bytes` of device memory: at the cluster's rate, or
+    /// with hardware on the roofline of the model's compute dtype.
+    fn work(&mut self, flops: f64, hbm_bytes: f64) {
+        let secs = match self.hw {
+            Some(hw) => hw.compute_time(flops, hbm_bytes, self.m.compute_bytes),
+            None => flops / self.rate,
+        };
+        self.flops += flops;
+        self.run_compute(secs);
     }
 
     fn acquire(&mut self) {
@@ -214,7 +250,9 @@ impl<'a> Sim<'a> {
                 .alloc(Cat::Unsharded, round(self.gathered_bytes(u)));
             let bytes = ring_all_gather_bytes(self.gathered_bytes(u), self.factor);
             let ready = self.unshard_stream.max(self.host);
-            let end = self.main.run(ready, bytes, &mut self.cross);
+            let end = self
+                .main
+                .run(ready, bytes, Collective::AllGather, &mut self.cross);
             self.unshard_stream = end;
             self.pending[u] = Some(end);
         }
@@ -245,10 +283,13 @@ impl<'a> Sim<'a> {
         let ready = self.reduce_stream.max(self.compute).max(self.host);
         let end = if self.sharded() {
             let rs = ring_all_gather_bytes(grad, self.factor);
-            let mut end = self.main.run(ready, rs, &mut self.cross);
+            let mut end = self
+                .main
+                .run(ready, rs, Collective::ReduceScatter, &mut self.cross);
             if let Some(rep) = self.replicate.as_mut() {
                 let shard = grad / self.factor as f64;
-                end = rep.run(end, ring_all_reduce_bytes(shard, rep.size), &mut self.cross);
+                let bytes = ring_all_reduce_bytes(shard, rep.size);
+                end = rep.run(end, bytes, Collective::AllReduce, &mut self.cross);
             }
             // The reduced shard is kept (f32) until zero_grad; the flat gradient is freed.
             self.mem.alloc(Cat::ShardGrads, round(self.chunk(u) * 4.0));
@@ -256,7 +297,9 @@ impl<'a> Sim<'a> {
             end
         } else {
             let ar = ring_all_reduce_bytes(grad, self.main.size);
-            let end = self.main.run(ready, ar, &mut self.cross);
+            let end = self
+                .main
+                .run(ready, ar, Collective::AllReduce, &mut self.cross);
             // NoShard: the all-reduced flat gradient is the kept gradient.
             self.mem.free(Cat::FlatGrads, round(grad));
             self.mem.alloc(Cat::ShardGrads, round(grad));
@@ -277,6 +320,18 @@ impl<'a> Sim<'a> {
     }
 }
 
+/// What [`simulate`] needs beyond the model, cluster, batch and configuration.
+pub(crate) struct SimOptions<'a> {
+    /// Optimizer state slots per parameter.
+    pub optimizer_slots: usize,
+    /// GPU and fabric detail (roofline compute, NCCL's hierarchical collectives).
+    pub hardware: Option<&'a Hardware>,
+    /// Activation checkpointing of every unit that encloses no other unit (the root excepted):
+    /// its forward keeps only its input (its first leaf's saved bytes) and is recomputed at the
+    /// start of its backward.
+    pub activation_checkpointing: bool,
+}
+
 /// Simulates one steady-state step. `order` is the units' forward order (by span start, outer
 /// units first).
 pub(crate) fn simulate(
@@ -284,8 +339,10 @@ pub(crate) fn simulate(
     cluster: &Cluster,
     batch: &Batch,
     cfg: &PlanConfig,
-    optimizer_slots: usize,
+    opts: &SimOptions<'_>,
 ) -> StepEstimate {
+    let optimizer_slots = opts.optimizer_slots;
+    let hw = opts.hardware;
     let world = cluster.world();
     let n_units = m.units.len();
     let root = m.root();
@@ -300,24 +357,46 @@ pub(crate) fn simulate(
         world
     };
     let (main_link, main_cross) = cluster.group_link(true, main_size);
+    let hier = |size: usize, stride: usize| {
+        hw.map(|h| {
+            (
+                h,
+                cluster.group_shape(size, stride),
+                cluster.intra,
+                cluster.inter,
+            )
+        })
+    };
+    let main_shape = cluster.group_shape(main_size, 1);
     let main = Group {
         link: main_link,
         size: main_size,
         free_at: 0.0,
         busy: 0.0,
-        cross_node: main_cross,
+        cross_node: if hw.is_some() {
+            main_shape.nodes > 1
+        } else {
+            main_cross
+        },
+        hier: hier(main_size, 1),
     };
     let replicate =
         (cfg.strategy == ShardingStrategy::HybridShard && world / factor > 1).then(|| {
             // Replicate groups take one rank from every shard group: strided across nodes unless
             // the whole job fits in one node.
             let (link, cross_node) = cluster.group_link(false, world / factor);
+            let shape = cluster.group_shape(world / factor, factor);
             Group {
                 link,
                 size: world / factor,
                 free_at: 0.0,
                 busy: 0.0,
-                cross_node,
+                cross_node: if hw.is_some() {
+                    shape.nodes > 1
+                } else {
+                    cross_node
+                },
+                hier: hier(world / factor, factor),
             }
         });
     let mut sim = Sim {
@@ -345,7 +424,20 @@ pub(crate) fn simulate(
             peak: MemoryBreakdown::default(),
         },
         factor,
+        hw,
+        flops: 0.0,
     };
+    // Checkpointed units: every non-root unit whose span holds no other unit's start.
+    let mut checkpointed = vec![false; n_units];
+    if opts.activation_checkpointing {
+        for u in m.innermost_units() {
+            checkpointed[u] = u != root;
+        }
+    }
+    // For each leaf, the checkpointed unit whose span holds it (if any).
+    let ckpt_of: Vec<Option<usize>> = (0..m.leaves.len())
+        .map(|i| (0..n_units).find(|&u| checkpointed[u] && m.spans[u].0 <= i && i <= m.spans[u].1))
+        .collect();
 
     // Persistent state: shards (whole flat parameters under NoShard, which keeps them as the
     // parameters' storage) and optimizer slots.
@@ -381,10 +473,16 @@ pub(crate) fn simulate(
                 }
             }
         }
-        let secs = leaf.fwd_flops_per_token * tokens / sim.rate;
-        sim.run_compute(secs);
-        sim.mem
-            .alloc(Cat::Activations, round(leaf.saved_bytes_per_token * tokens));
+        sim.work(
+            leaf.fwd_flops_per_token * tokens,
+            leaf.hbm_bytes_per_token * tokens,
+        );
+        // Inside a checkpointed unit only its first leaf's saved bytes (the unit's input) stay.
+        let keeps = ckpt_of[i].is_none_or(|u| m.spans[u].0 == i);
+        if keeps {
+            sim.mem
+                .alloc(Cat::Activations, round(leaf.saved_bytes_per_token * tokens));
+        }
         if i == m.spans[root].1 {
             sim.mem
                 .alloc(Cat::Activations, round(m.output_bytes_per_token * tokens));
@@ -424,9 +522,25 @@ pub(crate) fn simulate(
                     sim.unshard(next);
                 }
             }
+            if checkpointed[u] {
+                // Recompute the unit's forward: its leaves' saved tensors come back.
+                let (a, b) = m.spans[u];
+                for (j, l) in m.leaves.iter().enumerate().take(b + 1).skip(a) {
+                    sim.work(
+                        l.fwd_flops_per_token * tokens,
+                        l.hbm_bytes_per_token * tokens,
+                    );
+                    if j != a {
+                        sim.mem
+                            .alloc(Cat::Activations, round(l.saved_bytes_per_token * tokens));
+                    }
+                }
+            }
         }
-        let secs = 2.0 * leaf.fwd_flops_per_token * tokens / sim.rate;
-        sim.run_compute(secs);
+        sim.work(
+            2.0 * leaf.fwd_flops_per_token * tokens,
+            2.0 * leaf.hbm_bytes_per_token * tokens,
+        );
         // The op's backward allocates its input and weight gradients while its output's
         // gradient is alive; its saved tensors are released when it returns, before the engine
         // folds the weight gradients into the unit's flat gradient (allocated at the first).
@@ -478,13 +592,29 @@ pub(crate) fn simulate(
     // Optimizer: a few passes over the shards and their gradients.
     let shard_numel: f64 = (0..n_units).map(|u| sim.chunk(u)).sum();
     let opt_flops = shard_numel * (2.0 + 8.0 * optimizer_slots as f64);
-    sim.run_compute(opt_flops / sim.rate);
+    match hw {
+        // Memory-bound on a GPU: read parameter and gradient, write the parameter, read and
+        // write every f32 slot.
+        Some(h) => {
+            let bytes = shard_numel * 4.0 * (3.0 + 2.0 * optimizer_slots as f64);
+            sim.run_compute(h.compute_time(opt_flops, bytes, 4));
+        }
+        None => sim.run_compute(opt_flops / sim.rate),
+    }
     let end = sim
         .compute
         .max(sim.unshard_stream)
         .max(sim.reduce_stream)
         .max(sim.host);
     let comm = sim.main.busy + sim.replicate.as_ref().map_or(0.0, |g| g.busy);
+    let (mut intra_busy, mut inter_busy) = (0.0, 0.0);
+    for g in std::iter::once(&sim.main).chain(sim.replicate.as_ref()) {
+        if g.cross_node {
+            inter_busy += g.busy;
+        } else {
+            intra_busy += g.busy;
+        }
+    }
     StepEstimate {
         step_s: end,
         compute_s: sim.compute_busy,
@@ -493,5 +623,8 @@ pub(crate) fn simulate(
         peak: sim.mem.peak,
         cross_node_bytes: sim.cross,
         limiter_wait_s: sim.limiter_wait,
+        intra_busy_s: intra_busy,
+        inter_busy_s: inter_busy,
+        hardware_flops: sim.flops,
     }
 }
