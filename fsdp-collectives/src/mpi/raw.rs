@@ -1,6 +1,6 @@
 //! The edge to MPI: process-wide initialization through the `mpi` crate, and thin wrappers over
 //! the raw calls (`mpi::ffi`) the backend needs — communicator split/dup/free, the shared-memory
-//! window, and the byte-wise collectives of the fallback path. Every `unsafe` block of the MPI
+//! window, and the byte-wise non-blocking collectives (polled with a deadline) of the MPI path. Every `unsafe` block of the MPI
 //! backend is in this file.
 
 use std::ffi::{c_char, c_int, c_void};
@@ -117,6 +117,20 @@ fn count(call: &'static str, rank: usize, bytes: usize) -> Result<c_int> {
     })
 }
 
+/// How long [`Comm::exchange`] polls with `yield`s before it sleeps 1 ms between tests.
+const IDLE_BEFORE_SLEEP: Duration = Duration::from_millis(50);
+
+/// The byte-wise non-blocking collectives of [`Comm::exchange`].
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Xfer {
+    /// `MPI_Iallgather`.
+    Gather,
+    /// `MPI_Ialltoall`.
+    ToAll,
+    /// `MPI_Ibcast` from this root.
+    FromRoot(usize),
+}
+
 /// An owned communicator (a dup or split of the world), freed on drop.
 pub(super) struct Comm {
     raw: ffi::MPI_Comm,
@@ -224,44 +238,106 @@ impl Comm {
         Comm::from_raw(raw, &self._rt)
     }
 
-    /// Non-blocking all-gather of `send` (same length on every rank) into `recv`
-    /// (`size × send.len()`), polled with sleeps (never a busy loop) until done or `timeout`.
-    /// On timeout the request cannot be cancelled (MPI has no cancel for collectives): the
-    /// buffers are leaked to keep them valid and the caller must treat the communicator as
-    /// broken. Returns `Ok(false)` on timeout.
-    pub(super) fn all_gather_polled(
+    /// A non-blocking byte-wise collective (`MPI_Iallgather`, `MPI_Ialltoall` or `MPI_Ibcast`,
+    /// see [`Xfer`]) polled until done or `timeout`: `MPI_Test` in a loop that yields the core
+    /// between tests (`MPI_Test` is what drives OpenMPI's progress, so the loop does not sleep
+    /// while bytes are moving); after [`IDLE_BEFORE_SLEEP`] without completion it sleeps 1 ms
+    /// between tests, so a rank waiting on a stuck peer does not burn a core. Returns `Ok(false)`
+    /// on timeout: the request cannot be cancelled (MPI has no cancel for collectives), so both
+    /// buffers are leaked to keep them valid for MPI (`recv` is left empty) and the caller must
+    /// treat the communicator as broken.
+    ///
+    /// Sizes: `Gather` sends `send` (the same length on every rank) and receives
+    /// `size × send.len()` bytes into `recv`; `ToAll` sends `send` (`size` equal pieces, piece
+    /// `d` to rank `d`) and receives as many bytes (piece `s` from rank `s`); `FromRoot(root)`
+    /// broadcasts `recv` in place from `root` (`send` is unused).
+    pub(super) fn exchange(
         &self,
+        kind: Xfer,
         send: Vec<u8>,
         recv: &mut Vec<u8>,
         timeout: Duration,
     ) -> Result<bool> {
-        let n = count("MPI_Iallgather", self.rank, send.len())?;
-        recv.resize(send.len() * self.size, 0);
+        let (name, n) = match kind {
+            Xfer::Gather => {
+                recv.resize(send.len() * self.size, 0);
+                ("MPI_Iallgather", send.len())
+            }
+            Xfer::ToAll => {
+                if send.len() % self.size != 0 {
+                    return Err(CollectiveError::Mpi {
+                        call: "MPI_Ialltoall",
+                        rank: self.rank,
+                        message: format!(
+                            "{} bytes do not split into {} equal pieces",
+                            send.len(),
+                            self.size
+                        ),
+                    });
+                }
+                recv.resize(send.len(), 0);
+                ("MPI_Ialltoall", send.len() / self.size)
+            }
+            Xfer::FromRoot(root) => {
+                if root >= self.size {
+                    return Err(CollectiveError::Mpi {
+                        call: "MPI_Ibcast",
+                        rank: self.rank,
+                        message: format!("root {root} is not a rank of a {}-rank group", self.size),
+                    });
+                }
+                ("MPI_Ibcast", recv.len())
+            }
+        };
+        let n = count(name, self.rank, n)?;
         let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
-        // SAFETY: both buffers are live and sized for the call (recv holds size × n bytes); they
-        // are not touched until the request completes, or leaked below if it never does.
+        let (sp, rp) = (
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+        );
+        // SAFETY: both buffers are live heap allocations sized for the call as checked above
+        // (Gather: recv holds size × n bytes; ToAll: each holds size × n; FromRoot: recv holds
+        // n); they are not touched or freed until the request completes, or are leaked below if
+        // it never does. The communicator is valid; `req` receives the request handle.
         let mut req = unsafe {
-            check(
-                "MPI_Iallgather",
-                self.rank,
-                ffi::MPI_Iallgather(
-                    send.as_ptr() as *const c_void,
+            let code = match kind {
+                Xfer::Gather => ffi::MPI_Iallgather(
+                    sp,
                     n,
                     ffi::RSMPI_UINT8_T,
-                    recv.as_mut_ptr() as *mut c_void,
+                    rp,
                     n,
                     ffi::RSMPI_UINT8_T,
                     self.raw,
                     req.as_mut_ptr(),
                 ),
-            )?;
+                Xfer::ToAll => ffi::MPI_Ialltoall(
+                    sp,
+                    n,
+                    ffi::RSMPI_UINT8_T,
+                    rp,
+                    n,
+                    ffi::RSMPI_UINT8_T,
+                    self.raw,
+                    req.as_mut_ptr(),
+                ),
+                Xfer::FromRoot(root) => ffi::MPI_Ibcast(
+                    rp,
+                    n,
+                    ffi::RSMPI_UINT8_T,
+                    root as c_int,
+                    self.raw,
+                    req.as_mut_ptr(),
+                ),
+            };
+            check(name, self.rank, code)?;
             req.assume_init()
         };
         let start = Instant::now();
-        let mut pause = Duration::from_micros(5);
         loop {
             let mut flag: c_int = 0;
-            // SAFETY: `req` is the live request from MPI_Iallgather above.
+            // SAFETY: `req` is the live request started above (MPI_Test frees it on completion,
+            // after which the loop returns without touching it again).
             unsafe {
                 check(
                     "MPI_Test",
@@ -272,78 +348,17 @@ impl Comm {
             if flag != 0 {
                 return Ok(true);
             }
-            if start.elapsed() > timeout {
+            let waited = start.elapsed();
+            if waited > timeout {
                 std::mem::forget(send);
                 std::mem::forget(std::mem::take(recv));
                 return Ok(false);
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_micros(500));
-        }
-    }
-
-    /// Blocking byte-wise `MPI_Allgather`.
-    pub(super) fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        let n = count("MPI_Allgather", self.rank, send.len())?;
-        assert_eq!(recv.len(), send.len() * self.size, "all_gather sizes");
-        // SAFETY: the buffers are live for the call and sized as MPI expects (checked above).
-        unsafe {
-            check(
-                "MPI_Allgather",
-                self.rank,
-                ffi::MPI_Allgather(
-                    send.as_ptr() as *const c_void,
-                    n,
-                    ffi::RSMPI_UINT8_T,
-                    recv.as_mut_ptr() as *mut c_void,
-                    n,
-                    ffi::RSMPI_UINT8_T,
-                    self.raw,
-                ),
-            )
-        }
-    }
-
-    /// Blocking byte-wise `MPI_Alltoall`: piece `d` of `send` goes to rank `d`; piece `s` of
-    /// `recv` comes from rank `s`.
-    pub(super) fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        assert_eq!(send.len(), recv.len(), "all_to_all sizes");
-        assert_eq!(send.len() % self.size, 0, "all_to_all pieces");
-        let n = count("MPI_Alltoall", self.rank, send.len() / self.size)?;
-        // SAFETY: the buffers are live for the call and hold size × n bytes each.
-        unsafe {
-            check(
-                "MPI_Alltoall",
-                self.rank,
-                ffi::MPI_Alltoall(
-                    send.as_ptr() as *const c_void,
-                    n,
-                    ffi::RSMPI_UINT8_T,
-                    recv.as_mut_ptr() as *mut c_void,
-                    n,
-                    ffi::RSMPI_UINT8_T,
-                    self.raw,
-                ),
-            )
-        }
-    }
-
-    /// Blocking byte-wise `MPI_Bcast` from `root`.
-    pub(super) fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let n = count("MPI_Bcast", self.rank, buf.len())?;
-        // SAFETY: the buffer is live and `n` bytes long; root < size was validated by every rank.
-        unsafe {
-            check(
-                "MPI_Bcast",
-                self.rank,
-                ffi::MPI_Bcast(
-                    buf.as_mut_ptr() as *mut c_void,
-                    n,
-                    ffi::RSMPI_UINT8_T,
-                    root as c_int,
-                    self.raw,
-                ),
-            )
+            if waited < IDLE_BEFORE_SLEEP {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
     }
 
