@@ -684,70 +684,116 @@ impl Inner {
         self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
-    /// One all-gather step of the hierarchical path: this rank's `len`-byte piece `mine` goes
-    /// to every rank, and `put(p, piece)` receives rank `p`'s piece for every rank `p` but this
-    /// one. First the peers of this local rank on every node exchange their pieces over MPI
-    /// (polled with the group's timeout), then the node's ranks exchange what they received
-    /// through the node's shared-memory window.
+    /// An all-gather on the hierarchical path, in `chunks` steps: in step `k` this rank's piece
+    /// `mine(k)` (the same length on every rank within a step) goes to every rank, and
+    /// `put(k, p, piece)` receives rank `p`'s piece for every rank `p` but this one. In each
+    /// step the peers of this local rank on every node exchange their pieces over MPI
+    /// (`MPI_Iallgather` on the cross-node communicator, polled against the group's timeout),
+    /// then the node's ranks exchange what they received through the node's shared-memory
+    /// window. Pipelined: step `k + 1`'s cross-node exchange is started before step `k`'s node
+    /// exchange and is driven (`MPI_Test`) between the pieces that step copies out.
     #[allow(clippy::too_many_arguments)]
-    fn hier_gather_step(
+    fn hier_gather(
         &self,
         ex: &mut Exec,
         op: OpKind,
         seq: u64,
         h: &Hier,
-        mine: Vec<u8>,
-        mut put: impl FnMut(usize, &[u8]) -> Result<()>,
+        chunks: usize,
+        mut mine: impl FnMut(usize) -> Result<Vec<u8>>,
+        mut put: impl FnMut(usize, usize, &[u8]) -> Result<()>,
     ) -> Result<()> {
-        let len = mine.len();
         let (n, l) = (h.nodes, h.local_size);
-        let mut recv = std::mem::take(&mut ex.scratch);
-        self.bytes_sent.fetch_add(
-            (len * (n - 1) + n * len * (l - 1)) as u64,
-            Ordering::Relaxed,
-        );
-        let done = h
-            .cross
-            .exchange(Xfer::Gather, mine, &mut recv, self.config.timeout)
-            .and_then(|done| {
-                if done {
-                    Ok(())
-                } else {
-                    Err(self.timeout_error(op, seq, Vec::new()))
-                }
-            });
-        if let Err(e) = done {
-            // Tell this node's ranks at once (they are, or will be, waiting in the node step).
+        let fail = |ex: &mut Exec, e: CollectiveError| {
+            // Tell this node's ranks at once (they are, or will be, waiting in a node step).
             h.local.fail(ex);
             ex.broken.get_or_insert_with(|| e.clone());
-            return Err(e);
+            e
+        };
+        let mut start = |k: usize, recv: Vec<u8>| -> Result<raw::Pending> {
+            let piece = mine(k)?;
+            let len = piece.len();
+            self.bytes_sent.fetch_add(
+                (len * (n - 1) + n * len * (l - 1)) as u64,
+                Ordering::Relaxed,
+            );
+            h.cross.start(Xfer::Gather, piece, recv)
+        };
+        if chunks == 0 {
+            return Ok(());
         }
-        let views = h
-            .local
-            .step(ex, Pattern::Gather, n * len, |dst| {
-                dst.copy_from_slice(&recv[..n * len]);
-                Ok(())
-            })
-            .map_err(|e| self.on_step_error(ex, op, seq, e))?;
-        let result: Result<()> = (|| {
-            for (p, v) in views.iter().enumerate() {
+        let mut spare = Vec::new();
+        let mut next = match start(0, std::mem::take(&mut ex.scratch)) {
+            Ok(p) => Some(p),
+            Err(e) => return Err(fail(ex, e)),
+        };
+        for k in 0..chunks {
+            let Some(cur) = next.take() else {
+                break;
+            };
+            let (send, recv) = match cur.wait(self.config.timeout) {
+                Ok(Some(bufs)) => bufs,
+                Ok(None) => {
+                    let e = self.timeout_error(op, seq, Vec::new());
+                    return Err(fail(ex, e));
+                }
+                Err(e) => return Err(fail(ex, e)),
+            };
+            let len = send.len();
+            if k + 1 < chunks {
+                match start(k + 1, std::mem::take(&mut spare)) {
+                    Ok(p) => next = Some(p),
+                    Err(e) => return Err(fail(ex, e)),
+                }
+            }
+            // Drive the next cross-node exchange while waiting for the node's ranks (an error
+            // there shows again when that exchange is waited for).
+            let mut drive = || {
+                if let Some(p) = next.as_mut() {
+                    let _ = p.test();
+                }
+            };
+            let views = h
+                .local
+                .step_with(
+                    ex,
+                    Pattern::Gather,
+                    n * len,
+                    |dst| {
+                        dst.copy_from_slice(&recv[..n * len]);
+                        Ok(())
+                    },
+                    Some(&mut drive),
+                )
+                .map_err(|e| self.on_step_error(ex, op, seq, e))?;
+            let mut result: Result<()> = Ok(());
+            'copy: for (p, v) in views.iter().enumerate() {
                 // Our own node column straight from `recv` (the same bytes as our slot).
                 let v: &[u8] = if p == h.local_rank { &recv } else { v };
                 for node in 0..n {
                     let r = node * l + p;
                     if r != self.rank() {
-                        put(r, &v[node * len..(node + 1) * len])?;
+                        if let Err(e) = put(k, r, &v[node * len..(node + 1) * len]) {
+                            result = Err(e);
+                            break 'copy;
+                        }
+                    }
+                }
+                // Drive the next cross-node exchange while this step copies.
+                if let Some(p) = next.as_mut() {
+                    if let Err(e) = p.test() {
+                        result = Err(e);
+                        break 'copy;
                     }
                 }
             }
-            Ok(())
-        })();
-        ex.scratch = recv;
-        if let Err(e) = &result {
-            h.local.fail(ex);
-            ex.broken.get_or_insert_with(|| e.clone());
+            if let Err(e) = result {
+                return Err(fail(ex, e));
+            }
+            spare = recv;
         }
-        result
+        ex.scratch = spare;
+        Ok(())
     }
 
     /// The data phase of a validated collective.
@@ -778,25 +824,34 @@ impl Inner {
                 if let Some(h) = &self.hier {
                     // Hierarchical: the node's shared slot carries `nodes` pieces per rank.
                     let chunk = (slot / h.nodes / es).max(1) * es;
-                    let mut off = 0;
-                    while off < total {
-                        let len = chunk.min(total - off);
-                        let mine = input
-                            .slice(off, len)
-                            .and_then(|s| s.read::<u8>().map(|b| b.to_vec()))
-                            .map_err(buf_err)?;
-                        let own = output.slice(rank * total + off, len).map_err(buf_err)?;
-                        if own.location() != input.slice(off, len).map_err(buf_err)?.location() {
-                            put(&mut own.write::<u8>().map_err(buf_err)?, &mine);
-                        }
-                        self.hier_gather_step(ex, op, seq, h, mine, |p, v| {
+                    let span = |k: usize| (k * chunk, chunk.min(total - k * chunk));
+                    let input_at = |k: usize| {
+                        let (off, len) = span(k);
+                        input.slice(off, len).map_err(buf_err)
+                    };
+                    return self.hier_gather(
+                        ex,
+                        op,
+                        seq,
+                        h,
+                        total.div_ceil(chunk),
+                        |k| {
+                            let (off, len) = span(k);
+                            let src = input_at(k)?;
+                            let mine = src.read::<u8>().map_err(buf_err)?.to_vec();
+                            let own = output.slice(rank * total + off, len).map_err(buf_err)?;
+                            if own.location() != src.location() {
+                                put(&mut own.write::<u8>().map_err(buf_err)?, &mine);
+                            }
+                            Ok(mine)
+                        },
+                        |k, p, v| {
+                            let (off, len) = span(k);
                             let out = output.slice(p * total + off, len).map_err(buf_err)?;
                             put(&mut out.write::<u8>().map_err(buf_err)?, v);
                             Ok(())
-                        })?;
-                        off += len;
-                    }
-                    return Ok(());
+                        },
+                    );
                 }
                 let chunk = (slot / es).max(1) * es;
                 let mut off = 0;
@@ -1031,36 +1086,46 @@ impl Inner {
             None => slot,
         };
         let chunk = (per_step / es).max(1);
+        if let Some(h) = &self.hier {
+            let at = |k: usize| (k * chunk, chunk.min(q - k * chunk));
+            return self.hier_gather(
+                ex,
+                op,
+                seq,
+                h,
+                q.div_ceil(chunk),
+                |k| {
+                    let (o, c) = at(k);
+                    mine(o, c)
+                },
+                |k, p, v| {
+                    let (o, c) = at(k);
+                    write(p, o, c, v)
+                },
+            );
+        }
         let mut o = 0;
         while o < q {
             let c = chunk.min(q - o);
-            match &self.hier {
-                Some(h) => {
-                    let piece = mine(o, c)?;
-                    self.hier_gather_step(ex, op, seq, h, piece, |p, v| write(p, o, c, v))?;
-                }
-                None => {
-                    self.step(
-                        ex,
-                        op,
-                        seq,
-                        Pattern::Gather,
-                        c * es,
-                        |dst| {
-                            dst.copy_from_slice(&mine(o, c)?);
-                            Ok(())
-                        },
-                        |views| {
-                            for (p, v) in views.iter().enumerate() {
-                                if p != rank {
-                                    write(p, o, c, v)?;
-                                }
-                            }
-                            Ok(())
-                        },
-                    )?;
-                }
-            }
+            self.step(
+                ex,
+                op,
+                seq,
+                Pattern::Gather,
+                c * es,
+                |dst| {
+                    dst.copy_from_slice(&mine(o, c)?);
+                    Ok(())
+                },
+                |views| {
+                    for (p, v) in views.iter().enumerate() {
+                        if p != rank {
+                            write(p, o, c, v)?;
+                        }
+                    }
+                    Ok(())
+                },
+            )?;
             o += c;
         }
         Ok(())

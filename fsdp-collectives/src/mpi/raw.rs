@@ -131,6 +131,78 @@ pub(super) enum Xfer {
     FromRoot(usize),
 }
 
+/// A started non-blocking collective and the buffers MPI reads and writes until it completes.
+/// Dropped before completion (or timed out in [`Pending::wait`]), it leaks the buffers: MPI may
+/// still access them and a collective request cannot be cancelled.
+pub(super) struct Pending {
+    req: ffi::MPI_Request,
+    rank: usize,
+    /// Set once `MPI_Test` reported completion (MPI freed the request).
+    done: bool,
+    /// `(send, recv)`; `None` once handed back or leaked.
+    bufs: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+// SAFETY: the request handle may be tested from any thread under MPI_THREAD_MULTIPLE; the
+// buffers are plain heap memory owned by this value.
+unsafe impl Send for Pending {}
+
+impl Pending {
+    /// Polls the request until it completes or `timeout` passes: `MPI_Test` in a loop that
+    /// yields the core between tests (`MPI_Test` is what drives OpenMPI's progress, so the loop
+    /// does not sleep while bytes are moving); after [`IDLE_BEFORE_SLEEP`] without completion it
+    /// sleeps 1 ms between tests, so a rank waiting on a stuck peer does not burn a core.
+    /// `Some((send, recv))` when done; `None` on timeout (the buffers are leaked).
+    pub(super) fn wait(mut self, timeout: Duration) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let start = Instant::now();
+        loop {
+            if self.test()? {
+                return Ok(self.bufs.take());
+            }
+            let waited = start.elapsed();
+            if waited > timeout {
+                return Ok(None);
+            }
+            if waited < IDLE_BEFORE_SLEEP {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// One `MPI_Test`: true once the collective completed (also drives its progress).
+    pub(super) fn test(&mut self) -> Result<bool> {
+        if self.done {
+            return Ok(true);
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: `req` is the live request started in `Comm::start`, not yet reported complete
+        // (after completion MPI has freed it and `done` keeps us from testing it again).
+        unsafe {
+            check(
+                "MPI_Test",
+                self.rank,
+                ffi::MPI_Test(&mut self.req, &mut flag, ffi::RSMPI_STATUS_IGNORE),
+            )?;
+        }
+        self.done = flag != 0;
+        Ok(self.done)
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some((send, recv)) = self.bufs.take() {
+            if !self.done {
+                // Not completed: MPI may still read `send` and write `recv`.
+                std::mem::forget(send);
+                std::mem::forget(recv);
+            }
+        }
+    }
+}
+
 /// An owned communicator (a dup or split of the world), freed on drop.
 pub(super) struct Comm {
     raw: ffi::MPI_Comm,
@@ -239,18 +311,9 @@ impl Comm {
     }
 
     /// A non-blocking byte-wise collective (`MPI_Iallgather`, `MPI_Ialltoall` or `MPI_Ibcast`,
-    /// see [`Xfer`]) polled until done or `timeout`: `MPI_Test` in a loop that yields the core
-    /// between tests (`MPI_Test` is what drives OpenMPI's progress, so the loop does not sleep
-    /// while bytes are moving); after [`IDLE_BEFORE_SLEEP`] without completion it sleeps 1 ms
-    /// between tests, so a rank waiting on a stuck peer does not burn a core. Returns `Ok(false)`
-    /// on timeout: the request cannot be cancelled (MPI has no cancel for collectives), so both
-    /// buffers are leaked to keep them valid for MPI (`recv` is left empty) and the caller must
-    /// treat the communicator as broken.
-    ///
-    /// Sizes: `Gather` sends `send` (the same length on every rank) and receives
-    /// `size × send.len()` bytes into `recv`; `ToAll` sends `send` (`size` equal pieces, piece
-    /// `d` to rank `d`) and receives as many bytes (piece `s` from rank `s`); `FromRoot(root)`
-    /// broadcasts `recv` in place from `root` (`send` is unused).
+    /// see [`Xfer`]) polled until done or `timeout` ([`Pending::wait`]). Returns `Ok(false)` on
+    /// timeout: the buffers are leaked (`recv` is left empty) and the caller must treat the
+    /// communicator as broken.
     pub(super) fn exchange(
         &self,
         kind: Xfer,
@@ -258,6 +321,24 @@ impl Comm {
         recv: &mut Vec<u8>,
         timeout: Duration,
     ) -> Result<bool> {
+        let pending = self.start(kind, send, std::mem::take(recv))?;
+        Ok(match pending.wait(timeout)? {
+            Some((_, r)) => {
+                *recv = r;
+                true
+            }
+            None => false,
+        })
+    }
+
+    /// Starts a non-blocking byte-wise collective; the returned [`Pending`] owns both buffers
+    /// until it completes.
+    ///
+    /// Sizes: `Gather` sends `send` (the same length on every rank) and receives
+    /// `size × send.len()` bytes into `recv`; `ToAll` sends `send` (`size` equal pieces, piece
+    /// `d` to rank `d`) and receives as many bytes (piece `s` from rank `s`); `FromRoot(root)`
+    /// broadcasts `recv` in place from `root` (`send` is unused).
+    pub(super) fn start(&self, kind: Xfer, send: Vec<u8>, mut recv: Vec<u8>) -> Result<Pending> {
         let (name, n) = match kind {
             Xfer::Gather => {
                 recv.resize(send.len() * self.size, 0);
@@ -297,9 +378,9 @@ impl Comm {
         );
         // SAFETY: both buffers are live heap allocations sized for the call as checked above
         // (Gather: recv holds size × n bytes; ToAll: each holds size × n; FromRoot: recv holds
-        // n); they are not touched or freed until the request completes, or are leaked below if
-        // it never does. The communicator is valid; `req` receives the request handle.
-        let mut req = unsafe {
+        // n); they move (heap blocks unchanged) into the returned `Pending`, which hands
+        // them back only after the request completed and leaks them if it never does. The communicator is valid; `req` receives the request handle.
+        let req = unsafe {
             let code = match kind {
                 Xfer::Gather => ffi::MPI_Iallgather(
                     sp,
@@ -333,33 +414,12 @@ impl Comm {
             check(name, self.rank, code)?;
             req.assume_init()
         };
-        let start = Instant::now();
-        loop {
-            let mut flag: c_int = 0;
-            // SAFETY: `req` is the live request started above (MPI_Test frees it on completion,
-            // after which the loop returns without touching it again).
-            unsafe {
-                check(
-                    "MPI_Test",
-                    self.rank,
-                    ffi::MPI_Test(&mut req, &mut flag, ffi::RSMPI_STATUS_IGNORE),
-                )?;
-            }
-            if flag != 0 {
-                return Ok(true);
-            }
-            let waited = start.elapsed();
-            if waited > timeout {
-                std::mem::forget(send);
-                std::mem::forget(std::mem::take(recv));
-                return Ok(false);
-            }
-            if waited < IDLE_BEFORE_SLEEP {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
+        Ok(Pending {
+            req,
+            rank: self.rank,
+            done: false,
+            bufs: Some((send, recv)),
+        })
     }
 
     /// Ends the whole job (every process): for failures after which the ranks can no longer
