@@ -13,7 +13,9 @@
 //! thread all-gather, thread reduce-scatter, then again), so machine noise hits them alike; each
 //! figure is the median of `REPS` repetitions after a warm-up, each repetition the max over ranks
 //! (the collective is done when the slowest rank is). Rank 0 prints one JSON object as its last
-//! line, with the 1-minute load average when the run ended (the machine is shared).
+//! line, with the 1-minute load average when the run ended (the machine is shared), and
+//! `all_reduce_bytes_over_buffer` (bytes a rank sends in one all-reduce over the buffer's size,
+//! the max over ranks). `--no-thread` leaves out the thread backend (its figures print as `null`).
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -115,9 +117,29 @@ fn load_average() -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// `all_reduce_bytes_over_buffer`: bytes this rank sent during one f32 all-reduce of
+/// `OUT_BYTES / W` over the buffer's size ([`MpiGroup::bytes_sent`]), the max over ranks.
+fn all_reduce_bytes(mpi: &MpiGroup) -> f64 {
+    let (r, w) = (mpi.rank(), mpi.size());
+    let dev = Device::cpu(r);
+    let st = dev.new_stream("ar");
+    let bytes = OUT_BYTES / w;
+    let b = buffer(&dev, &st, bytes, 1.0 + r as f32);
+    st.synchronize().unwrap();
+    let before = mpi.bytes_sent();
+    mpi.all_reduce(&slice(&b), ReduceOp::Sum, &st)
+        .wait()
+        .unwrap();
+    let ratio = (mpi.bytes_sent() - before) as f64 / bytes as f64;
+    max_over_ranks(mpi, Duration::from_secs_f64(ratio)).as_secs_f64()
+}
+
 fn main() {
     let mpi = MpiGroup::world().unwrap_or_else(|e| panic!("MPI world: {e}"));
     let w = mpi.size();
+    // `--no-thread`: skip the thread backend (the two-node bench compares MPI paths only).
+    let with_thread = !std::env::args().any(|a| a == "--no-thread");
+    let ar_bytes = all_reduce_bytes(&mpi);
     let kinds = [Kind::AllGather, Kind::ReduceScatter];
     let sync = || mpi.barrier().unwrap();
     // [mpi all-gather, mpi reduce-scatter, thread all-gather, thread reduce-scatter]
@@ -128,7 +150,7 @@ fn main() {
             // The thread backend, same sizes, in rank 0's process only (the others sleep in
             // the barrier).
             mpi.barrier().unwrap();
-            let thread = (mpi.rank() == 0).then(|| thread_time(w, kind));
+            let thread = (with_thread && mpi.rank() == 0).then(|| thread_time(w, kind));
             if rep > 0 {
                 times[k].push(t);
                 times[2 + k].extend(thread);
@@ -137,12 +159,21 @@ fn main() {
     }
     mpi.barrier().unwrap();
     if mpi.rank() == 0 {
-        let [ag, rs, tag, trs] = times.map(|v| gbps(median(v)));
+        // JSON `null` for a figure that was not measured (`--no-thread`).
+        let [ag, rs, tag, trs] = times.map(|v| {
+            if v.is_empty() {
+                "null".to_string()
+            } else {
+                format!("{:.4}", gbps(median(v)))
+            }
+        });
         println!(
-            "{{\"world\": {w}, \"shared_memory\": {}, \"mpi_all_gather_gbps\": {ag:.4}, \
-             \"mpi_reduce_scatter_gbps\": {rs:.4}, \"thread_all_gather_gbps\": {tag:.4}, \
-             \"thread_reduce_scatter_gbps\": {trs:.4}, \"load_average\": {:.2}}}",
+            "{{\"world\": {w}, \"shared_memory\": {}, \"hierarchical\": {}, \
+             \"mpi_all_gather_gbps\": {ag}, \"mpi_reduce_scatter_gbps\": {rs}, \
+             \"thread_all_gather_gbps\": {tag}, \"thread_reduce_scatter_gbps\": {trs}, \
+             \"all_reduce_bytes_over_buffer\": {ar_bytes:.4}, \"load_average\": {:.2}}}",
             mpi.uses_shared_memory(),
+            mpi.uses_hierarchical(),
             load_average()
         );
     }

@@ -10,7 +10,10 @@
 //! thread backend's output for its rank, bit for bit, for every op, reduce op, dtype and
 //! accumulation dtype; that splits (the hybrid-sharding mesh) work; that a mismatched call gives
 //! every rank the same typed error and the group keeps working. `FSDP_MPI_SHM=0` runs the same
-//! checks over MPI collectives instead of the shared-memory window. Exits non-zero on failure.
+//! checks over MPI collectives instead of the shared-memory window; on ranks spread over
+//! several nodes the group takes the hierarchical path (`FSDP_MPI_HIER=0`: the flat MPI path),
+//! and `FSDP_EXPECT_LAYOUT=hierarchical|flat` makes it fail unless the group took that path.
+//! Exits non-zero on failure.
 
 use std::sync::Arc;
 
@@ -124,9 +127,25 @@ fn main() {
     let (r, w) = (mpi.rank(), mpi.size());
     let path = if mpi.uses_shared_memory() {
         "shared memory"
+    } else if mpi.uses_hierarchical() {
+        "hierarchical"
     } else {
         "MPI collectives"
     };
+    // `FSDP_EXPECT_LAYOUT=hierarchical|flat` (the two-node run of `cargo xtask mpi-test`):
+    // fail unless the group took that path, so a cluster that is not one is not reported as
+    // tested.
+    match std::env::var("FSDP_EXPECT_LAYOUT").as_deref() {
+        Ok("hierarchical") => assert!(
+            mpi.uses_hierarchical(),
+            "rank {r}: expected the hierarchical path, got {path} ({mpi:?})"
+        ),
+        Ok("flat") => assert!(
+            !mpi.uses_hierarchical() && !mpi.uses_shared_memory(),
+            "rank {r}: expected the flat MPI path across nodes, got {path}"
+        ),
+        _ => {}
+    }
     let mut checked = 0;
     // Sizes: tiny, odd, and larger than one staging slot (forces several steps).
     let small = MpiGroup::world_with_config(fsdp_collectives::MpiConfig {

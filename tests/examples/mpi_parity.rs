@@ -161,11 +161,12 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 fn scratch_dir(tag: &str) -> PathBuf {
-    // The processes of one local mpirun job share their parent (the launcher's daemon).
-    std::env::temp_dir().join(format!(
-        "fsdp-mpi-parity-{tag}-{}",
-        std::os::unix::process::parent_id()
-    ))
+    // One directory per job, the same on every rank (also on the emulated two-node cluster,
+    // whose nodes share this machine's file system but not a launcher daemon): OpenMPI's job
+    // id, else the parent (the launcher's daemon, shared by the processes of one local job).
+    let job = std::env::var("OMPI_MCA_ess_base_jobid")
+        .unwrap_or_else(|_| std::os::unix::process::parent_id().to_string());
+    std::env::temp_dir().join(format!("fsdp-mpi-parity-{tag}-{job}"))
 }
 
 fn state_dict_across_world_sizes(mpi: &Arc<dyn ProcessGroup>) {
@@ -238,6 +239,10 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mpi = MpiGroup::world().unwrap_or_else(|e| panic!("MPI world: {e}"));
     let shm = mpi.uses_shared_memory();
+    let hier = mpi.uses_hierarchical();
+    if std::env::var("FSDP_EXPECT_LAYOUT").as_deref() == Ok("hierarchical") {
+        assert!(hier, "expected the hierarchical (two-node) path: {mpi:?}");
+    }
     let mpi: Arc<dyn ProcessGroup> = Arc::new(mpi);
     if let [flag, dir] = args.as_slice() {
         if flag == "--kill-test" {
@@ -268,6 +273,8 @@ fn main() {
                 "mpi_parity: W={world} ({}) {}: {} losses and every parameter bit-equal",
                 if shm {
                     "shared memory"
+                } else if hier {
+                    "hierarchical, 2 nodes"
                 } else {
                     "MPI collectives"
                 },

@@ -16,9 +16,13 @@
 //!   links, missing docs), without and with the `cuda` feature.
 //! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4) and the kill test;
 //!   `bench mpi`: MPI vs thread collectives and train_gpt tokens/s (see `mpi.rs`).
+//! - `mpi-test --nodes 2`: the MPI suite on two nodes emulated with network namespaces (root
+//!   only; skipped with a message elsewhere); `bench nodes`: hierarchical vs flat all-gather
+//!   and HybridShard vs FullShard on that cluster (see `nodes.rs`).
 
 mod gpu_test;
 mod mpi;
+mod nodes;
 
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
@@ -149,6 +153,7 @@ fn ci() -> Result<(), String> {
     // CI=true a missing tool fails the run; on a developer's machine without them these steps are
     // skipped with a message saying what to install.
     optional_step("mpi-test", mpi::mpi_test)?;
+    optional_step("mpi-test", nodes::mpi_test_nodes)?;
     optional_step("nvrtc", gpu_test::nvrtc)?;
     // The docs with warnings denied, and the library crates packaged as they would be published.
     doc()?;
@@ -237,7 +242,8 @@ fn soak() -> Result<(), String> {
 }
 
 const USAGE: &str =
-    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc | mpi-test>";
+    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc | mpi-test \
+     [--nodes 2]>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -254,8 +260,10 @@ fn main() {
         ["nvrtc"] => gpu_test::nvrtc(),
         ["bench"] => bench(None),
         ["bench", "mpi"] => mpi::bench_mpi(),
+        ["bench", "nodes"] => nodes::bench_nodes(),
         ["bench", name] => bench(Some(name)),
         ["mpi-test"] => mpi::mpi_test(),
+        ["mpi-test", "--nodes", "2"] => nodes::mpi_test_nodes(),
         ["soak"] => soak(),
         ["doc"] => doc(),
         _ => Err(USAGE.to_string()),

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 
 use crate::{cargo, root, run};
 
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("target"))
 }
 
-fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -36,7 +36,7 @@ fn mpirun(w: usize) -> Command {
     c
 }
 
-fn check_mpirun() -> Result<(), String> {
+pub(crate) fn check_mpirun() -> Result<(), String> {
     match Command::new("mpirun").arg("--version").output() {
         Ok(o) if o.status.success() => Ok(()),
         _ => Err(
@@ -93,7 +93,7 @@ pub fn mpi_test() -> Result<(), String> {
     Ok(())
 }
 
-fn alive(pid: u32) -> bool {
+pub(crate) fn alive(pid: u32) -> bool {
     // A zombie still has a /proc entry; count only processes that are not zombies.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| {
@@ -209,6 +209,11 @@ fn json_number(line: &str, key: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
+/// `key`'s number in the JSON line `line`, or an error naming both.
+pub(crate) fn field(line: &str, key: &str) -> Result<f64, String> {
+    json_number(line, key).ok_or_else(|| format!("no {key} in {line}"))
+}
+
 fn last_json_line(out: &[u8]) -> Option<String> {
     String::from_utf8_lossy(out)
         .lines()
@@ -217,7 +222,7 @@ fn last_json_line(out: &[u8]) -> Option<String> {
         .map(str::to_string)
 }
 
-fn capture(step: &str, cmd: &mut Command) -> Result<String, String> {
+pub(crate) fn capture(step: &str, cmd: &mut Command) -> Result<String, String> {
     eprintln!("xtask: {step}: {cmd:?}");
     let out = cmd
         .stderr(Stdio::inherit())

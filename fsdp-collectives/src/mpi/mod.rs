@@ -12,7 +12,7 @@
 //! validation as the thread backend, so mismatched sizes or dtypes give every rank the same
 //! typed [`CollectiveError`] — never an MPI abort or a hang.
 //!
-//! ## Two data paths
+//! ## Data paths
 //! - **Shared memory** (every rank of the group on one node, the default when that holds): the
 //!   group allocates an MPI-3 shared-memory window (`MPI_Win_allocate_shared` over the
 //!   `MPI_COMM_TYPE_SHARED` split) with a ring of [`MpiConfig::slots`] staging slots per rank.
@@ -25,20 +25,38 @@
 //!   slots keep the staged bytes in the shared cache while the peers read them. A rank's own
 //!   piece never goes through the window (it copies or reduces it from its own buffer), and
 //!   large outputs (≥ 8 MiB) are written with streaming stores that bypass the caches.
-//! - **MPI collectives** (a group that spans nodes, or `shared_memory` off): byte-wise
-//!   `MPI_Allgather` (all-gather, all-reduce), `MPI_Alltoall` (reduce-scatter, all-to-all) and
-//!   `MPI_Bcast` move the pieces; the header exchange is a non-blocking `MPI_Iallgather`
-//!   polled with sleeps. There is no hierarchical (shared memory inside a node, MPI between nodes) path yet.
+//! - **Hierarchical** (a group that spans nodes, each node holding the same number `L ≥ 2` of
+//!   consecutive ranks, as `mpirun --map-by slot` places them): all-gathers (and the all-gather
+//!   half of all-reduce) first exchange pieces over MPI between the peers of the same local rank
+//!   on every node (`MPI_Iallgather` on a sub-communicator of `nodes` ranks), then inside each node
+//!   through that node's shared-memory window (`nodes` pieces per rank per step). Each byte
+//!   crosses the network once per remote node instead of once per remote rank: per rank,
+//!   `(nodes − 1)` pieces cross the link instead of `(nodes − 1) · L`. Reduce-scatter, all-to-all
+//!   and broadcast on such a group take the flat MPI path (see *Determinism* for why reduce-scatter
+//!   has no hierarchical form here). [`MpiConfig::hierarchical`] off (`FSDP_MPI_HIER=0`), or a
+//!   layout that does not fit, gives the flat path for everything.
+//! - **Flat MPI** (a group that spans nodes without the hierarchical path, or `shared_memory`
+//!   off): byte-wise `MPI_Iallgather` (all-gather), `MPI_Ialltoall` (reduce-scatter, all-to-all,
+//!   the first half of all-reduce) and `MPI_Ibcast` move the pieces, each polled with a deadline;
+//!   the header exchange is a polled `MPI_Iallgather` too.
 //!
 //! ## Determinism
 //! Reductions never use MPI's reduction operators: the pieces are exchanged, then every rank
 //! folds them **in rank order** with the thread backend's kernel, so results equal
-//! [`crate::ThreadGroup`]'s bit for bit on both paths. The cost: all-reduce moves every rank's
-//! whole buffer to every rank (W× the bytes of a reduce-scatter + all-gather) and reduces it
-//! W times; reduce-scatter through all-to-all moves the same bytes as a native one.
-//! A non-deterministic mode with MPI's native reductions is not provided: on the
-//! shared-memory path it would save nothing (the rank-ordered fold reads each peer's piece once,
-//! as any reduction must), and on the MPI path it is not implemented.
+//! [`crate::ThreadGroup`]'s bit for bit on every path and layout. **All-reduce** is a
+//! reduce-scatter followed by an all-gather: rank `d` folds part `d` (`⌈n / W⌉` elements) of
+//! every rank's buffer in rank order, then the folded parts are gathered — each element folded
+//! once, in the same order as the thread backend folds it — so a rank sends `2 (W − 1) / W` of
+//! the buffer ([`MpiGroup::bytes_sent`]), not `W − 1` buffers.
+//! **Why reduce-scatter stays flat across nodes:** the rank-ordered fold `((v0 + v1) + v2) + v3`
+//! cannot be split into per-node partial sums `(v0 + v1) + (v2 + v3)` without changing the bits
+//! (float addition does not associate). The exact alternative, a chain that carries each node's
+//! partial fold (in the accumulation dtype) to the next node, moves `B` bytes per node over the
+//! link in its busy direction where the flat path moves `B · L / nodes` (`B`: one rank's input):
+//! the same at 2 nodes × 2 ranks (the emulated cluster), a gain only for `L > nodes`; not built.
+//! A node-aware fold order (partial sums per node, then across nodes) would need the thread
+//! backend, the reference, to fold that way too.
+//! A non-deterministic mode with MPI's native reductions is not provided.
 //!
 //! ## Performance (measured, and what is not reached)
 //! `cargo xtask bench mpi` (64 MiB, W = 4 processes on the 2-core development machine, per-rank
@@ -51,14 +69,21 @@
 //! through the window, which the thread backend (reading peers' buffers in place) does not.
 //!
 //! ## Timeouts and failures
-//! - A rank that does not reach a collective within [`MpiConfig::timeout`] gives the others a
-//!   typed [`CollectiveError::Timeout`] (header exchange on both paths, every barrier on the
-//!   shared-memory path); the group is then broken and fails every later collective at once.
-//!   Data movement on the MPI path blocks inside MPI without a timeout.
+//! - **Every wait has a deadline.** A rank that does not reach a collective, or stops answering
+//!   in the middle of one, gives every other rank a typed [`CollectiveError::Timeout`] (or
+//!   [`CollectiveError::PeerFailed`], when a node peer that timed out first published it) within
+//!   [`MpiConfig::timeout`] of the wait's start: every MPI data transfer is a non-blocking call
+//!   polled with `MPI_Test` against a deadline (the header exchange, every flat-path step, the
+//!   cross-node step of the hierarchical path), and every shared-memory barrier has the same
+//!   bound. The group is then broken and fails every later collective at once; the timed-out
+//!   request cannot be cancelled (MPI has no cancel for collectives), so its buffers are leaked.
+//!   Group creation (communicator splits, window allocation) still uses blocking MPI calls.
+//!   `cargo xtask mpi-test --nodes 2` checks this by stopping one rank (`SIGSTOP`) in the middle
+//!   of a 64 MiB cross-node all-gather.
 //! - A rank that fails locally in the middle of a shared-memory collective (e.g. a buffer
 //!   access error) marks itself failed in the window; its peers get
-//!   [`CollectiveError::PeerFailed`]. On the MPI path it calls `MPI_Abort`, ending the job,
-//!   because peers blocked inside MPI cannot be told otherwise.
+//!   [`CollectiveError::PeerFailed`]. On the flat MPI path it calls `MPI_Abort`, ending the job
+//!   (its peers would otherwise only learn of it through their timeout).
 //! - **A process that dies** (crash, `kill -9`): `mpirun` (OpenMPI's runtime) notices the exit
 //!   of a process that did not call `MPI_Finalize` and kills every other process of the job,
 //!   then exits non-zero; processes blocked in MPI or in a shared-memory barrier are killed, not
@@ -88,13 +113,14 @@ use crate::group::{
 use crate::kernels;
 use crate::types::{OpKind, Work};
 
-use raw::{Comm, SharedWindow};
+use raw::{Comm, SharedWindow, Xfer};
 use shm::Shm;
 
 /// Configuration of an [`MpiGroup`] (inherited by its splits).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MpiConfig {
-    /// Bound on waiting for the other ranks (header exchange; every shared-memory barrier).
+    /// Bound on every wait for the other ranks: the header exchange, every MPI data transfer
+    /// (non-blocking, polled) and every shared-memory barrier.
     pub timeout: Duration,
     /// Bytes of one staging slot of the shared-memory path (also the piece size of the MPI
     /// path). Larger slots mean fewer steps per collective; slots that fit the shared cache
@@ -106,6 +132,11 @@ pub struct MpiConfig {
     /// Use the shared-memory path when every rank of a group is on one node. Off: MPI
     /// collectives always (the environment variable `FSDP_MPI_SHM=0` turns it off by default).
     pub shared_memory: bool,
+    /// For a group that spans nodes (with `shared_memory` on): use the hierarchical path
+    /// (shared memory inside each node, MPI between peers of the same local rank) for
+    /// all-gathers when every node holds the same number of consecutive ranks. Off: the flat
+    /// MPI path (the environment variable `FSDP_MPI_HIER=0` turns it off by default).
+    pub hierarchical: bool,
 }
 
 /// A positive integer from environment variable `var`, else `default` (unset or unreadable).
@@ -118,15 +149,17 @@ fn env_count(var: &str, default: usize) -> usize {
 }
 
 impl Default for MpiConfig {
-    /// 120 s timeout, 8 slots of 1 MiB, shared memory on. The environment variables
-    /// `FSDP_MPI_SLOT_BYTES`, `FSDP_MPI_SLOTS` and `FSDP_MPI_SHM=0` change the defaults (for
-    /// tuning a machine without rebuilding).
+    /// 120 s timeout, 8 slots of 1 MiB, shared memory and the hierarchical path on. The
+    /// environment variables `FSDP_MPI_TIMEOUT_S`, `FSDP_MPI_SLOT_BYTES`, `FSDP_MPI_SLOTS`,
+    /// `FSDP_MPI_SHM=0` and `FSDP_MPI_HIER=0` change the defaults (for tuning a machine, or
+    /// comparing paths, without rebuilding).
     fn default() -> Self {
         MpiConfig {
-            timeout: Duration::from_secs(120),
+            timeout: Duration::from_secs(env_count("FSDP_MPI_TIMEOUT_S", 120) as u64),
             slot_bytes: env_count("FSDP_MPI_SLOT_BYTES", 1 << 20),
             slots: env_count("FSDP_MPI_SLOTS", 8),
             shared_memory: std::env::var("FSDP_MPI_SHM").map_or(true, |v| v.trim() != "0"),
+            hierarchical: std::env::var("FSDP_MPI_HIER").map_or(true, |v| v.trim() != "0"),
         }
     }
 }
@@ -151,9 +184,26 @@ struct Exec {
     scratch: Vec<u8>,
 }
 
+/// The hierarchical path of a group spanning nodes: `nodes` nodes of `local_size` consecutive
+/// ranks each (rank = node × local_size + local rank).
+struct Hier {
+    /// The shared-memory window over this node's ranks (local ranks).
+    local: Shm,
+    /// The peers of this rank's local rank on every node (rank `n` of it is on node `n`).
+    cross: Comm,
+    local_rank: usize,
+    local_size: usize,
+    nodes: usize,
+}
+
 struct Inner {
     comm: Arc<Comm>,
+    /// The shared-memory window when every rank of the group is on one node.
     shm: Option<Shm>,
+    /// The hierarchical path when the group spans nodes (see [`MpiConfig::hierarchical`]).
+    hier: Option<Hier>,
+    /// Bytes this rank has sent to other ranks in data phases (see [`MpiGroup::bytes_sent`]).
+    bytes_sent: AtomicU64,
     name: String,
     config: MpiConfig,
     next_seq: AtomicU64,
@@ -219,10 +269,17 @@ impl MpiGroup {
         } else {
             None
         };
+        let hier = if shm.is_none() {
+            Hier::build(&comm, &local, &config)?
+        } else {
+            None
+        };
         Ok(MpiGroup {
             inner: Arc::new(Inner {
                 comm,
                 shm,
+                hier,
+                bytes_sent: AtomicU64::new(0),
                 name,
                 config,
                 next_seq: AtomicU64::new(0),
@@ -242,6 +299,25 @@ impl MpiGroup {
         self.inner.shm.is_some()
     }
 
+    /// True if this group spans nodes and all-gathers take the hierarchical path (shared memory
+    /// inside each node, MPI between nodes); see [`MpiConfig::hierarchical`].
+    pub fn uses_hierarchical(&self) -> bool {
+        self.inner.hier.is_some()
+    }
+
+    /// `(nodes, ranks per node)` of the hierarchical path, if this group takes it.
+    pub fn node_layout(&self) -> Option<(usize, usize)> {
+        self.inner.hier.as_ref().map(|h| (h.nodes, h.local_size))
+    }
+
+    /// Bytes this rank has sent to other ranks in the data phases of its collectives so far
+    /// (header exchanges not counted): a piece staged in a shared-memory slot counts once per
+    /// peer that reads it, an MPI exchange once per peer it goes to. All-reduce moves
+    /// `2 (W − 1) / W` of its buffer (a reduce-scatter, then an all-gather).
+    pub fn bytes_sent(&self) -> u64 {
+        self.inner.bytes_sent.load(Ordering::Relaxed)
+    }
+
     /// The group's configuration.
     pub fn config(&self) -> &MpiConfig {
         &self.inner.config
@@ -250,6 +326,79 @@ impl MpiGroup {
     /// Ends the whole MPI job with `code` (`MPI_Abort`): every process exits.
     pub fn abort(&self, code: i32) -> ! {
         self.inner.comm.abort(code)
+    }
+}
+
+impl Hier {
+    /// The hierarchical path for a group `comm` whose ranks are not all on one node (`local`:
+    /// this node's ranks), or `None` where it does not apply: every rank wants it (config), the
+    /// nodes hold the same number (≥ 2) of consecutive ranks. Collective over `comm`; every
+    /// rank takes the same decision (from the same gathered words).
+    fn build(comm: &Arc<Comm>, local: &Arc<Comm>, config: &MpiConfig) -> Result<Option<Hier>> {
+        let (rank, w) = (comm.rank(), comm.size());
+        if local.size() == w {
+            return Ok(None);
+        }
+        let want = config.shared_memory && config.hierarchical;
+        let mine: Vec<u8> = [u64::from(want), local.rank() as u64, local.size() as u64]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let mut all = Vec::new();
+        if !comm.exchange(Xfer::Gather, mine, &mut all, config.timeout)? {
+            return Err(CollectiveError::Mpi {
+                call: "MpiGroup (node layout exchange)",
+                rank,
+                message: format!(
+                    "the other ranks did not create the group within {:?}",
+                    config.timeout
+                ),
+            });
+        }
+        let words: Vec<u64> = all
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let l = local.size();
+        let usable = l >= 2
+            && w % l == 0
+            && words
+                .chunks_exact(3)
+                .enumerate()
+                .all(|(r, x)| x[0] == 1 && x[1] as usize == r % l && x[2] as usize == l);
+        if !usable {
+            return Ok(None);
+        }
+        let cross = comm.split(local.rank(), rank)?;
+        if cross.rank() != rank / l || cross.size() != w / l {
+            return Err(CollectiveError::Mpi {
+                call: "MpiGroup (node layout)",
+                rank,
+                message: format!(
+                    "rank {rank} is rank {} of {} among its local-rank peers, expected {} of {}",
+                    cross.rank(),
+                    cross.size(),
+                    rank / l,
+                    w / l
+                ),
+            });
+        }
+        let seg = shm::segment_bytes(config.slot_bytes, config.slots);
+        let win = SharedWindow::allocate(Arc::clone(local), seg)?;
+        Ok(Some(Hier {
+            local: Shm::new(
+                win,
+                local.rank(),
+                l,
+                config.slot_bytes,
+                config.slots,
+                config.timeout,
+            ),
+            cross,
+            local_rank: local.rank(),
+            local_size: l,
+            nodes: w / l,
+        }))
     }
 }
 
@@ -366,7 +515,7 @@ impl Inner {
                 let mut recv = std::mem::take(&mut ex.scratch);
                 if !self
                     .comm
-                    .all_gather_polled(mine, &mut recv, self.config.timeout)?
+                    .exchange(Xfer::Gather, mine, &mut recv, self.config.timeout)?
                 {
                     let e = self.timeout_error(op, seq, Vec::new());
                     ex.broken = Some(e.clone());
@@ -417,14 +566,21 @@ impl Inner {
         seq: u64,
         e: shm::StepError,
     ) -> CollectiveError {
+        // On the hierarchical path the window is the node's: its ranks are local ranks.
+        let group_rank = |p: usize| match &self.hier {
+            Some(h) => (self.rank() / h.local_size) * h.local_size + p,
+            None => p,
+        };
         let err = match e {
-            shm::StepError::Timeout(missing) => self.timeout_error(op, seq, missing),
+            shm::StepError::Timeout(missing) => {
+                self.timeout_error(op, seq, missing.into_iter().map(group_rank).collect())
+            }
             shm::StepError::PeerFailed(peer) => CollectiveError::PeerFailed {
                 op,
                 group: self.name.clone(),
                 seq,
                 rank: self.rank(),
-                peer,
+                peer: group_rank(peer),
                 message: "it failed inside this collective".into(),
             },
             shm::StepError::Local(e) => e,
@@ -449,6 +605,7 @@ impl Inner {
     ) -> Result<()> {
         match &self.shm {
             Some(shm) => {
+                self.count_sent(pattern, len, self.size());
                 let views = shm
                     .step(ex, pattern, len, fill)
                     .map_err(|e| self.on_step_error(ex, op, seq, e))?;
@@ -476,21 +633,26 @@ impl Inner {
                     }
                 }
                 let mut recv = std::mem::take(&mut ex.scratch);
-                let moved = match pattern {
-                    Pattern::Gather => {
-                        recv.resize(w * len, 0);
-                        self.comm.all_gather(&send, &mut recv)
-                    }
-                    Pattern::ToAll => {
-                        recv.resize(w * len, 0);
-                        self.comm.all_to_all(&send, &mut recv)
-                    }
+                let xfer = match pattern {
+                    Pattern::Gather => Xfer::Gather,
+                    Pattern::ToAll => Xfer::ToAll,
                     Pattern::FromRoot(root) => {
                         recv.clear();
                         recv.extend_from_slice(&send);
-                        self.comm.broadcast(&mut recv, root)
+                        Xfer::FromRoot(root)
                     }
                 };
+                self.count_sent(pattern, len, w);
+                let moved = self
+                    .comm
+                    .exchange(xfer, send, &mut recv, self.config.timeout)
+                    .and_then(|done| {
+                        if done {
+                            Ok(())
+                        } else {
+                            Err(self.timeout_error(op, seq, Vec::new()))
+                        }
+                    });
                 let result = moved.and_then(|()| {
                     let views: Vec<&[u8]> = match pattern {
                         Pattern::FromRoot(_) => vec![&recv[..]; w],
@@ -508,6 +670,130 @@ impl Inner {
                 result
             }
         }
+    }
+
+    /// Counts the bytes one step of `pattern` with `len`-byte pieces sends to the other ranks
+    /// of a `size`-rank exchange.
+    fn count_sent(&self, pattern: Pattern, len: usize, size: usize) {
+        let peers = size.saturating_sub(1);
+        let bytes = match pattern {
+            Pattern::Gather | Pattern::ToAll => len * peers,
+            Pattern::FromRoot(root) if root == self.rank() => len * peers,
+            Pattern::FromRoot(_) => 0,
+        };
+        self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// An all-gather on the hierarchical path, in `chunks` steps: in step `k` this rank's piece
+    /// `mine(k)` (the same length on every rank within a step) goes to every rank, and
+    /// `put(k, p, piece)` receives rank `p`'s piece for every rank `p` but this one. In each
+    /// step the peers of this local rank on every node exchange their pieces over MPI
+    /// (`MPI_Iallgather` on the cross-node communicator, polled against the group's timeout),
+    /// then the node's ranks exchange what they received through the node's shared-memory
+    /// window. Pipelined: step `k + 1`'s cross-node exchange is started before step `k`'s node
+    /// exchange and is driven (`MPI_Test`) between the pieces that step copies out.
+    #[allow(clippy::too_many_arguments)]
+    fn hier_gather(
+        &self,
+        ex: &mut Exec,
+        op: OpKind,
+        seq: u64,
+        h: &Hier,
+        chunks: usize,
+        mut mine: impl FnMut(usize) -> Result<Vec<u8>>,
+        mut put: impl FnMut(usize, usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (n, l) = (h.nodes, h.local_size);
+        let fail = |ex: &mut Exec, e: CollectiveError| {
+            // Tell this node's ranks at once (they are, or will be, waiting in a node step).
+            h.local.fail(ex);
+            ex.broken.get_or_insert_with(|| e.clone());
+            e
+        };
+        let mut start = |k: usize, recv: Vec<u8>| -> Result<raw::Pending> {
+            let piece = mine(k)?;
+            let len = piece.len();
+            self.bytes_sent.fetch_add(
+                (len * (n - 1) + n * len * (l - 1)) as u64,
+                Ordering::Relaxed,
+            );
+            h.cross.start(Xfer::Gather, piece, recv)
+        };
+        if chunks == 0 {
+            return Ok(());
+        }
+        let mut spare = Vec::new();
+        let mut next = match start(0, std::mem::take(&mut ex.scratch)) {
+            Ok(p) => Some(p),
+            Err(e) => return Err(fail(ex, e)),
+        };
+        for k in 0..chunks {
+            let Some(cur) = next.take() else {
+                break;
+            };
+            let (send, recv) = match cur.wait(self.config.timeout) {
+                Ok(Some(bufs)) => bufs,
+                Ok(None) => {
+                    let e = self.timeout_error(op, seq, Vec::new());
+                    return Err(fail(ex, e));
+                }
+                Err(e) => return Err(fail(ex, e)),
+            };
+            let len = send.len();
+            if k + 1 < chunks {
+                match start(k + 1, std::mem::take(&mut spare)) {
+                    Ok(p) => next = Some(p),
+                    Err(e) => return Err(fail(ex, e)),
+                }
+            }
+            // Drive the next cross-node exchange while waiting for the node's ranks (an error
+            // there shows again when that exchange is waited for).
+            let mut drive = || {
+                if let Some(p) = next.as_mut() {
+                    let _ = p.test();
+                }
+            };
+            let views = h
+                .local
+                .step_with(
+                    ex,
+                    Pattern::Gather,
+                    n * len,
+                    |dst| {
+                        dst.copy_from_slice(&recv[..n * len]);
+                        Ok(())
+                    },
+                    Some(&mut drive),
+                )
+                .map_err(|e| self.on_step_error(ex, op, seq, e))?;
+            let mut result: Result<()> = Ok(());
+            'copy: for (p, v) in views.iter().enumerate() {
+                // Our own node column straight from `recv` (the same bytes as our slot).
+                let v: &[u8] = if p == h.local_rank { &recv } else { v };
+                for node in 0..n {
+                    let r = node * l + p;
+                    if r != self.rank() {
+                        if let Err(e) = put(k, r, &v[node * len..(node + 1) * len]) {
+                            result = Err(e);
+                            break 'copy;
+                        }
+                    }
+                }
+                // Drive the next cross-node exchange while this step copies.
+                if let Some(p) = next.as_mut() {
+                    if let Err(e) = p.test() {
+                        result = Err(e);
+                        break 'copy;
+                    }
+                }
+            }
+            if let Err(e) = result {
+                return Err(fail(ex, e));
+            }
+            spare = recv;
+        }
+        ex.scratch = spare;
+        Ok(())
     }
 
     /// The data phase of a validated collective.
@@ -534,8 +820,40 @@ impl Inner {
             OpKind::AllGather => {
                 let (input, output) = (input.ok_or_else(missing)?, output.ok_or_else(missing)?);
                 let total = input.len();
-                let chunk = (slot / es).max(1) * es;
                 let put = put_for(output.len());
+                if let Some(h) = &self.hier {
+                    // Hierarchical: the node's shared slot carries `nodes` pieces per rank.
+                    let chunk = (slot / h.nodes / es).max(1) * es;
+                    let span = |k: usize| (k * chunk, chunk.min(total - k * chunk));
+                    let input_at = |k: usize| {
+                        let (off, len) = span(k);
+                        input.slice(off, len).map_err(buf_err)
+                    };
+                    return self.hier_gather(
+                        ex,
+                        op,
+                        seq,
+                        h,
+                        total.div_ceil(chunk),
+                        |k| {
+                            let (off, len) = span(k);
+                            let src = input_at(k)?;
+                            let mine = src.read::<u8>().map_err(buf_err)?.to_vec();
+                            let own = output.slice(rank * total + off, len).map_err(buf_err)?;
+                            if own.location() != src.location() {
+                                put(&mut own.write::<u8>().map_err(buf_err)?, &mine);
+                            }
+                            Ok(mine)
+                        },
+                        |k, p, v| {
+                            let (off, len) = span(k);
+                            let out = output.slice(p * total + off, len).map_err(buf_err)?;
+                            put(&mut out.write::<u8>().map_err(buf_err)?, v);
+                            Ok(())
+                        },
+                    );
+                }
+                let chunk = (slot / es).max(1) * es;
                 let mut off = 0;
                 while off < total {
                     let len = chunk.min(total - off);
@@ -646,11 +964,16 @@ impl Inner {
                 }
                 Ok(())
             }
-            OpKind::AllReduce | OpKind::Broadcast => {
+            OpKind::AllReduce => {
+                let buf = output.ok_or_else(missing)?;
+                self.all_reduce(ex, seq, desc, buf)
+            }
+            OpKind::Broadcast => {
                 let buf = output.ok_or_else(missing)?;
                 let total = buf.len();
                 let put = put_for(total);
                 let chunk = (slot / es).max(1) * es;
+                let root = desc.root.unwrap_or(0);
                 let mut off = 0;
                 while off < total {
                     let len = chunk.min(total - off);
@@ -659,26 +982,153 @@ impl Inner {
                         dst.copy_from_slice(&piece()?.read::<u8>().map_err(buf_err)?);
                         Ok(())
                     };
-                    if op == OpKind::AllReduce {
-                        let (rop, accum) = desc.reduction();
-                        self.step(ex, op, seq, Pattern::Gather, len, fill, |views| {
-                            kernels::reduce(desc.in_dtype, accum, views, &piece()?, rop, w)
-                                .map_err(buf_err)
-                        })?;
-                    } else {
-                        let root = desc.root.unwrap_or(0);
-                        self.step(ex, op, seq, Pattern::FromRoot(root), len, fill, |views| {
-                            if rank != root {
-                                put(&mut piece()?.write::<u8>().map_err(buf_err)?, views[root]);
-                            }
-                            Ok(())
-                        })?;
-                    }
+                    self.step(ex, op, seq, Pattern::FromRoot(root), len, fill, |views| {
+                        if rank != root {
+                            put(&mut piece()?.write::<u8>().map_err(buf_err)?, views[root]);
+                        }
+                        Ok(())
+                    })?;
                     off += len;
                 }
                 Ok(())
             }
         }
+    }
+
+    /// All-reduce as a reduce-scatter followed by an all-gather, deterministic: the buffer is
+    /// cut into `W` parts of `⌈n / W⌉` elements (the last ones shorter or empty); rank `d`
+    /// folds part `d` of every rank's buffer in rank order with the thread backend's kernel,
+    /// then every rank gathers the folded parts. Each element is folded once, in rank order,
+    /// exactly as the thread backend folds it, so the bits agree; each rank sends
+    /// `2 (W − 1) / W` of the buffer instead of `W − 1` buffers. Pieces are padded with zeros to
+    /// a common length inside a step (the padding is never folded into a result or written).
+    fn all_reduce(&self, ex: &mut Exec, seq: u64, desc: &OpDesc, buf: &BufferRef) -> Result<()> {
+        let (w, rank) = (self.size(), self.rank());
+        let op = desc.kind;
+        let es = desc.in_dtype.size();
+        let slot = self.config.slot_bytes;
+        let buf_err = |source| CollectiveError::Buffer { op, rank, source };
+        let (rop, accum) = desc.reduction();
+        let n = buf.len() / es;
+        let q = n.div_ceil(w);
+        // Element range of part `d`.
+        let part = |d: usize| (d * q).min(n)..((d + 1) * q).min(n);
+        // Bytes of part `d` at element offset `o` in a step of `c` elements.
+        let valid = |d: usize, o: usize, c: usize| part(d).len().saturating_sub(o).min(c) * es;
+        let bytes_at =
+            |d: usize, o: usize, v: usize| buf.slice((part(d).start + o) * es, v).map_err(buf_err);
+        // Reduce-scatter: every rank's part d, in pieces, to rank d.
+        let chunk = (slot / w / es).max(1);
+        let mut o = 0;
+        while o < q {
+            let c = chunk.min(q - o);
+            let len = c * es;
+            self.step(
+                ex,
+                op,
+                seq,
+                Pattern::ToAll,
+                len,
+                |dst| {
+                    for d in 0..w {
+                        let v = valid(d, o, c);
+                        let piece = &mut dst[d * len..(d + 1) * len];
+                        if v > 0 {
+                            piece[..v].copy_from_slice(
+                                &bytes_at(d, o, v)?.read::<u8>().map_err(buf_err)?,
+                            );
+                        }
+                        piece[v..].fill(0);
+                    }
+                    Ok(())
+                },
+                |views| {
+                    let v = valid(rank, o, c);
+                    if v == 0 {
+                        return Ok(());
+                    }
+                    let views: Vec<&[u8]> = views.iter().map(|x| &x[..v]).collect();
+                    kernels::reduce(
+                        desc.in_dtype,
+                        accum,
+                        &views[..],
+                        &bytes_at(rank, o, v)?,
+                        rop,
+                        w,
+                    )
+                    .map_err(buf_err)
+                },
+            )?;
+            o += c;
+        }
+        // All-gather of the folded parts.
+        let put = put_for(buf.len());
+        let write = |p: usize, o: usize, c: usize, piece: &[u8]| {
+            let v = valid(p, o, c);
+            if v > 0 {
+                put(
+                    &mut bytes_at(p, o, v)?.write::<u8>().map_err(buf_err)?,
+                    &piece[..v],
+                );
+            }
+            Ok(())
+        };
+        let mine = |o: usize, c: usize| -> Result<Vec<u8>> {
+            let mut piece = vec![0u8; c * es];
+            let v = valid(rank, o, c);
+            if v > 0 {
+                piece[..v].copy_from_slice(&bytes_at(rank, o, v)?.read::<u8>().map_err(buf_err)?);
+            }
+            Ok(piece)
+        };
+        let per_step = match &self.hier {
+            Some(h) => slot / h.nodes,
+            None => slot,
+        };
+        let chunk = (per_step / es).max(1);
+        if let Some(h) = &self.hier {
+            let at = |k: usize| (k * chunk, chunk.min(q - k * chunk));
+            return self.hier_gather(
+                ex,
+                op,
+                seq,
+                h,
+                q.div_ceil(chunk),
+                |k| {
+                    let (o, c) = at(k);
+                    mine(o, c)
+                },
+                |k, p, v| {
+                    let (o, c) = at(k);
+                    write(p, o, c, v)
+                },
+            );
+        }
+        let mut o = 0;
+        while o < q {
+            let c = chunk.min(q - o);
+            self.step(
+                ex,
+                op,
+                seq,
+                Pattern::Gather,
+                c * es,
+                |dst| {
+                    dst.copy_from_slice(&mine(o, c)?);
+                    Ok(())
+                },
+                |views| {
+                    for (p, v) in views.iter().enumerate() {
+                        if p != rank {
+                            write(p, o, c, v)?;
+                        }
+                    }
+                    Ok(())
+                },
+            )?;
+            o += c;
+        }
+        Ok(())
     }
 }
 

@@ -1,6 +1,6 @@
 //! The edge to MPI: process-wide initialization through the `mpi` crate, and thin wrappers over
 //! the raw calls (`mpi::ffi`) the backend needs — communicator split/dup/free, the shared-memory
-//! window, and the byte-wise collectives of the fallback path. Every `unsafe` block of the MPI
+//! window, and the byte-wise non-blocking collectives (polled with a deadline) of the MPI path. Every `unsafe` block of the MPI
 //! backend is in this file.
 
 use std::ffi::{c_char, c_int, c_void};
@@ -117,6 +117,92 @@ fn count(call: &'static str, rank: usize, bytes: usize) -> Result<c_int> {
     })
 }
 
+/// How long [`Comm::exchange`] polls with `yield`s before it sleeps 1 ms between tests.
+const IDLE_BEFORE_SLEEP: Duration = Duration::from_millis(50);
+
+/// The byte-wise non-blocking collectives of [`Comm::exchange`].
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Xfer {
+    /// `MPI_Iallgather`.
+    Gather,
+    /// `MPI_Ialltoall`.
+    ToAll,
+    /// `MPI_Ibcast` from this root.
+    FromRoot(usize),
+}
+
+/// A started non-blocking collective and the buffers MPI reads and writes until it completes.
+/// Dropped before completion (or timed out in [`Pending::wait`]), it leaks the buffers: MPI may
+/// still access them and a collective request cannot be cancelled.
+pub(super) struct Pending {
+    req: ffi::MPI_Request,
+    rank: usize,
+    /// Set once `MPI_Test` reported completion (MPI freed the request).
+    done: bool,
+    /// `(send, recv)`; `None` once handed back or leaked.
+    bufs: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+// SAFETY: the request handle may be tested from any thread under MPI_THREAD_MULTIPLE; the
+// buffers are plain heap memory owned by this value.
+unsafe impl Send for Pending {}
+
+impl Pending {
+    /// Polls the request until it completes or `timeout` passes: `MPI_Test` in a loop that
+    /// yields the core between tests (`MPI_Test` is what drives OpenMPI's progress, so the loop
+    /// does not sleep while bytes are moving); after [`IDLE_BEFORE_SLEEP`] without completion it
+    /// sleeps 1 ms between tests, so a rank waiting on a stuck peer does not burn a core.
+    /// `Some((send, recv))` when done; `None` on timeout (the buffers are leaked).
+    pub(super) fn wait(mut self, timeout: Duration) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let start = Instant::now();
+        loop {
+            if self.test()? {
+                return Ok(self.bufs.take());
+            }
+            let waited = start.elapsed();
+            if waited > timeout {
+                return Ok(None);
+            }
+            if waited < IDLE_BEFORE_SLEEP {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// One `MPI_Test`: true once the collective completed (also drives its progress).
+    pub(super) fn test(&mut self) -> Result<bool> {
+        if self.done {
+            return Ok(true);
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: `req` is the live request started in `Comm::start`, not yet reported complete
+        // (after completion MPI has freed it and `done` keeps us from testing it again).
+        unsafe {
+            check(
+                "MPI_Test",
+                self.rank,
+                ffi::MPI_Test(&mut self.req, &mut flag, ffi::RSMPI_STATUS_IGNORE),
+            )?;
+        }
+        self.done = flag != 0;
+        Ok(self.done)
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some((send, recv)) = self.bufs.take() {
+            if !self.done {
+                // Not completed: MPI may still read `send` and write `recv`.
+                std::mem::forget(send);
+                std::mem::forget(recv);
+            }
+        }
+    }
+}
+
 /// An owned communicator (a dup or split of the world), freed on drop.
 pub(super) struct Comm {
     raw: ffi::MPI_Comm,
@@ -224,127 +310,116 @@ impl Comm {
         Comm::from_raw(raw, &self._rt)
     }
 
-    /// Non-blocking all-gather of `send` (same length on every rank) into `recv`
-    /// (`size × send.len()`), polled with sleeps (never a busy loop) until done or `timeout`.
-    /// On timeout the request cannot be cancelled (MPI has no cancel for collectives): the
-    /// buffers are leaked to keep them valid and the caller must treat the communicator as
-    /// broken. Returns `Ok(false)` on timeout.
-    pub(super) fn all_gather_polled(
+    /// A non-blocking byte-wise collective (`MPI_Iallgather`, `MPI_Ialltoall` or `MPI_Ibcast`,
+    /// see [`Xfer`]) polled until done or `timeout` ([`Pending::wait`]). Returns `Ok(false)` on
+    /// timeout: the buffers are leaked (`recv` is left empty) and the caller must treat the
+    /// communicator as broken.
+    pub(super) fn exchange(
         &self,
+        kind: Xfer,
         send: Vec<u8>,
         recv: &mut Vec<u8>,
         timeout: Duration,
     ) -> Result<bool> {
-        let n = count("MPI_Iallgather", self.rank, send.len())?;
-        recv.resize(send.len() * self.size, 0);
+        let pending = self.start(kind, send, std::mem::take(recv))?;
+        Ok(match pending.wait(timeout)? {
+            Some((_, r)) => {
+                *recv = r;
+                true
+            }
+            None => false,
+        })
+    }
+
+    /// Starts a non-blocking byte-wise collective; the returned [`Pending`] owns both buffers
+    /// until it completes.
+    ///
+    /// Sizes: `Gather` sends `send` (the same length on every rank) and receives
+    /// `size × send.len()` bytes into `recv`; `ToAll` sends `send` (`size` equal pieces, piece
+    /// `d` to rank `d`) and receives as many bytes (piece `s` from rank `s`); `FromRoot(root)`
+    /// broadcasts `recv` in place from `root` (`send` is unused).
+    pub(super) fn start(&self, kind: Xfer, send: Vec<u8>, mut recv: Vec<u8>) -> Result<Pending> {
+        let (name, n) = match kind {
+            Xfer::Gather => {
+                recv.resize(send.len() * self.size, 0);
+                ("MPI_Iallgather", send.len())
+            }
+            Xfer::ToAll => {
+                if send.len() % self.size != 0 {
+                    return Err(CollectiveError::Mpi {
+                        call: "MPI_Ialltoall",
+                        rank: self.rank,
+                        message: format!(
+                            "{} bytes do not split into {} equal pieces",
+                            send.len(),
+                            self.size
+                        ),
+                    });
+                }
+                recv.resize(send.len(), 0);
+                ("MPI_Ialltoall", send.len() / self.size)
+            }
+            Xfer::FromRoot(root) => {
+                if root >= self.size {
+                    return Err(CollectiveError::Mpi {
+                        call: "MPI_Ibcast",
+                        rank: self.rank,
+                        message: format!("root {root} is not a rank of a {}-rank group", self.size),
+                    });
+                }
+                ("MPI_Ibcast", recv.len())
+            }
+        };
+        let n = count(name, self.rank, n)?;
         let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
-        // SAFETY: both buffers are live and sized for the call (recv holds size × n bytes); they
-        // are not touched until the request completes, or leaked below if it never does.
-        let mut req = unsafe {
-            check(
-                "MPI_Iallgather",
-                self.rank,
-                ffi::MPI_Iallgather(
-                    send.as_ptr() as *const c_void,
+        let (sp, rp) = (
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+        );
+        // SAFETY: both buffers are live heap allocations sized for the call as checked above
+        // (Gather: recv holds size × n bytes; ToAll: each holds size × n; FromRoot: recv holds
+        // n); they move (heap blocks unchanged) into the returned `Pending`, which hands
+        // them back only after the request completed and leaks them if it never does. The communicator is valid; `req` receives the request handle.
+        let req = unsafe {
+            let code = match kind {
+                Xfer::Gather => ffi::MPI_Iallgather(
+                    sp,
                     n,
                     ffi::RSMPI_UINT8_T,
-                    recv.as_mut_ptr() as *mut c_void,
+                    rp,
                     n,
                     ffi::RSMPI_UINT8_T,
                     self.raw,
                     req.as_mut_ptr(),
                 ),
-            )?;
-            req.assume_init()
-        };
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(5);
-        loop {
-            let mut flag: c_int = 0;
-            // SAFETY: `req` is the live request from MPI_Iallgather above.
-            unsafe {
-                check(
-                    "MPI_Test",
-                    self.rank,
-                    ffi::MPI_Test(&mut req, &mut flag, ffi::RSMPI_STATUS_IGNORE),
-                )?;
-            }
-            if flag != 0 {
-                return Ok(true);
-            }
-            if start.elapsed() > timeout {
-                std::mem::forget(send);
-                std::mem::forget(std::mem::take(recv));
-                return Ok(false);
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_micros(500));
-        }
-    }
-
-    /// Blocking byte-wise `MPI_Allgather`.
-    pub(super) fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        let n = count("MPI_Allgather", self.rank, send.len())?;
-        assert_eq!(recv.len(), send.len() * self.size, "all_gather sizes");
-        // SAFETY: the buffers are live for the call and sized as MPI expects (checked above).
-        unsafe {
-            check(
-                "MPI_Allgather",
-                self.rank,
-                ffi::MPI_Allgather(
-                    send.as_ptr() as *const c_void,
+                Xfer::ToAll => ffi::MPI_Ialltoall(
+                    sp,
                     n,
                     ffi::RSMPI_UINT8_T,
-                    recv.as_mut_ptr() as *mut c_void,
+                    rp,
                     n,
                     ffi::RSMPI_UINT8_T,
                     self.raw,
+                    req.as_mut_ptr(),
                 ),
-            )
-        }
-    }
-
-    /// Blocking byte-wise `MPI_Alltoall`: piece `d` of `send` goes to rank `d`; piece `s` of
-    /// `recv` comes from rank `s`.
-    pub(super) fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        assert_eq!(send.len(), recv.len(), "all_to_all sizes");
-        assert_eq!(send.len() % self.size, 0, "all_to_all pieces");
-        let n = count("MPI_Alltoall", self.rank, send.len() / self.size)?;
-        // SAFETY: the buffers are live for the call and hold size × n bytes each.
-        unsafe {
-            check(
-                "MPI_Alltoall",
-                self.rank,
-                ffi::MPI_Alltoall(
-                    send.as_ptr() as *const c_void,
-                    n,
-                    ffi::RSMPI_UINT8_T,
-                    recv.as_mut_ptr() as *mut c_void,
-                    n,
-                    ffi::RSMPI_UINT8_T,
-                    self.raw,
-                ),
-            )
-        }
-    }
-
-    /// Blocking byte-wise `MPI_Bcast` from `root`.
-    pub(super) fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let n = count("MPI_Bcast", self.rank, buf.len())?;
-        // SAFETY: the buffer is live and `n` bytes long; root < size was validated by every rank.
-        unsafe {
-            check(
-                "MPI_Bcast",
-                self.rank,
-                ffi::MPI_Bcast(
-                    buf.as_mut_ptr() as *mut c_void,
+                Xfer::FromRoot(root) => ffi::MPI_Ibcast(
+                    rp,
                     n,
                     ffi::RSMPI_UINT8_T,
                     root as c_int,
                     self.raw,
+                    req.as_mut_ptr(),
                 ),
-            )
-        }
+            };
+            check(name, self.rank, code)?;
+            req.assume_init()
+        };
+        Ok(Pending {
+            req,
+            rank: self.rank,
+            done: false,
+            bufs: Some((send, recv)),
+        })
     }
 
     /// Ends the whole job (every process): for failures after which the ranks can no longer

@@ -138,11 +138,20 @@ impl Shm {
     /// re-checking; a publisher bumps the bell before reading the sleeper count (all SeqCst), so
     /// either the publisher sees the sleeper and wakes it, or the waiter's re-check sees the
     /// new counter; and the futex only sleeps while the bell still has the value read.
-    fn wait_all(&self, target: u64) -> std::result::Result<(), StepError> {
+    ///
+    /// `progress` is called on every round of the wait (the hierarchical path drives its next
+    /// cross-node MPI exchange with it); with one, futex sleeps last at most 1 ms.
+    fn wait_all(
+        &self,
+        target: u64,
+        progress: &mut dyn FnMut(),
+        has_progress: bool,
+    ) -> std::result::Result<(), StepError> {
         for tries in 0..64 {
             if self.arrived(target)? {
                 return Ok(());
             }
+            progress();
             if tries < 16 {
                 std::hint::spin_loop();
             } else {
@@ -151,13 +160,19 @@ impl Shm {
         }
         let start = Instant::now();
         let (bell, sleepers) = (self.word(64), self.word(128));
+        let nap = if has_progress {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_millis(20)
+        };
         loop {
+            progress();
             sleepers.fetch_add(1, Ordering::SeqCst);
             let seen = bell.load(Ordering::SeqCst);
             let ready = self.arrived(target);
             if matches!(ready, Ok(false)) {
                 // Bounded, so the overall timeout is checked even if nobody publishes.
-                futex::wait(bell, seen, Duration::from_millis(20));
+                futex::wait(bell, seen, nap);
             }
             sleepers.fetch_sub(1, Ordering::SeqCst);
             if ready? || self.arrived(target)? {
@@ -183,6 +198,24 @@ impl Shm {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> std::result::Result<Vec<&'s [u8]>, StepError> {
+        self.step_with(ex, pattern, len, fill, None)
+    }
+
+    /// [`Shm::step`] calling `progress` while it waits for the peers.
+    pub(super) fn step_with<'s>(
+        &'s self,
+        ex: &mut Exec,
+        pattern: Pattern,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+        progress: Option<&mut dyn FnMut()>,
+    ) -> std::result::Result<Vec<&'s [u8]>, StepError> {
+        let has_progress = progress.is_some();
+        let mut noop = || {};
+        let progress: &mut dyn FnMut() = match progress {
+            Some(p) => p,
+            None => &mut noop,
+        };
         let g = ex.step;
         let contrib = match pattern {
             Pattern::ToAll => self.size * len,
@@ -202,7 +235,7 @@ impl Shm {
         if contributes {
             // Every peer must be done reading this slot's previous use (step g − slots).
             let free_at = (g + 2).saturating_sub(self.slots as u64);
-            if let Err(e) = self.wait_all(free_at) {
+            if let Err(e) = self.wait_all(free_at, &mut *progress, has_progress) {
                 self.fail(ex);
                 return Err(e);
             }
@@ -219,7 +252,7 @@ impl Shm {
         }
         ex.step = g + 1;
         self.publish(g + 1);
-        if let Err(e) = self.wait_all(g + 1) {
+        if let Err(e) = self.wait_all(g + 1, progress, has_progress) {
             self.fail(ex);
             return Err(e);
         }
