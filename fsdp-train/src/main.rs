@@ -72,6 +72,7 @@ mod ckpt;
 mod cli;
 mod cuda;
 mod data;
+mod paths;
 mod plan;
 mod report;
 mod train;
@@ -130,6 +131,7 @@ fn check_outputs(cli: &Cli, c: &TrainConfig) -> Result<(), String> {
         ("--save", &c.save),
         ("--plot", &cli.logging.plot),
         ("--metrics", &cli.logging.metrics),
+        ("--profile", &c.profile),
     ] {
         if let Some(p) = p {
             check_save_target(p, None).map_err(|e| format!("{flag}: {e}"))?;
@@ -516,6 +518,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Outputs that would destroy inputs or each other, a directory as --save, a non-file as
+    // --data, a fresh run into a used checkpoint directory: usage errors before anything runs.
+    if let Err(e) = paths::check(
+        &config,
+        cli.logging.metrics.as_deref(),
+        cli.logging.plot.as_deref(),
+    ) {
+        eprintln!("train_gpt: {e}");
+        return ExitCode::from(2);
+    }
     match run(cli, config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

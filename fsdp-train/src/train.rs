@@ -119,8 +119,10 @@ pub struct TrainConfig {
     pub checkpoint_every: Option<usize>,
     /// Checkpoints kept.
     pub keep_checkpoints: usize,
-    /// Resume from the newest complete checkpoint.
+    /// Resume from the newest checkpoint (refused when damaged).
     pub resume: bool,
+    /// `--resume latest-valid`: fall back to the newest undamaged checkpoint.
+    pub resume_latest_valid: bool,
     /// Full state dict to load.
     pub load: Option<PathBuf>,
     /// Full state dict to save.
@@ -195,13 +197,17 @@ pub enum TrainError {
         /// The cause.
         source: Box<fsdp_core::StateDictError>,
     },
-    /// Another rank failed (its error is reported by it).
-    #[error("rank {rank}: stopped because another rank failed at {what}")]
+    /// Another rank failed (its error is reported by it, and passed on here).
+    #[error("rank {rank}: stopped because rank {peer} failed at {what}: {reason}")]
     PeerFailed {
         /// Rank.
         rank: usize,
         /// Where.
         what: &'static str,
+        /// The (lowest) failing rank.
+        peer: usize,
+        /// That rank's error message (at most 1 KiB of it).
+        reason: String,
     },
     /// A rank thread could not be started or panicked.
     #[error("{0}")]
@@ -294,10 +300,16 @@ pub struct Report {
     pub final_params: Option<FullStateDict>,
 }
 
-/// Settings a resumed run must share with the checkpoint.
+/// Settings a resumed run must share with the checkpoint: the model, optimizer, global batch,
+/// data and seed, and the learning-rate schedule (`--lr`, `--warmup-steps`, `--min-lr`, and
+/// `--steps` where the schedule depends on it: the cosine decay of `--min-lr`).
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
     let g = &cfg.gpt;
     json!({
+        "lr": cfg.lr,
+        "warmup_steps": cfg.warmup_steps,
+        "min_lr": cfg.min_lr,
+        "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
         "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
                          g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
         "optimizer": format!("{:?}", cfg.optimizer),
@@ -425,6 +437,8 @@ struct Rank {
     fsdp: Fsdp<Gpt>,
     adamw: Option<AdamW>,
     observer: Box<dyn Observer>,
+    /// The checkpoint lineage this run continues (empty: a new one at the first save).
+    lineage: String,
 }
 
 fn slice_of(t: &Tensor) -> Result<DeviceSlice, FsdpError> {
@@ -496,6 +510,7 @@ impl Rank {
             fsdp,
             adamw,
             observer,
+            lineage: String::new(),
         })
     }
 
@@ -532,19 +547,62 @@ impl Rank {
     }
 
     /// Every rank learns whether any rank's `local` failed; a failing rank returns its own
-    /// error, the others [`TrainError::PeerFailed`].
+    /// error, the others [`TrainError::PeerFailed`] carrying the lowest failing rank's message
+    /// (so rank 0 prints why another rank stopped the run).
     fn agree<T>(&self, local: Result<T, TrainError>, what: &'static str) -> Result<T, TrainError> {
         let failed = self
             .all_reduce_sum(vec![if local.is_err() { 1.0 } else { 0.0 }])
             .map_err(self.err(format!("agreeing on {what}")))?[0];
-        let v = local?;
-        if failed > 0.0 {
-            return Err(TrainError::PeerFailed {
-                rank: self.rank,
-                what,
-            });
+        if failed == 0.0 {
+            return local;
         }
-        Ok(v)
+        let (peer, reason) = self
+            .share_reason(local.as_ref().err())
+            .map_err(self.err(format!("agreeing on {what}")))?;
+        local?;
+        Err(TrainError::PeerFailed {
+            rank: self.rank,
+            what,
+            peer,
+            reason,
+        })
+    }
+
+    /// A collective among ranks of which one or more failed: the lowest failing rank sends its
+    /// message (at most 1 KiB) to all. Returns (that rank, its message).
+    fn share_reason(&self, err: Option<&TrainError>) -> Result<(usize, String), FsdpError> {
+        const REASON_BYTES: usize = 1024;
+        let stream = fsdp_autograd::current_stream(&self.dev);
+        let reduce = |values: Vec<f32>, op: ReduceOp| -> Result<Vec<f32>, FsdpError> {
+            let n = values.len();
+            let t = Tensor::from_vec(values, &[n], &self.dev)?;
+            self.pg.all_reduce(&slice_of(&t)?, op, &stream).wait()?;
+            Ok(t.to_vec::<f32>()?)
+        };
+        let none = self.pg.size() as f32;
+        let mine = if err.is_some() {
+            self.rank as f32
+        } else {
+            none
+        };
+        let peer = reduce(vec![mine], ReduceOp::Min)?[0];
+        let mut buf = vec![0f32; REASON_BYTES];
+        if let Some(e) = err.filter(|_| peer == mine) {
+            let text = e.to_string();
+            let mut end = text.len().min(REASON_BYTES);
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            for (d, b) in buf.iter_mut().zip(text[..end].bytes()) {
+                *d = f32::from(b);
+            }
+        }
+        let bytes: Vec<u8> = reduce(buf, ReduceOp::Sum)?
+            .into_iter()
+            .take_while(|&b| b != 0.0)
+            .map(|b| b.clamp(0.0, 255.0) as u8)
+            .collect();
+        Ok((peer as usize, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
     /// This rank's micro-batch `micro` of step `s` (0-based).
@@ -633,7 +691,10 @@ impl Rank {
         // The manager refuses non-finite values too; checking first names the step.
         self.check_params_finite(step)?;
         let manager = CheckpointManager::new(&dir, self.cfg.keep_checkpoints)
-            .map_err(self.sd_err("--checkpoint-dir"))?;
+            .map_err(self.sd_err("--checkpoint-dir"))?
+            .with_lineage(self.lineage.clone());
+        // Later saves of this run continue the same lineage (pruning counts only its saves).
+        self.lineage = manager.lineage().to_string();
         let meta = ckpt::metadata(self.cfg.ranks, fingerprint(&self.cfg), history);
         let opt = self.adamw.as_ref().map(|o| o as &dyn ShardedOptimizer);
         let fin = manager
@@ -654,8 +715,28 @@ impl Rank {
         let Some(dir) = self.cfg.checkpoint_dir.clone() else {
             return Ok((0, Vec::new()));
         };
-        let found = checkpoint::latest_complete(&dir)
-            .map_err(self.sd_err(format!("looking for a checkpoint in {}", dir.display())))
+        let found = if self.cfg.resume_latest_valid {
+            checkpoint::latest_valid(&dir).map(|(found, skipped)| {
+                if self.rank == 0 {
+                    for s in &skipped {
+                        self.observer.note(&format!(
+                            "resume latest-valid: skipped {}: {}",
+                            s.dir.display(),
+                            s.error
+                        ));
+                    }
+                }
+                found
+            })
+        } else {
+            checkpoint::newest(&dir)
+        };
+        let found = found
+            .map_err(self.sd_err(format!(
+                "--resume: the newest checkpoint in {} is damaged or unreadable; nothing was \
+                 loaded (`--resume latest-valid` falls back to the newest undamaged one)",
+                dir.display()
+            )))
             .and_then(|l| match l {
                 None => Ok(None),
                 Some(path) => {
@@ -683,6 +764,7 @@ impl Rank {
         );
         self.adamw = opt;
         let loaded = loaded.map_err(self.sd_err(format!("loading {}", path.display())))?;
+        self.lineage = loaded.lineage.clone();
         let meta = ckpt::parse(
             &path,
             loaded.metadata.get(ckpt::META_KEY).map(String::as_str),
