@@ -48,7 +48,8 @@ use std::time::{Duration, Instant};
 
 pub use env::{LaunchEnv, Launcher, RendezvousEnv, LAUNCHER_ENV};
 pub use options::{
-    StoreLimits, StoreOptions, StoreSecret, MAX_KEY_LEN, MAX_VALUE_LEN, MIN_SECRET_LEN, SECRET_ENV,
+    StoreLimits, StoreOptions, StoreSecret, ALLOW_OPEN_ENV, MAX_KEY_LEN, MAX_VALUE_LEN,
+    MIN_SECRET_LEN, SECRET_ENV,
 };
 pub use server::StoreServer;
 
@@ -261,13 +262,17 @@ impl TcpStore {
                 }
             }
         };
-        Ok(TcpStore {
+        let store = TcpStore {
             addr: sock,
             conn: Mutex::new(stream),
             timeout,
             limits: options.limits,
             server: None,
-        })
+        };
+        // One request right away: a server that runs out of connection slots closes only
+        // connections that never sent one (clients that connected and did nothing).
+        store.check("")?;
+        Ok(store)
     }
 
     /// Rendezvous as `env` says: rank 0 hosts the store on exactly `MASTER_ADDR:MASTER_PORT`
