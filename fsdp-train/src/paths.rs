@@ -192,5 +192,29 @@ mod tests {
         assert_eq!(std::fs::read(&data).unwrap(), vec![b'a'; 4096]);
         // --save over --load is allowed (the loaded state is replaced after training).
         assert!(check_args(&["--load", d, "--save", d]).is_ok());
+        // --profile in a place that cannot hold a file is caught by the writability check
+        // (main's check_outputs); here: --profile naming the data.
+        let e = check_args(&["--data", d, "--profile", d]).unwrap_err();
+        assert!(e.contains("--profile"), "{e}");
+    }
+
+    /// Issue #26 (1): a fresh run never writes into a checkpoint directory of an earlier run
+    /// (whose higher steps would outlive, and be resumed instead of, the new checkpoints);
+    /// `--resume` continues it.
+    #[test]
+    fn a_fresh_run_refuses_a_used_checkpoint_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck_s = ck.to_str().unwrap();
+        assert!(check_args(&["--checkpoint-dir", ck_s]).is_ok());
+        std::fs::create_dir_all(ck.join("step_01")).unwrap(); // not a checkpoint name
+        assert!(check_args(&["--checkpoint-dir", ck_s]).is_ok());
+        std::fs::create_dir_all(ck.join("step_000000000012")).unwrap();
+        let e = check_args(&["--checkpoint-dir", ck_s]).unwrap_err();
+        assert!(
+            e.contains("--resume") && e.contains("step_000000000012"),
+            "{e}"
+        );
+        assert!(check_args(&["--checkpoint-dir", ck_s, "--resume"]).is_ok());
     }
 }

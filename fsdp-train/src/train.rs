@@ -1247,6 +1247,122 @@ mod tests {
         }
     }
 
+    /// Issue #26 (3) and (5): `--resume` refuses a damaged newest checkpoint naming the file;
+    /// `--resume latest-valid` falls back to the older one and says which it skipped; a resume
+    /// that would change the schedule is refused naming the flag.
+    #[test]
+    fn resume_refuses_damage_and_schedule_changes() {
+        struct Notes(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+        impl Observer for Notes {
+            fn note(&mut self, line: &str) {
+                self.0.lock().unwrap().push(line.to_string());
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck_s = ck.to_str().unwrap();
+        let base = [
+            "--ranks",
+            "2",
+            "--batch",
+            "2",
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.01",
+            "--min-lr",
+            "0.001",
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "2",
+        ];
+        let with = |extra: &[&str]| {
+            let mut a = base.to_vec();
+            a.extend_from_slice(extra);
+            cfg_with(&a)
+        };
+        let mut first = with(&["--steps", "10"]);
+        first.stop_after = Some(4);
+        run_job(&first, Box::new(Quiet), false).unwrap();
+        // The manifest of the newest (step 4) edited: `"step":4` -> `"step":9`.
+        let m = step_dir(&ck, 4).join("checkpoint.json");
+        let good = std::fs::read_to_string(&m).unwrap();
+        std::fs::write(&m, good.replace("\"step\":4", "\"step\":9")).unwrap();
+        let e = run_job(
+            &with(&["--steps", "10", "--resume"]),
+            Box::new(Quiet),
+            false,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("checkpoint.json") && e.contains("checksum") && e.contains("latest-valid"),
+            "{e}"
+        );
+        let notes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut fallback = with(&["--steps", "10", "--resume", "latest-valid"]);
+        fallback.stop_after = Some(3);
+        let r = run_job(&fallback, Box::new(Notes(notes.clone())), false).unwrap();
+        assert_eq!(r.first_step, 3);
+        let notes = notes.lock().unwrap().join("\n");
+        assert!(
+            notes.contains("skipped") && notes.contains("step_000000000004"),
+            "{notes}"
+        );
+        std::fs::write(&m, good).unwrap();
+        // The cosine schedule decays over --steps: another --steps is refused, naming it.
+        let e = run_job(
+            &with(&["--steps", "20", "--resume"]),
+            Box::new(Quiet),
+            false,
+        )
+        .err()
+        .unwrap();
+        assert!(
+            matches!(&e, TrainError::Checkpoint(CheckpointError::Mismatch { what, .. }) if what.starts_with("--steps")),
+            "{e}"
+        );
+        let mut other_lr = with(&["--steps", "10", "--resume"]);
+        other_lr.lr = 0.02;
+        let e = run_job(&other_lr, Box::new(Quiet), false).err().unwrap();
+        assert!(e.to_string().contains("--lr"), "{e}");
+    }
+
+    /// Issue #26 (1): a resumed run continues its checkpoints' lineage, so pruning removes its
+    /// own older checkpoints, never its new ones.
+    #[test]
+    fn pruning_keeps_the_new_checkpoints_of_a_resumed_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck_s = ck.to_str().unwrap();
+        let a = [
+            "--ranks",
+            "2",
+            "--steps",
+            "8",
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "2",
+        ];
+        let mut first = cfg_with(&a);
+        first.stop_after = Some(4);
+        run_job(&first, Box::new(Quiet), false).unwrap();
+        let mut r = a.to_vec();
+        r.push("--resume");
+        run_job(&cfg_with(&r), Box::new(Quiet), false).unwrap();
+        let mut names: Vec<_> = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["step_000000000006", "step_000000000008"]);
+    }
+
     /// A diverging run stops with the step named and never replaces the last good checkpoint.
     #[test]
     fn divergence_stops_and_keeps_the_good_checkpoint() {
