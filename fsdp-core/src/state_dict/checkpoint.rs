@@ -211,9 +211,12 @@ impl CheckpointManager {
         let scaler = scaler.map(|s| (s.get_scale(), s.growth_tracker()));
         let seq = if ctx.is_primary() {
             remove_stale_staging(&self.root);
-            self.lineage_dirs()?
-                .first()
-                .map_or(1, |(seq, _)| seq.saturating_add(1))
+            // Never `?` here: an error on the primary alone, before the collective, would leave
+            // the other ranks waiting in it (a root that cannot be listed fails the save below).
+            self.lineage_dirs()
+                .ok()
+                .and_then(|d| d.first().map(|(seq, _)| seq.saturating_add(1)))
+                .unwrap_or(1)
         } else {
             0
         };
