@@ -135,13 +135,13 @@ pub(super) fn write_file(
 
 /// The metadata key of the header checksum (CRC-32 of the whole JSON header with this key's
 /// value replaced by [`HEADER_CRC_PLACEHOLDER`]).
-const HEADER_CRC_KEY: &str = "crc32/__header__";
-const HEADER_CRC_PLACEHOLDER: &str = "00000000";
+pub(super) const HEADER_CRC_KEY: &str = "crc32/__header__";
+pub(super) const HEADER_CRC_PLACEHOLDER: &str = "00000000";
 
 /// In a serialized safetensors file: the byte offset of the header checksum's 8 hex digits and
 /// the CRC-32 of the header with those digits read as the placeholder. `None` when the file is
 /// too short or its header has no checksum entry.
-fn header_crc(file: &[u8]) -> Option<(usize, u32)> {
+pub(super) fn header_crc(file: &[u8]) -> Option<(usize, u32)> {
     let len = u64::from_le_bytes(file.get(..8)?.try_into().ok()?);
     let end = 8usize.checked_add(usize::try_from(len).ok()?)?;
     let header = file.get(8..end)?;
