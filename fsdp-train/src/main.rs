@@ -15,14 +15,16 @@
 //! ```
 //!
 //! Checkpoints (`--checkpoint-dir`) go through `fsdp_core::checkpoint::CheckpointManager`
-//! (all-or-nothing, checksummed, keep the last `--keep-checkpoints`); `--resume` loads the newest
-//! complete one at any rank count with the same global batch (module [`ckpt`]).
+//! (all-or-nothing, checksummed, keep the last `--keep-checkpoints` of this run's lineage);
+//! `--resume` loads the newest one (refused when damaged; `--resume latest-valid` falls back) at
+//! any rank count with the same global batch and schedule (module [`ckpt`]). Output paths are
+//! checked against the inputs and each other before anything runs (module [`paths`]).
 //!
 //! Every rank is a thread with its own `Device` (allocator, streams) and a handle to one
 //! in-process `ThreadGroup`. Each rank builds the same model from the same seed, wraps it with
 //! `Fsdp::wrap` (one unit per transformer `Block`, the rest in the root unit) and trains it on
-//! its own micro-batches (module [`data`]: the embedded synthetic stream, or a memory-mapped
-//! file). Module [`train`] is the loop, [`ckpt`] the checkpoint directory, [`report`] the
+//! its own micro-batches (module [`data`]: the embedded synthetic stream, or a file read with
+//! positioned reads). Module [`train`] is the loop, [`ckpt`] the checkpoint directory, [`report`] the
 //! progress bar, metrics file, plot and GEMM probe, [`cli`] the command line, [`plan`] the
 //! cost-model planner (`--plan`, `--plan --apply`).
 //!

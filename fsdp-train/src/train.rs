@@ -43,7 +43,7 @@ pub enum Optimizer {
 pub enum DataSpec {
     /// The embedded counting sequences.
     Synthetic,
-    /// A memory-mapped file.
+    /// A token file (read with positioned reads).
     File {
         /// The file.
         path: PathBuf,
