@@ -9,7 +9,7 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use fsdp_collectives::store::{Launcher, StoreLimits, StoreOptions, StoreSecret};
+use fsdp_collectives::store::{Launcher, StoreLimits, StoreOptions, StoreSecret, StoreServer};
 use fsdp_collectives::{CollectiveError, RendezvousEnv, TcpStore};
 use proptest::prelude::*;
 
@@ -698,4 +698,162 @@ fn ranks_rendezvous_with_a_secret_from_the_launch_environment() {
             });
         }
     });
+}
+
+// ------------------------------------------------------------------ issue #26 (6): bounded
+
+/// Resident memory of this process (bytes), from /proc/self/statm.
+fn rss_bytes() -> usize {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: usize = s.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// 255 connections each declaring a 16 MiB value and sending half of it hold at most the
+/// in-flight budget (not 16 MiB each), the others are refused before their bytes are read,
+/// and the store stays usable.
+#[test]
+fn half_sent_frames_share_one_byte_budget() {
+    let _g = exclusive();
+    let host = TcpStore::host_with("127.0.0.1:0", opts()).unwrap();
+    let addr = host.addr().to_string();
+    let server = host.server().unwrap();
+    let before = rss_bytes();
+    let value_len = (16usize << 20) - 1024;
+    let half = vec![0x5Au8; value_len / 2];
+    let mut conns = Vec::new();
+    let mut refused = 0;
+    for i in 0..255 {
+        let (mut c, _) = raw(&addr);
+        c.write_all(&open_hello()).unwrap();
+        let mut ok = [0u8; 5];
+        c.read_exact(&mut ok).unwrap();
+        let key = format!("big{i}");
+        let mut f = vec![1u8]; // CMD_SET
+        f.extend_from_slice(&(key.len() as u32).to_be_bytes());
+        f.extend_from_slice(key.as_bytes());
+        f.extend_from_slice(&0u64.to_be_bytes());
+        f.extend_from_slice(&(value_len as u32).to_be_bytes());
+        c.write_all(&f).unwrap();
+        // The server either reads the value (the reservation fitted) or refuses at once.
+        c.set_nonblocking(true).unwrap();
+        let _ = c.write_all(&half);
+        c.set_nonblocking(false).unwrap();
+        conns.push(c);
+        if server.inflight_bytes() > 32 << 20 {
+            panic!(
+                "in-flight bytes {} above the budget",
+                server.inflight_bytes()
+            );
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for c in &mut conns {
+        c.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        let mut b = [0u8; 1];
+        match c.read(&mut b) {
+            Ok(1) if b[0] == 5 => refused += 1, // ST_LIMIT
+            // Closed after the refusal (its reply may be lost to the reset of unread bytes).
+            Ok(0) => refused += 1,
+            Err(e)
+                if !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                refused += 1
+            }
+            _ => {}
+        }
+    }
+    let grown = rss_bytes().saturating_sub(before);
+    eprintln!(
+        "255 half-sent 16 MiB frames: {refused} refused, in flight {} B, RSS grew {} MiB",
+        server.inflight_bytes(),
+        grown >> 20
+    );
+    assert!(refused >= 250, "only {refused} refused");
+    assert!(grown < 64 << 20, "RSS grew by {grown} bytes");
+    host.set("still", b"usable").unwrap();
+    assert_eq!(host.get("still").unwrap(), b"usable");
+}
+
+/// The frame deadline is for the whole frame: a client trickling one byte at a time (each read
+/// well within the limit) is cut off once the frame's total time passes.
+#[test]
+fn a_trickling_frame_cannot_outlive_the_frame_deadline() {
+    let _g = shared();
+    let limits = StoreLimits {
+        frame_timeout: Duration::from_millis(800),
+        ..StoreLimits::default()
+    };
+    let host = TcpStore::host_with("127.0.0.1:0", opts().with_limits(limits)).unwrap();
+    let addr = host.addr().to_string();
+    let (mut c, _) = raw(&addr);
+    c.write_all(&open_hello()).unwrap();
+    let mut ok = [0u8; 5];
+    c.read_exact(&mut ok).unwrap();
+    let f = frame(1, b"slow", 0, &[1u8; 64]);
+    let t0 = Instant::now();
+    let mut cut = None;
+    for b in &f {
+        // One byte every 200 ms: each read is far below the 800 ms limit.
+        if c.write_all(&[*b]).is_err() {
+            cut = Some(t0.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        c.set_nonblocking(true).unwrap();
+        let mut x = [0u8; 1];
+        let r = c.read(&mut x);
+        c.set_nonblocking(false).unwrap();
+        if matches!(r, Ok(0)) || matches!(&r, Err(e) if e.kind() != std::io::ErrorKind::WouldBlock)
+        {
+            cut = Some(t0.elapsed());
+            break;
+        }
+    }
+    let cut = cut.expect("the trickling frame was never cut off");
+    assert!(cut < Duration::from_secs(3), "cut after {cut:?}");
+    assert!(!host.check("slow").unwrap());
+}
+
+/// With every slot held by clients that connected and never sent a request, a fresh client
+/// (and the host's own connection) is still served: the longest-idle never-served connection
+/// makes room.
+#[test]
+fn idle_connections_cannot_lock_out_a_real_client() {
+    let _g = exclusive();
+    let host = TcpStore::host_with("127.0.0.1:0", opts()).unwrap();
+    let addr = host.addr().to_string();
+    let server = host.server().unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..255 {
+        let (mut c, _) = raw(&addr);
+        c.write_all(&open_hello()).unwrap();
+        idle.push(c);
+    }
+    assert!(eventually(Duration::from_secs(5), || server
+        .connection_count()
+        == 256));
+    let fresh = TcpStore::connect_with(&addr, opts()).unwrap();
+    fresh.set("fresh", b"served").unwrap();
+    assert_eq!(host.get("fresh").unwrap(), b"served");
+    assert!(server.connection_count() <= 256);
+}
+
+/// Without a secret the store binds loopback only, unless allowed explicitly.
+#[test]
+fn an_open_store_binds_loopback_only_unless_allowed() {
+    let _g = shared();
+    let e = StoreServer::bind_with("0.0.0.0:0", &opts()).unwrap_err();
+    assert!(e.to_string().contains("FSDP_STORE_SECRET"), "{e}");
+    let mut o = opts();
+    o.allow_open_remote = true;
+    assert!(StoreServer::bind_with("0.0.0.0:0", &o).is_ok());
+    assert!(StoreServer::bind_with(
+        "0.0.0.0:0",
+        &opts().with_secret(secret("a-long-enough-secret-123"))
+    )
+    .is_ok());
 }

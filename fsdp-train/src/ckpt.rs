@@ -7,8 +7,11 @@
 //! save id in every file; non-finite values refused; keep the last K) and finds the newest
 //! complete one. On top, `train_gpt` stores one metadata entry, `train_gpt`, a JSON object with
 //! - `fingerprint`: the settings a resumed run must share (model shape and GELU, optimizer, global
-//!   batch, data file, seed) — the data position is the step times the global batch, so equal
-//!   global batches make a resumed run see the same sequences;
+//!   batch, data file, seed, and the learning-rate schedule: `--lr`, `--warmup-steps`, `--min-lr`
+//!   and, with `--min-lr`, `--steps`) — the data position is the step times the global batch, so
+//!   equal global batches make a resumed run see the same sequences, and the schedule is
+//!   continued, never silently changed (a resume that would change it is refused naming the
+//!   flag; without `--min-lr`, `--steps` may grow: the schedule is constant after warm-up);
 //! - `world_size`: the rank count that saved it (informational: resuming at another count works);
 //! - `history`: `step`, `loss`, `val_loss`, `tokens_per_s` of every step so far (for the plot).
 
@@ -105,6 +108,10 @@ pub fn check_fingerprint(ckpt: &Path, meta: &Value, now: &Value) -> Result<(), C
                 "global_batch" => "the global batch (--ranks × --batch × --grad-accum sequences)",
                 "data" => "--data",
                 "seed" => "--seed",
+                "lr" => "--lr (the learning-rate schedule)",
+                "warmup_steps" => "--warmup-steps (the learning-rate schedule)",
+                "min_lr" => "--min-lr (the learning-rate schedule)",
+                "schedule_steps" => "--steps (the cosine schedule of --min-lr decays over --steps)",
                 _ => "a setting",
             };
             return Err(CheckpointError::Mismatch {

@@ -269,10 +269,11 @@ pub struct CheckpointArgs {
     #[arg(long, value_name = "K", default_value_t = 3,
           value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub keep_checkpoints: u64,
-    /// Continue from the newest complete checkpoint in --checkpoint-dir (from scratch if there is
-    /// none)
-    #[arg(long)]
-    pub resume: bool,
+    /// Continue from the newest checkpoint in --checkpoint-dir (from scratch if there is none); a
+    /// damaged newest checkpoint is refused (exit 1). `--resume latest-valid` falls back to the
+    /// newest undamaged one and prints which it skipped and why
+    #[arg(long, value_name = "WHICH", num_args = 0..=1, default_missing_value = "newest")]
+    pub resume: Option<ResumeArg>,
     /// Load a full state dict (safetensors) before training
     #[arg(long, value_name = "PATH")]
     pub load: Option<PathBuf>,
@@ -731,10 +732,10 @@ impl Cli {
         if c.checkpoint_every.is_some() && c.checkpoint_dir.is_none() {
             return usage("--checkpoint-every needs --checkpoint-dir DIR");
         }
-        if c.resume && c.checkpoint_dir.is_none() {
+        if c.resume.is_some() && c.checkpoint_dir.is_none() {
             return usage("--resume needs --checkpoint-dir DIR (the directory to resume from)");
         }
-        if c.resume && c.load.is_some() {
+        if c.resume.is_some() && c.load.is_some() {
             return usage("--resume and --load both set the starting state; pick one");
         }
         if c.load.is_some() && self.interop.init_from.is_some() {
@@ -790,7 +791,8 @@ impl Cli {
             checkpoint_dir: c.checkpoint_dir.clone(),
             checkpoint_every: c.checkpoint_every.map(|n| n as usize),
             keep_checkpoints: c.keep_checkpoints as usize,
-            resume: c.resume,
+            resume: c.resume.is_some(),
+            resume_latest_valid: c.resume == Some(ResumeArg::LatestValid),
             load: c.load.clone(),
             save: c.save.clone(),
             stop_after: None,
@@ -1010,6 +1012,12 @@ mod tests {
         assert!(parse(&["--shard-size", "2"]).is_err());
         assert!(parse(&["--no-sync"]).is_err());
         assert!(parse(&["--resume"]).is_err());
+        assert!(parse(&["--resume", "latest-valid"]).is_err());
+        let r = parse(&["--checkpoint-dir", "ck", "--resume", "latest-valid"]).unwrap();
+        assert!(r.resume && r.resume_latest_valid);
+        let r = parse(&["--checkpoint-dir", "ck", "--resume", "--steps", "3"]).unwrap();
+        assert!(r.resume && !r.resume_latest_valid);
+        assert!(parse(&["--checkpoint-dir", "ck", "--resume", "oldest"]).is_err());
         assert!(parse(&["--checkpoint-every", "5"]).is_err());
         assert!(parse(&["--min-lr", "1", "--lr", "0.1"]).is_err());
         assert!(parse(&["--warmup-steps", "60"]).is_err());
@@ -1086,6 +1094,15 @@ mod tests {
         let c = parse(&["--init-from", "m", "--seq-len", "32", "--sample-every", "5"]).unwrap();
         assert_eq!((c.interop.seq_len, c.interop.sample_every), (Some(32), 5));
     }
+}
+
+/// `--resume [WHICH]`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeArg {
+    /// The newest checkpoint; refused when it is damaged.
+    Newest,
+    /// The newest undamaged checkpoint (the damaged newer ones are named and skipped).
+    LatestValid,
 }
 
 /// `--device`.

@@ -8,17 +8,21 @@
 //! - the order is deterministic from the seed and the step: a resumed run sees the same batches;
 //! - `W` ranks with batch `b` see exactly the sequences of `W'` ranks with `b' = W·b/W'` (only
 //!   their split over ranks differs);
-//! - each rank reads only its own sequences (the file is memory-mapped; nothing else is read).
+//! - each rank reads only its own sequences (positioned reads of just those bytes; nothing else
+//!   is read).
+//!
+//! The file is read with `pread`, not memory-mapped: a file truncated or shortened while training
+//! runs is a typed error naming it ([`DataError::Changed`], exit 1), never a SIGBUS. A file
+//! rewritten in place with the same length is not detected (the data read then changes).
 //!
 //! From a file, sequence `g` starts at a pseudo-random offset of the training part (a SplitMix64
 //! hash of `(seed, g)`), and the validation split is the file's tail (`--val-fraction`): a fixed
 //! set of `--eval-seqs` sequences at evenly spaced offsets of it.
 
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-use memmap2::Mmap;
 
 /// How a data file is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +43,22 @@ pub enum DataError {
         path: PathBuf,
         /// The cause.
         source: std::io::Error,
+    },
+    /// `--data` is not a regular file (a directory, FIFO, device, socket).
+    #[error("--data {path}: it is {what}, not a regular file; give a text or u16 token file")]
+    NotRegular {
+        /// The path.
+        path: PathBuf,
+        /// What it is.
+        what: &'static str,
+    },
+    /// The file changed under the run (shrank, or could no longer be read).
+    #[error("--data {path}: the file changed while training: {detail}; training stopped (restart it with --resume from the last checkpoint once the file is back)")]
+    Changed {
+        /// The file.
+        path: PathBuf,
+        /// What happened.
+        detail: String,
     },
     /// A u16 file of odd length.
     #[error("--data {path}: {len} bytes is not a whole number of u16 tokens (is it a .bin of u16 ids? use --data-format text for text)")]
@@ -88,15 +108,17 @@ pub enum Dataset {
         /// Vocabulary size.
         vocab: usize,
     },
-    /// A memory-mapped token file.
+    /// A token file (read with positioned reads).
     File(Arc<TokenFile>),
 }
 
-/// A memory-mapped token file and its train/validation split.
+/// A token file and its train/validation split.
 #[derive(Debug)]
 pub struct TokenFile {
     path: PathBuf,
-    map: Mmap,
+    file: File,
+    /// Its length in bytes when opened.
+    len: u64,
     format: DataFormat,
     /// Tokens in the file.
     tokens: u64,
@@ -109,7 +131,8 @@ pub struct TokenFile {
 const SYNTHETIC_VAL_BASE: u64 = 1 << 40;
 
 impl Dataset {
-    /// Opens `path` (memory-mapped) for sequences of `seq` tokens and a model of `vocab`.
+    /// Opens `path` (a regular file, read with positioned reads) for sequences of `seq` tokens
+    /// and a model of `vocab`.
     pub fn open(
         path: &Path,
         format: DataFormat,
@@ -121,12 +144,24 @@ impl Dataset {
             path: path.to_path_buf(),
             source,
         };
+        // Checked before opening: opening a FIFO for reading would block forever.
+        let kind = std::fs::metadata(path).map_err(io)?.file_type();
+        if !kind.is_file() {
+            return Err(DataError::NotRegular {
+                path: path.to_path_buf(),
+                what: file_kind(kind),
+            });
+        }
         let file = File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only and private to this process; like every reader of a
-        // memory-mapped file we rely on no other process truncating or rewriting the file while
-        // training runs (a truncation would fault, a rewrite would change the data read).
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let len = map.len() as u64;
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
+            // Replaced between the two looks.
+            return Err(DataError::NotRegular {
+                path: path.to_path_buf(),
+                what: file_kind(meta.file_type()),
+            });
+        }
+        let len = meta.len();
         let tokens = match format {
             DataFormat::Text => len,
             DataFormat::U16 => {
@@ -155,7 +190,8 @@ impl Dataset {
         }
         Ok(Dataset::File(Arc::new(TokenFile {
             path: path.to_path_buf(),
-            map,
+            file,
+            len,
             format,
             tokens,
             val_start,
@@ -212,22 +248,70 @@ impl Dataset {
     }
 }
 
+/// A file type in words (for [`DataError::NotRegular`]).
+pub fn file_kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
+    }
+}
+
 impl TokenFile {
-    fn token(&self, pos: u64) -> u64 {
-        let p = pos as usize;
-        match self.format {
-            DataFormat::Text => self.map[p] as u64,
-            DataFormat::U16 => u16::from_le_bytes([self.map[2 * p], self.map[2 * p + 1]]) as u64,
+    /// The bytes of tokens `start .. start + n`, read with one positioned read; a file that
+    /// shrank below its opening length (or cannot be read any more) is [`DataError::Changed`].
+    fn bytes(&self, start: u64, n: usize) -> Result<Vec<u8>, DataError> {
+        let width = match self.format {
+            DataFormat::Text => 1,
+            DataFormat::U16 => 2,
+        };
+        let changed = |detail: String| DataError::Changed {
+            path: self.path.clone(),
+            detail,
+        };
+        let now = self
+            .file
+            .metadata()
+            .map_err(|e| changed(format!("cannot inspect it: {e}")))?
+            .len();
+        if now < self.len {
+            return Err(changed(format!(
+                "it shrank from {} to {now} bytes",
+                self.len
+            )));
         }
+        let mut buf = vec![0u8; n * width];
+        self.file
+            .read_exact_at(&mut buf, start * width as u64)
+            .map_err(|e| changed(format!("reading {} bytes at token {start}: {e}", n * width)))?;
+        Ok(buf)
     }
 
     /// Tokens `start .. start + seq + 1` as (inputs, targets).
     fn read(&self, start: u64, seq: usize) -> Result<Sequence, DataError> {
         let mut ids = Vec::with_capacity(seq);
         let mut targets = Vec::with_capacity(seq);
+        let raw = self.bytes(start, seq + 1)?;
         for t in 0..=seq as u64 {
             let pos = start + t;
-            let id = self.token(pos);
+            let i = t as usize;
+            let id = match self.format {
+                DataFormat::Text => u64::from(raw[i]),
+                DataFormat::U16 => u64::from(u16::from_le_bytes([raw[2 * i], raw[2 * i + 1]])),
+            };
             if id >= self.vocab as u64 {
                 return Err(DataError::TokenOutOfRange {
                     path: self.path.clone(),
@@ -311,6 +395,35 @@ mod tests {
             assert_eq!(v[0], (off % 251) as i64);
             assert_eq!(*tv.last().unwrap(), ((off + 16) % 251) as i64);
         }
+    }
+
+    /// Issue #26 (4): a file truncated while training is a typed error naming it (never a
+    /// SIGBUS), and non-regular files are refused when opened (a FIFO would block forever).
+    #[test]
+    fn truncation_under_the_run_is_an_error_and_non_files_are_refused() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let text: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(f.path(), &text).unwrap();
+        let d = Dataset::open(f.path(), DataFormat::Text, 0.1, 16, 256).unwrap();
+        d.train_sequence(0, 16, 0).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(f.path())
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        let e = d.train_sequence(1, 16, 0).unwrap_err();
+        assert!(matches!(e, DataError::Changed { .. }), "{e}");
+        assert!(e.to_string().contains("shrank from 10000 to 0"), "{e}");
+        assert!(d.val_sequence(0, 4, 16, 0).is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let e = Dataset::open(dir.path(), DataFormat::Text, 0.1, 16, 256).unwrap_err();
+        assert!(e.to_string().contains("a directory"), "{e}");
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success(), "mkfifo");
+        let e = Dataset::open(&fifo, DataFormat::Text, 0.1, 16, 256).unwrap_err();
+        assert!(e.to_string().contains("FIFO"), "{e}");
     }
 
     #[test]

@@ -15,14 +15,16 @@
 //! ```
 //!
 //! Checkpoints (`--checkpoint-dir`) go through `fsdp_core::checkpoint::CheckpointManager`
-//! (all-or-nothing, checksummed, keep the last `--keep-checkpoints`); `--resume` loads the newest
-//! complete one at any rank count with the same global batch (module [`ckpt`]).
+//! (all-or-nothing, checksummed, keep the last `--keep-checkpoints` of this run's lineage);
+//! `--resume` loads the newest one (refused when damaged; `--resume latest-valid` falls back) at
+//! any rank count with the same global batch and schedule (module [`ckpt`]). Output paths are
+//! checked against the inputs and each other before anything runs (module [`paths`]).
 //!
 //! Every rank is a thread with its own `Device` (allocator, streams) and a handle to one
 //! in-process `ThreadGroup`. Each rank builds the same model from the same seed, wraps it with
 //! `Fsdp::wrap` (one unit per transformer `Block`, the rest in the root unit) and trains it on
-//! its own micro-batches (module [`data`]: the embedded synthetic stream, or a memory-mapped
-//! file). Module [`train`] is the loop, [`ckpt`] the checkpoint directory, [`report`] the
+//! its own micro-batches (module [`data`]: the embedded synthetic stream, or a file read with
+//! positioned reads). Module [`train`] is the loop, [`ckpt`] the checkpoint directory, [`report`] the
 //! progress bar, metrics file, plot and GEMM probe, [`cli`] the command line, [`plan`] the
 //! cost-model planner (`--plan`, `--plan --apply`).
 //!
@@ -75,6 +77,7 @@ mod data;
 mod hf;
 mod interop;
 mod optim;
+mod paths;
 mod plan;
 mod report;
 mod sample;
@@ -135,6 +138,7 @@ fn check_outputs(cli: &Cli, c: &TrainConfig) -> Result<(), String> {
         ("--save", &c.save),
         ("--plot", &cli.logging.plot),
         ("--metrics", &cli.logging.metrics),
+        ("--profile", &c.profile),
     ] {
         if let Some(p) = p {
             check_save_target(p, None).map_err(|e| format!("{flag}: {e}"))?;
@@ -565,6 +569,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Outputs that would destroy inputs or each other, a directory as --save, a non-file as
+    // --data, a fresh run into a used checkpoint directory: usage errors before anything runs.
+    if let Err(e) = paths::check(
+        &config,
+        cli.logging.metrics.as_deref(),
+        cli.logging.plot.as_deref(),
+    ) {
+        eprintln!("train_gpt: {e}");
+        return ExitCode::from(2);
+    }
     match run(cli, config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -36,7 +36,7 @@ pub use crate::optim::{OptimHyper, Optimizer};
 pub enum DataSpec {
     /// The embedded counting sequences.
     Synthetic,
-    /// A memory-mapped file.
+    /// A token file (read with positioned reads).
     File {
         /// The file.
         path: PathBuf,
@@ -119,8 +119,10 @@ pub struct TrainConfig {
     pub checkpoint_every: Option<usize>,
     /// Checkpoints kept.
     pub keep_checkpoints: usize,
-    /// Resume from the newest complete checkpoint.
+    /// Resume from the newest checkpoint (refused when damaged).
     pub resume: bool,
+    /// `--resume latest-valid`: fall back to the newest undamaged checkpoint.
+    pub resume_latest_valid: bool,
     /// Full state dict to load.
     pub load: Option<PathBuf>,
     /// Full state dict to save.
@@ -195,13 +197,17 @@ pub enum TrainError {
         /// The cause.
         source: Box<fsdp_core::StateDictError>,
     },
-    /// Another rank failed (its error is reported by it).
-    #[error("rank {rank}: stopped because another rank failed at {what}")]
+    /// Another rank failed (its error is reported by it, and passed on here).
+    #[error("rank {rank}: stopped because rank {peer} failed at {what}: {reason}")]
     PeerFailed {
         /// Rank.
         rank: usize,
         /// Where.
         what: &'static str,
+        /// The (lowest) failing rank.
+        peer: usize,
+        /// That rank's error message (at most 1 KiB of it).
+        reason: String,
     },
     /// A rank thread could not be started or panicked.
     #[error("{0}")]
@@ -297,10 +303,16 @@ pub struct Report {
     pub final_params: Option<FullStateDict>,
 }
 
-/// Settings a resumed run must share with the checkpoint.
+/// Settings a resumed run must share with the checkpoint: the model, optimizer, global batch,
+/// data and seed, and the learning-rate schedule (`--lr`, `--warmup-steps`, `--min-lr`, and
+/// `--steps` where the schedule depends on it: the cosine decay of `--min-lr`).
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
     let g = &cfg.gpt;
     json!({
+        "lr": cfg.lr,
+        "warmup_steps": cfg.warmup_steps,
+        "min_lr": cfg.min_lr,
+        "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
         "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
                          g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
         "optimizer": format!("{:?}", cfg.optimizer),
@@ -428,6 +440,8 @@ struct Rank {
     fsdp: Fsdp<Gpt>,
     opt: Option<RankOptimizer>,
     observer: Box<dyn Observer>,
+    /// The checkpoint lineage this run continues (empty: a new one at the first save).
+    lineage: String,
 }
 
 fn slice_of(t: &Tensor) -> Result<DeviceSlice, FsdpError> {
@@ -499,6 +513,7 @@ impl Rank {
             fsdp,
             opt,
             observer,
+            lineage: String::new(),
         })
     }
 
@@ -535,19 +550,62 @@ impl Rank {
     }
 
     /// Every rank learns whether any rank's `local` failed; a failing rank returns its own
-    /// error, the others [`TrainError::PeerFailed`].
+    /// error, the others [`TrainError::PeerFailed`] carrying the lowest failing rank's message
+    /// (so rank 0 prints why another rank stopped the run).
     fn agree<T>(&self, local: Result<T, TrainError>, what: &'static str) -> Result<T, TrainError> {
         let failed = self
             .all_reduce_sum(vec![if local.is_err() { 1.0 } else { 0.0 }])
             .map_err(self.err(format!("agreeing on {what}")))?[0];
-        let v = local?;
-        if failed > 0.0 {
-            return Err(TrainError::PeerFailed {
-                rank: self.rank,
-                what,
-            });
+        if failed == 0.0 {
+            return local;
         }
-        Ok(v)
+        let (peer, reason) = self
+            .share_reason(local.as_ref().err())
+            .map_err(self.err(format!("agreeing on {what}")))?;
+        local?;
+        Err(TrainError::PeerFailed {
+            rank: self.rank,
+            what,
+            peer,
+            reason,
+        })
+    }
+
+    /// A collective among ranks of which one or more failed: the lowest failing rank sends its
+    /// message (at most 1 KiB) to all. Returns (that rank, its message).
+    fn share_reason(&self, err: Option<&TrainError>) -> Result<(usize, String), FsdpError> {
+        const REASON_BYTES: usize = 1024;
+        let stream = fsdp_autograd::current_stream(&self.dev);
+        let reduce = |values: Vec<f32>, op: ReduceOp| -> Result<Vec<f32>, FsdpError> {
+            let n = values.len();
+            let t = Tensor::from_vec(values, &[n], &self.dev)?;
+            self.pg.all_reduce(&slice_of(&t)?, op, &stream).wait()?;
+            Ok(t.to_vec::<f32>()?)
+        };
+        let none = self.pg.size() as f32;
+        let mine = if err.is_some() {
+            self.rank as f32
+        } else {
+            none
+        };
+        let peer = reduce(vec![mine], ReduceOp::Min)?[0];
+        let mut buf = vec![0f32; REASON_BYTES];
+        if let Some(e) = err.filter(|_| peer == mine) {
+            let text = e.to_string();
+            let mut end = text.len().min(REASON_BYTES);
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            for (d, b) in buf.iter_mut().zip(text[..end].bytes()) {
+                *d = f32::from(b);
+            }
+        }
+        let bytes: Vec<u8> = reduce(buf, ReduceOp::Sum)?
+            .into_iter()
+            .take_while(|&b| b != 0.0)
+            .map(|b| b.clamp(0.0, 255.0) as u8)
+            .collect();
+        Ok((peer as usize, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
     /// This rank's micro-batch `micro` of step `s` (0-based).
@@ -636,7 +694,10 @@ impl Rank {
         // The manager refuses non-finite values too; checking first names the step.
         self.check_params_finite(step)?;
         let manager = CheckpointManager::new(&dir, self.cfg.keep_checkpoints)
-            .map_err(self.sd_err("--checkpoint-dir"))?;
+            .map_err(self.sd_err("--checkpoint-dir"))?
+            .with_lineage(self.lineage.clone());
+        // Later saves of this run continue the same lineage (pruning counts only its saves).
+        self.lineage = manager.lineage().to_string();
         let meta = ckpt::metadata(self.cfg.ranks, fingerprint(&self.cfg), history);
         let opt = self.opt.as_ref().map(RankOptimizer::as_dyn);
         let fin = manager
@@ -657,8 +718,28 @@ impl Rank {
         let Some(dir) = self.cfg.checkpoint_dir.clone() else {
             return Ok((0, Vec::new()));
         };
-        let found = checkpoint::latest_complete(&dir)
-            .map_err(self.sd_err(format!("looking for a checkpoint in {}", dir.display())))
+        let found = if self.cfg.resume_latest_valid {
+            checkpoint::latest_valid(&dir).map(|(found, skipped)| {
+                if self.rank == 0 {
+                    for s in &skipped {
+                        self.observer.note(&format!(
+                            "resume latest-valid: skipped {}: {}",
+                            s.dir.display(),
+                            s.error
+                        ));
+                    }
+                }
+                found
+            })
+        } else {
+            checkpoint::newest(&dir)
+        };
+        let found = found
+            .map_err(self.sd_err(format!(
+                "--resume: the newest checkpoint in {} is damaged or unreadable; nothing was \
+                 loaded (`--resume latest-valid` falls back to the newest undamaged one)",
+                dir.display()
+            )))
             .and_then(|l| match l {
                 None => Ok(None),
                 Some(path) => {
@@ -686,6 +767,7 @@ impl Rank {
         );
         self.opt = opt;
         let loaded = loaded.map_err(self.sd_err(format!("loading {}", path.display())))?;
+        self.lineage = loaded.lineage.clone();
         let meta = ckpt::parse(
             &path,
             loaded.metadata.get(ckpt::META_KEY).map(String::as_str),
@@ -1185,6 +1267,122 @@ mod tests {
                 std::fs::copy(e.path(), dst).unwrap();
             }
         }
+    }
+
+    /// Issue #26 (3) and (5): `--resume` refuses a damaged newest checkpoint naming the file;
+    /// `--resume latest-valid` falls back to the older one and says which it skipped; a resume
+    /// that would change the schedule is refused naming the flag.
+    #[test]
+    fn resume_refuses_damage_and_schedule_changes() {
+        struct Notes(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+        impl Observer for Notes {
+            fn note(&mut self, line: &str) {
+                self.0.lock().unwrap().push(line.to_string());
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck_s = ck.to_str().unwrap();
+        let base = [
+            "--ranks",
+            "2",
+            "--batch",
+            "2",
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "0.01",
+            "--min-lr",
+            "0.001",
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "2",
+        ];
+        let with = |extra: &[&str]| {
+            let mut a = base.to_vec();
+            a.extend_from_slice(extra);
+            cfg_with(&a)
+        };
+        let mut first = with(&["--steps", "10"]);
+        first.stop_after = Some(4);
+        run_job(&first, Box::new(Quiet), false).unwrap();
+        // The manifest of the newest (step 4) edited: `"step":4` -> `"step":9`.
+        let m = step_dir(&ck, 4).join("checkpoint.json");
+        let good = std::fs::read_to_string(&m).unwrap();
+        std::fs::write(&m, good.replace("\"step\":4", "\"step\":9")).unwrap();
+        let e = run_job(
+            &with(&["--steps", "10", "--resume"]),
+            Box::new(Quiet),
+            false,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("checkpoint.json") && e.contains("checksum") && e.contains("latest-valid"),
+            "{e}"
+        );
+        let notes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut fallback = with(&["--steps", "10", "--resume", "latest-valid"]);
+        fallback.stop_after = Some(3);
+        let r = run_job(&fallback, Box::new(Notes(notes.clone())), false).unwrap();
+        assert_eq!(r.first_step, 3);
+        let notes = notes.lock().unwrap().join("\n");
+        assert!(
+            notes.contains("skipped") && notes.contains("step_000000000004"),
+            "{notes}"
+        );
+        std::fs::write(&m, good).unwrap();
+        // The cosine schedule decays over --steps: another --steps is refused, naming it.
+        let e = run_job(
+            &with(&["--steps", "20", "--resume"]),
+            Box::new(Quiet),
+            false,
+        )
+        .err()
+        .unwrap();
+        assert!(
+            matches!(&e, TrainError::Checkpoint(CheckpointError::Mismatch { what, .. }) if what.starts_with("--steps")),
+            "{e}"
+        );
+        let mut other_lr = with(&["--steps", "10", "--resume"]);
+        other_lr.lr = 0.02;
+        let e = run_job(&other_lr, Box::new(Quiet), false).err().unwrap();
+        assert!(e.to_string().contains("--lr"), "{e}");
+    }
+
+    /// Issue #26 (1): a resumed run continues its checkpoints' lineage, so pruning removes its
+    /// own older checkpoints, never its new ones.
+    #[test]
+    fn pruning_keeps_the_new_checkpoints_of_a_resumed_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let ck_s = ck.to_str().unwrap();
+        let a = [
+            "--ranks",
+            "2",
+            "--steps",
+            "8",
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "2",
+        ];
+        let mut first = cfg_with(&a);
+        first.stop_after = Some(4);
+        run_job(&first, Box::new(Quiet), false).unwrap();
+        let mut r = a.to_vec();
+        r.push("--resume");
+        run_job(&cfg_with(&r), Box::new(Quiet), false).unwrap();
+        let mut names: Vec<_> = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["step_000000000006", "step_000000000008"]);
     }
 
     /// A diverging run stops with the step named and never replaces the last good checkpoint.

@@ -152,6 +152,18 @@ fn stale_data_missing_files_and_flipped_bytes_are_refused_on_every_rank() {
     assert!(results
         .iter()
         .any(|(r, _)| matches!(r, Err(StateDictError::ChecksumMismatch { .. }))));
+    // Issue #26 (7): the ranks that did not read the file print the refusing rank's reason.
+    for (r, (res, _)) in results.iter().enumerate() {
+        if let Err(e @ StateDictError::PeerRejected { reason, .. }) = res {
+            assert!(
+                reason.contains("CRC-32") && e.to_string().contains(reason.as_str()),
+                "rank {r}: the refusing rank's reason is missing: {e}"
+            );
+        }
+    }
+    assert!(results
+        .iter()
+        .any(|(r, _)| matches!(r, Err(StateDictError::PeerRejected { .. }))));
     // A missing rank file.
     std::fs::remove_file(a.join(f)).unwrap();
     assert_refused_everywhere(&load_everywhere(&a), f);
@@ -345,4 +357,168 @@ fn sigkill_during_saves_never_leaves_a_blend_short() {
 #[ignore = "soak: 200 kill points (cargo xtask soak)"]
 fn sigkill_during_saves_never_leaves_a_blend_soak() {
     kill_points(200);
+}
+
+// ------------------------------------------------------------------- issue #26: lossless
+
+/// Saves checkpoints of `steps` (every parameter = the step) on 2 ranks with one manager
+/// (`lineage`: continue that lineage); returns the manager's lineage.
+fn save_steps(root: &Path, keep: usize, steps: &[u64], lineage: Option<String>) -> String {
+    let (r, steps) = (root.to_path_buf(), steps.to_vec());
+    run_ranks(2, move |rank, pg| {
+        let fsdp = wrap(rank, pg, 1);
+        let mut m = CheckpointManager::new(&r, keep).unwrap();
+        if let Some(l) = &lineage {
+            m = m.with_lineage(l.clone());
+        }
+        for &step in &steps {
+            fill(&fsdp, step as f32);
+            m.save(&fsdp, step, None, None, &BTreeMap::new()).unwrap();
+        }
+        m.lineage().to_string()
+    })
+    .remove(0)
+}
+
+fn names(root: &Path) -> Vec<String> {
+    let mut n: Vec<String> = std::fs::read_dir(root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    n.sort();
+    n
+}
+
+/// Issue #26 (1): a second run in the same directory keeps its own new checkpoints (pruning
+/// counts its lineage by save order, not steps) and never touches the first run's, nor a user's
+/// folder named like a checkpoint.
+#[test]
+fn pruning_never_eats_new_work_or_foreign_directories() {
+    let dir = TempDir::new("prune");
+    let root = dir.0.clone();
+    let first = save_steps(&root, 2, &[4, 8, 12], None);
+    std::fs::create_dir_all(root.join("step_01")).unwrap();
+    std::fs::write(root.join("step_01/notes.txt"), b"mine").unwrap();
+    std::fs::create_dir_all(root.join("step_000000000001")).unwrap();
+    std::fs::write(root.join("step_000000000001/notes.txt"), b"mine too").unwrap();
+    assert_eq!(
+        names(&root),
+        [
+            "step_000000000001",
+            "step_000000000008",
+            "step_000000000012",
+            "step_01"
+        ]
+    );
+    // Another run: steps 2, 4, 6 (4 replaces the first run's step 4, which was pruned anyway).
+    let second = save_steps(&root, 2, &[2, 4, 6], None);
+    assert_ne!(first, second);
+    assert_eq!(
+        names(&root),
+        [
+            "step_000000000001",
+            "step_000000000004",
+            "step_000000000006",
+            "step_000000000008",
+            "step_000000000012",
+            "step_01"
+        ]
+    );
+    assert_eq!(
+        std::fs::read(root.join("step_01/notes.txt")).unwrap(),
+        b"mine"
+    );
+    // A resumed run continuing the second lineage prunes it by save order: after step 7 the
+    // newest two saves are 6 and 7, whatever the first run's higher steps.
+    save_steps(&root, 2, &[7], Some(second));
+    assert_eq!(
+        names(&root),
+        [
+            "step_000000000001",
+            "step_000000000006",
+            "step_000000000007",
+            "step_000000000008",
+            "step_000000000012",
+            "step_01"
+        ]
+    );
+    // keep 1: the checkpoint just written always stays.
+    save_steps(&root, 1, &[3], Some(first));
+    assert!(root.join("step_000000000003").exists());
+    assert!(!root.join("step_000000000008").exists());
+    assert!(!root.join("step_000000000012").exists());
+    assert!(root.join("step_000000000007").exists());
+}
+
+fn expect_refused(root: &Path, file: &str) -> StateDictError {
+    let err = checkpoint::newest(root).expect_err("a damaged newest checkpoint must be refused");
+    let named = err.path().is_some_and(|p| p.ends_with(file));
+    assert!(named, "the error should name {file}: {err}");
+    // The explicit fallback says what it skipped and why.
+    let (found, skipped) = checkpoint::latest_valid(root).unwrap();
+    assert!(found.unwrap().ends_with("step_000000000004"));
+    assert_eq!(skipped.len(), 1);
+    assert!(skipped[0].dir.ends_with("step_000000000006"));
+    err
+}
+
+/// Issue #26 (3): stale, missing, header-flipped and manifest-edited newest checkpoints are
+/// refused by `newest` (naming the file), and `latest_valid` falls back saying why.
+#[test]
+fn damaged_newest_checkpoints_are_refused_not_skipped() {
+    let dir = TempDir::new("damaged");
+    let root = dir.0.clone();
+    save_steps(&root, 3, &[2, 4, 6], None);
+    let good = root.join("step_000000000004");
+    let newest = root.join("step_000000000006");
+    assert_eq!(checkpoint::newest(&root).unwrap().unwrap(), newest);
+    let backup = dir.join("backup");
+    let copy = |from: &Path, to: &Path| {
+        let _ = std::fs::remove_dir_all(to);
+        std::process::Command::new("cp")
+            .arg("-r")
+            .arg(from)
+            .arg(to)
+            .status()
+            .unwrap();
+    };
+    copy(&newest, &backup);
+    let restore = || copy(&backup, &newest);
+    // Stale rank file (from the step-4 save).
+    let f = "model/rank-00001-of-00002.pieces.safetensors";
+    std::fs::copy(good.join(f), newest.join(f)).unwrap();
+    let e = expect_refused(&root, "rank-00001-of-00002.pieces.safetensors");
+    assert!(
+        matches!(e, StateDictError::GenerationMismatch { .. }),
+        "{e}"
+    );
+    restore();
+    // Missing file.
+    std::fs::remove_file(newest.join(f)).unwrap();
+    expect_refused(&root, "rank-00001-of-00002.pieces.safetensors");
+    restore();
+    // One flipped byte in a header (every header byte: a sample across the whole header).
+    let f = "model/rank-00000-of-00002.safetensors";
+    let bytes = std::fs::read(backup.join(f)).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for at in (8..8 + header).step_by(7) {
+        let mut b = bytes.clone();
+        b[at] ^= 0x01;
+        std::fs::write(newest.join(f), &b).unwrap();
+        assert!(
+            checkpoint::newest(&root).is_err(),
+            "a flipped bit at header byte {at} was not noticed"
+        );
+    }
+    expect_refused(&root, "rank-00000-of-00002.safetensors");
+    restore();
+    // The manifest edited: `"step":6` -> `"step":9`.
+    let m = newest.join("checkpoint.json");
+    let text = std::fs::read_to_string(&m).unwrap();
+    assert!(text.contains("\"step\":6"), "{text}");
+    std::fs::write(&m, text.replace("\"step\":6", "\"step\":9")).unwrap();
+    let e = expect_refused(&root, "checkpoint.json");
+    assert!(e.to_string().contains("checksum"), "{e}");
+    restore();
+    assert_eq!(checkpoint::newest(&root).unwrap().unwrap(), newest);
 }

@@ -12,8 +12,10 @@
 //! The store binds exactly `MASTER_ADDR` (resolved the way clients resolve it), never a
 //! wildcard address unless `MASTER_ADDR` is one. Every host that can reach that address and
 //! port can open a connection. Without a secret, such a host can read every key (the NCCL
-//! unique id among them), overwrite keys, and pass or break barriers: run an open store only on
-//! loopback or a network where every host is trusted.
+//! unique id among them), overwrite keys, and pass or break barriers: so an open store binds
+//! loopback addresses only, unless told that the network is trusted
+//! ([`StoreOptions::allow_open_remote`], or `FSDP_STORE_ALLOW_OPEN=1` with
+//! [`StoreOptions::from_env`]).
 //!
 //! With a shared secret ([`SECRET_ENV`] = `FSDP_STORE_SECRET`, set by the launcher to the same
 //! value for every rank, e.g. `export FSDP_STORE_SECRET=$(openssl rand -hex 32)` before
@@ -29,8 +31,12 @@
 //! ([`StoreLimits::max_connections`]), must finish the handshake within
 //! [`StoreLimits::handshake_timeout`], are closed at the first protocol error, and key, value
 //! and total sizes are bounded, so a hostile or broken client cannot exhaust the host's
-//! descriptors, threads or memory — but it can occupy connection slots and so delay ranks
-//! that connect after it.
+//! descriptors, threads or memory: the bytes being received are bounded for all connections
+//! together ([`StoreLimits::max_inflight_bytes`]), each request's frame has one deadline
+//! ([`StoreLimits::frame_timeout`], not per read), and when every slot is taken the connection
+//! that waited longest without ever sending a request is closed to make room (every
+//! [`TcpStore`] client sends one request as it connects). A client that sends one request and
+//! then holds its connection still occupies a slot.
 //!
 //! Wire format: see the `wire` module source (big-endian frames; request
 //! `cmd:u8, key_len:u32, key, arg:u64, value_len:u32, value`; response
@@ -48,7 +54,8 @@ use std::time::{Duration, Instant};
 
 pub use env::{LaunchEnv, Launcher, RendezvousEnv, LAUNCHER_ENV};
 pub use options::{
-    StoreLimits, StoreOptions, StoreSecret, MAX_KEY_LEN, MAX_VALUE_LEN, MIN_SECRET_LEN, SECRET_ENV,
+    StoreLimits, StoreOptions, StoreSecret, ALLOW_OPEN_ENV, MAX_KEY_LEN, MAX_VALUE_LEN,
+    MIN_SECRET_LEN, SECRET_ENV,
 };
 pub use server::StoreServer;
 
@@ -261,13 +268,17 @@ impl TcpStore {
                 }
             }
         };
-        Ok(TcpStore {
+        let store = TcpStore {
             addr: sock,
             conn: Mutex::new(stream),
             timeout,
             limits: options.limits,
             server: None,
-        })
+        };
+        // One request right away: a server that runs out of connection slots closes only
+        // connections that never sent one (clients that connected and did nothing).
+        store.check("")?;
+        Ok(store)
     }
 
     /// Rendezvous as `env` says: rank 0 hosts the store on exactly `MASTER_ADDR:MASTER_PORT`

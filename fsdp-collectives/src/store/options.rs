@@ -7,6 +7,10 @@ use crate::error::{CollectiveError, Result};
 /// The environment variable the launcher sets to the store's shared secret.
 pub const SECRET_ENV: &str = "FSDP_STORE_SECRET";
 
+/// The environment variable that allows an open store (no secret) on a non-loopback address
+/// (`1`): [`StoreOptions::allow_open_remote`].
+pub const ALLOW_OPEN_ENV: &str = "FSDP_STORE_ALLOW_OPEN";
+
 /// Shortest secret accepted, in bytes.
 pub const MIN_SECRET_LEN: usize = 16;
 
@@ -66,12 +70,13 @@ impl StoreSecret {
 
 /// Bounds that keep one misbehaving (or hostile) client from exhausting the host.
 ///
-/// Memory held by the store is at most `max_total_bytes` plus, per connection, one frame of at
-/// most `max_key_len + max_value_len` being received.
+/// Memory held by the store is at most `max_total_bytes` plus `max_inflight_bytes` for the
+/// frames being received by all connections together.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreLimits {
-    /// Open connections at once (one server thread each); further ones are told the store is
-    /// busy and closed. Default 256.
+    /// Open connections at once (one server thread each). When all are taken, the connection
+    /// that has waited longest without ever sending a request is closed to make room; when
+    /// there is none, the new one is told the store is busy and closed. Default 256.
     pub max_connections: usize,
     /// Longest key in bytes. Default [`MAX_KEY_LEN`].
     pub max_key_len: usize,
@@ -82,8 +87,13 @@ pub struct StoreLimits {
     pub max_total_bytes: usize,
     /// How long a new connection may take to complete the handshake. Default 10 s.
     pub handshake_timeout: Duration,
-    /// How long the rest of a request may take once its first byte has arrived. Default 30 s.
+    /// How long the rest of a request may take once its first byte has arrived, in total (not
+    /// per read). Default 30 s.
     pub frame_timeout: Duration,
+    /// Bytes of keys and values being received, all connections together: a request whose
+    /// declared key or value does not fit is refused (a `StoreLimit` error; retry later) before
+    /// its bytes are read. Default 32 MiB (at least `max_value_len` to let one full value in).
+    pub max_inflight_bytes: usize,
     /// Longest time one `get` or `barrier` may block on the server. Default 24 h.
     pub max_wait: Duration,
 }
@@ -97,6 +107,7 @@ impl Default for StoreLimits {
             max_total_bytes: 256 << 20,
             handshake_timeout: Duration::from_secs(10),
             frame_timeout: Duration::from_secs(30),
+            max_inflight_bytes: 32 << 20,
             max_wait: Duration::from_secs(24 * 3600),
         }
     }
@@ -115,6 +126,9 @@ pub struct StoreOptions {
     /// Limits the host enforces (a client also checks its requests against them before
     /// sending).
     pub limits: StoreLimits,
+    /// Serve without a secret on a non-loopback address (default `false`: an open store binds
+    /// loopback addresses only). [`StoreOptions::from_env`] sets it from [`ALLOW_OPEN_ENV`].
+    pub allow_open_remote: bool,
 }
 
 impl StoreOptions {
@@ -125,6 +139,7 @@ impl StoreOptions {
             secret: None,
             world_size: None,
             limits: StoreLimits::default(),
+            allow_open_remote: false,
         }
     }
 
@@ -132,6 +147,7 @@ impl StoreOptions {
     pub fn from_env(timeout: Duration) -> Result<StoreOptions> {
         Ok(StoreOptions {
             secret: StoreSecret::from_env()?,
+            allow_open_remote: std::env::var(ALLOW_OPEN_ENV).is_ok_and(|v| v.trim() == "1"),
             ..StoreOptions::new(timeout)
         })
     }

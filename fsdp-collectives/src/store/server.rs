@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,11 +34,47 @@ struct Data {
     bytes: usize,
 }
 
+/// One open connection as the accept thread sees it.
+struct Conn {
+    /// A clone of the socket (to shut it down from `Drop` or on eviction).
+    sock: TcpStream,
+    /// The handler thread.
+    handle: Option<JoinHandle<()>>,
+    /// Since when it has been waiting for its client (handshake or next request); `None` while
+    /// a request is being read or answered.
+    idle_since: Option<Instant>,
+    /// Requests answered so far.
+    served: u64,
+}
+
 #[derive(Default)]
 struct Conns {
     next_id: u64,
-    /// Open connections: a clone of the socket (to shut it down from `Drop`) and the handler.
-    live: HashMap<u64, (TcpStream, Option<JoinHandle<()>>)>,
+    /// Open connections.
+    live: HashMap<u64, Conn>,
+}
+
+impl Conns {
+    /// When every slot is taken: closes the connection that has waited longest without ever
+    /// sending a request (a client that connected and did nothing), freeing its slot. Never a
+    /// connection that has been served (a rank between requests) or one in the middle of a
+    /// request. Returns whether a slot was freed.
+    fn evict_idle(&mut self) -> bool {
+        let victim = self
+            .live
+            .iter()
+            .filter(|(_, c)| c.served == 0)
+            .filter_map(|(id, c)| c.idle_since.map(|t| (t, *id)))
+            .min();
+        match victim.and_then(|(_, id)| self.live.remove(&id)) {
+            Some(c) => {
+                // Its handler sees the shutdown, ends, and finds itself already forgotten.
+                let _ = c.sock.shutdown(Shutdown::Both);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 struct Shared {
@@ -46,6 +82,9 @@ struct Shared {
     cv: Condvar,
     shutdown: AtomicBool,
     conns: Mutex<Conns>,
+    /// Bytes reserved by requests being received, all connections together
+    /// ([`StoreLimits::max_inflight_bytes`]).
+    inflight: AtomicUsize,
     limits: StoreLimits,
     secret: Option<StoreSecret>,
     world_size: Option<usize>,
@@ -81,8 +120,25 @@ impl StoreServer {
     /// Binds exactly the address `addr` resolves to (the one clients connect to: its IPv4
     /// address when it has one; never a wildcard unless `addr` is one) and starts serving with
     /// `options`' secret, limits and world size.
+    ///
+    /// Without a secret the store binds only loopback addresses (anyone who reaches an open
+    /// store can use it) unless [`StoreOptions::allow_open_remote`] is set.
     pub fn bind_with(addr: &str, options: &StoreOptions) -> Result<StoreServer> {
         let sock = resolve(addr)?;
+        if options.secret.is_none() && !options.allow_open_remote && !sock.ip().is_loopback() {
+            return Err(io_err(
+                addr,
+                "bind",
+                format!(
+                    "refusing to serve a store without a secret on the non-loopback address \
+                     {sock}: anyone who reaches it could use it; set {} on every process (e.g. \
+                     `openssl rand -hex 32`), or set {}=1 to allow an open store on a trusted \
+                     network",
+                    super::options::SECRET_ENV,
+                    super::options::ALLOW_OPEN_ENV
+                ),
+            ));
+        }
         let listener = TcpListener::bind(sock).map_err(|e| io_err(addr, "bind", e))?;
         let local = listener
             .local_addr()
@@ -92,6 +148,7 @@ impl StoreServer {
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(Conns::default()),
+            inflight: AtomicUsize::new(0),
             limits: options.limits.clone(),
             secret: options.secret.clone(),
             world_size: options.world_size,
@@ -128,6 +185,12 @@ impl StoreServer {
         lock(&self.shared.conns).live.len()
     }
 
+    /// Bytes reserved right now by requests being received, as counted against
+    /// [`StoreLimits::max_inflight_bytes`].
+    pub fn inflight_bytes(&self) -> usize {
+        self.shared.inflight.load(Ordering::Acquire)
+    }
+
     /// Bytes stored right now, as counted against [`StoreLimits::max_total_bytes`].
     pub fn stored_bytes(&self) -> usize {
         lock(&self.shared.data).bytes
@@ -162,7 +225,7 @@ fn accept_loop(listener: TcpListener, st: Arc<Shared>) {
         let _ = conn.set_nodelay(true);
         let _ = conn.set_write_timeout(Some(st.limits.frame_timeout));
         let mut conns = lock(&st.conns);
-        if conns.live.len() >= st.limits.max_connections {
+        if conns.live.len() >= st.limits.max_connections && !conns.evict_idle() {
             drop(conns);
             refuse_busy(conn);
             continue;
@@ -172,7 +235,15 @@ fn accept_loop(listener: TcpListener, st: Arc<Shared>) {
         };
         let id = conns.next_id;
         conns.next_id += 1;
-        conns.live.insert(id, (clone, None));
+        conns.live.insert(
+            id,
+            Conn {
+                sock: clone,
+                handle: None,
+                idle_since: Some(Instant::now()),
+                served: 0,
+            },
+        );
         drop(conns);
         let st2 = Arc::clone(&st);
         match std::thread::Builder::new()
@@ -181,7 +252,7 @@ fn accept_loop(listener: TcpListener, st: Arc<Shared>) {
         {
             Ok(h) => {
                 if let Some(entry) = lock(&st.conns).live.get_mut(&id) {
-                    entry.1 = Some(h);
+                    entry.handle = Some(h);
                 }
                 // Otherwise the handler has already finished and forgotten itself.
             }
@@ -213,8 +284,8 @@ impl Drop for Forget<'_> {
         // Dropping the entry closes our clone of the socket; the handler's own copy is closed
         // when `serve` returns. The JoinHandle (if any) is detached: this thread is ending.
         let entry = lock(&self.st.conns).live.remove(&self.id);
-        if let Some((s, _)) = entry {
-            let _ = s.shutdown(Shutdown::Both);
+        if let Some(c) = entry {
+            let _ = c.sock.shutdown(Shutdown::Both);
         }
     }
 }
@@ -224,28 +295,92 @@ fn serve(mut s: TcpStream, id: u64, st: Arc<Shared>) {
     if handshake(&mut s, &st).is_err() {
         return;
     }
+    let mark = |idle: bool, served: bool| {
+        if let Some(c) = lock(&st.conns).live.get_mut(&id) {
+            c.idle_since = idle.then(Instant::now);
+            c.served += u64::from(served);
+        }
+    };
+    mark(true, false);
     loop {
         let mut cmd = [0u8; 1];
         // Authenticated ranks may stay idle for the whole job: no timeout for the first byte.
         if s.set_read_timeout(None).is_err() || s.read_exact(&mut cmd).is_err() {
             return;
         }
-        if s.set_read_timeout(Some(st.limits.frame_timeout)).is_err() {
-            return;
-        }
-        let (status, payload, keep) = match read_rest(&mut s, cmd[0], &st.limits) {
-            Ok(Ok(req)) => handle(req, &s, &st),
+        mark(false, false);
+        // The rest of the frame must arrive within `frame_timeout` of its first byte, in total
+        // (a per-read timeout would let one byte every few seconds hold it open forever).
+        let mut frame = Deadline {
+            s: &s,
+            until: Instant::now() + st.limits.frame_timeout,
+        };
+        let (status, payload, keep) = match read_rest(&mut frame, cmd[0], &st) {
+            Ok(Ok((req, _reserved))) => handle(req, &s, &st),
             Ok(Err((status, payload))) => (status, payload, false),
-            Err(_) => return, // the peer broke off mid-frame
+            Err(_) => return, // the peer broke off mid-frame or missed the deadline
         };
         if write_response(&mut s, status, &payload).is_err() || !keep {
             return;
         }
+        mark(true, true);
+    }
+}
+
+/// Reads from a socket with one deadline for all the reads together.
+struct Deadline<'a> {
+    s: &'a TcpStream,
+    until: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the frame's deadline passed",
+            ));
+        }
+        self.s.set_read_timeout(Some(left))?;
+        let mut s = self.s;
+        s.read(buf)
+    }
+}
+
+/// Bytes of [`StoreLimits::max_inflight_bytes`] held by one request being received; given back
+/// when dropped.
+struct Reservation<'a> {
+    st: &'a Shared,
+    bytes: usize,
+}
+
+impl<'a> Reservation<'a> {
+    /// Reserves `bytes` more, or `None` when all connections together would exceed the budget.
+    fn grow(&mut self, bytes: usize) -> bool {
+        let limit = self.st.limits.max_inflight_bytes;
+        let ok = self
+            .st
+            .inflight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+                cur.checked_add(bytes).filter(|&n| n <= limit)
+            })
+            .is_ok();
+        if ok {
+            self.bytes += bytes;
+        }
+        ok
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.st.inflight.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
 fn handshake(s: &mut TcpStream, st: &Shared) -> std::io::Result<()> {
-    s.set_read_timeout(Some(st.limits.handshake_timeout))?;
+    let until = Instant::now() + st.limits.handshake_timeout;
     let server_nonce = nonce()?;
     let mut greet = MAGIC.to_vec();
     greet.push(if st.secret.is_some() {
@@ -256,7 +391,7 @@ fn handshake(s: &mut TcpStream, st: &Shared) -> std::io::Result<()> {
     greet.extend_from_slice(&server_nonce);
     s.write_all(&greet)?;
     let mut hello = [0u8; 8 + NONCE_LEN + TAG_LEN];
-    s.read_exact(&mut hello)?;
+    Deadline { s, until }.read_exact(&mut hello)?;
     let refuse = |s: &mut TcpStream, status: u8, msg: &str| -> std::io::Result<()> {
         write_response(s, status, msg.as_bytes())?;
         Err(std::io::Error::new(std::io::ErrorKind::InvalidData, msg))
@@ -298,13 +433,26 @@ struct Request {
 
 type Refusal = (u8, Vec<u8>);
 
-/// The rest of a request after its command byte. `Err` is an I/O failure (close silently);
-/// `Ok(Err(..))` a protocol violation to report before closing.
-fn read_rest(
-    s: &mut TcpStream,
+/// The rest of a request after its command byte, with its key and value reserved against the
+/// in-flight budget before they are read (the reservation ends with the request). `Err` is an
+/// I/O failure (close silently); `Ok(Err(..))` a protocol violation to report before closing.
+fn read_rest<'a>(
+    s: &mut impl Read,
     cmd: u8,
-    limits: &StoreLimits,
-) -> std::io::Result<std::result::Result<Request, Refusal>> {
+    st: &'a Shared,
+) -> std::io::Result<std::result::Result<(Request, Reservation<'a>), Refusal>> {
+    let limits = &st.limits;
+    let mut reserved = Reservation { st, bytes: 0 };
+    let busy = |size: usize| {
+        Ok(Err((
+            ST_LIMIT,
+            limit_payload(
+                LIMIT_INFLIGHT,
+                size as u64,
+                limits.max_inflight_bytes as u64,
+            ),
+        )))
+    };
     if !matches!(cmd, CMD_SET | CMD_GET | CMD_ADD | CMD_CHECK | CMD_BARRIER) {
         return Ok(Err((
             ST_ERROR,
@@ -318,6 +466,9 @@ fn read_rest(
             limit_payload(LIMIT_KEY, key_len as u64, limits.max_key_len as u64),
         )));
     }
+    if !reserved.grow(key_len) {
+        return busy(key_len);
+    }
     let key = match String::from_utf8(read_exact_vec(s, key_len)?) {
         Ok(k) => k,
         Err(_) => return Ok(Err((ST_ERROR, b"key is not UTF-8".to_vec()))),
@@ -330,13 +481,19 @@ fn read_rest(
             limit_payload(LIMIT_VALUE, value_len as u64, limits.max_value_len as u64),
         )));
     }
+    if !reserved.grow(value_len) {
+        return busy(value_len);
+    }
     let value = read_exact_vec(s, value_len)?;
-    Ok(Ok(Request {
-        cmd,
-        key,
-        arg,
-        value,
-    }))
+    Ok(Ok((
+        Request {
+            cmd,
+            key,
+            arg,
+            value,
+        },
+        reserved,
+    )))
 }
 
 /// True if a blocked request should be abandoned: the client closed its end, the socket failed,
@@ -554,7 +711,7 @@ impl Drop for StoreServer {
         // Close only the read side: a handler that is answering a request still writes its
         // response (a client whose SET is what let the host leave must get its reply), then
         // reads end-of-file and exits; the joins below wait for that.
-        for (c, _) in lock(&st.conns).live.values() {
+        for Conn { sock: c, .. } in lock(&st.conns).live.values() {
             let _ = c.shutdown(Shutdown::Read);
         }
         // Wake the accept loop with a throwaway connection.
@@ -563,7 +720,11 @@ impl Drop for StoreServer {
             let _ = h.join();
         }
         // Every connection, including any accepted after the first pass.
-        let live: Vec<_> = lock(&st.conns).live.drain().map(|(_, v)| v).collect();
+        let live: Vec<_> = lock(&st.conns)
+            .live
+            .drain()
+            .map(|(_, v)| (v.sock, v.handle))
+            .collect();
         for (c, h) in live {
             let _ = c.shutdown(Shutdown::Read);
             if let Some(h) = h {

@@ -45,7 +45,8 @@ pub(crate) const ST_MISSING: u8 = 2;
 pub(crate) const ST_ERROR: u8 = 3;
 /// Payload: a UTF-8 message.
 pub(crate) const ST_AUTH: u8 = 4;
-/// Payload: `what:u8` ([`LIMIT_KEY`], [`LIMIT_VALUE`], [`LIMIT_TOTAL`]), `size:u64`, `limit:u64`.
+/// Payload: `what:u8` ([`LIMIT_KEY`], [`LIMIT_VALUE`], [`LIMIT_TOTAL`], [`LIMIT_INFLIGHT`]),
+/// `size:u64`, `limit:u64`.
 pub(crate) const ST_LIMIT: u8 = 5;
 /// Payload: `expected:u64, from_job:u8` (1: the job's world size; 0: an earlier caller's).
 pub(crate) const ST_BARRIER: u8 = 6;
@@ -53,12 +54,14 @@ pub(crate) const ST_BARRIER: u8 = 6;
 pub(crate) const LIMIT_KEY: u8 = 0;
 pub(crate) const LIMIT_VALUE: u8 = 1;
 pub(crate) const LIMIT_TOTAL: u8 = 2;
+pub(crate) const LIMIT_INFLIGHT: u8 = 3;
 
 /// The name of a limit code, as [`crate::CollectiveError::StoreLimit`] reports it.
 pub(crate) fn limit_name(code: u8) -> &'static str {
     match code {
         LIMIT_KEY => "key",
         LIMIT_VALUE => "value",
+        LIMIT_INFLIGHT => "bytes being received from all connections (the store is busy; retry)",
         _ => "total stored bytes",
     }
 }

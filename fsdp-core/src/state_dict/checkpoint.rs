@@ -47,19 +47,28 @@
 //!   rename after every rank wrote and fsynced its files); a crash at any point leaves the
 //!   previous checkpoints loadable, plus at most a hidden staging directory that the next save
 //!   removes.
-//! - Every file carries the save id and per-tensor CRC-32s; [`load`] refuses a checkpoint with a
-//!   missing, stale or corrupted file on every rank, before any rank changes its model.
+//! - Every file carries the save id, per-tensor CRC-32s and a CRC-32 of its header, the manifest
+//!   a CRC-32 of its content; [`load`] refuses a checkpoint with a missing, stale or corrupted
+//!   file on every rank, before any rank changes its model, and the refusing rank's reason reaches
+//!   every rank ([`StateDictError::PeerRejected`]). [`newest`] refuses a damaged newest
+//!   checkpoint; [`latest_valid`] falls back and says what it skipped.
+//! - Pruning (`keep_last`) counts and removes only the manager's own lineage's checkpoints,
+//!   newest *saves* first (not highest steps), never the one just written, and only directories
+//!   named and filled exactly as the manager writes them.
 //! - Non-finite parameters or optimizer state are refused at save
 //!   ([`StateDictError::NonFinite`]), so a diverged run never replaces a good checkpoint.
 //!
 //! # Layout
 //! `step_N/model/` and `step_N/optim/` are sharded state-dict directories (see
-//! [`crate::state_dict`]); `step_N/checkpoint.json` holds the format tag, the save id, the step,
-//! the scaler state (scale as f32 bits, growth tracker) and the user metadata (string map).
+//! [`crate::state_dict`]); `step_N/checkpoint.json` holds the format tag, the save id, the
+//! lineage id and save sequence number, the step, the scaler state (scale as f32 bits, growth
+//! tracker), the user metadata (string map) and `crc32` (of the rest, serialized compactly with
+//! sorted keys).
 //!
 //! # Limitations
-//! Rank 0 removes old checkpoints beyond `keep_last` after a successful save; user metadata is a
-//! string map (serialize richer data yourself).
+//! Rank 0 removes old checkpoints of its lineage beyond `keep_last` after a successful save;
+//! checkpoints of other lineages are left for the user to remove. User metadata is a string map
+//! (serialize richer data yourself).
 
 use std::collections::BTreeMap;
 
@@ -76,11 +85,20 @@ pub fn step_dir_name(step: u64) -> String {
     format!("{PREFIX}{step:012}")
 }
 
-/// Saves checkpoints under one root directory and keeps the last few.
+/// Saves checkpoints under one root directory and keeps the last few of its own lineage.
+///
+/// A *lineage* is the chain of checkpoints of one run and its resumptions: a fresh manager
+/// starts a new one (a random id), [`CheckpointManager::with_lineage`] continues the one of a
+/// loaded checkpoint ([`LoadedCheckpoint::lineage`]). Every save records its lineage and a
+/// sequence number (one more than the lineage's newest), and pruning only ever counts and removes
+/// checkpoints of the manager's own lineage, newest saves first, so checkpoints of another run
+/// in the same directory (even with higher step numbers) are never touched and never make this
+/// run's new checkpoints look old.
 #[derive(Debug, Clone)]
 pub struct CheckpointManager {
     root: PathBuf,
     keep_last: usize,
+    lineage: String,
 }
 
 /// What [`load`] restored besides the model and optimizer.
@@ -93,6 +111,9 @@ pub struct LoadedCheckpoint {
     /// The gradient scaler's `(scale, growth_tracker)` if one was saved (also loaded into the
     /// scaler passed to [`load`]).
     pub scaler: Option<(f32, u32)>,
+    /// The lineage the checkpoint belongs to: pass it to [`CheckpointManager::with_lineage`] so
+    /// that the resumed run's saves continue it (and its pruning sees the old checkpoints).
+    pub lineage: String,
 }
 
 impl CheckpointManager {
@@ -109,7 +130,27 @@ impl CheckpointManager {
                     .into(),
             });
         }
-        Ok(CheckpointManager { root, keep_last })
+        Ok(CheckpointManager {
+            root,
+            keep_last,
+            lineage: format!("{:016x}", fresh_id()),
+        })
+    }
+
+    /// The same manager continuing lineage `lineage` (from [`LoadedCheckpoint::lineage`] of the
+    /// checkpoint a run resumed from). Only the primary rank's lineage is recorded.
+    #[must_use]
+    pub fn with_lineage(mut self, lineage: impl Into<String>) -> CheckpointManager {
+        let l = lineage.into();
+        if !l.is_empty() {
+            self.lineage = l;
+        }
+        self
+    }
+
+    /// This manager's lineage id.
+    pub fn lineage(&self) -> &str {
+        &self.lineage
     }
 
     /// The root directory.
@@ -168,9 +209,17 @@ impl CheckpointManager {
             OptimState { steps, slots }
         });
         let scaler = scaler.map(|s| (s.get_scale(), s.growth_tracker()));
-        if ctx.is_primary() {
+        let seq = if ctx.is_primary() {
             remove_stale_staging(&self.root);
-        }
+            // Never `?` here: an error on the primary alone, before the collective, would leave
+            // the other ranks waiting in it (a root that cannot be listed fails the save below).
+            self.lineage_dirs()
+                .ok()
+                .and_then(|d| d.first().map(|(seq, _)| seq.saturating_add(1)))
+                .unwrap_or(1)
+        } else {
+            0
+        };
         collective_sharded_save(&ctx, &dir, "checkpoint save", |tmp, generation| {
             let d = sharded_state_dict(fsdp)?;
             write_sharded_dir(
@@ -200,26 +249,52 @@ impl CheckpointManager {
                     "format": MANIFEST_FORMAT,
                     "format_version": FORMAT_VERSION,
                     "generation": generation,
+                    "lineage": self.lineage,
+                    "save_seq": seq,
                     "step": step,
                     "has_optim": optim.is_some(),
                     "scaler": scaler.map(|(s, g)| vec![s.to_bits(), g]),
                     "metadata": metadata,
                 });
-                atomic_write(&tmp.join(MANIFEST), manifest.to_string().as_bytes())?;
+                atomic_write(&tmp.join(MANIFEST), &seal_manifest(manifest))?;
             }
             Ok(())
         })?;
         if ctx.is_primary() {
-            self.prune()?;
+            self.prune(&dir)?;
         }
         Ok(dir)
     }
 
-    /// Removes complete or incomplete checkpoints beyond the newest `keep_last` (by step).
-    fn prune(&self) -> Result<()> {
-        let mut steps = step_dirs(&self.root)?;
-        steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
-        for (_, dir) in steps.into_iter().skip(self.keep_last) {
+    /// `(save_seq, dir)` of this lineage's complete checkpoints, newest save first. Only
+    /// directories named exactly like the manager's own (`step_` and 12 digits), holding nothing
+    /// but a manifest (checksum verified) and the model / optimizer directories.
+    fn lineage_dirs(&self) -> Result<Vec<(u64, PathBuf)>> {
+        let mut out = Vec::new();
+        for (_, dir) in step_dirs(&self.root)? {
+            if !only_own_entries(&dir) {
+                continue;
+            }
+            let Ok(m) = read_manifest(&dir) else {
+                continue;
+            };
+            if m.lineage != self.lineage || check_complete(&dir).is_err() {
+                continue;
+            }
+            out.push((m.save_seq, dir));
+        }
+        out.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| b.1.cmp(&a.1)));
+        Ok(out)
+    }
+
+    /// Removes this lineage's checkpoints beyond its newest `keep_last` saves; never `written`
+    /// (the checkpoint just saved), never another lineage's, never a damaged or foreign directory.
+    fn prune(&self, written: &Path) -> Result<()> {
+        let dirs = self.lineage_dirs()?;
+        for (_, dir) in dirs.into_iter().skip(self.keep_last) {
+            if dir == written {
+                continue;
+            }
             std::fs::remove_dir_all(&dir).map_err(|source| StateDictError::Io {
                 op: "remove an old checkpoint",
                 path: dir,
@@ -229,6 +304,36 @@ impl CheckpointManager {
         Ok(())
     }
 }
+
+/// Whether `dir` holds only what a checkpoint save writes (`checkpoint.json`, `model/`,
+/// `optim/`), so pruning never removes a directory a user put there.
+fn only_own_entries(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let mut has_manifest = false;
+    for e in entries {
+        let Ok(e) = e else { return false };
+        let Ok(t) = e.file_type() else { return false };
+        match e.file_name().to_str() {
+            Some(MANIFEST) if t.is_file() => has_manifest = true,
+            Some("model" | "optim") if t.is_dir() => {}
+            _ => return false,
+        }
+    }
+    has_manifest
+}
+
+/// The manifest's bytes: the JSON object with a `crc32` entry holding the CRC-32 of the
+/// object's compact serialization without that entry (keys sorted, so the check re-serializes
+/// what it parsed and compares).
+fn seal_manifest(mut manifest: serde_json::Value) -> Vec<u8> {
+    let crc = crc32fast::hash(manifest.to_string().as_bytes());
+    manifest[MANIFEST_CRC] = serde_json::json!(format!("{crc:08x}"));
+    manifest.to_string().into_bytes()
+}
+
+const MANIFEST_CRC: &str = "crc32";
 
 /// Removes staging directories that a crashed save left behind (best effort).
 fn remove_stale_staging(root: &Path) {
@@ -244,7 +349,8 @@ fn remove_stale_staging(root: &Path) {
     }
 }
 
-/// `(step, dir)` of every `step_N` directory under `root` (none if `root` does not exist).
+/// `(step, dir)` of every directory under `root` named exactly `step_` and 12 digits (none if
+/// `root` does not exist; symlinks, files and other names are ignored).
 fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let entries = match std::fs::read_dir(root) {
         Ok(e) => e,
@@ -260,11 +366,16 @@ fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut out = Vec::new();
     for e in entries.flatten() {
         let name = e.file_name();
-        if let Some(step) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(PREFIX))
-            .and_then(|n| n.parse::<u64>().ok())
-        {
+        let Some(digits) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) else {
+            continue;
+        };
+        if digits.len() != 12 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if let Ok(step) = digits.parse::<u64>() {
             out.push((step, e.path()));
         }
     }
@@ -273,6 +384,8 @@ fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
 
 struct Manifest {
     generation: String,
+    lineage: String,
+    save_seq: u64,
     step: u64,
     has_optim: bool,
     scaler: Option<(f32, u32)>,
@@ -283,7 +396,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     let bytes = read_bytes(&path)?;
     let bad = |d: &str| format_err(&path, d.to_string());
-    let v: serde_json::Value =
+    let mut v: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| bad(&format!("not JSON: {e}")))?;
     if v["format"] != MANIFEST_FORMAT {
         return Err(bad("not an fsdp-rs checkpoint manifest"));
@@ -295,10 +408,27 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
             supported: FORMAT_VERSION,
         });
     }
+    let recorded = v
+        .as_object_mut()
+        .and_then(|o| o.remove(MANIFEST_CRC))
+        .and_then(|c| c.as_str().and_then(|c| u32::from_str_radix(c, 16).ok()))
+        .ok_or_else(|| bad("no or a bad `crc32` entry"))?;
+    let found = crc32fast::hash(v.to_string().as_bytes());
+    if found != recorded {
+        return Err(bad(&format!(
+            "checksum mismatch (recorded {recorded:08x}, computed {found:08x}): the manifest \
+             was changed or damaged"
+        )));
+    }
     let generation = v["generation"]
         .as_str()
         .ok_or_else(|| bad("no generation"))?
         .to_string();
+    let lineage = v["lineage"]
+        .as_str()
+        .ok_or_else(|| bad("no lineage"))?
+        .to_string();
+    let save_seq = v["save_seq"].as_u64().ok_or_else(|| bad("no save_seq"))?;
     let step = v["step"].as_u64().ok_or_else(|| bad("no step"))?;
     let has_optim = v["has_optim"]
         .as_bool()
@@ -331,6 +461,8 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
         .collect::<Result<_>>()?;
     Ok(Manifest {
         generation,
+        lineage,
+        save_seq,
         step,
         has_optim,
         scaler,
@@ -362,9 +494,9 @@ fn check_sharded_complete(dir: &Path, kind: &str, generation: &str) -> Result<()
     Ok(())
 }
 
-/// Whether `dir` is a complete checkpoint: its manifest, and every file of its model (and
-/// optimizer) directories, present and from the same save. Reads headers only (checksums are
-/// verified by [`load`]).
+/// Whether `dir` is a complete checkpoint: its manifest (checksum verified), and every file of
+/// its model (and optimizer) directories, present, with intact headers (header checksums) and
+/// from the same save. Reads headers only (tensor checksums are verified by [`load`]).
 ///
 /// # Errors
 /// The first problem found, naming the file.
@@ -379,17 +511,61 @@ pub fn check_complete(dir: impl AsRef<Path>) -> Result<()> {
 }
 
 /// The newest complete checkpoint under `root` (by step; incomplete or damaged ones are
-/// skipped), or `None`. Rank-local; every rank sees the same answer on a shared file system.
+/// skipped **silently**), or `None`. Rank-local; every rank sees the same answer on a shared
+/// file system. To resume, prefer [`newest`] (refuses a damaged newest checkpoint) or
+/// [`latest_valid`] (says what it skipped and why).
 ///
 /// # Errors
 /// [`StateDictError::Io`] when `root` exists but cannot be listed.
 pub fn latest_complete(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+    Ok(latest_valid(root)?.0)
+}
+
+/// The newest checkpoint directory under `root` (the highest `step_N`), checked complete
+/// (manifest checksum, every file's header checksum and save id; tensor checksums are verified
+/// by [`load`]), or `None` when there is no `step_N` directory. Rank-local.
+///
+/// # Errors
+/// The newest checkpoint's problem, naming the file (e.g. [`StateDictError::GenerationMismatch`]
+/// for a stale rank file, [`StateDictError::Io`] for a missing one, [`StateDictError::Format`]
+/// for a damaged header or manifest): a damaged newest checkpoint is refused, never skipped.
+pub fn newest(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     let mut steps = step_dirs(root.as_ref())?;
     steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
-    Ok(steps
-        .into_iter()
-        .map(|(_, d)| d)
-        .find(|d| check_complete(d).is_ok()))
+    match steps.into_iter().next() {
+        None => Ok(None),
+        Some((_, dir)) => {
+            check_complete(&dir)?;
+            Ok(Some(dir))
+        }
+    }
+}
+
+/// A checkpoint directory [`latest_valid`] skipped, and why.
+#[derive(Debug)]
+pub struct Skipped {
+    /// The skipped `step_N` directory.
+    pub dir: PathBuf,
+    /// Its problem (naming the file).
+    pub error: StateDictError,
+}
+
+/// The newest complete checkpoint under `root` (by step) and every newer one it skipped, with
+/// the reason (for an explicit "fall back to the newest valid checkpoint" resume). Rank-local.
+///
+/// # Errors
+/// [`StateDictError::Io`] when `root` exists but cannot be listed.
+pub fn latest_valid(root: impl AsRef<Path>) -> Result<(Option<PathBuf>, Vec<Skipped>)> {
+    let mut steps = step_dirs(root.as_ref())?;
+    steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
+    let mut skipped = Vec::new();
+    for (_, dir) in steps {
+        match check_complete(&dir) {
+            Ok(()) => return Ok((Some(dir), skipped)),
+            Err(error) => skipped.push(Skipped { dir, error }),
+        }
+    }
+    Ok((None, skipped))
 }
 
 /// Loads checkpoint `dir` (saved at any number of ranks): the model's parameters, `optimizer`'s
@@ -454,5 +630,6 @@ pub fn load<M: Module + 'static>(
         step: manifest.step,
         metadata: manifest.metadata,
         scaler: manifest.scaler,
+        lineage: manifest.lineage,
     })
 }

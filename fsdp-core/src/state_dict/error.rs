@@ -279,8 +279,7 @@ pub enum StateDictError {
     },
     /// Another rank refused a sharded checkpoint (a missing, stale or corrupted file it read).
     #[error(
-        "state dict: {op}: rank {rank} refused the checkpoint because of `{}`; see that rank's \
-         error",
+        "state dict: {op}: rank {rank} refused the checkpoint because of `{}`: {reason}",
         path.display()
     )]
     PeerRejected {
@@ -290,6 +289,8 @@ pub enum StateDictError {
         rank: usize,
         /// The offending file (the directory when the error named no file of it).
         path: PathBuf,
+        /// The refusing rank's own error message (at most 1 KiB of it).
+        reason: String,
     },
     /// Another rank failed during a collective save.
     #[error("state dict: {op}: another rank failed to write its part; see that rank's error")]

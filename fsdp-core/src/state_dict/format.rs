@@ -113,14 +113,67 @@ pub(super) fn write_file(
         }
         meta.insert(crc_key(k), format!("{:08x}", crc32fast::hash(&t.data())));
     }
-    let bytes = safetensors::serialize(tensors, Some(meta)).map_err(|source| {
+    // The header's own checksum: written as a placeholder, computed over the serialized header
+    // (placeholder included), then patched in place (same length, so no offset moves).
+    meta.insert(HEADER_CRC_KEY.into(), HEADER_CRC_PLACEHOLDER.into());
+    let mut bytes = safetensors::serialize(tensors, Some(meta)).map_err(|source| {
         StateDictError::SafeTensors {
             op: "write",
             path: path.to_path_buf(),
             source,
         }
     })?;
+    let (at, crc) = header_crc(&bytes).ok_or_else(|| {
+        format_err(
+            path,
+            "internal: the serialized header has no checksum placeholder",
+        )
+    })?;
+    bytes[at..at + 8].copy_from_slice(format!("{crc:08x}").as_bytes());
     atomic_write(path, &bytes)
+}
+
+/// The metadata key of the header checksum (CRC-32 of the whole JSON header with this key's
+/// value replaced by [`HEADER_CRC_PLACEHOLDER`]).
+pub(super) const HEADER_CRC_KEY: &str = "crc32/__header__";
+pub(super) const HEADER_CRC_PLACEHOLDER: &str = "00000000";
+
+/// In a serialized safetensors file: the byte offset of the header checksum's 8 hex digits and
+/// the CRC-32 of the header with those digits read as the placeholder. `None` when the file is
+/// too short or its header has no checksum entry.
+pub(super) fn header_crc(file: &[u8]) -> Option<(usize, u32)> {
+    let len = u64::from_le_bytes(file.get(..8)?.try_into().ok()?);
+    let end = 8usize.checked_add(usize::try_from(len).ok()?)?;
+    let header = file.get(8..end)?;
+    let needle = format!("\"{HEADER_CRC_KEY}\":\"");
+    let pos = header
+        .windows(needle.len())
+        .position(|w| w == needle.as_bytes())?
+        + needle.len();
+    header.get(pos..pos + 8)?;
+    let mut h = crc32fast::Hasher::new();
+    h.update(&header[..pos]);
+    h.update(HEADER_CRC_PLACEHOLDER.as_bytes());
+    h.update(&header[pos + 8..]);
+    Some((8 + pos, h.finalize()))
+}
+
+/// Refuses a file whose header does not match its recorded checksum.
+fn check_header_crc(path: &Path, bytes: &[u8], meta: &HashMap<String, String>) -> Result<()> {
+    let recorded = meta_str(meta, HEADER_CRC_KEY, path)?;
+    let recorded = u32::from_str_radix(recorded, 16)
+        .map_err(|_| format_err(path, format!("bad header checksum `{recorded}`")))?;
+    match header_crc(bytes) {
+        Some((_, found)) if found == recorded => Ok(()),
+        Some((_, found)) => Err(format_err(
+            path,
+            format!(
+                "header checksum mismatch (recorded {recorded:08x}, computed {found:08x}): the \
+                 file's header is damaged"
+            ),
+        )),
+        None => Err(format_err(path, "the header checksum entry is damaged")),
+    }
 }
 
 fn crc_key(tensor: &str) -> String {
@@ -233,6 +286,7 @@ pub(super) fn read_file_meta(
             ))
         }
     }
+    check_header_crc(path, &bytes, &meta)?;
     Ok((meta, bytes))
 }
 

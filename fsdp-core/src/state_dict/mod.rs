@@ -71,7 +71,9 @@
 //! `format = "fsdp-rs"`, `format_version` (= [`FORMAT_VERSION`]), `kind` (`full-params`,
 //! `full-optim`, `sharded-params`, `sharded-optim`, each with `-pieces` / `-meta` variants for the
 //! sharded index files), `world_size`, and `crc32/<tensor>` (the CRC-32 of each tensor's bytes,
-//! verified on every load: [`StateDictError::ChecksumMismatch`]). Sharded files also carry
+//! verified on every load: [`StateDictError::ChecksumMismatch`]) and `crc32/__header__` (the
+//! CRC-32 of the whole JSON header with that value read as `00000000`, so every header byte a
+//! load reads is covered: a damaged header is a [`StateDictError::Format`]). Sharded files also carry
 //! `generation`, the id of the save that wrote them; a file of another save than the directory's
 //! metadata is refused ([`StateDictError::GenerationMismatch`]). Files saved with non-finite
 //! values under [`allow_non_finite`] carry `non_finite = allowed`.
@@ -156,7 +158,7 @@ use crate::runtime::fsdp::{gather_flat, tensor_slice, Fsdp, UnitShard};
 
 /// Version of the on-disk format written by this module (the `format_version` metadata key).
 /// Files of another version are refused with [`StateDictError::UnsupportedVersion`].
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 const FORMAT: &str = "fsdp-rs";
 const KIND_FULL_PARAMS: &str = "full-params";

@@ -751,10 +751,12 @@ pub(super) fn agree_load<T>(
             .wait()?;
     }
     let v = ctx.read(&t)?;
-    let local = local?;
     if v[0] == NONE {
-        return Ok(local);
+        return local;
     }
+    // Someone refused: every rank takes part in passing one refusing rank's message around.
+    let (reason, rank) = share_reason(ctx, local.as_ref().err())?;
+    local?;
     let code = v[0] as usize;
     let path = match (code, world) {
         (0, _) => dir.join(META_FILE),
@@ -763,9 +765,64 @@ pub(super) fn agree_load<T>(
     };
     Err(StateDictError::PeerRejected {
         op,
-        rank: v[1] as usize,
+        rank,
         path,
+        reason,
     })
+}
+
+/// The longest error message [`share_reason`] passes on (bytes).
+const REASON_BYTES: usize = 1024;
+
+/// A collective among ranks of which at least one has an error: the failing rank with the
+/// lowest (shard rank, replica rank) sends its message to every rank (two small all-reduces:
+/// a min for the sender, a sum of the message bytes). Returns the message and the sender's rank
+/// in the shard group.
+pub(super) fn share_reason(ctx: &Ctx, err: Option<&StateDictError>) -> Result<(String, usize)> {
+    const NONE: f32 = 16_777_215.0;
+    let size = ctx.group.size();
+    let replica = ctx.replicate.as_ref().map_or(0, |r| r.rank());
+    let mine = (ctx.group.rank() + size * replica) as f32;
+    let t = ctx.new_tensor(vec![if err.is_some() { mine } else { NONE }])?;
+    ctx.group
+        .all_reduce(&tensor_slice(&t)?, ReduceOp::Min, &ctx.stream)
+        .wait()?;
+    if let Some(rep) = &ctx.replicate {
+        rep.all_reduce(&tensor_slice(&t)?, ReduceOp::Min, &ctx.stream)
+            .wait()?;
+    }
+    let ticket = ctx.read(&t)?[0];
+    let mut buf = vec![0f32; REASON_BYTES];
+    if let Some(e) = err.filter(|_| ticket == mine) {
+        let text = e.to_string();
+        let mut end = text.len().min(REASON_BYTES);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        for (d, b) in buf.iter_mut().zip(text[..end].bytes()) {
+            *d = f32::from(b);
+        }
+    }
+    let t = ctx.new_tensor(buf)?;
+    ctx.group
+        .all_reduce(&tensor_slice(&t)?, ReduceOp::Sum, &ctx.stream)
+        .wait()?;
+    if let Some(rep) = &ctx.replicate {
+        rep.all_reduce(&tensor_slice(&t)?, ReduceOp::Sum, &ctx.stream)
+            .wait()?;
+    }
+    let bytes: Vec<u8> = ctx
+        .read(&t)?
+        .into_iter()
+        .take_while(|&b| b != 0.0)
+        .map(|b| b.clamp(0.0, 255.0) as u8)
+        .collect();
+    let rank = if ticket == NONE {
+        0
+    } else {
+        ticket as usize % size
+    };
+    Ok((String::from_utf8_lossy(&bytes).into_owned(), rank))
 }
 
 /// Loads a sharded checkpoint directory written at any world size: reads the metadata and the

@@ -305,7 +305,10 @@ fn non_finite_values_are_refused_on_save_and_on_load() {
         "crc32/w".into(),
         format!("{:08x}", crc32fast::hash(&f32::NAN.to_le_bytes())),
     );
-    let bytes = safetensors::serialize(vec![("w".to_string(), view)], Some(meta)).unwrap();
+    meta.insert(HEADER_CRC_KEY.into(), HEADER_CRC_PLACEHOLDER.into());
+    let mut bytes = safetensors::serialize(vec![("w".to_string(), view)], Some(meta)).unwrap();
+    let (at, crc) = header_crc(&bytes).unwrap();
+    bytes[at..at + 8].copy_from_slice(format!("{crc:08x}").as_bytes());
     std::fs::write(&other, bytes).unwrap();
     assert!(matches!(
         FullStateDict::load(&other),
