@@ -280,9 +280,17 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
         .unwrap_or(1);
     // Peak GEMM rate of the device the model trains on, at its precision, before training
     // (module `probe`: f32 on all cores for CPU ranks; the GPU with `--device cuda`).
-    let gemm_probe = probe::run(&c, cores, Duration::from_millis(200))
-        .map_err(|e| format!("GEMM probe: {e}"))?;
-    let gemm_rate = gemm_probe.flops_per_s;
+    // On CUDA it runs after training (unless --plan needs it now): the CUDA kernel backend is
+    // cached per device id, and its first user's device would otherwise be the probe's.
+    let probe_now = c.cuda.is_none() || cli.planning.plan;
+    let early_probe = match probe_now {
+        true => Some(
+            probe::run(&c, cores, Duration::from_millis(200))
+                .map_err(|e| format!("GEMM probe: {e}"))?,
+        ),
+        false => None,
+    };
+    let gemm_rate = early_probe.as_ref().map_or(f64::NAN, |p| p.flops_per_s);
     if cli.planning.plan {
         // `--plan`: the ranked table (rank 0 prints it); `--apply` trains with the top plan.
         let cluster = plan::cluster(&cli.planning, c.ranks, gemm_rate)?;
@@ -356,6 +364,11 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
         );
         return Ok(());
     }
+    let gemm_probe = match early_probe {
+        Some(p) => p,
+        None => probe::run(&c, cores, Duration::from_millis(200))
+            .map_err(|e| format!("GEMM probe: {e}"))?,
+    };
     if cli.logging.kernel_times {
         if let Some(p) = &cli.logging.profile {
             kernel_times::print(p)?;

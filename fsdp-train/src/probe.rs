@@ -8,7 +8,9 @@
 //!   f16). So the model FLOP rate is compared like with like.
 //!
 //! The GPU probe times 4096×4096×4096 products, launched back to back and waited for once per
-//! batch of 8 (one read-back of one element), for about the budget after a warm-up batch.
+//! batch of 8 (one read-back of one element), for about the budget after a warm-up batch. On
+//! CUDA `main` runs it after training (unless `--plan` needs the rate first): the CUDA kernel
+//! backend is cached per device id, and its first user should be the training device.
 
 use std::time::{Duration, Instant};
 

@@ -32,51 +32,79 @@ fn test_bin_name(pkg: &str, test: Option<&str>) -> String {
     }
 }
 
-/// The `"executable"` of each test artifact in cargo's JSON messages.
-fn executables(json: &str) -> Vec<String> {
-    let key = "\"executable\":\"";
+/// (target name, executable) of each artifact with an executable in cargo's JSON messages.
+fn executables(json: &str) -> Vec<(String, String)> {
+    let field = |l: &str, key: &str| -> Option<String> {
+        let i = l.find(key)? + key.len();
+        let rest = &l[i..];
+        Some(rest[..rest.find('"')?].replace("\\\\", "\\"))
+    };
     json.lines()
         .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
         .filter_map(|l| {
-            let i = l.find(key)? + key.len();
-            let rest = &l[i..];
-            Some(rest[..rest.find('"')?].replace("\\\\", "\\"))
+            let exe = field(l, "\"executable\":\"")?;
+            let target = l.find("\"target\":{").map(|i| &l[i..])?;
+            Some((field(target, "\"name\":\"")?, exe))
         })
         .collect()
 }
 
-/// Builds one test target (release, `cuda`) and returns its executable.
-fn build_test(pkg: &str, test: Option<&str>) -> Result<PathBuf, String> {
-    let mut c = cargo();
+/// The cargo target name of a test step's binary (a library's unit tests: the crate name).
+fn target_name(pkg: &str, test: Option<&str>) -> String {
+    match test {
+        Some(t) => t.to_string(),
+        None => pkg.replace('-', "_"),
+    }
+}
+
+/// Builds the test targets (release, `cuda`) in one cargo call, so that every binary shares
+/// one build of the workspace, and returns each one's executable.
+fn build_tests(targets: &[(&str, Option<&str>)]) -> Result<Vec<PathBuf>, String> {
+    let mut c = bundle_cargo();
     c.args([
         "test",
         "--release",
         "--no-run",
-        "-p",
-        pkg,
-        "--features",
-        "cuda",
         "--message-format=json-render-diagnostics",
     ]);
-    match test {
-        None => c.arg("--lib"),
-        Some(t) => c.args(["--test", t]),
-    };
-    eprintln!("xtask: gpu-bundle: building {pkg} {test:?}: {c:?}");
+    let mut pkgs: Vec<&str> = Vec::new();
+    for (pkg, test) in targets {
+        if !pkgs.contains(pkg) {
+            pkgs.push(pkg);
+            c.args(["-p", pkg, "--features", &format!("{pkg}/cuda")]);
+        }
+        match test {
+            None => c.arg("--lib"),
+            Some(t) => c.args(["--test", t]),
+        };
+    }
+    eprintln!("xtask: gpu-bundle: building the test binaries: {c:?}");
     let out = c
         .stderr(std::process::Stdio::inherit())
         .output()
         .map_err(|e| format!("cargo: {e}"))?;
     if !out.status.success() {
-        return Err(format!("building the test binary {pkg} {test:?} failed"));
+        return Err("gpu-bundle: building the test binaries failed".into());
     }
     let exes = executables(&String::from_utf8_lossy(&out.stdout));
-    match exes.as_slice() {
-        [one] => Ok(PathBuf::from(one)),
-        _ => Err(format!(
-            "building {pkg} {test:?}: expected one test executable, cargo reported {exes:?}"
-        )),
-    }
+    targets
+        .iter()
+        .map(|(pkg, test)| {
+            let name = target_name(pkg, *test);
+            exes.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, e)| PathBuf::from(e))
+                .ok_or_else(|| format!("gpu-bundle: cargo built no executable for {name}"))
+        })
+        .collect()
+}
+
+/// Cargo for the bundle's builds: release without debug info (the binaries are stripped
+/// anyway; this only saves compile time and disk).
+fn bundle_cargo() -> Command {
+    let mut c = cargo();
+    c.env("CARGO_PROFILE_RELEASE_DEBUG", "0");
+    c
 }
 
 fn copy_stripped(from: &Path, to: &Path) -> Result<u64, String> {
@@ -101,15 +129,15 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
     let mut total = 0u64;
     let mut missing: Vec<String> = Vec::new();
 
-    // Test binaries, each once.
-    let mut built: Vec<(&str, Option<&str>)> = Vec::new();
+    // Test binaries, each once, in one cargo call.
+    let mut wanted: Vec<(&str, Option<&str>)> = Vec::new();
     for s in STEPS {
         let (pkg, test) = match s.exec {
             Exec::Test { pkg, test, .. } => (pkg, test),
             Exec::Launch2 => ("fsdp-tests", Some("gpu_nccl")),
             Exec::TrainGpt { .. } => continue,
         };
-        if built.contains(&(pkg, test)) || missing.contains(&test_bin_name(pkg, test)) {
+        if wanted.contains(&(pkg, test)) || missing.contains(&test_bin_name(pkg, test)) {
             continue;
         }
         if !test_source(pkg, test).exists() {
@@ -121,15 +149,16 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
             missing.push(test_bin_name(pkg, test));
             continue;
         }
-        let exe = build_test(pkg, test)?;
-        total += copy_stripped(&exe, &bin.join(test_bin_name(pkg, test)))?;
-        built.push((pkg, test));
+        wanted.push((pkg, test));
+    }
+    for ((pkg, test), exe) in wanted.iter().zip(build_tests(&wanted)?) {
+        total += copy_stripped(&exe, &bin.join(test_bin_name(pkg, *test)))?;
     }
 
     // train_gpt and this xtask binary.
     run(
         "gpu-bundle: build train_gpt (cuda) and xtask",
-        cargo().args([
+        bundle_cargo().args([
             "build",
             "--release",
             "-p",
@@ -139,6 +168,8 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
             "--bin",
             "train_gpt",
             "-p",
+            "xtask",
+            "--bin",
             "xtask",
         ]),
     )?;
@@ -375,11 +406,18 @@ mod tests {
         let json = concat!(
             r#"{"reason":"compiler-artifact","executable":null}"#,
             "\n",
-            r#"{"reason":"compiler-artifact","profile":{"test":true},"executable":"/t/release/deps/gpu_ops-1"}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"gpu_ops","test":true},"profile":{"test":true},"executable":"/t/release/deps/gpu_ops-1"}"#,
             "\n",
             r#"{"reason":"build-finished","success":true}"#
         );
-        assert_eq!(executables(json), vec!["/t/release/deps/gpu_ops-1"]);
+        assert_eq!(
+            executables(json),
+            vec![(
+                "gpu_ops".to_string(),
+                "/t/release/deps/gpu_ops-1".to_string()
+            )]
+        );
+        assert_eq!(target_name("fsdp-autograd", None), "fsdp_autograd");
     }
 
     #[test]
