@@ -80,7 +80,7 @@ pub fn shares(t: &Trace) -> (&'static str, Vec<(String, f64, f64)>) {
         .map(|(n, us)| (n, us, if sum > 0.0 { us / sum } else { 0.0 }))
         .collect();
     rows.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    ("CPU stream kernels", rows)
+    ("CPU stream work (kernels and collectives)", rows)
 }
 
 /// Prints the table for the trace at `path` (at most 20 rows, the rest summed).

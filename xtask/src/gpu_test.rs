@@ -153,6 +153,30 @@ pub const STEPS: &[Step] = &[
             ],
         },
     },
+    Step {
+        suite: "kernels",
+        what: "kernel-time bench under bf16 mixed precision: the same GPT-2 step, kernel shares, \
+               model FLOP rate against the GPU GEMM probe in bf16",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "--device",
+                "cuda",
+                "--model",
+                "gpt2",
+                "--batch",
+                "4",
+                "--steps",
+                "3",
+                "--mixed-precision",
+                "bf16",
+                "--profile",
+                "{out}/gpt2-step-bf16.trace.json",
+                "--kernel-times",
+                "--json",
+            ],
+        },
+    },
 ];
 
 /// The names of the suites, in order of first appearance.
