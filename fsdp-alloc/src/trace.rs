@@ -19,7 +19,7 @@
 //!
 //! - **GPU work** (`cat` `"kernel"`, `"copy"`, `"nccl"`; feature `cuda`): every kernel, cuBLAS
 //!   call, copy and NCCL collective enqueued on a CUDA stream while recording, timed by a pair
-//!   of CUDA events around it ([`gpu_begin`] / [`gpu_end`]), on a track `"gpu <stream name>"`.
+//!   of CUDA events around it (`gpu_begin` / `gpu_end`), on a track `"gpu <stream name>"`.
 //!   The events are resolved when [`stop`] is called (after `Device::synchronize`), relative to
 //!   one *anchor* event per device: recorded and waited for once at the device's first GPU
 //!   interval of the recording (one host wait per device per trace), its completion taken as
