@@ -93,6 +93,18 @@ pub const STEPS: &[Step] = &[
     },
     Step {
         suite: "nccl",
+        what: "one-rank NCCL group on host buffers (the communicator thread's host path), \
+               creation errors; the group is dropped at the end (the drop joins its communicator \
+               thread)",
+        min_gpus: 1,
+        exec: Exec::Test {
+            pkg: "fsdp-collectives",
+            test: Some("nccl"),
+            args: &["--include-ignored"],
+        },
+    },
+    Step {
+        suite: "nccl",
         what: "2-process launch (RANK/WORLD_SIZE/MASTER_*), one rank per GPU",
         min_gpus: 2,
         exec: Exec::Launch2,
