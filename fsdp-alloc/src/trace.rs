@@ -17,13 +17,23 @@
 //! - **host spans** (`cat` `"host"`): intervals opened with [`span`] on an issuing thread (FSDP
 //!   marks unshard, the forward and backward of each unit, reduce-scatter issue, the optimizer).
 //!
+//! - **GPU work** (`cat` `"kernel"`, `"copy"`, `"nccl"`; feature `cuda`): every kernel, cuBLAS
+//!   call, copy and NCCL collective enqueued on a CUDA stream while recording, timed by a pair
+//!   of CUDA events around it (`gpu_begin` / `gpu_end`), on a track `"gpu <stream name>"`.
+//!   The events are resolved when [`stop`] is called (after `Device::synchronize`), relative to
+//!   one *anchor* event per device: recorded and waited for once at the device's first GPU
+//!   interval of the recording (one host wait per device per trace), its completion taken as
+//!   the host time it happened. GPU times are therefore exact relative to each other and
+//!   aligned with the host tracks to within the anchor's completion latency (microseconds).
+//!   [`place_gpu_interval`] is that arithmetic, unit-tested without a GPU.
+//!
 //! Time outside any interval on a track is idle time of that stream or thread.
 //!
 //! When recording is off, the cost on the launch path is one relaxed atomic load ([`is_enabled`])
 //! and nothing on the worker. When it is on, each interval takes one short global lock at its end;
 //! timestamps come from [`std::time::Instant`] and are relative to the [`start`] call.
-//! Streams over CUDA run their work on the driver's thread and are not recorded (use Nsight
-//! there); recording is for CPU streams.
+//! CUDA streams' host-function jobs are not recorded as `"work"`; their GPU work is recorded as
+//! GPU intervals (above).
 //!
 //! ```
 //! use fsdp_alloc::{trace, Device};
@@ -59,6 +69,12 @@ static STATE: Mutex<Option<Recording>> = Mutex::new(None);
 struct Recording {
     epoch: Instant,
     events: Vec<TraceEvent>,
+    /// GPU intervals waiting for their events to be resolved at [`stop`].
+    #[cfg(feature = "cuda")]
+    gpu: Vec<gpu::Pending>,
+    /// One anchor per device: an event and the host instant it completed.
+    #[cfg(feature = "cuda")]
+    anchors: Vec<(DeviceId, cudarc::driver::CudaEvent, Instant)>,
 }
 
 /// The name of a recorded interval: static for op names, shared for span names.
@@ -82,6 +98,10 @@ pub fn start() {
     *s = Some(Recording {
         epoch: Instant::now(),
         events: Vec::new(),
+        #[cfg(feature = "cuda")]
+        gpu: Vec::new(),
+        #[cfg(feature = "cuda")]
+        anchors: Vec::new(),
     });
     ENABLED.store(true, Ordering::Release);
 }
@@ -92,7 +112,14 @@ pub fn start() {
 pub fn stop() -> Trace {
     ENABLED.store(false, Ordering::Release);
     let mut s = STATE.lock().unwrap_or_else(|e| e.into_inner());
-    let mut events = s.take().map(|r| r.events).unwrap_or_default();
+    #[allow(unused_mut)]
+    let mut events = match s.take() {
+        None => Vec::new(),
+        #[cfg(not(feature = "cuda"))]
+        Some(r) => r.events,
+        #[cfg(feature = "cuda")]
+        Some(r) => gpu::resolve(r),
+    };
     events.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
     Trace { events }
 }
@@ -195,12 +222,190 @@ pub fn span_with(device: DeviceId, name: impl FnOnce() -> String) -> Span {
     span(device, name())
 }
 
+/// Places a GPU interval on the trace's host timeline: `anchor_us` is the host time (µs after
+/// [`start`]) at which the device's anchor event completed; `start_ms` / `end_ms` are the CUDA
+/// event times of the interval's two events relative to the anchor (`cuEventElapsedTime`).
+/// An end before the start (which the driver does not produce, but a clock quirk must not turn
+/// into a negative duration) gives a zero-length interval at the start.
+pub fn place_gpu_interval(
+    anchor_us: f64,
+    start_ms: f32,
+    end_ms: f32,
+    pid: usize,
+    track: String,
+    cat: &'static str,
+    name: Label,
+) -> TraceEvent {
+    let start_us = anchor_us + f64::from(start_ms) * 1e3;
+    let dur_us = (f64::from(end_ms) - f64::from(start_ms)).max(0.0) * 1e3;
+    TraceEvent {
+        name,
+        cat,
+        pid,
+        track,
+        start_us,
+        dur_us,
+    }
+}
+
+/// GPU time per name of the GPU intervals of category `cat` (`"kernel"`, `"copy"`, `"nccl"`),
+/// largest first, with each one's share of their sum: the kernel-time table of a profiled step.
+pub fn gpu_time_shares(trace: &Trace, cat: &str) -> Vec<(String, f64, f64)> {
+    let mut by: BTreeMap<String, f64> = BTreeMap::new();
+    for e in trace
+        .events
+        .iter()
+        .filter(|e| e.cat == cat && e.track.starts_with("gpu "))
+    {
+        *by.entry(e.name.to_string()).or_insert(0.0) += e.dur_us;
+    }
+    let sum: f64 = by.values().sum();
+    let mut out: Vec<(String, f64, f64)> = by
+        .into_iter()
+        .map(|(n, us)| (n, us, if sum > 0.0 { us / sum } else { 0.0 }))
+        .collect();
+    out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    out
+}
+
+/// A GPU interval opened by [`gpu_begin`] (feature `cuda`): the start event, recorded on the
+/// stream before the work. Close it with [`gpu_end`] after enqueueing the work.
+#[cfg(feature = "cuda")]
+pub struct GpuMark {
+    device: DeviceId,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    start: cudarc::driver::CudaEvent,
+}
+
+/// Opens a GPU interval on `stream` of `device` if recording is on: records a timing event on
+/// the stream (and, the first time for this device in this recording, the device's anchor,
+/// waiting for it). `None` when recording is off (one relaxed load) or an event could not be
+/// made (the trace then lacks this interval; nothing fails).
+#[cfg(feature = "cuda")]
+pub fn gpu_begin(
+    device: DeviceId,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> Option<GpuMark> {
+    if !is_enabled() {
+        return None;
+    }
+    gpu::begin(device, stream)
+}
+
+/// Closes a GPU interval: records the end event after the work and queues the pair for
+/// resolution at [`stop`], on track `"gpu <track>"`. `mark == None` does nothing.
+#[cfg(feature = "cuda")]
+pub fn gpu_end(mark: Option<GpuMark>, track: &str, cat: &'static str, name: Label) {
+    if let Some(m) = mark {
+        gpu::end(m, track, cat, name);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    //! The CUDA side of GPU intervals: events, anchors, and their resolution at `stop`.
+    use std::time::Instant;
+
+    use cudarc::driver::sys::CUevent_flags;
+    use cudarc::driver::CudaEvent;
+
+    use super::{pid_of, place_gpu_interval, us, GpuMark, Label, Recording, TraceEvent, STATE};
+    use crate::DeviceId;
+
+    pub(super) struct Pending {
+        device: DeviceId,
+        track: String,
+        cat: &'static str,
+        name: Label,
+        start: CudaEvent,
+        end: CudaEvent,
+    }
+
+    fn timing_event(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Option<CudaEvent> {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .ok()
+    }
+
+    pub(super) fn begin(
+        device: DeviceId,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Option<GpuMark> {
+        let has_anchor = {
+            let s = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            s.as_ref()?.anchors.iter().any(|(d, _, _)| *d == device)
+        };
+        if !has_anchor {
+            // The anchor: recorded behind whatever the stream has queued, waited for, and
+            // stamped with the host time it completed. Taken outside the lock.
+            let anchor = timing_event(stream)?;
+            anchor.synchronize().ok()?;
+            let at = Instant::now();
+            let mut s = STATE.lock().unwrap_or_else(|e| e.into_inner());
+            let r = s.as_mut()?;
+            if !r.anchors.iter().any(|(d, _, _)| *d == device) {
+                r.anchors.push((device, anchor, at));
+            }
+        }
+        let start = timing_event(stream)?;
+        Some(GpuMark {
+            device,
+            stream: std::sync::Arc::clone(stream),
+            start,
+        })
+    }
+
+    pub(super) fn end(m: GpuMark, track: &str, cat: &'static str, name: Label) {
+        let Some(end) = timing_event(&m.stream) else {
+            return;
+        };
+        let mut s = STATE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = s.as_mut() {
+            r.gpu.push(Pending {
+                device: m.device,
+                track: format!("gpu {track}"),
+                cat,
+                name,
+                start: m.start,
+                end,
+            });
+        }
+    }
+
+    /// The recording's events with its GPU intervals resolved (each waits for its events:
+    /// call `stop` after synchronizing the devices, and this does not block). An interval whose
+    /// events cannot be read is dropped.
+    pub(super) fn resolve(r: Recording) -> Vec<TraceEvent> {
+        let mut events = r.events;
+        for p in r.gpu {
+            let Some((_, anchor, at)) = r.anchors.iter().find(|(d, _, _)| *d == p.device) else {
+                continue;
+            };
+            let (Ok(a), Ok(b)) = (anchor.elapsed_ms(&p.start), anchor.elapsed_ms(&p.end)) else {
+                continue;
+            };
+            let anchor_us = us(at.saturating_duration_since(r.epoch));
+            events.push(place_gpu_interval(
+                anchor_us,
+                a,
+                b,
+                pid_of(p.device),
+                p.track,
+                p.cat,
+                p.name,
+            ));
+        }
+        events
+    }
+}
+
 /// One recorded interval.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceEvent {
     /// What ran: the op or span name.
     pub name: Label,
-    /// `"work"` (stream work), `"wait"` (a stream blocked on an event) or `"host"` (a span).
+    /// `"work"` (stream work), `"wait"` (a stream blocked on an event), `"host"` (a span), or
+    /// on a `"gpu …"` track `"kernel"`, `"copy"`, `"nccl"` (GPU intervals).
     pub cat: &'static str,
     /// The device index (the rank).
     pub pid: usize,
@@ -234,6 +439,13 @@ pub struct Total {
 }
 
 impl Trace {
+    /// A trace of these intervals (sorted into start order): for assembling or filtering traces
+    /// outside a recording.
+    pub fn from_events(mut events: Vec<TraceEvent>) -> Trace {
+        events.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+        Trace { events }
+    }
+
     /// The recorded intervals, in start order.
     pub fn events(&self) -> &[TraceEvent] {
         &self.events
@@ -360,4 +572,78 @@ fn json_string(s: &str) -> String {
     }
     o.push('"');
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(name: &str, start_us: f64, dur_us: f64) -> TraceEvent {
+        TraceEvent {
+            name: Arc::from(name),
+            cat: "host",
+            pid: 0,
+            track: "host main".into(),
+            start_us,
+            dur_us,
+        }
+    }
+
+    #[test]
+    fn gpu_intervals_land_after_their_anchor_in_device_time() {
+        // Anchor completed 1 ms after start; a kernel ran from 0.25 ms to 0.75 ms after it.
+        let e = place_gpu_interval(
+            1000.0,
+            0.25,
+            0.75,
+            3,
+            "gpu default".into(),
+            "kernel",
+            Arc::from("gelu_f32"),
+        );
+        assert_eq!((e.start_us, e.dur_us, e.pid), (1250.0, 500.0, 3));
+        // An end before the start never gives a negative duration.
+        let z = place_gpu_interval(0.0, 2.0, 1.0, 0, "gpu s".into(), "copy", Arc::from("h2d"));
+        assert_eq!((z.start_us, z.dur_us), (2000.0, 0.0));
+    }
+
+    #[test]
+    fn gpu_and_host_tracks_assemble_into_one_chrome_trace() {
+        let g = |name: &str, track: &str, cat: &'static str, a: f32, b: f32| {
+            place_gpu_interval(100.0, a, b, 0, format!("gpu {track}"), cat, Arc::from(name))
+        };
+        let t = Trace::from_events(vec![
+            g("sgemm", "default", "kernel", 0.2, 0.5),
+            host("forward", 50.0, 600.0),
+            g("all_gather", "unshard", "nccl", 0.0, 0.3),
+            g("h2d", "offload", "copy", 0.1, 0.15),
+            g("gelu", "default", "kernel", 0.5, 0.6),
+        ]);
+        // Start order across host and GPU tracks.
+        let starts: Vec<f64> = t.events().iter().map(|e| e.start_us).collect();
+        assert!(starts.windows(2).all(|w| w[0] <= w[1]), "{starts:?}");
+        assert_eq!(t.events()[0].name.as_ref(), "forward");
+        // One named track per stream: three GPU streams and the host thread.
+        let json = t.to_chrome_json();
+        for track in ["gpu default", "gpu unshard", "gpu offload", "host main"] {
+            assert_eq!(
+                json.matches(&format!("\"args\":{{\"name\":\"{track}\"}}"))
+                    .count(),
+                1,
+                "{track}"
+            );
+        }
+        assert!(json.contains("\"cat\":\"nccl\""));
+        // From the host span's start (50 µs) to the last GPU end (gelu: 100 + 600 µs).
+        assert!((t.span_us() - 650.0).abs() < 1e-3, "{}", t.span_us());
+        // Kernel shares: sgemm 300 µs, gelu 100 µs of 400 µs; copies and NCCL apart.
+        let k = gpu_time_shares(&t, "kernel");
+        assert_eq!(k.len(), 2);
+        assert_eq!(k[0].0, "sgemm");
+        assert!((k[0].1 - 300.0).abs() < 1e-3 && (k[0].2 - 0.75).abs() < 1e-6);
+        assert!((k[1].2 - 0.25).abs() < 1e-6);
+        assert_eq!(gpu_time_shares(&t, "nccl").len(), 1);
+        // Host spans never count as GPU time.
+        assert!(gpu_time_shares(&t, "host").is_empty());
+    }
 }

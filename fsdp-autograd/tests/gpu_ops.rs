@@ -59,12 +59,12 @@ fn leaf(values: &[f32], shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
 /// compares outputs and every input gradient.
 fn compare(
     name: &str,
+    cpu: &Device,
     gpu: &Device,
     dtype: DType,
     inputs: &[(Vec<f32>, Vec<usize>)],
     f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
 ) {
-    let cpu = Device::cpu(0);
     let run = |dev: &Device| -> (Vec<f32>, Vec<Vec<f32>>) {
         let xs: Vec<Tensor> = inputs.iter().map(|(v, s)| leaf(v, s, dtype, dev)).collect();
         let y = f(&xs).unwrap_or_else(|e| panic!("{name} on {}: {e}", dev.id()));
@@ -83,7 +83,7 @@ fn compare(
             .collect();
         (y.to_vec_f32().unwrap(), grads)
     };
-    let (want, want_g) = run(&cpu);
+    let (want, want_g) = run(cpu);
     let (got, got_g) = run(gpu);
     close(&format!("{name} forward"), dtype, &got, &want);
     for (i, (g, w)) in got_g.iter().zip(&want_g).enumerate() {
@@ -95,11 +95,11 @@ fn input(rng: &mut Rng, shape: &[usize]) -> (Vec<f32>, Vec<usize>) {
     (rng.vec(shape.iter().product()), shape.to_vec())
 }
 
-fn all_float_ops(gpu: &Device, dtype: DType) {
+fn all_float_ops(cpu: &Device, gpu: &Device, dtype: DType) {
     let mut r = Rng::new(7);
     let c =
         |name: &str, ins: Vec<(Vec<f32>, Vec<usize>)>, f: &dyn Fn(&[Tensor]) -> Result<Tensor>| {
-            compare(name, gpu, dtype, &ins, f)
+            compare(name, cpu, gpu, dtype, &ins, f)
         };
     c(
         "matmul",
@@ -198,11 +198,13 @@ fn ids(rng: &mut Rng, n: usize, bound: usize, dev: &Device) -> Tensor {
     Tensor::from_vec(v, &[n], dev).unwrap()
 }
 
-fn index_ops(gpu: &Device, dtype: DType) {
+/// The CPU reference uses the one `cpu` device object for ids and weights: tensors built on two
+/// `Device::cpu(0)` objects are on different devices, and mixing them is an error.
+fn index_ops(cpu: &Device, gpu: &Device, dtype: DType) {
     let mut r = Rng::new(11);
     let table = input(&mut r, &[13, 8]);
     // The same ids on both devices.
-    let ci = ids(&mut Rng::new(5), 9, 13, &Device::cpu(0));
+    let ci = ids(&mut Rng::new(5), 9, 13, cpu);
     let gi = ids(&mut Rng::new(5), 9, 13, gpu);
     let emb = |x: &[Tensor]| {
         let i = if x[0].device().id() == gpu.id() {
@@ -212,7 +214,7 @@ fn index_ops(gpu: &Device, dtype: DType) {
         };
         embedding(i, &x[0])
     };
-    compare("embedding", gpu, dtype, &[table], &emb);
+    compare("embedding", cpu, gpu, dtype, &[table], &emb);
     let logits = input(&mut r, &[9, 13]);
     let ce = |x: &[Tensor]| {
         let t = if x[0].device().id() == gpu.id() {
@@ -222,16 +224,28 @@ fn index_ops(gpu: &Device, dtype: DType) {
         };
         cross_entropy(&x[0], t)
     };
-    compare("cross_entropy", gpu, dtype, &[logits], &ce);
+    compare("cross_entropy", cpu, gpu, dtype, &[logits], &ce);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: run `cargo xtask gpu-test` (FSDP_GPU_TESTS=1)"]
 fn every_op_on_cuda_matches_cpu_f32_bf16_f16() {
     let Some(gpu) = gpu() else { return };
+    let cpu = Device::cpu(0);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        all_float_ops(&gpu, dtype);
-        index_ops(&gpu, dtype);
+        all_float_ops(&cpu, &gpu, dtype);
+        index_ops(&cpu, &gpu, dtype);
+    }
+}
+
+/// Regression (issue #24): the reference side of `index_ops` built its ids on a second
+/// `Device::cpu(0)` and failed with "tensors live on different devices" before any GPU work.
+/// Runs the whole comparison with the CPU device on both sides, so it runs without a GPU.
+#[test]
+fn index_ops_reference_runs_on_one_cpu_device() {
+    let cpu = Device::cpu(0);
+    for dtype in [DType::F32, DType::BF16] {
+        index_ops(&cpu, &cpu, dtype);
     }
 }
 

@@ -293,6 +293,10 @@ pub struct LoggingArgs {
     /// launched kernel and collective per stream, FSDP's phases on the issuing threads
     #[arg(long, value_name = "PATH")]
     pub profile: Option<PathBuf>,
+    /// With --profile: print each kernel's share of the profiled step's device time (GPU
+    /// kernels from CUDA events on --device cuda, CPU stream kernels otherwise)
+    #[arg(long, requires = "profile")]
+    pub kernel_times: bool,
     /// Write one JSON object per step to PATH (JSON lines)
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

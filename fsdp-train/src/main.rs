@@ -68,7 +68,15 @@
 //! ## Model FLOP/s
 //! `6·Ψ` per token for the parameters (forward 2, backward 4) plus `12·L·d·T` per token for the
 //! attention score and value products (`L` layers, width `d`, sequence `T`), times the tokens
-//! per second; next to the f32 GEMM rate of a ~0.2 s probe at start-up on all cores.
+//! per second; next to the GEMM rate of a ~0.2 s probe at start-up on the device the model trains
+//! on, at its precision (module [`probe`]: f32 on all cores for CPU ranks; with `--device cuda`
+//! the GPU's matmuls in f32 or the mixed-precision dtype); `--json` names the probe's device
+//! (`gemm_probe_device`: `"cpu"` or `"cuda:0"`) and dtype (`gemm_probe_dtype`).
+//!
+//! ## `--kernel-times`
+//! With `--profile PATH`, prints the share of each kernel in the profiled step's device time
+//! before the summary (module [`kernel_times`]): GPU kernels timed by CUDA events on
+//! `--device cuda`, the CPU streams' kernels otherwise.
 
 mod ckpt;
 mod cli;
@@ -76,9 +84,11 @@ mod cuda;
 mod data;
 mod hf;
 mod interop;
+mod kernel_times;
 mod optim;
 mod paths;
 mod plan;
+mod probe;
 mod report;
 mod sample;
 mod tokenizer;
@@ -285,9 +295,19 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    // Peak f32 GEMM rate of this machine (all cores), before training.
-    let gemm_rate = report::gemm_probe(cores, Duration::from_millis(200))
-        .map_err(|e| format!("GEMM probe: {e}"))?;
+    // Peak GEMM rate of the device the model trains on, at its precision, before training
+    // (module `probe`: f32 on all cores for CPU ranks; the GPU with `--device cuda`).
+    // On CUDA it runs after training (unless --plan needs it now): the CUDA kernel backend is
+    // cached per device id, and its first user's device would otherwise be the probe's.
+    let probe_now = c.cuda.is_none() || cli.planning.plan;
+    let early_probe = match probe_now {
+        true => Some(
+            probe::run(&c, cores, Duration::from_millis(200))
+                .map_err(|e| format!("GEMM probe: {e}"))?,
+        ),
+        false => None,
+    };
+    let gemm_rate = early_probe.as_ref().map_or(f64::NAN, |p| p.flops_per_s);
     if cli.planning.plan {
         // `--plan`: the ranked table (rank 0 prints it); `--apply` trains with the top plan.
         let (cluster, hardware) = plan::cluster(&cli.planning, c.ranks, gemm_rate)?;
@@ -366,7 +386,17 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
         );
         return Ok(());
     }
-    summary(&c, &rep, wall, gemm_rate, params, cli.logging.json);
+    let gemm_probe = match early_probe {
+        Some(p) => p,
+        None => probe::run(&c, cores, Duration::from_millis(200))
+            .map_err(|e| format!("GEMM probe: {e}"))?,
+    };
+    if cli.logging.kernel_times {
+        if let Some(p) = &cli.logging.profile {
+            kernel_times::print(p)?;
+        }
+    }
+    summary(&c, &rep, wall, &gemm_probe, params, cli.logging.json);
     Ok(())
 }
 
@@ -374,10 +404,11 @@ fn summary(
     c: &TrainConfig,
     rep: &train::Report,
     wall: f64,
-    gemm_rate: f64,
+    gemm_probe: &probe::Probe,
     params: u64,
     json_line: bool,
 ) {
+    let gemm_rate = gemm_probe.flops_per_s;
     let steps = &rep.steps;
     let timed: Vec<f64> = if steps.len() > 1 {
         steps[1..].iter().map(|s| s.secs).collect()
@@ -435,10 +466,16 @@ fn summary(
     let flops_per_token = 6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64;
     let model_flops = flops_per_token * tokens_per_s;
     println!(
-        "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s f32 \
-         GEMM probe on all cores ({:.0}%)",
+        "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s {} \
+         GEMM probe on {} ({:.0}%)",
         model_flops / 1e9,
         gemm_rate / 1e9,
+        gemm_probe.dtype,
+        if gemm_probe.device == "cpu" {
+            "all cores"
+        } else {
+            &gemm_probe.device
+        },
         100.0 * model_flops / gemm_rate
     );
     println!(
@@ -487,6 +524,8 @@ fn summary(
             "first_step": rep.first_step,
             "model_flops_per_s": json_num(model_flops),
             "gemm_flops_per_s": json_num(gemm_rate),
+            "gemm_probe_device": gemm_probe.device,
+            "gemm_probe_dtype": gemm_probe.dtype.to_string(),
             "limit_all_gathers": limit_name(c),
             "quantize_collectives": quant_name(c),
         });

@@ -1,8 +1,10 @@
 //! `cargo xtask gpu-test` suite 3 of 4 (**fsdp**): FSDP GPT-mini on one GPU and on every visible
 //! GPU (NCCL, a thread per GPU) against the same run on CPU thread ranks — per-step losses within
-//! 1e-4 relative over 20 AdamW steps — and each GPU rank's peak allocated memory within 5% of
-//! what the CPU run's allocator measures for the same rank (the memory model of
-//! `fsdp_memory.rs`). FullShard, ShardGradOp, HybridShard (with ≥ 4 GPUs) and bf16 parameters.
+//! 1e-4 relative over 20 AdamW steps in f32; in bf16 within the largest relative difference
+//! between the CPU bf16 and CPU f32 runs — and each GPU rank's peak allocated memory between
+//! 0.95× the CPU run's allocator peak for the same rank and that peak plus the CUDA kernels'
+//! scratch (see `gpu_extra_bytes`). FullShard, ShardGradOp, HybridShard (with ≥ 4 GPUs) and
+//! bf16 parameters.
 //!
 //! **Never run on a GPU** (written where none exists): `#[ignore]`d and gated on
 //! `FSDP_GPU_TESTS=1`. The model is created on the fake device and materialized by FSDP on the
@@ -124,21 +126,85 @@ fn on_gpus(world: usize, shard: Option<usize>, config: FsdpConfig) -> Vec<RankRu
         .collect()
 }
 
-fn check(world: usize, shard: Option<usize>, config: FsdpConfig) {
+/// Bytes a CUDA rank may hold beyond the CPU run's allocator peak, stated as a model rather than
+/// a ratio (issue #24 measured 1.078× for FullShard and 1.105× for ShardGradOp against a 1.05×
+/// bound). Both devices use the same caching allocator, so its 512-byte rounding and segment
+/// sizes are in both peaks already; cuBLAS's workspace is allocated by cuBLAS/cudarc from the
+/// driver, not through our allocator, so it is not in `peak_allocated_bytes` at all. What the
+/// GPU adds is the CUDA kernels' scratch taken from the device allocator, which the CPU kernels
+/// do not need:
+/// - attention backward's score-gradient buffer, `batch · heads · t · t` f32 (the largest; the
+///   fused attention of issue #25 removes it, and the bound still holds then);
+/// - small per-launch scratch (partial sums of reductions, the embedding's error slot), each
+///   rounded to 512 B: at most 2 MiB alive at once is allowed for them.
+fn gpu_extra_bytes() -> usize {
+    let c = cfg();
+    let attention_scratch = BATCH * c.n_heads * c.seq_len * c.seq_len * 4;
+    attention_scratch + (2 << 20)
+}
+
+/// The loss tolerance of one comparison, relative to the CPU loss.
+#[derive(Clone, Copy, Debug)]
+enum LossTol {
+    /// A fixed relative tolerance (f32 runs: 1e-4).
+    Rel(f32),
+    /// Derived from the run itself: the largest relative difference between the CPU run in the
+    /// configured (bf16) precision and the same CPU run in f32. A GPU bf16 run may differ from
+    /// the CPU bf16 run by as much as bf16 itself moves the losses, not more: bf16 rounds
+    /// differently on different hardware (issue #24 measured 0.47% at one step), so 1e-4 is not
+    /// a meaningful bound for it.
+    FromF32Difference,
+}
+
+fn check(world: usize, shard: Option<usize>, config: FsdpConfig, tol: LossTol) {
     let want = on_cpu(world, shard, config.clone());
+    let rel = match tol {
+        LossTol::Rel(r) => r,
+        LossTol::FromF32Difference => {
+            let f32_run = on_cpu(
+                world,
+                shard,
+                FsdpConfig {
+                    mixed_precision: None,
+                    ..config.clone()
+                },
+            );
+            let mut worst = 0f32;
+            for ((lo, _), (hi, _)) in want.iter().zip(&f32_run) {
+                for (l, h) in lo.iter().zip(hi) {
+                    worst = worst.max((l - h).abs() / h.abs());
+                }
+            }
+            eprintln!(
+                "W={world}: CPU bf16 vs CPU f32 differ by up to {worst:.3e} relative; \
+                 the GPU bf16 run is held to that"
+            );
+            assert!(
+                worst > 0.0,
+                "bf16 and f32 CPU runs are identical: the config is not bf16"
+            );
+            worst
+        }
+    };
     let got = on_gpus(world, shard, config.clone());
+    let extra = gpu_extra_bytes();
     for (rank, ((gl, gpeak), (cl, cpeak))) in got.iter().zip(&want).enumerate() {
         for (step, (g, c)) in gl.iter().zip(cl).enumerate() {
             assert!(
-                (g - c).abs() <= 1e-4 * c.abs(),
-                "W={world} {config:?} rank {rank} step {step}: GPU loss {g} vs CPU {c}"
+                (g - c).abs() <= rel * c.abs(),
+                "W={world} {config:?} rank {rank} step {step}: GPU loss {g} vs CPU {c} \
+                 (allowed {rel:.3e} relative)"
             );
         }
         let ratio = *gpeak as f64 / *cpeak as f64;
+        eprintln!(
+            "W={world} rank {rank}: GPU peak {gpeak} B, CPU peak {cpeak} B (ratio {ratio:.3}), \
+             modelled GPU extra up to {extra} B"
+        );
         assert!(
-            (0.95..=1.05).contains(&ratio),
-            "W={world} {config:?} rank {rank}: GPU peak {gpeak} B vs CPU model {cpeak} B \
-             (ratio {ratio:.3})"
+            *gpeak as f64 >= 0.95 * *cpeak as f64 && *gpeak <= *cpeak + extra,
+            "W={world} {config:?} rank {rank}: GPU peak {gpeak} B vs CPU model {cpeak} B + \
+             GPU kernel scratch {extra} B (ratio {ratio:.3})"
         );
     }
 }
@@ -167,8 +233,18 @@ fn gpt_mini_on_one_gpu_and_on_all_gpus_matches_cpu_threads() {
         worlds.push(n);
     }
     for &w in &worlds {
-        check(w, None, blocks(ShardingStrategy::FullShard));
-        check(w, None, blocks(ShardingStrategy::ShardGradOp));
+        check(
+            w,
+            None,
+            blocks(ShardingStrategy::FullShard),
+            LossTol::Rel(1e-4),
+        );
+        check(
+            w,
+            None,
+            blocks(ShardingStrategy::ShardGradOp),
+            LossTol::Rel(1e-4),
+        );
         check(
             w,
             None,
@@ -179,10 +255,16 @@ fn gpt_mini_on_one_gpu_and_on_all_gpus_matches_cpu_threads() {
                 }),
                 ..blocks(ShardingStrategy::FullShard)
             },
+            LossTol::FromF32Difference,
         );
     }
     if n >= 4 {
-        check(n, Some(2), blocks(ShardingStrategy::HybridShard));
+        check(
+            n,
+            Some(2),
+            blocks(ShardingStrategy::HybridShard),
+            LossTol::Rel(1e-4),
+        );
     }
 }
 

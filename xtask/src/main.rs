@@ -5,9 +5,13 @@
 //!   suite (`mpi-test`), NVRTC compilation of every kernel, the docs with warnings denied and
 //!   the packaging check. The MPI and NVRTC steps need tools `.ci/run` installs; without them
 //!   (and without `CI=true`) they are skipped with a message.
-//! - `gpu-test`: looks for a CUDA driver and a GPU without panicking; runs the suite of 4 (ops,
-//!   NCCL, FSDP parity and memory, bench) if found, otherwise says so and fails. `--list` prints
-//!   the suite without running it. Nothing in it has ever run on a GPU.
+//! - `gpu-test`: looks for a CUDA driver and a GPU without panicking; runs the GPU suite (ops,
+//!   attention memory scaling, NCCL, FSDP parity and memory, clean teardown, the train_gpt
+//!   bench, the kernel-time bench; the list is `gpu_test::STEPS`) if found, otherwise says so
+//!   and fails; one summary line per suite. `--list` prints the suite without running it.
+//! - `gpu-bundle DIR`: builds every binary of the GPU suite (release, `cuda`) here, without a
+//!   GPU, strips them into `DIR/bin` and writes `DIR/run.sh`, which runs the same suite as
+//!   `gpu-test` on a GPU machine without a Rust toolchain (see `bundle.rs`).
 //! - `nvrtc`: compiles every CUDA kernel source with NVRTC from the `nvidia-cuda-nvrtc-cu12`
 //!   wheel (compile only; no GPU or driver needed).
 //! - `bench [NAME]`: runs the named bench (or all of them) in release mode.
@@ -20,6 +24,7 @@
 //!   only; skipped with a message elsewhere); `bench nodes`: hierarchical vs flat all-gather
 //!   and HybridShard vs FullShard on that cluster (see `nodes.rs`).
 
+mod bundle;
 mod gpu_test;
 mod mpi;
 mod nodes;
@@ -241,9 +246,8 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str =
-    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc | mpi-test \
-     [--nodes 2]>";
+const USAGE: &str = "usage: cargo xtask <ci | gpu-test [--list] | gpu-bundle DIR | nvrtc | \
+                     bench [NAME] | soak | doc | mpi-test [--nodes 2]>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -256,7 +260,10 @@ fn main() {
         ["ci"] => ci(),
         ["gpu-test"] => gpu_test::gpu_test(),
         ["gpu-test", "--list"] => gpu_test::list(),
-        ["gpu-launch-2"] => gpu_test::launch_2(),
+        ["gpu-launch-2"] => gpu_test::launch_2(None),
+        ["gpu-launch-2", "--bin", b] => gpu_test::launch_2(Some(b)),
+        ["gpu-find"] => gpu_test::find_gpu().map(|n| println!("{n}")),
+        ["gpu-bundle", dir] => bundle::gpu_bundle(dir),
         ["nvrtc"] => gpu_test::nvrtc(),
         ["bench"] => bench(None),
         ["bench", "mpi"] => mpi::bench_mpi(),

@@ -50,6 +50,9 @@ pub(super) enum Request {
         size: usize,
         reply: Sender<Result<usize>>,
     },
+    /// The last group handle of this rank is being dropped: wait for the enqueued kernels,
+    /// destroy every communicator and exit, so that the dropping thread can join this one.
+    Shutdown,
 }
 
 impl Request {
@@ -58,6 +61,7 @@ impl Request {
             Request::Op { comm, seq, .. }
             | Request::Enqueue { comm, seq, .. }
             | Request::Split { comm, seq, .. } => (*comm, *seq),
+            Request::Shutdown => (usize::MAX, u64::MAX),
         }
     }
 }
@@ -610,6 +614,17 @@ pub(super) fn comm_thread_main(
                 }
             }
         };
+        if let Request::Shutdown = req {
+            // Requests still waiting for an earlier sequence number are dropped unrun (their
+            // callers see "the communicator thread has exited"); enqueued kernels finish first
+            // (bounded by the watchdog), then `ct` drops: every communicator is destroyed here,
+            // before the thread that owns the group returns.
+            while !ct.pending.is_empty() {
+                ct.poll_pending();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            break;
+        }
         pending.insert(req.key(), req);
         // Run every request that is next in its communicator's issue order.
         while let Some(key) = pending
@@ -652,7 +667,62 @@ pub(super) fn comm_thread_main(
                 }) => {
                     let _ = reply.send(ct.split(comm, color, key, size));
                 }
-                None => {}
+                Some(Request::Shutdown) | None => {}
+            }
+        }
+    }
+}
+
+/// Owns a rank's communicator thread: shared by the world group and every group split from it.
+/// Dropping the last handle shuts the thread down and **joins** it, so that `ncclCommDestroy`
+/// has returned before the owner goes on (issue #24: a detached thread still inside
+/// `ncclCommDestroy` while `main` returned and the CUDA runtime was being unloaded crashed the
+/// process at exit with rc 139).
+pub(super) struct CommOwner {
+    tx: Sender<Request>,
+    done: Receiver<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    rank: usize,
+    /// Bound on the wait: the watchdog's timeout, plus time to destroy the communicators.
+    wait: Duration,
+}
+
+impl CommOwner {
+    /// `done` is disconnected when the thread's function has returned (its sender is dropped
+    /// last in the thread).
+    pub(super) fn new(
+        tx: Sender<Request>,
+        done: Receiver<()>,
+        thread: std::thread::JoinHandle<()>,
+        rank: usize,
+        timeout: Duration,
+    ) -> CommOwner {
+        CommOwner {
+            tx,
+            done,
+            thread: Some(thread),
+            rank,
+            wait: timeout + Duration::from_secs(30),
+        }
+    }
+}
+
+impl Drop for CommOwner {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Request::Shutdown);
+        match self.done.recv_timeout(self.wait) {
+            Err(crossbeam::channel::RecvTimeoutError::Disconnected) | Ok(()) => {
+                if let Some(t) = self.thread.take() {
+                    let _ = t.join();
+                }
+            }
+            Err(crossbeam::channel::RecvTimeoutError::Timeout) => {
+                // Never hang a process on teardown: say so and leave the thread detached.
+                eprintln!(
+                    "fsdp-collectives: rank {}: the NCCL communicator thread did not finish \
+                     within {:?} of shutdown; leaving it detached",
+                    self.rank, self.wait
+                );
             }
         }
     }

@@ -54,6 +54,9 @@ pub struct NcclGroup {
     timeout: Duration,
     tx: Sender<Request>,
     seq: AtomicU64,
+    /// Joins the communicator thread when the last group of this rank is dropped. Declared
+    /// after `tx`, so this handle's sender is closed before the owner's drop runs.
+    _owner: Arc<CommOwner>,
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -110,9 +113,14 @@ impl NcclGroup {
         let (tx, rx) = unbounded();
         let (ready_tx, ready_rx) = bounded(1);
         let (ordinal, timeout) = (config.ordinal, config.timeout);
-        std::thread::Builder::new()
+        let (done_tx, done_rx) = bounded::<()>(1);
+        let thread = std::thread::Builder::new()
             .name(format!("nccl-comm-rank{rank}"))
-            .spawn(move || comm_thread_main(ordinal, rank, world_size, id, timeout, ready_tx, rx))
+            .spawn(move || {
+                comm_thread_main(ordinal, rank, world_size, id, timeout, ready_tx, rx);
+                // Every communicator, the stream and the context are gone by now.
+                drop(done_tx);
+            })
             .map_err(|e| {
                 CollectiveError::CudaUnavailable(format!(
                     "cannot spawn the communicator thread: {e}"
@@ -120,7 +128,11 @@ impl NcclGroup {
             })?;
         match ready_rx.recv_timeout(timeout) {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
+            Ok(Err(e)) => {
+                // The thread has returned after sending its error.
+                let _ = thread.join();
+                return Err(e);
+            }
             Err(_) => {
                 return Err(CollectiveError::Timeout {
                     op: OpKind::Barrier,
@@ -132,6 +144,7 @@ impl NcclGroup {
                 })
             }
         }
+        let owner = Arc::new(CommOwner::new(tx.clone(), done_rx, thread, rank, timeout));
         Ok(NcclGroup {
             rank,
             size: world_size,
@@ -141,6 +154,7 @@ impl NcclGroup {
             timeout,
             tx,
             seq: AtomicU64::new(0),
+            _owner: owner,
         })
     }
 
@@ -264,6 +278,9 @@ impl NcclGroup {
             );
         };
         let (reply, answer) = bounded(1);
+        // `--profile`: CUDA events on `cuda` around the NCCL kernel the communicator thread
+        // enqueues while this thread waits for its answer.
+        let mark = fsdp_alloc::trace::gpu_begin(stream.device(), cuda);
         let sent = self.tx.send(Request::Enqueue {
             comm: self.comm,
             seq,
@@ -293,7 +310,10 @@ impl NcclGroup {
         };
         match r {
             Err(e) => fail_on_stream(op, rank, seq, stream, outcome, e),
-            Ok(()) => Work::new(op, rank, seq, stream.record_event(), outcome),
+            Ok(()) => {
+                fsdp_alloc::trace::gpu_end(mark, stream.name(), "nccl", Arc::from(op.name()));
+                Work::new(op, rank, seq, stream.record_event(), outcome)
+            }
         }
     }
 }
@@ -371,6 +391,7 @@ impl ProcessGroup for NcclGroup {
             timeout: self.timeout,
             tx: self.tx.clone(),
             seq: AtomicU64::new(0),
+            _owner: Arc::clone(&self._owner),
         }))
     }
 }

@@ -435,6 +435,24 @@ impl Call<'_> {
             .bind_to_thread()
             .map_err(self.driver("cuCtxSetCurrent"))?;
         for step in &plan.steps {
+            // `--profile`: a pair of CUDA events around the step (nothing when not recording).
+            let mark = fsdp_alloc::trace::gpu_begin(self.k.device().id(), self.cs);
+            self.issue(step, &resolve)?;
+            if mark.is_some() {
+                let (cat, name) = step_label(step);
+                fsdp_alloc::trace::gpu_end(mark, self.stream.name(), cat, name.into());
+            }
+        }
+        Ok(scratch)
+    }
+
+    /// Issues one step of a plan on the stream (see [`Call::exec`] for the contract).
+    ///
+    /// # Safety
+    /// As for [`Call::exec`], for this step.
+    unsafe fn issue(&self, step: &Step, resolve: &dyn Fn(Ptr) -> u64) -> Result<()> {
+        let op = self.op;
+        {
             match step {
                 Step::Memset { dst, byte, bytes } => {
                     // SAFETY: the range is inside a live allocation (the caller's contract for
@@ -608,7 +626,7 @@ impl Call<'_> {
                 }
             }
         }
-        Ok(scratch)
+        Ok(())
     }
 
     /// Blocks until all work enqueued on the stream so far has completed.
@@ -659,5 +677,15 @@ impl Call<'_> {
         // read completely before the call returns.
         unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
             .map_err(self.driver("cuMemcpyHtoD"))
+    }
+}
+
+/// The GPU timeline's category and name of a plan step (`--profile`).
+fn step_label(step: &Step) -> (&'static str, &'static str) {
+    match step {
+        Step::Memset { .. } => ("copy", "memset"),
+        Step::Copy { .. } => ("copy", "copy d2d"),
+        Step::Launch { kernel, .. } => ("kernel", kernel.name()),
+        Step::Gemm { .. } => ("kernel", "cublasSgemmStridedBatched"),
     }
 }

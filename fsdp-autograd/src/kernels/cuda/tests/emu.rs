@@ -42,9 +42,24 @@ pub(super) fn harness() -> Result<&'static Path, String> {
 
 fn build() -> Result<PathBuf, String> {
     let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels/cuda/emu/harness.cpp");
     let dir = std::env::temp_dir().join(format!("fsdp-cuda-emu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    // The emulator's sources are compiled into this test binary and written out next to the
+    // build, so that the binary works on a machine that has no copy of this repository (the GPU
+    // bundle of `cargo xtask gpu-bundle`). `harness.cpp` includes "cuda_emu.h" and
+    // "../kernels.cu": the layout below keeps those relative paths.
+    let emu = dir.join("emu");
+    std::fs::create_dir_all(&emu).map_err(|e| format!("creating {}: {e}", emu.display()))?;
+    let src = emu.join("harness.cpp");
+    for (path, text) in [
+        (src.clone(), include_str!("../emu/harness.cpp")),
+        (emu.join("cuda_emu.h"), include_str!("../emu/cuda_emu.h")),
+        (
+            dir.join("kernels.cu"),
+            crate::kernels::cuda::program::SOURCE,
+        ),
+    ] {
+        std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
     let bin = dir.join("harness");
     let mut cmd = Command::new(&compiler);
     cmd.args(["-std=c++20", "-O1", "-g", "-pthread", "-ffp-contract=off"]);
