@@ -1,8 +1,8 @@
 //! `--device cuda`: the same FSDP training loop on GPUs, over NCCL.
 //!
 //! - `--device cuda` (`--backend thread`, the default): one process drives the GPUs, a thread per
-//!   GPU; rank `r` computes on `cuda:r` and talks to the others through its own [`NcclGroup`]
-//!   (the communicators rendezvous through a [`TcpStore`] on 127.0.0.1 hosted by rank 0's
+//!   GPU; rank `r` computes on `cuda:r` and talks to the others through its own `NcclGroup`
+//!   (the communicators rendezvous through a `TcpStore` on 127.0.0.1 hosted by rank 0's
 //!   thread). The world is `--ranks` GPUs, by default every visible one.
 //! - `--device cuda --backend nccl`: one process per GPU under a launcher (`torchrun`-style
 //!   `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, `mpirun`, or Slurm's `srun`; read by

@@ -72,7 +72,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub apply: bool,
     /// Cluster description: a TOML file (nodes, ranks_per_node, device_memory_gib, tflops,
-    /// [intra]/[inter] bandwidth_gb_per_s and latency_us, a [gpu] table) or a GPU preset:
+    /// `[intra]`/`[inter]` bandwidth_gb_per_s and latency_us, a `[gpu]` table) or a GPU preset:
     /// a100-80gb, h100-80gb (nodes of 8 filled from --ranks); --cluster-* flags override it
     #[arg(long, value_name = "FILE|PRESET")]
     pub cluster: Option<PathBuf>,

@@ -1,7 +1,7 @@
 //! `cargo xtask gpu-bundle DIR`: the GPU suite as prebuilt binaries plus `DIR/run.sh`, for a GPU
 //! machine that has an NVIDIA driver but no Rust toolchain.
 //!
-//! Built here, on a machine without a GPU: every test binary of [`STEPS`](crate::gpu_test::STEPS)
+//! Built here, on a machine without a GPU: every test binary of [`gpu_test::STEPS`](crate::gpu_test::STEPS)
 //! (release, feature `cuda`), `train_gpt` (package fsdp-train, feature `cuda`) and this xtask
 //! binary (it finds the GPUs with the driver API and is the 2-process launcher), stripped, under
 //! `DIR/bin`. `run.sh` is generated from the same list as `cargo xtask gpu-test`.
