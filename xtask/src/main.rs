@@ -14,10 +14,14 @@
 //! - `soak`: runs the slow `#[ignore]`d tests.
 //! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
 //!   links, missing docs), without and with the `cuda` feature.
+//! - `house`: the import-circle checker (see `house.rs`): fails on any file-level import cycle
+//!   inside a crate and on `use super::*;` outside `#[cfg(test)]`; printed with the files on
+//!   each cycle and the import lines that close it. `ci` runs it after the format check.
 //! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4) and the kill test;
 //!   `bench mpi`: MPI vs thread collectives and train_gpt tokens/s (see `mpi.rs`).
 
 mod gpu_test;
+mod house;
 mod mpi;
 
 use std::path::{Path, PathBuf};
@@ -109,6 +113,7 @@ fn python_has(module: &str) -> bool {
 
 fn ci() -> Result<(), String> {
     run("fmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
+    house::house(&root())?;
     run(
         "clippy",
         cargo().args([
@@ -236,7 +241,7 @@ fn soak() -> Result<(), String> {
 }
 
 const USAGE: &str =
-    "usage: cargo xtask <ci | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc | mpi-test>";
+    "usage: cargo xtask <ci | house | gpu-test [--list] | nvrtc | bench [NAME] | soak | doc | mpi-test>";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -257,6 +262,7 @@ fn main() {
         ["mpi-test"] => mpi::mpi_test(),
         ["soak"] => soak(),
         ["doc"] => doc(),
+        ["house"] => house::house(&root()),
         _ => Err(USAGE.to_string()),
     };
     if let Err(e) = result {
