@@ -15,7 +15,10 @@
 //! followed through that module's `use` re-exports (explicit and glob) to the module that
 //! defines it. So `use crate::kernels::Backend` where `kernels/mod.rs` says
 //! `pub use backend::Backend` is an import of `kernels/backend.rs`, not of `kernels/mod.rs`.
-//! Declaring a module (`mod x;`) is not an import. Code under a `#[cfg(…test…)]` attribute
+//! Declaring a module (`mod x;`) is not an import, and neither is a parent module re-exporting
+//! an item of its own descendant (`pub use child::X;` in `mod.rs`/`lib.rs`: the module's public
+//! face, which users are resolved through); a private `use child::X;` in the parent, or a
+//! `pub use` of a sibling's item, is an import. Code under a `#[cfg(…test…)]` attribute
 //! (test modules, test-only files, test-only items) is left out. Doc comments are not code.
 //!
 //! The parser is a small hand-written lexer, not a full Rust parser: it knows comments,
@@ -229,6 +232,8 @@ struct Ref {
     /// The name the `use` binds (alias or last segment); `None` for inline paths and globs.
     binds: Option<String>,
     is_use: bool,
+    /// `pub use` (any visibility): a re-export.
+    is_pub: bool,
     line: usize,
     text: String,
 }
@@ -595,6 +600,7 @@ impl Parser<'_> {
             glob: false,
             binds: None,
             is_use: false,
+            is_pub: false,
             line,
             text,
         });
@@ -602,6 +608,16 @@ impl Parser<'_> {
 
     /// After `use`: a use tree up to `;`.
     fn use_decl(&mut self, m: usize) {
+        // `pub use` / `pub(crate) use` / `pub(super) use`: look back past `use`
+        let back = |k: usize| {
+            self.i
+                .checked_sub(k)
+                .and_then(|j| self.toks.get(j))
+                .map(|t| &t.tok)
+        };
+        let is_pub = matches!(back(2), Some(Tok::Ident(s)) if s == "pub")
+            || (back(2) == Some(&Tok::Punct(')'))
+                && (3..=6).any(|k| matches!(back(k), Some(Tok::Ident(s)) if s == "pub")));
         let line = self.toks.get(self.i).map_or(0, |t| t.line);
         let mut leaves = vec![];
         self.use_tree(&mut vec![], &mut leaves);
@@ -627,6 +643,7 @@ impl Parser<'_> {
                 glob,
                 binds,
                 is_use: true,
+                is_pub,
                 line,
                 text: format!("use {text}"),
             });
@@ -884,6 +901,26 @@ impl Tree {
         })
     }
 
+    /// Whether file `f` holds a module strictly below module `m`.
+    fn is_descendant_file(&self, f: usize, m: usize) -> bool {
+        let Some(top) = (0..self.modules.len()).find(|&k| {
+            self.modules[k].file == f
+                && self.modules[k]
+                    .parent
+                    .is_none_or(|p| self.modules[p].file != f)
+        }) else {
+            return false;
+        };
+        let mut cur = self.modules[top].parent;
+        while let Some(c) = cur {
+            if c == m {
+                return true;
+            }
+            cur = self.modules[c].parent;
+        }
+        false
+    }
+
     fn edges(&self) -> Vec<(usize, usize, usize, String)> {
         let mut out = vec![];
         for r in &self.refs {
@@ -917,6 +954,11 @@ impl Tree {
                 continue;
             };
             let from = self.modules[r.module].file;
+            if r.is_pub && self.is_descendant_file(to, r.module) {
+                // a module's public face: `pub use child::X` in a parent is, like `mod child;`,
+                // not an import (users of `X` are resolved through it to the child's file)
+                continue;
+            }
             if from != to {
                 out.push((from, to, r.line, r.text.clone()));
             }
@@ -1215,6 +1257,27 @@ mod tests {
             names(&r.cycles[0].0),
             ["src/k/backend.rs", "src/k/cuda/mod.rs"]
         );
+    }
+
+    #[test]
+    fn a_parent_that_uses_its_child_privately_while_the_child_uses_the_parent_is_a_cycle() {
+        let src = |parent_use: &str| {
+            tree(&[
+                ("src/lib.rs", "mod k;\n"),
+                (
+                    "src/k/mod.rs",
+                    &*Box::leak(
+                        format!("mod c;\n{parent_use} c::C;\npub fn helper() {{}}\n")
+                            .into_boxed_str(),
+                    ),
+                ),
+                ("src/k/c.rs", "use super::helper;\npub struct C;\n"),
+            ])
+        };
+        assert!(check(&src("pub use"), Path::new("src/lib.rs"))
+            .cycles
+            .is_empty());
+        assert_eq!(check(&src("use"), Path::new("src/lib.rs")).cycles.len(), 1);
     }
 
     #[test]
