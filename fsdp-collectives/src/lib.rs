@@ -47,6 +47,7 @@ pub mod mesh;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+mod op;
 pub mod quant;
 pub mod store;
 pub mod thread;
