@@ -31,6 +31,7 @@
 //! contention between groups, and the memory model counts what fsdp-autograd's GPT ops save; a
 //! model described by hand must give its own activation figures.
 
+mod candidate;
 mod cluster;
 mod model;
 mod search;
@@ -38,11 +39,12 @@ mod simulate;
 #[cfg(test)]
 mod tests;
 
+pub use candidate::PlanConfig;
 pub use cluster::{
     cross_node_bytes, ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, Link,
 };
 pub use model::{gpt_modules, Leaf, ModelDesc, UnitDesc};
-pub use search::{PlanConfig, PlanEstimate, Planner};
+pub use search::{PlanEstimate, Planner};
 pub use simulate::{MemoryBreakdown, StepEstimate};
 
 /// What can be wrong with a planning request.

@@ -373,17 +373,10 @@ impl<M: Module + 'static> Fsdp<M> {
         Ok(self.model.call(x)?)
     }
 
-    /// Plain SGD on the sharded parameters: `shard -= lr * shard_grad` for every unit with a
-    /// gradient, on the compute stream (the same elementwise operation as
-    /// `Tensor::add_scaled_(grad, -lr)` on unsharded parameters).
-    pub fn sgd_step(&self, lr: f32) -> Result<()> {
-        use crate::optim::ShardedOptimizer;
-        self.inner.ctx.check_works()?;
-        let _span = trace::span(self.inner.ctx.device.id(), "optimizer sgd");
-        // One SGD rule for the whole workspace: the sharded driver runs it on the optimizer
-        // stream (the compute stream, or the host stream under CPU offload) and calls
-        // `params_updated`, which records `params_ready` and drops stale gathers.
-        crate::optim::Sgd::new(lr).step(self)
+    /// Returns the first error among this instance's completed collectives (keeps the running
+    /// ones): what every step entry point checks first.
+    pub(crate) fn check_works(&self) -> Result<()> {
+        self.inner.ctx.check_works()
     }
 
     /// Every unit's sharded state on this rank (cheap handles; see [`UnitShard`]).
