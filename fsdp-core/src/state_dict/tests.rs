@@ -1,5 +1,8 @@
 //! Unit tests of the resharding core and the file format.
 
+use std::path::{Path, PathBuf};
+
+use super::format::{base_meta, check_param_name, encode_shape, parse_shape, write_file, F32View};
 use super::*;
 
 fn piece(rank: usize, offset: usize, values: Vec<f32>) -> ShardPiece {
