@@ -56,12 +56,7 @@ impl PlanConfig {
 
     /// A short label: `full-shard F=4 bwd=pre fwd=off lim=on`.
     pub fn label(&self) -> String {
-        let s = match self.strategy {
-            ShardingStrategy::FullShard => "full-shard",
-            ShardingStrategy::ShardGradOp => "shard-grad-op",
-            ShardingStrategy::NoShard => "no-shard",
-            ShardingStrategy::HybridShard => "hybrid-shard",
-        };
+        let s = self.strategy.name();
         let b = match self.backward_prefetch {
             BackwardPrefetch::None => "none",
             BackwardPrefetch::BackwardPre => "pre",

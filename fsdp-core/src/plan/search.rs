@@ -6,6 +6,7 @@ use crate::plan::cluster::{Batch, Cluster};
 use crate::plan::model::ModelDesc;
 use crate::plan::simulate::{simulate, StepEstimate};
 use crate::plan::PlanError;
+use crate::strategy::ShardOver;
 
 /// A candidate with its prediction.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,22 +85,26 @@ impl Planner {
     /// do not apply, one candidate).
     pub fn candidates(&self) -> Vec<PlanConfig> {
         let w = self.cluster.world();
-        let mut strategies = vec![
-            (ShardingStrategy::FullShard, w),
-            (ShardingStrategy::ShardGradOp, w),
-        ];
-        for f in 2..w {
-            if w % f == 0 {
-                strategies.push((ShardingStrategy::HybridShard, f));
+        // From the strategy table: each sharded strategy with its sharding factor(s) (W, or every
+        // shard-group size F dividing W with 1 < F < W), in table order.
+        let mut strategies = vec![];
+        for s in ShardingStrategy::all() {
+            match s.spec().shard_over {
+                ShardOver::Nothing => {}
+                ShardOver::World => strategies.push((s, w)),
+                ShardOver::ShardGroup => {
+                    for f in 2..w {
+                        if w % f == 0 {
+                            strategies.push((s, f));
+                        }
+                    }
+                }
             }
         }
-        let mut out = vec![PlanConfig::new(
-            ShardingStrategy::NoShard,
-            1,
-            BackwardPrefetch::None,
-            false,
-            false,
-        )];
+        let mut out: Vec<PlanConfig> = ShardingStrategy::all()
+            .filter(|s| !s.is_sharded())
+            .map(|s| PlanConfig::new(s, 1, BackwardPrefetch::None, false, false))
+            .collect();
         if w == 1 {
             return out;
         }
@@ -122,10 +127,10 @@ impl Planner {
     /// Checks a configuration can run on this cluster.
     pub fn check(&self, c: &PlanConfig) -> Result<(), PlanError> {
         let w = self.cluster.world();
-        let expected = match c.strategy {
-            ShardingStrategy::NoShard => Some(1),
-            ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => Some(w),
-            ShardingStrategy::HybridShard => None,
+        let expected = match c.strategy.spec().shard_over {
+            ShardOver::Nothing => Some(1),
+            ShardOver::World => Some(w),
+            ShardOver::ShardGroup => None,
         };
         match expected {
             Some(f) if c.shard_size != f => Err(PlanError::Config(format!(

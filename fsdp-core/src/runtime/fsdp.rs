@@ -42,9 +42,7 @@ pub use crate::runtime::comm::{CommStats, LimiterStatus};
 // Collective plumbing, here for the modules that import it from `crate::runtime::fsdp`.
 pub(crate) use crate::runtime::comm::{gather_flat, tensor_slice};
 
-use crate::config::{
-    BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers, Quantization, ShardingStrategy,
-};
+use crate::config::{BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers, Quantization};
 use crate::error::{FsdpError, Result};
 use crate::runtime::comm::{AutoLimit, CommContext, Ledger};
 use crate::runtime::handle::FlatParamHandle;
@@ -159,17 +157,17 @@ impl<M: Module + 'static> Fsdp<M> {
         config: FsdpConfig,
     ) -> Result<Self> {
         let comm = comm.into();
-        let (group, replicate) = match (&comm, config.strategy) {
-            (Comm::Mesh(m), ShardingStrategy::HybridShard) => (
+        let (group, replicate) = match (&comm, config.strategy.replicates()) {
+            (Comm::Mesh(m), true) => (
                 Arc::clone(m.shard_group()),
                 Some(Arc::clone(m.replicate_group())),
             ),
-            (Comm::Group(_), ShardingStrategy::HybridShard) => {
-                return Err(FsdpError::Config(
-                    "HybridShard needs a DeviceMesh (shard and replicate groups); pass \
-                     Comm::Mesh(DeviceMesh::new(world, shard_size)?)"
-                        .into(),
-                ))
+            (Comm::Group(_), true) => {
+                return Err(FsdpError::Config(format!(
+                    "{:?} needs a DeviceMesh (shard and replicate groups); pass \
+                     Comm::Mesh(DeviceMesh::new(world, shard_size)?)",
+                    config.strategy
+                )))
             }
             (Comm::Mesh(m), _) => (Arc::clone(m.world()), None),
             (Comm::Group(g), _) => (Arc::clone(g), None),
