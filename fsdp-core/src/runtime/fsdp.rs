@@ -388,13 +388,13 @@ impl<M: Module + 'static> Fsdp<M> {
         st.units
             .iter()
             .map(|h| UnitShard {
-                path: h.path.clone(),
-                names: h.names.clone(),
-                layout: h.layout.clone(),
+                path: h.path().to_string(),
+                names: h.names().to_vec(),
+                layout: h.layout().clone(),
                 rank,
-                shard: h.shard.clone(),
-                grad: h.shard_grad.clone(),
-                requires_grad: h.params.iter().map(|p| p.requires_grad()).collect(),
+                shard: h.shard().clone(),
+                grad: h.shard_grad().cloned(),
+                requires_grad: h.params().iter().map(|p| p.requires_grad()).collect(),
             })
             .collect()
     }
@@ -404,22 +404,10 @@ impl<M: Module + 'static> Fsdp<M> {
     pub fn set_shard_grad(&self, unit: usize, grad: Option<Tensor>) -> Result<()> {
         let mut st = self.inner.lock();
         let n = st.units.len();
-        let h = st
-            .units
+        st.units
             .get_mut(unit)
-            .ok_or(FsdpError::UnknownUnit { unit, units: n })?;
-        if let Some(g) = &grad {
-            if g.numel() != h.shard.numel() {
-                return Err(FsdpError::InvalidArgument(format!(
-                    "a gradient of {} elements for unit `{}`, whose shard has {}",
-                    g.numel(),
-                    h.path,
-                    h.shard.numel()
-                )));
-            }
-        }
-        h.shard_grad = grad;
-        Ok(())
+            .ok_or(FsdpError::UnknownUnit { unit, units: n })?
+            .set_shard_grad(grad)
     }
 
     /// Tells FSDP the shards were updated on the compute stream (after an optimizer step or a
@@ -493,8 +481,7 @@ impl<M: Module + 'static> Fsdp<M> {
     /// Drops the sharded gradients (and unsharded ones kept by [`Fsdp::no_sync`]).
     pub fn zero_grad(&self) {
         for h in &mut self.inner.lock().units {
-            h.shard_grad = None;
-            h.unsynced_grad = None;
+            h.zero_grad();
         }
     }
 
@@ -531,10 +518,10 @@ impl<M: Module + 'static> Fsdp<M> {
             .units
             .iter()
             .map(|h| UnitInfo {
-                path: h.path.clone(),
-                names: h.names.clone(),
-                total_numel: h.layout.total_numel(),
-                shard_numel: h.layout.chunk_numel(),
+                path: h.path().to_string(),
+                names: h.names().to_vec(),
+                total_numel: h.layout().total_numel(),
+                shard_numel: h.layout().chunk_numel(),
             })
             .collect()
     }
@@ -557,7 +544,7 @@ impl<M: Module + 'static> Fsdp<M> {
             .lock()
             .units
             .iter()
-            .map(|h| h.shard.clone())
+            .map(|h| h.shard().clone())
             .collect();
         shards.iter().map(|s| Ok(s.to_vec::<f32>()?)).collect()
     }
@@ -570,12 +557,18 @@ impl<M: Module + 'static> Fsdp<M> {
         let (shards, layouts, names, ready) = {
             let st = inner.lock();
             (
-                st.units.iter().map(|h| h.shard.clone()).collect::<Vec<_>>(),
                 st.units
                     .iter()
-                    .map(|h| h.layout.clone())
+                    .map(|h| h.shard().clone())
                     .collect::<Vec<_>>(),
-                st.units.iter().map(|h| h.names.clone()).collect::<Vec<_>>(),
+                st.units
+                    .iter()
+                    .map(|h| h.layout().clone())
+                    .collect::<Vec<_>>(),
+                st.units
+                    .iter()
+                    .map(|h| h.names().to_vec())
+                    .collect::<Vec<_>>(),
                 st.params_ready.clone(),
             )
         };
@@ -662,8 +655,7 @@ impl Inner {
             st.iter.order.clear();
             st.iter.callback_queued = false;
             for h in &mut st.units {
-                h.drop_views();
-                h.post_backward_done = false;
+                h.start_iteration();
             }
         }
         if !st.iter.order.contains(&u) {
@@ -717,7 +709,7 @@ impl Inner {
             let w = Arc::downgrade(self);
             queue_callback_fallible(move || Ok(Inner::upgrade(&w)?.finish_backward()?))?;
         }
-        if st.units[u].post_backward_done {
+        if st.units[u].post_backward_done() {
             return Ok(());
         }
         self.open_span(&mut st, u, BWD);
@@ -739,7 +731,7 @@ impl Inner {
             .iter()
             .rev()
             .copied()
-            .find(|&x| !st.units[x].post_backward_done)
+            .find(|&x| !st.units[x].post_backward_done())
     }
 
     /// The post-accumulate-grad hook of unit `u`'s flat leaf: its flat gradient is final.
@@ -759,7 +751,7 @@ impl Inner {
         } else {
             st.units[u].keep_unsynced_grad(grad);
         }
-        st.units[u].post_backward_done = true;
+        st.units[u].mark_post_backward_done();
         if st.sync_grads && self.config.backward_prefetch == BackwardPrefetch::BackwardPost {
             if let Some(next) = Self::next_backward(&st, u) {
                 self.unshard(&mut st, next)?;
@@ -793,7 +785,7 @@ impl Inner {
             st.iter.orders_verified += 1;
         }
         let order = std::mem::take(&mut st.iter.order);
-        let paths: Vec<String> = st.units.iter().map(|h| h.path.clone()).collect();
+        let paths: Vec<String> = st.units.iter().map(|h| h.path().to_string()).collect();
         st.iter.prev_order = order.clone();
         st.iter.open = false;
         st.iter.callback_queued = false;
