@@ -5,9 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use fsdp_alloc::{DType, Device, Stream};
-use fsdp_autograd::kernels::backend::{
-    Backend, CpuBackend, Gemm, Kernels, Launch, Operand, ReadFn, Rows,
-};
+use fsdp_autograd::kernels::backend::{Backend, Gemm, Kernels, Launch, Operand, ReadFn, Rows};
+use fsdp_autograd::kernels::CpuBackend;
 use fsdp_autograd::{AutogradError, Tensor};
 
 #[test]

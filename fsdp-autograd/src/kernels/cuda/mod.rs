@@ -139,6 +139,8 @@ mod cast;
 #[cfg(feature = "cuda")]
 mod context;
 #[cfg(feature = "cuda")]
+mod desc;
+#[cfg(feature = "cuda")]
 mod elementwise;
 #[cfg(feature = "cuda")]
 mod embedding;
@@ -162,11 +164,11 @@ mod transfer;
 #[cfg(feature = "cuda")]
 pub use context::CudaKernels;
 #[cfg(feature = "cuda")]
+pub use desc::MAX_VIEW_RANK;
+#[cfg(feature = "cuda")]
 pub use embedding::IndexCheck;
 #[cfg(feature = "cuda")]
 pub use error::{CudaKernelError, Result};
-#[cfg(feature = "cuda")]
-pub use layout::MAX_VIEW_RANK;
 
 #[cfg(all(test, feature = "cuda"))]
 mod tests;
