@@ -3,26 +3,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::allocator::{AllocatorConfig, Buffer, CachingAllocator, MemoryStats};
+pub use crate::device_id::DeviceId;
 use crate::error::{Capacity, Result};
 use crate::stream::{Stream, StreamMode};
-
-/// Which device: a CPU device (one per rank thread) or a CUDA device (with the `cuda` feature).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DeviceId {
-    /// A CPU device; several may exist in one process (one per rank thread).
-    Cpu(usize),
-    /// A CUDA device by ordinal. Usable only with the `cuda` feature and a GPU.
-    Cuda(usize),
-}
-
-impl std::fmt::Display for DeviceId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DeviceId::Cpu(i) => write!(f, "cpu:{i}"),
-            DeviceId::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
 
 /// How to build a device. Build it with struct update syntax
 /// (`DeviceConfig { capacity: Capacity::Bytes(1 << 30), ..Default::default() }`) or the `with_*`

@@ -53,6 +53,7 @@ mod checked;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod device;
+mod device_id;
 pub mod dtype;
 pub mod error;
 pub mod memory;

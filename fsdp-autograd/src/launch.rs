@@ -17,6 +17,7 @@ use half::{bf16, f16};
 
 use crate::kernels::{cpu, KernelError};
 use crate::profile;
+pub(crate) use crate::strides::contiguous_strides;
 
 /// Launches `work` on `stream`, timed under `op` when the profiler is on.
 pub(crate) fn launch(stream: &Stream, op: &'static str, work: impl FnOnce() + Send + 'static) {
@@ -195,17 +196,6 @@ impl Arg {
         let mut g = self.buf.write::<T>().unwrap_or_else(|e| fail(op, e));
         f(&mut g)
     }
-}
-
-/// Row-major (contiguous) strides of `shape`.
-pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut s = vec![0; shape.len()];
-    let mut acc = 1usize;
-    for i in (0..shape.len()).rev() {
-        s[i] = acc;
-        acc *= shape[i];
-    }
-    s
 }
 
 /// Copies every element of an index space `shape`: `dst[dst_off + Σ i·dst_strides] =

@@ -54,6 +54,7 @@ pub mod optim;
 pub mod param;
 pub mod profile;
 pub mod storage;
+mod strides;
 pub mod tensor;
 
 pub use autograd::{

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use fsdp_alloc::{DType, Device, Stream};
 use fsdp_autograd::kernels::backend::{
-    Attention, AttentionSave, AttentionStats, Backend, CpuBackend, Gemm, Kernels, Launch, Operand,
-    ReadFn, Rows,
+    Attention, AttentionSave, AttentionStats, Backend, Gemm, Kernels, Launch, Operand, ReadFn, Rows,
 };
+use fsdp_autograd::kernels::CpuBackend;
 use fsdp_autograd::{AutogradError, Tensor};
 
 #[test]

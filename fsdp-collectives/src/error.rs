@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use fsdp_alloc::{AllocError, DType};
 
-use crate::types::OpKind;
+use crate::op::OpKind;
 
 /// Everything that can go wrong in a collective, a group, a mesh or the rendezvous store.
 ///

@@ -1,8 +1,8 @@
 //! One launch path: given a backend choice, the group(s) this process runs.
 //!
-//! - [`Backend::Thread`]: every rank is a thread of this process; [`Backend::launch`] returns
+//! - [`CollectiveBackend::Thread`]: every rank is a thread of this process; [`CollectiveBackend::launch`] returns
 //!   the W handles of one [`ThreadGroup`] (hand one to each rank thread).
-//! - [`Backend::Mpi`]: one rank per process, started by an MPI launcher (`mpirun -n W …`,
+//! - [`CollectiveBackend::Mpi`]: one rank per process, started by an MPI launcher (`mpirun -n W …`,
 //!   `srun --mpi=pmix …`); rank and world size come from MPI itself. Needs the `mpi` feature;
 //!   without it the choice is a typed error that says how to rebuild.
 //!
@@ -15,9 +15,10 @@ use crate::error::{CollectiveError, Result};
 use crate::group::ProcessGroup;
 use crate::thread::ThreadGroup;
 
-/// Which data backend a program runs on (`--backend thread|mpi`).
+/// Which collective backend a program runs on (`--backend thread|mpi`). Not to be confused with
+/// fsdp-autograd's `Backend` (the kernel trait).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backend {
+pub enum CollectiveBackend {
     /// W ranks as W threads of this process ([`ThreadGroup`]); the default.
     #[default]
     Thread,
@@ -25,21 +26,21 @@ pub enum Backend {
     Mpi,
 }
 
-impl Backend {
+impl CollectiveBackend {
     /// The name used on command lines.
     pub const fn name(self) -> &'static str {
         match self {
-            Backend::Thread => "thread",
-            Backend::Mpi => "mpi",
+            CollectiveBackend::Thread => "thread",
+            CollectiveBackend::Mpi => "mpi",
         }
     }
 
-    /// This process's group(s): for [`Backend::Thread`] the `thread_ranks` handles of a new
-    /// thread group; for [`Backend::Mpi`] this process's rank of the MPI world (collective: every
+    /// This process's group(s): for [`CollectiveBackend::Thread`] the `thread_ranks` handles of a new
+    /// thread group; for [`CollectiveBackend::Mpi`] this process's rank of the MPI world (collective: every
     /// process of the job calls it; `thread_ranks` is ignored, the launcher decides the size).
     pub fn launch(self, thread_ranks: usize) -> Result<Launched> {
         match self {
-            Backend::Thread => {
+            CollectiveBackend::Thread => {
                 if thread_ranks == 0 {
                     return Err(CollectiveError::InvalidGroup {
                         group: "threads".into(),
@@ -49,7 +50,7 @@ impl Backend {
                 }
                 Ok(Launched::Threads(ThreadGroup::new(thread_ranks)))
             }
-            Backend::Mpi => launch_mpi(),
+            CollectiveBackend::Mpi => launch_mpi(),
         }
     }
 }
@@ -70,13 +71,13 @@ fn launch_mpi() -> Result<Launched> {
     })
 }
 
-impl FromStr for Backend {
+impl FromStr for CollectiveBackend {
     type Err = String;
 
-    fn from_str(s: &str) -> std::result::Result<Backend, String> {
+    fn from_str(s: &str) -> std::result::Result<CollectiveBackend, String> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "thread" | "threads" => Ok(Backend::Thread),
-            "mpi" => Ok(Backend::Mpi),
+            "thread" | "threads" => Ok(CollectiveBackend::Thread),
+            "mpi" => Ok(CollectiveBackend::Mpi),
             other => Err(format!(
                 "unknown backend {other:?}; expected `thread` or `mpi`"
             )),
@@ -84,13 +85,13 @@ impl FromStr for Backend {
     }
 }
 
-impl std::fmt::Display for Backend {
+impl std::fmt::Display for CollectiveBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
 }
 
-/// What [`Backend::launch`] gives this process.
+/// What [`CollectiveBackend::launch`] gives this process.
 #[derive(Debug)]
 pub enum Launched {
     /// The handles of an in-process group, one per rank thread, in rank order.
@@ -105,26 +106,32 @@ mod tests {
 
     #[test]
     fn parses_and_launches_threads() {
-        assert_eq!("thread".parse::<Backend>(), Ok(Backend::Thread));
-        assert_eq!(" MPI ".parse::<Backend>(), Ok(Backend::Mpi));
+        assert_eq!(
+            "thread".parse::<CollectiveBackend>(),
+            Ok(CollectiveBackend::Thread)
+        );
+        assert_eq!(
+            " MPI ".parse::<CollectiveBackend>(),
+            Ok(CollectiveBackend::Mpi)
+        );
         assert!("gloo"
-            .parse::<Backend>()
+            .parse::<CollectiveBackend>()
             .unwrap_err()
             .contains("`thread` or `mpi`"));
-        match Backend::Thread.launch(3).unwrap() {
+        match CollectiveBackend::Thread.launch(3).unwrap() {
             Launched::Threads(g) => {
                 assert_eq!(g.len(), 3);
                 assert_eq!(g[2].rank(), 2);
             }
             other => panic!("{other:?}"),
         }
-        assert!(Backend::Thread.launch(0).is_err());
+        assert!(CollectiveBackend::Thread.launch(0).is_err());
     }
 
     #[cfg(not(feature = "mpi"))]
     #[test]
     fn mpi_without_the_feature_says_how_to_rebuild() {
-        let e = Backend::Mpi.launch(1).unwrap_err();
+        let e = CollectiveBackend::Mpi.launch(1).unwrap_err();
         assert!(e.to_string().contains("--features mpi"), "{e}");
     }
 }

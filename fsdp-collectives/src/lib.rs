@@ -19,7 +19,7 @@
 //!   of quantized reduce-scatters.
 //! - [`Int8Codec`] ([`quant`]): int8 block quantization with a per-block f32 scale
 //!   (ZeRO++-style), the codec of fsdp-core's quantized collectives.
-//! - [`Backend`] and [`Launched`] ([`launch`]): one call that gives this process its group(s)
+//! - [`CollectiveBackend`] and [`Launched`] ([`launch`]): one call that gives this process its group(s)
 //!   for a backend choice (`--backend thread|mpi`).
 //!
 //! ## Reduction precision, per backend
@@ -47,6 +47,7 @@ pub mod mesh;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+mod op;
 pub mod quant;
 pub mod store;
 pub mod thread;
@@ -54,7 +55,7 @@ pub mod types;
 
 pub use error::{CollectiveError, Result};
 pub use group::ProcessGroup;
-pub use launch::{Backend, Launched};
+pub use launch::{CollectiveBackend, Launched};
 pub use mesh::DeviceMesh;
 #[cfg(feature = "mpi")]
 pub use mpi::{mpi_launched, MpiConfig, MpiGroup};

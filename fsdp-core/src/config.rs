@@ -5,54 +5,7 @@ use std::str::FromStr;
 use fsdp_alloc::{DType, Device};
 
 use crate::runtime::wrap::WrapPolicy;
-
-/// How parameters, gradients and optimizer state are sharded (the paper's §3.2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ShardingStrategy {
-    /// Shard parameters, gradients and optimizer state over all ranks; free unsharded
-    /// parameters after forward and after backward (ZeRO-3).
-    #[default]
-    FullShard,
-    /// Like `FullShard` but keep unsharded parameters between forward and backward (no second
-    /// all-gather in backward; more memory).
-    ShardGradOp,
-    /// No sharding: every rank keeps the full parameters and all-reduces gradients (DDP).
-    NoShard,
-    /// Shard within groups of `F` ranks, replicate across the `W/F` groups: reduce-scatter inside
-    /// the shard group, then all-reduce across the replicate group. `F` comes from the
-    /// [`fsdp_collectives::DeviceMesh`] passed to [`crate::Fsdp::wrap`].
-    HybridShard,
-}
-
-impl ShardingStrategy {
-    /// True if unsharded parameters are freed right after a unit's forward (except the root's).
-    pub fn reshard_after_forward(self) -> bool {
-        matches!(
-            self,
-            ShardingStrategy::FullShard | ShardingStrategy::HybridShard
-        )
-    }
-
-    /// True if parameters are sharded at all.
-    pub fn is_sharded(self) -> bool {
-        !matches!(self, ShardingStrategy::NoShard)
-    }
-}
-
-impl FromStr for ShardingStrategy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
-            "fullshard" | "full" => Ok(ShardingStrategy::FullShard),
-            "shardgradop" | "grad" => Ok(ShardingStrategy::ShardGradOp),
-            "noshard" | "ddp" | "none" => Ok(ShardingStrategy::NoShard),
-            "hybridshard" | "hybrid" => Ok(ShardingStrategy::HybridShard),
-            _ => Err(format!(
-                "unknown sharding strategy `{s}` (expected full-shard, shard-grad-op, no-shard or hybrid-shard)"
-            )),
-        }
-    }
-}
+pub use crate::strategy::ShardingStrategy;
 
 /// When to issue the next unit's all-gather during backward (the paper's §4.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

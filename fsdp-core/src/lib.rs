@@ -29,6 +29,7 @@ mod runtime;
 pub mod scaler;
 mod sharded;
 pub mod state_dict;
+pub mod strategy;
 
 pub use clip::{clip_grad_norm, grad_norm, grad_norms_per_param, param_norms_per_param};
 pub use config::{AdaptiveLimiter, LimitAllGathers, Quantization};
@@ -47,6 +48,7 @@ pub use runtime::wrap::{plan_units, ModuleInfo, UnitPlan, WrapPolicy};
 pub use scaler::{GradScalerConfig, LocalGradScaler, ShardedGradScaler};
 pub use state_dict::checkpoint;
 pub use state_dict::{FullStateDict, OptimState, ShardedStateDict, StateDictError};
+pub use strategy::{ShardOver, StrategySpec, STRATEGIES};
 
 /// Low-level helpers for code that runs its own collectives on [`fsdp_autograd::Tensor`]s (a
 /// training loop all-reducing a metric, say). Training with [`Fsdp`] does not need them.

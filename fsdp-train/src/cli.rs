@@ -9,6 +9,7 @@ use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
 use fsdp_autograd::nn::{Gelu, GptConfig};
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
+use fsdp_core::{ShardOver, STRATEGIES};
 
 use crate::cuda::CudaLaunch;
 use crate::data::DataFormat;
@@ -145,8 +146,8 @@ pub struct ParallelArgs {
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
     /// Sharding strategy
-    #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
-    pub strategy: StrategyArg,
+    #[arg(long, default_value = "full-shard", value_parser = strategy_parser())]
+    pub strategy: ShardingStrategy,
     /// Shard-group size for hybrid-shard (must divide --ranks)
     #[arg(long, value_name = "F", value_parser = clap::value_parser!(u64).range(1..=64))]
     pub shard_size: Option<u64>,
@@ -355,17 +356,15 @@ pub enum BackendArg {
     Nccl,
 }
 
-/// `--strategy`.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StrategyArg {
-    /// shard parameters, gradients and optimizer state; reshard after forward
-    FullShard,
-    /// shard gradients and optimizer state; keep parameters unsharded forward to backward
-    ShardGradOp,
-    /// replicate everything (DDP-like all-reduce)
-    NoShard,
-    /// shard within groups of --shard-size, replicate across them
-    HybridShard,
+/// `--strategy`: the names and help lines of fsdp-core's strategy table ([`STRATEGIES`]).
+fn strategy_parser() -> impl clap::builder::TypedValueParser<Value = ShardingStrategy> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(
+        STRATEGIES
+            .iter()
+            .map(|s| PossibleValue::new(s.name).help(s.summary)),
+    )
+    .try_map(|s| s.parse::<ShardingStrategy>())
 }
 
 /// `--backward-prefetch`.
@@ -632,39 +631,44 @@ impl Cli {
                  for up to 65536)"
             ));
         }
-        if cuda.is_some() && p.strategy == StrategyArg::NoShard {
+        if cuda.is_some() && !p.strategy.is_sharded() {
             return usage(
                 "--device cuda trains with CPU offload (the optimizer runs on the host), which                  needs a sharded strategy (not no-shard)",
             );
         }
-        let strategy = match p.strategy {
-            StrategyArg::FullShard => ShardingStrategy::FullShard,
-            StrategyArg::ShardGradOp => ShardingStrategy::ShardGradOp,
-            StrategyArg::NoShard => ShardingStrategy::NoShard,
-            StrategyArg::HybridShard => ShardingStrategy::HybridShard,
-        };
+        let strategy = p.strategy;
         let shard_size = p.shard_size.map(|f| f as usize);
-        match (strategy, shard_size) {
-            (ShardingStrategy::HybridShard, None) => {
-                return usage("--strategy hybrid-shard needs --shard-size F (F dividing --ranks)")
+        // Strategies that shard over a shard group (the table's `ShardOver::ShardGroup`) take
+        // their group size from --shard-size; no other strategy takes one.
+        let grouped = strategy.spec().shard_over == ShardOver::ShardGroup;
+        match (grouped, shard_size) {
+            (true, None) => {
+                return usage(format!(
+                    "--strategy {strategy} needs --shard-size F (F dividing --ranks)"
+                ))
             }
-            (ShardingStrategy::HybridShard, Some(f)) if ranks % f != 0 => {
+            (true, Some(f)) if ranks % f != 0 => {
                 return usage(format!(
                     "--shard-size {f} does not divide --ranks {ranks}; pick a divisor"
                 ))
             }
-            (ShardingStrategy::HybridShard, Some(_)) | (_, None) => {}
-            (_, Some(_)) => {
+            (true, Some(_)) | (false, None) => {}
+            (false, Some(_)) => {
+                let grouped: Vec<_> = STRATEGIES
+                    .iter()
+                    .filter(|s| s.shard_over == ShardOver::ShardGroup)
+                    .map(|s| s.name)
+                    .collect();
                 return usage(format!(
-                    "--shard-size only applies to --strategy hybrid-shard (got {})",
-                    strategy_name(strategy)
-                ))
+                    "--shard-size only applies to --strategy {} (got {strategy})",
+                    grouped.join(" or ")
+                ));
             }
         }
-        if p.cpu_offload && strategy == ShardingStrategy::NoShard {
+        if p.cpu_offload && !strategy.is_sharded() {
             return usage("--cpu-offload needs a sharded strategy (not no-shard)");
         }
-        if p.mixed_precision.is_some() && strategy == ShardingStrategy::NoShard {
+        if p.mixed_precision.is_some() && !strategy.is_sharded() {
             return usage("--mixed-precision needs a sharded strategy (not no-shard)");
         }
         let quantize_collectives = match (self.comm.quantize_collectives, self.comm.quantize_block)
@@ -678,7 +682,7 @@ impl Cli {
             }),
         };
         if quantize_collectives.is_some() {
-            if strategy == ShardingStrategy::NoShard {
+            if !strategy.is_sharded() {
                 return usage(
                     "--quantize-collectives int8 quantizes all-gathers and reduce-scatters: it \
                      needs a sharded strategy (not no-shard)",
@@ -824,14 +828,9 @@ fn mpi_world_size() -> Result<usize, UsageError> {
     )
 }
 
-/// The `--strategy` spelling of a strategy.
+/// The `--strategy` spelling of a strategy (its name in fsdp-core's strategy table).
 pub fn strategy_name(s: ShardingStrategy) -> &'static str {
-    match s {
-        ShardingStrategy::FullShard => "full-shard",
-        ShardingStrategy::ShardGradOp => "shard-grad-op",
-        ShardingStrategy::NoShard => "no-shard",
-        ShardingStrategy::HybridShard => "hybrid-shard",
-    }
+    s.name()
 }
 
 /// The `--backward-prefetch` spelling.

@@ -101,7 +101,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use fsdp_core::checkpoint::CheckpointManager;
 use fsdp_core::state_dict::check_save_target;
-use fsdp_core::{BackwardPrefetch, ShardingStrategy};
+use fsdp_core::{BackwardPrefetch, ShardOver};
 use serde_json::json;
 
 use crate::cli::{prefetch_name, strategy_name, Cli};
@@ -124,14 +124,17 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn predicted_peak(c: &TrainConfig, total: usize, max_unit: usize) -> (usize, u64) {
     let prefetch = c.backward_prefetch != BackwardPrefetch::None || c.forward_prefetch;
     let extra = if prefetch { max_unit } else { 0 };
-    match c.strategy {
-        ShardingStrategy::FullShard => (c.ranks, (total / c.ranks + max_unit + extra) as u64),
-        ShardingStrategy::HybridShard => {
-            let f = c.shard_size.unwrap_or(c.ranks);
-            (f, (total / f + max_unit + extra) as u64)
-        }
-        ShardingStrategy::ShardGradOp => (c.ranks, (total / c.ranks + total) as u64),
-        ShardingStrategy::NoShard => (1, total as u64),
+    // From the strategy table: the sharding factor F; unsharded, a full copy; resharded after
+    // forward, the shard plus one gathered unit (two with prefetch); otherwise the shard plus
+    // every gathered unit kept from forward to backward.
+    let spec = c.strategy.spec();
+    let f = spec.factor(c.ranks, c.shard_size.unwrap_or(c.ranks));
+    if !spec.is_sharded() {
+        (1, total as u64)
+    } else if spec.reshard_after_forward {
+        (f, (total / f + max_unit + extra) as u64)
+    } else {
+        (f, (total / f + total) as u64)
     }
 }
 
@@ -159,11 +162,10 @@ fn check_outputs(cli: &Cli, c: &TrainConfig) -> Result<(), String> {
 
 fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64) -> String {
     let g = &c.gpt;
-    let shard = match c.strategy {
-        ShardingStrategy::HybridShard => {
-            format!(" (shard groups of {})", c.shard_size.unwrap_or(c.ranks))
-        }
-        _ => String::new(),
+    let shard = if c.strategy.spec().shard_over == ShardOver::ShardGroup {
+        format!(" (shard groups of {})", c.shard_size.unwrap_or(c.ranks))
+    } else {
+        String::new()
     };
     let mut extras = String::new();
     if let Some(d) = c.mixed_precision {

@@ -54,7 +54,7 @@ use clap::Args;
 use fsdp_core::plan::{
     Batch, Cluster, Hardware, Link, ModelDesc, PlanError, PlanEstimate, Planner, PRESETS,
 };
-use fsdp_core::{ShardingStrategy, WrapPolicy};
+use fsdp_core::{ShardOver, WrapPolicy};
 
 use crate::cli::{strategy_name, UsageError};
 use crate::train::{Optimizer, TrainConfig};
@@ -522,7 +522,7 @@ pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> 
             p.shard_size, c.ranks
         )));
     }
-    if p.strategy == ShardingStrategy::NoShard
+    if !p.strategy.is_sharded()
         && (c.cpu_offload || c.mixed_precision.is_some() || c.quantize_collectives.is_some())
     {
         return Err(UsageError(
@@ -532,7 +532,7 @@ pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> 
         ));
     }
     c.strategy = p.strategy;
-    c.shard_size = (p.strategy == ShardingStrategy::HybridShard).then_some(p.shard_size);
+    c.shard_size = (p.strategy.spec().shard_over == ShardOver::ShardGroup).then_some(p.shard_size);
     c.backward_prefetch = p.backward_prefetch;
     c.forward_prefetch = p.forward_prefetch;
     c.limit_all_gathers = p.limit_all_gathers;

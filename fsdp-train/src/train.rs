@@ -478,14 +478,13 @@ impl Rank {
         };
         let model = Gpt::new(&init, &cfg.gpt)
             .map_err(|e| fsdp_err("building the model")(FsdpError::from(e)))?;
-        let comm: Comm = match cfg.strategy {
-            ShardingStrategy::HybridShard => {
-                let f = cfg.shard_size.unwrap_or(world);
-                DeviceMesh::new(Arc::clone(&pg), f)
-                    .map_err(|e| fsdp_err("building the device mesh")(FsdpError::from(e)))?
-                    .into()
-            }
-            _ => Arc::clone(&pg).into(),
+        let comm: Comm = if cfg.strategy.replicates() {
+            let f = cfg.shard_size.unwrap_or(world);
+            DeviceMesh::new(Arc::clone(&pg), f)
+                .map_err(|e| fsdp_err("building the device mesh")(FsdpError::from(e)))?
+                .into()
+        } else {
+            Arc::clone(&pg).into()
         };
         let config = FsdpConfig {
             strategy: cfg.strategy,

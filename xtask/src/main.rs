@@ -18,6 +18,9 @@
 //! - `soak`: runs the slow `#[ignore]`d tests.
 //! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
 //!   links, missing docs), without and with the `cuda` feature.
+//! - `house`: the import-circle checker (see `house.rs`): fails on any file-level import cycle
+//!   inside a crate and on `use super::*;` outside `#[cfg(test)]`; printed with the files on
+//!   each cycle and the import lines that close it. `ci` runs it after the format check.
 //! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4) and the kill test;
 //!   `bench mpi`: MPI vs thread collectives and train_gpt tokens/s (see `mpi.rs`).
 //! - `mpi-test --nodes 2`: the MPI suite on two nodes emulated with network namespaces (root
@@ -26,6 +29,7 @@
 
 mod bundle;
 mod gpu_test;
+mod house;
 mod mpi;
 mod nodes;
 
@@ -119,6 +123,7 @@ fn python_has(module: &str) -> bool {
 
 fn ci() -> Result<(), String> {
     run("fmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
+    house::house(&root())?;
     run(
         "clippy",
         cargo().args([
@@ -246,7 +251,7 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str = "usage: cargo xtask <ci | gpu-test [--list] | gpu-bundle DIR | nvrtc | \
+const USAGE: &str = "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | nvrtc | \
                      bench [NAME] | soak | doc | mpi-test [--nodes 2]>";
 
 fn main() {
@@ -273,6 +278,7 @@ fn main() {
         ["mpi-test", "--nodes", "2"] => nodes::mpi_test_nodes(),
         ["soak"] => soak(),
         ["doc"] => doc(),
+        ["house"] => house::house(&root()),
         _ => Err(USAGE.to_string()),
     };
     if let Err(e) = result {

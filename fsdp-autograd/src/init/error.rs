@@ -1,5 +1,7 @@
 //! [`InitError`]: what can go wrong when init ops are evaluated.
 
+use super::ops::InitOp;
+
 /// Errors of init-op evaluation. Each says which parameter and op failed and what to do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InitError {
@@ -111,4 +113,20 @@ pub enum InitError {
         /// Its ops.
         ops: usize,
     },
+}
+
+/// [`InitError::InvalidOp`] for op `op_index` (`op`) of parameter `fqn` (here, not in `fill.rs`,
+/// so that `orthogonal.rs` and `fill.rs` do not import each other).
+pub(super) fn invalid(
+    fqn: &str,
+    op_index: usize,
+    op: &InitOp,
+    reason: impl Into<String>,
+) -> InitError {
+    InitError::InvalidOp {
+        fqn: fqn.to_string(),
+        op_index,
+        op: op.describe(),
+        reason: reason.into(),
+    }
 }

@@ -2,7 +2,7 @@
 //! stream ([`fill_positionwise`], [`apply_positionwise`]) and whole-tensor evaluation including
 //! `CopyFrom`, `Orthogonal` and `Custom` ([`fill_whole`]).
 
-use super::error::InitError;
+use super::error::{invalid, InitError};
 use super::ops::{compute_fans, FanMode, InitOp, Nonlinearity};
 use super::orthogonal::{check_orthogonal, orthogonal_fill};
 use super::rng::{check_limits, counter_base, fill_random, key_for, std_normal, unit53};
@@ -58,20 +58,6 @@ impl TruncParams {
         };
         let v = (self.mean + self.scale * z) as f32;
         v.clamp(self.a, self.b)
-    }
-}
-
-pub(super) fn invalid(
-    fqn: &str,
-    op_index: usize,
-    op: &InitOp,
-    reason: impl Into<String>,
-) -> InitError {
-    InitError::InvalidOp {
-        fqn: fqn.to_string(),
-        op_index,
-        op: op.describe(),
-        reason: reason.into(),
     }
 }
 

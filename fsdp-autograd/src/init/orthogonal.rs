@@ -1,8 +1,7 @@
 //! [`InitOp::Orthogonal`](super::InitOp::Orthogonal): standard normals from the op's counter-based
 //! stream, factored by Householder QR in `f64`, `gain · Q` rounded to `f32`. A whole-tensor op.
 
-use super::error::InitError;
-use super::fill::invalid;
+use super::error::{invalid, InitError};
 use super::ops::InitOp;
 use super::rng::{fill_random, std_normal};
 

@@ -1,8 +1,8 @@
 //! The kernel-backend seam: the one trait through which [`Tensor`](crate::Tensor) operations reach
 //! their kernels, whatever the device.
 //!
-//! - [`Backend`] is implemented by [`CpuBackend`] (the `kernels::cpu` functions launched on CPU
-//!   streams) and by [`CudaBackend`] (the `kernels::cuda` kernels enqueued on CUDA streams; with
+//! - [`Backend`] is implemented by [`CpuBackend`](super::CpuBackend) (the `kernels::cpu` functions launched on CPU
+//!   streams) and by [`CudaBackend`](super::CudaBackend) (the `kernels::cuda` kernels enqueued on CUDA streams; with
 //!   the `cuda` feature off it exists too and every constructor returns
 //!   [`AutogradError::CudaNotBuilt`]).
 //! - Each kernel has a *shape struct* ([`Gemm`], [`Rows`], [`LayerNormShape`], …) instead of a
@@ -35,13 +35,10 @@
 
 use std::sync::Arc;
 
-use fsdp_alloc::{BufferRef, DType, Device, DeviceId, Stream};
+use fsdp_alloc::{BufferRef, DType, DeviceId, Stream};
 
 use super::{Gelu, KernelError};
 use crate::error::{AutogradError, Result};
-
-pub use super::cpu::backend::CpuBackend;
-pub use super::cuda::CudaBackend;
 
 /// A kernel operand: a tensor's elements (contiguous, row-major, or the span of a strided view
 /// for the layout kernels) as a range of device memory, and their element type.
@@ -646,12 +643,6 @@ pub struct Kernels {
     backend: Arc<dyn Backend>,
 }
 
-/// The CPU backend shared by every CPU device (it holds no state).
-fn cpu_backend() -> Arc<dyn Backend> {
-    static CPU: std::sync::OnceLock<Arc<dyn Backend>> = std::sync::OnceLock::new();
-    Arc::clone(CPU.get_or_init(|| Arc::new(CpuBackend)))
-}
-
 fn len_err(
     op: &'static str,
     arg: &'static str,
@@ -731,21 +722,10 @@ const PROBS: &str = "attention probabilities";
 const LSE: &str = "attention log-sum-exp";
 
 impl Kernels {
-    /// The kernels of `device`: [`CpuBackend`] for CPU devices, [`CudaBackend`] for CUDA devices
-    /// (created once per device and cached).
-    ///
-    /// # Errors
-    /// For a CUDA device: [`AutogradError::CudaNotBuilt`] without the `cuda` feature, or
-    /// [`AutogradError::Backend`] if the CUDA kernels cannot be loaded (NVRTC, cuBLAS, driver).
-    pub fn for_device(device: &Device) -> Result<Kernels> {
-        let backend = match device.id() {
-            DeviceId::Cpu(_) => cpu_backend(),
-            DeviceId::Cuda(_) => CudaBackend::for_device(device)?,
-        };
-        Ok(Kernels {
-            device: device.id(),
-            backend,
-        })
+    /// Kernels of `device` that launch through `backend` (the constructor
+    /// [`Kernels::for_device`] uses; it lives in `kernels/select.rs`, which knows the backends).
+    pub(crate) fn from_backend(device: DeviceId, backend: Arc<dyn Backend>) -> Kernels {
+        Kernels { device, backend }
     }
 
     /// Wraps an explicit backend for `device` (e.g. a test double).

@@ -4,7 +4,8 @@
 //! - [`backend`]: the seam — [`backend::Launch`] (one variant per kernel a `Tensor` needs, each
 //!   with a shape struct and named operands), the [`backend::Backend`] trait that launches them,
 //!   [`backend::Kernels`] (the front that checks every operand once, for all backends, from one
-//!   table per launch), [`backend::CpuBackend`] and [`backend::CudaBackend`]. Every tensor
+//!   table per launch), [`CpuBackend`] and [`CudaBackend`] (chosen per device by
+//!   `select.rs`'s [`backend::Kernels::for_device`]). Every tensor
 //!   operation, fill, copy, upload and readback goes through it.
 //! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices. Matrix products go
 //!   through the [`gemm`] crate; everything else is plain Rust that processes whole rows in a
@@ -23,6 +24,10 @@ pub mod backend;
 mod check;
 pub mod cpu;
 pub mod cuda;
+mod select;
+
+pub use cpu::backend::CpuBackend;
+pub use cuda::CudaBackend;
 
 use thiserror::Error;
 

@@ -96,6 +96,7 @@
 //! its window, which is collective: drop groups in the same order on every rank (as SPMD code
 //! does).
 
+mod exec;
 mod raw;
 mod shm;
 
@@ -113,6 +114,7 @@ use crate::group::{
 use crate::kernels;
 use crate::types::{OpKind, Work};
 
+use exec::{Exec, Pattern};
 use raw::{Comm, SharedWindow, Xfer};
 use shm::Shm;
 
@@ -172,18 +174,6 @@ pub fn mpi_launched() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
-/// Execution state of one group, held for the whole of one collective.
-struct Exec {
-    /// Sequence number of the next collective to run.
-    turn: u64,
-    /// Steps completed on the shared-memory path (barrier generation).
-    step: u64,
-    /// Set once the group can no longer agree: every later collective fails with it.
-    broken: Option<CollectiveError>,
-    /// Receive scratch of the MPI path.
-    scratch: Vec<u8>,
-}
-
 /// The hierarchical path of a group spanning nodes: `nodes` nodes of `local_size` consecutive
 /// ranks each (rank = node × local_size + local rank).
 struct Hier {
@@ -195,7 +185,6 @@ struct Hier {
     local_size: usize,
     nodes: usize,
 }
-
 struct Inner {
     comm: Arc<Comm>,
     /// The shared-memory window when every rank of the group is on one node.
@@ -420,18 +409,6 @@ fn decode(bytes: &[u8]) -> Option<(OpDesc, bool)> {
         return None;
     }
     Some((OpDesc::from_words(&words[..WORDS])?, words[WORDS] != 0))
-}
-
-/// How the pieces of one step travel.
-#[derive(Clone, Copy)]
-enum Pattern {
-    /// Every rank contributes `len` bytes; every rank sees all contributions.
-    Gather,
-    /// Every rank contributes `size × len` bytes (piece `d` for rank `d`); rank `r` sees piece
-    /// `r` of every contribution.
-    ToAll,
-    /// Only `root` contributes `len` bytes; every rank sees it.
-    FromRoot(usize),
 }
 
 impl Inner {

@@ -20,8 +20,8 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::exec::{Exec, Pattern};
 use super::raw::SharedWindow;
-use super::{Exec, Pattern};
 use crate::error::{CollectiveError, Result};
 
 const HEADER: usize = 4096;

@@ -49,7 +49,7 @@ mod wire;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use env::{LaunchEnv, Launcher, RendezvousEnv, LAUNCHER_ENV};
@@ -60,8 +60,13 @@ pub use options::{
 pub use server::StoreServer;
 
 use crate::error::{CollectiveError, Result};
-use server::lock;
 use wire::*;
+
+/// Locks `m`, taking the guard from a poisoned lock as well (moved here from `server.rs`, which
+/// imports this file's helpers, so that this file does not import `server.rs` back).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 pub(crate) fn io_err(
     addr: impl std::fmt::Display,

@@ -10,12 +10,8 @@ use std::time::{Duration, Instant};
 
 use super::options::{StoreLimits, StoreOptions, StoreSecret};
 use super::wire::*;
-use super::{io_err, resolve};
+use super::{io_err, lock, resolve};
 use crate::error::Result;
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// How often a blocked `get`/`barrier` wakes to see whether its client hung up.
 const POLL: Duration = Duration::from_millis(200);

@@ -1,6 +1,7 @@
 //! SGD with momentum and weight decay: fsdp-autograd's [`SgdRule`] (the workspace's one SGD
 //! rule) as a [`Rule`], and the sharded and local optimizers running it.
 
+use fsdp_autograd::nn::Module;
 use fsdp_autograd::Parameter;
 
 pub use fsdp_autograd::optim::SgdRule;
@@ -8,6 +9,9 @@ pub use fsdp_autograd::optim::SgdRule;
 use super::driver::{Local, Sharded};
 use super::rule::{check_finite, ElementwiseRule, Rule};
 use crate::error::Result;
+use crate::optim::ShardedOptimizer;
+use crate::runtime::fsdp::Fsdp;
+use fsdp_alloc::trace;
 
 impl Rule for SgdRule {
     const NAME: &'static str = "Sgd";
@@ -101,6 +105,22 @@ impl Local<SgdRule> {
     pub fn with_weight_decay(mut self, weight_decay: f32) -> LocalSgd {
         self.weight_decay = weight_decay;
         self
+    }
+}
+
+// `Fsdp::sgd_step` lives here, beside the rule it runs, so that the runtime does not import the
+// optimizers (which import the runtime).
+impl<M: Module + 'static> Fsdp<M> {
+    /// Plain SGD on the sharded parameters: `shard -= lr * shard_grad` for every unit with a
+    /// gradient, on the compute stream (the same elementwise operation as
+    /// `Tensor::add_scaled_(grad, -lr)` on unsharded parameters).
+    pub fn sgd_step(&self, lr: f32) -> Result<()> {
+        self.check_works()?;
+        let _span = trace::span(self.device().id(), "optimizer sgd");
+        // One SGD rule for the whole workspace: the sharded driver runs it on the optimizer
+        // stream (the compute stream, or the host stream under CPU offload) and calls
+        // `params_updated`, which records `params_ready` and drops stale gathers.
+        Sgd::new(lr).step(self)
     }
 }
 

@@ -47,6 +47,7 @@
 //! contention between groups, and the memory model counts what fsdp-autograd's GPT ops save; a
 //! model described by hand must give its own activation figures.
 
+mod candidate;
 mod cluster;
 mod encdec;
 mod hardware;
@@ -57,6 +58,7 @@ mod simulate;
 #[cfg(test)]
 mod tests;
 
+pub use candidate::PlanConfig;
 pub use cluster::{
     cross_node_bytes, ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, GroupShape,
     Link,
@@ -68,7 +70,7 @@ pub use hardware::{
 };
 pub use model::{gpt_modules, Leaf, ModelDesc, UnitDesc};
 pub use report::{merge_rows, Bound, MergedRow};
-pub use search::{PlanConfig, PlanEstimate, Planner};
+pub use search::{PlanEstimate, Planner};
 pub use simulate::{MemoryBreakdown, StepEstimate};
 
 /// What can be wrong with a planning request.

@@ -2,7 +2,8 @@
 //! names the settings that do not matter, and the resource that bounds the top plan.
 
 use crate::config::BackwardPrefetch;
-use crate::plan::search::{PlanConfig, PlanEstimate, Planner};
+use crate::plan::candidate::PlanConfig;
+use crate::plan::search::{PlanEstimate, Planner};
 
 /// What limits a plan's step time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,84 +1,13 @@
 //! Candidates, the planner, ranking and the printed table.
 
-use crate::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
+use crate::config::{BackwardPrefetch, ShardingStrategy};
+use crate::plan::candidate::PlanConfig;
 use crate::plan::cluster::{Batch, Cluster};
 use crate::plan::hardware::Hardware;
 use crate::plan::model::ModelDesc;
 use crate::plan::simulate::{simulate, SimOptions, StepEstimate};
 use crate::plan::PlanError;
-
-/// One configuration the planner considers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlanConfig {
-    /// The sharding strategy.
-    pub strategy: ShardingStrategy,
-    /// The sharding factor F: W for FullShard and ShardGradOp, 1 for NoShard, the shard-group
-    /// size for HybridShard.
-    pub shard_size: usize,
-    /// Backward prefetch.
-    pub backward_prefetch: BackwardPrefetch,
-    /// Forward prefetch.
-    pub forward_prefetch: bool,
-    /// The all-gather rate limiter.
-    pub limit_all_gathers: bool,
-    /// The limiter's bound (FSDP's default 2).
-    pub max_inflight_all_gathers: usize,
-}
-
-impl PlanConfig {
-    /// A candidate with the limiter bound at FSDP's default.
-    pub fn new(
-        strategy: ShardingStrategy,
-        shard_size: usize,
-        backward_prefetch: BackwardPrefetch,
-        forward_prefetch: bool,
-        limit_all_gathers: bool,
-    ) -> PlanConfig {
-        PlanConfig {
-            strategy,
-            shard_size,
-            backward_prefetch,
-            forward_prefetch,
-            limit_all_gathers,
-            max_inflight_all_gathers: FsdpConfig::default().max_inflight_all_gathers,
-        }
-    }
-
-    /// `base` with this plan's strategy, prefetch and limiter settings (the shard size goes to
-    /// the `DeviceMesh` for HybridShard).
-    pub fn apply(&self, base: FsdpConfig) -> FsdpConfig {
-        FsdpConfig {
-            strategy: self.strategy,
-            backward_prefetch: self.backward_prefetch,
-            forward_prefetch: self.forward_prefetch,
-            limit_all_gathers: self.limit_all_gathers,
-            max_inflight_all_gathers: self.max_inflight_all_gathers,
-            ..base
-        }
-    }
-
-    /// A short label: `full-shard F=4 bwd=pre fwd=off lim=on`.
-    pub fn label(&self) -> String {
-        let s = match self.strategy {
-            ShardingStrategy::FullShard => "full-shard",
-            ShardingStrategy::ShardGradOp => "shard-grad-op",
-            ShardingStrategy::NoShard => "no-shard",
-            ShardingStrategy::HybridShard => "hybrid-shard",
-        };
-        let b = match self.backward_prefetch {
-            BackwardPrefetch::None => "none",
-            BackwardPrefetch::BackwardPre => "pre",
-            BackwardPrefetch::BackwardPost => "post",
-        };
-        let on = |x: bool| if x { "on" } else { "off" };
-        format!(
-            "{s} F={} bwd={b} fwd={} lim={}",
-            self.shard_size,
-            on(self.forward_prefetch),
-            on(self.limit_all_gathers)
-        )
-    }
-}
+use crate::strategy::ShardOver;
 
 /// A candidate with its prediction.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -180,22 +109,26 @@ impl Planner {
     /// do not apply, one candidate).
     pub fn candidates(&self) -> Vec<PlanConfig> {
         let w = self.cluster.world();
-        let mut strategies = vec![
-            (ShardingStrategy::FullShard, w),
-            (ShardingStrategy::ShardGradOp, w),
-        ];
-        for f in 2..w {
-            if w % f == 0 {
-                strategies.push((ShardingStrategy::HybridShard, f));
+        // From the strategy table: each sharded strategy with its sharding factor(s) (W, or every
+        // shard-group size F dividing W with 1 < F < W), in table order.
+        let mut strategies = vec![];
+        for s in ShardingStrategy::all() {
+            match s.spec().shard_over {
+                ShardOver::Nothing => {}
+                ShardOver::World => strategies.push((s, w)),
+                ShardOver::ShardGroup => {
+                    for f in 2..w {
+                        if w % f == 0 {
+                            strategies.push((s, f));
+                        }
+                    }
+                }
             }
         }
-        let mut out = vec![PlanConfig::new(
-            ShardingStrategy::NoShard,
-            1,
-            BackwardPrefetch::None,
-            false,
-            false,
-        )];
+        let mut out: Vec<PlanConfig> = ShardingStrategy::all()
+            .filter(|s| !s.is_sharded())
+            .map(|s| PlanConfig::new(s, 1, BackwardPrefetch::None, false, false))
+            .collect();
         if w == 1 {
             return out;
         }
@@ -218,10 +151,10 @@ impl Planner {
     /// Checks a configuration can run on this cluster.
     pub fn check(&self, c: &PlanConfig) -> Result<(), PlanError> {
         let w = self.cluster.world();
-        let expected = match c.strategy {
-            ShardingStrategy::NoShard => Some(1),
-            ShardingStrategy::FullShard | ShardingStrategy::ShardGradOp => Some(w),
-            ShardingStrategy::HybridShard => None,
+        let expected = match c.strategy.spec().shard_over {
+            ShardOver::Nothing => Some(1),
+            ShardOver::World => Some(w),
+            ShardOver::ShardGroup => None,
         };
         match expected {
             Some(f) if c.shard_size != f => Err(PlanError::Config(format!(

@@ -11,13 +11,14 @@
 
 use std::collections::VecDeque;
 
-use crate::config::{BackwardPrefetch, ShardingStrategy};
+use crate::config::BackwardPrefetch;
 use crate::plan::cluster::{
     ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, GroupShape, Link,
 };
 use crate::plan::hardware::{Collective, Hardware};
 use crate::plan::model::ModelDesc;
 use crate::plan::PlanConfig;
+use crate::strategy::ShardOver;
 
 /// The caching allocator rounds every request up to this many bytes.
 const ROUND: u64 = 512;
@@ -346,12 +347,9 @@ pub(crate) fn simulate(
     let world = cluster.world();
     let n_units = m.units.len();
     let root = m.root();
-    let factor = match cfg.strategy {
-        ShardingStrategy::NoShard => 1,
-        ShardingStrategy::HybridShard => cfg.shard_size.max(1),
-        _ => world,
-    };
-    let main_size = if cfg.strategy == ShardingStrategy::HybridShard {
+    let spec = cfg.strategy.spec();
+    let factor = spec.factor(world, cfg.shard_size.max(1));
+    let main_size = if spec.shard_over == ShardOver::ShardGroup {
         factor
     } else {
         world
@@ -380,25 +378,24 @@ pub(crate) fn simulate(
         },
         hier: hier(main_size, 1),
     };
-    let replicate =
-        (cfg.strategy == ShardingStrategy::HybridShard && world / factor > 1).then(|| {
-            // Replicate groups take one rank from every shard group: strided across nodes unless
-            // the whole job fits in one node.
-            let (link, cross_node) = cluster.group_link(false, world / factor);
-            let shape = cluster.group_shape(world / factor, factor);
-            Group {
-                link,
-                size: world / factor,
-                free_at: 0.0,
-                busy: 0.0,
-                cross_node: if hw.is_some() {
-                    shape.nodes > 1
-                } else {
-                    cross_node
-                },
-                hier: hier(world / factor, factor),
-            }
-        });
+    let replicate = (spec.replicate_all_reduce && world / factor > 1).then(|| {
+        // Replicate groups take one rank from every shard group: strided across nodes unless
+        // the whole job fits in one node.
+        let (link, cross_node) = cluster.group_link(false, world / factor);
+        let shape = cluster.group_shape(world / factor, factor);
+        Group {
+            link,
+            size: world / factor,
+            free_at: 0.0,
+            busy: 0.0,
+            cross_node: if hw.is_some() {
+                shape.nodes > 1
+            } else {
+                cross_node
+            },
+            hier: hier(world / factor, factor),
+        }
+    });
     let mut sim = Sim {
         m,
         cfg: *cfg,

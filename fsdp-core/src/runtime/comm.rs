@@ -13,6 +13,7 @@ use fsdp_collectives::{DeviceSlice, Int8Codec, ProcessGroup, ReduceOp, Work};
 
 use crate::config::{AdaptiveLimiter, BufferLifetime};
 use crate::error::{FsdpError, Result};
+pub use crate::runtime::slice::tensor_slice;
 
 /// Bytes moved by this rank's collectives since wrapping (or the last reset).
 ///
@@ -491,24 +492,6 @@ pub(crate) fn cast_on(stream: &Stream, t: Tensor, dtype: DType) -> Result<Tensor
 /// Bytes of `t`'s elements in its dtype.
 fn tensor_bytes(t: &Tensor) -> u64 {
     (t.numel() * t.dtype().size()) as u64
-}
-
-/// The memory of `t` (its elements, in its dtype) as a [`DeviceSlice`] for collectives.
-///
-/// # Errors
-/// [`FsdpError::State`] if the tensor's storage is released (no memory attached); an access
-/// error if the tensor does not fit its buffer.
-pub fn tensor_slice(t: &Tensor) -> Result<DeviceSlice> {
-    let r = t.storage().buffer_ref().ok_or_else(|| {
-        FsdpError::State(
-            "a tensor given to a collective has no memory attached (its storage was released); \
-             pass a tensor whose storage is allocated"
-                .into(),
-        )
-    })?;
-    let size = t.dtype().size();
-    let r = r.slice(t.offset() * size, t.numel() * size)?;
-    Ok(DeviceSlice::new(r, t.dtype())?)
 }
 
 /// All-gathers `t` (this rank's chunk) over `group` on `stream` into a new tensor of

@@ -42,9 +42,7 @@ pub use crate::runtime::comm::{CommStats, LimiterStatus};
 // Collective plumbing, here for the modules that import it from `crate::runtime::fsdp`.
 pub(crate) use crate::runtime::comm::{gather_flat, tensor_slice};
 
-use crate::config::{
-    BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers, Quantization, ShardingStrategy,
-};
+use crate::config::{BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers, Quantization};
 use crate::error::{FsdpError, Result};
 use crate::runtime::comm::{AutoLimit, CommContext, Ledger};
 use crate::runtime::handle::FlatParamHandle;
@@ -159,17 +157,17 @@ impl<M: Module + 'static> Fsdp<M> {
         config: FsdpConfig,
     ) -> Result<Self> {
         let comm = comm.into();
-        let (group, replicate) = match (&comm, config.strategy) {
-            (Comm::Mesh(m), ShardingStrategy::HybridShard) => (
+        let (group, replicate) = match (&comm, config.strategy.replicates()) {
+            (Comm::Mesh(m), true) => (
                 Arc::clone(m.shard_group()),
                 Some(Arc::clone(m.replicate_group())),
             ),
-            (Comm::Group(_), ShardingStrategy::HybridShard) => {
-                return Err(FsdpError::Config(
-                    "HybridShard needs a DeviceMesh (shard and replicate groups); pass \
-                     Comm::Mesh(DeviceMesh::new(world, shard_size)?)"
-                        .into(),
-                ))
+            (Comm::Group(_), true) => {
+                return Err(FsdpError::Config(format!(
+                    "{:?} needs a DeviceMesh (shard and replicate groups); pass \
+                     Comm::Mesh(DeviceMesh::new(world, shard_size)?)",
+                    config.strategy
+                )))
             }
             (Comm::Mesh(m), _) => (Arc::clone(m.world()), None),
             (Comm::Group(g), _) => (Arc::clone(g), None),
@@ -373,17 +371,10 @@ impl<M: Module + 'static> Fsdp<M> {
         Ok(self.model.call(x)?)
     }
 
-    /// Plain SGD on the sharded parameters: `shard -= lr * shard_grad` for every unit with a
-    /// gradient, on the compute stream (the same elementwise operation as
-    /// `Tensor::add_scaled_(grad, -lr)` on unsharded parameters).
-    pub fn sgd_step(&self, lr: f32) -> Result<()> {
-        use crate::optim::ShardedOptimizer;
-        self.inner.ctx.check_works()?;
-        let _span = trace::span(self.inner.ctx.device.id(), "optimizer sgd");
-        // One SGD rule for the whole workspace: the sharded driver runs it on the optimizer
-        // stream (the compute stream, or the host stream under CPU offload) and calls
-        // `params_updated`, which records `params_ready` and drops stale gathers.
-        crate::optim::Sgd::new(lr).step(self)
+    /// Returns the first error among this instance's completed collectives (keeps the running
+    /// ones): what every step entry point checks first.
+    pub(crate) fn check_works(&self) -> Result<()> {
+        self.inner.ctx.check_works()
     }
 
     /// Every unit's sharded state on this rank (cheap handles; see [`UnitShard`]).
@@ -397,13 +388,13 @@ impl<M: Module + 'static> Fsdp<M> {
         st.units
             .iter()
             .map(|h| UnitShard {
-                path: h.path.clone(),
-                names: h.names.clone(),
-                layout: h.layout.clone(),
+                path: h.path().to_string(),
+                names: h.names().to_vec(),
+                layout: h.layout().clone(),
                 rank,
-                shard: h.shard.clone(),
-                grad: h.shard_grad.clone(),
-                requires_grad: h.params.iter().map(|p| p.requires_grad()).collect(),
+                shard: h.shard().clone(),
+                grad: h.shard_grad().cloned(),
+                requires_grad: h.params().iter().map(|p| p.requires_grad()).collect(),
             })
             .collect()
     }
@@ -413,22 +404,10 @@ impl<M: Module + 'static> Fsdp<M> {
     pub fn set_shard_grad(&self, unit: usize, grad: Option<Tensor>) -> Result<()> {
         let mut st = self.inner.lock();
         let n = st.units.len();
-        let h = st
-            .units
+        st.units
             .get_mut(unit)
-            .ok_or(FsdpError::UnknownUnit { unit, units: n })?;
-        if let Some(g) = &grad {
-            if g.numel() != h.shard.numel() {
-                return Err(FsdpError::InvalidArgument(format!(
-                    "a gradient of {} elements for unit `{}`, whose shard has {}",
-                    g.numel(),
-                    h.path,
-                    h.shard.numel()
-                )));
-            }
-        }
-        h.shard_grad = grad;
-        Ok(())
+            .ok_or(FsdpError::UnknownUnit { unit, units: n })?
+            .set_shard_grad(grad)
     }
 
     /// Tells FSDP the shards were updated on the compute stream (after an optimizer step or a
@@ -502,8 +481,7 @@ impl<M: Module + 'static> Fsdp<M> {
     /// Drops the sharded gradients (and unsharded ones kept by [`Fsdp::no_sync`]).
     pub fn zero_grad(&self) {
         for h in &mut self.inner.lock().units {
-            h.shard_grad = None;
-            h.unsynced_grad = None;
+            h.zero_grad();
         }
     }
 
@@ -540,10 +518,10 @@ impl<M: Module + 'static> Fsdp<M> {
             .units
             .iter()
             .map(|h| UnitInfo {
-                path: h.path.clone(),
-                names: h.names.clone(),
-                total_numel: h.layout.total_numel(),
-                shard_numel: h.layout.chunk_numel(),
+                path: h.path().to_string(),
+                names: h.names().to_vec(),
+                total_numel: h.layout().total_numel(),
+                shard_numel: h.layout().chunk_numel(),
             })
             .collect()
     }
@@ -566,7 +544,7 @@ impl<M: Module + 'static> Fsdp<M> {
             .lock()
             .units
             .iter()
-            .map(|h| h.shard.clone())
+            .map(|h| h.shard().clone())
             .collect();
         shards.iter().map(|s| Ok(s.to_vec::<f32>()?)).collect()
     }
@@ -579,12 +557,18 @@ impl<M: Module + 'static> Fsdp<M> {
         let (shards, layouts, names, ready) = {
             let st = inner.lock();
             (
-                st.units.iter().map(|h| h.shard.clone()).collect::<Vec<_>>(),
                 st.units
                     .iter()
-                    .map(|h| h.layout.clone())
+                    .map(|h| h.shard().clone())
                     .collect::<Vec<_>>(),
-                st.units.iter().map(|h| h.names.clone()).collect::<Vec<_>>(),
+                st.units
+                    .iter()
+                    .map(|h| h.layout().clone())
+                    .collect::<Vec<_>>(),
+                st.units
+                    .iter()
+                    .map(|h| h.names().to_vec())
+                    .collect::<Vec<_>>(),
                 st.params_ready.clone(),
             )
         };
@@ -671,8 +655,7 @@ impl Inner {
             st.iter.order.clear();
             st.iter.callback_queued = false;
             for h in &mut st.units {
-                h.drop_views();
-                h.post_backward_done = false;
+                h.start_iteration();
             }
         }
         if !st.iter.order.contains(&u) {
@@ -726,7 +709,7 @@ impl Inner {
             let w = Arc::downgrade(self);
             queue_callback_fallible(move || Ok(Inner::upgrade(&w)?.finish_backward()?))?;
         }
-        if st.units[u].post_backward_done {
+        if st.units[u].post_backward_done() {
             return Ok(());
         }
         self.open_span(&mut st, u, BWD);
@@ -748,7 +731,7 @@ impl Inner {
             .iter()
             .rev()
             .copied()
-            .find(|&x| !st.units[x].post_backward_done)
+            .find(|&x| !st.units[x].post_backward_done())
     }
 
     /// The post-accumulate-grad hook of unit `u`'s flat leaf: its flat gradient is final.
@@ -768,7 +751,7 @@ impl Inner {
         } else {
             st.units[u].keep_unsynced_grad(grad);
         }
-        st.units[u].post_backward_done = true;
+        st.units[u].mark_post_backward_done();
         if st.sync_grads && self.config.backward_prefetch == BackwardPrefetch::BackwardPost {
             if let Some(next) = Self::next_backward(&st, u) {
                 self.unshard(&mut st, next)?;
@@ -802,7 +785,7 @@ impl Inner {
             st.iter.orders_verified += 1;
         }
         let order = std::mem::take(&mut st.iter.order);
-        let paths: Vec<String> = st.units.iter().map(|h| h.path.clone()).collect();
+        let paths: Vec<String> = st.units.iter().map(|h| h.path().to_string()).collect();
         st.iter.prev_order = order.clone();
         st.iter.open = false;
         st.iter.callback_queued = false;

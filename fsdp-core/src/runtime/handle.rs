@@ -19,41 +19,41 @@ use fsdp_autograd::{no_grad, with_stream, Parameter, Storage, Tensor};
 use fsdp_collectives::DeviceSlice;
 use fsdp_flatparam::FlatParamLayout;
 
-use crate::error::Result;
+use crate::error::{FsdpError, Result};
 use crate::runtime::comm::{cast_on, copy_tensor, CommContext};
 
 /// One unit's runtime state.
 pub(crate) struct FlatParamHandle {
     /// Module path of the unit ("" for the root).
-    pub path: String,
+    path: String,
     /// Layout of the flat parameter over the shard group.
-    pub layout: FlatParamLayout,
+    layout: FlatParamLayout,
     /// The original parameters, in layout order.
-    pub params: Vec<Parameter>,
+    params: Vec<Parameter>,
     /// Fully-qualified name of each parameter (first use).
-    pub names: Vec<String>,
+    names: Vec<String>,
     /// This rank's shard (f32, `chunk_numel`); for `NoShard`, the whole padded flat parameter.
-    pub shard: Tensor,
+    shard: Tensor,
     /// The reduced gradient of the shard (f32), once a backward has produced one.
-    pub shard_grad: Option<Tensor>,
+    shard_grad: Option<Tensor>,
     /// Dtype of the unsharded flat parameter (the mixed-precision param dtype, else f32).
-    pub param_dtype: DType,
+    param_dtype: DType,
     /// Storage of the unsharded flat parameter (`padded_numel` of `param_dtype`); allocated only while
     /// unsharded. For `NoShard` it is the shard's own storage and is never released.
-    pub storage: Storage,
+    storage: Storage,
     /// This iteration's flat leaf (created at the first unshard of an iteration).
-    pub flat: Option<Tensor>,
+    flat: Option<Tensor>,
     /// Whether `flat` and the views were created with grad mode on (a forward under `no_grad`
     /// creates views autograd does not track; a later training forward must not reuse them).
-    pub flat_tracks_grad: bool,
+    flat_tracks_grad: bool,
     /// True while the storage holds the gathered parameters.
-    pub unsharded: bool,
+    unsharded: bool,
     /// Completion of the all-gather the compute stream has not waited on yet.
-    pub pending_unshard: Option<Event>,
+    pending_unshard: Option<Event>,
     /// Unsharded gradient accumulated locally while gradient sync is off (`no_sync`).
-    pub unsynced_grad: Option<Tensor>,
+    unsynced_grad: Option<Tensor>,
     /// The post-backward reduction has run for this iteration.
-    pub post_backward_done: bool,
+    post_backward_done: bool,
 }
 
 impl FlatParamHandle {
@@ -83,6 +83,79 @@ impl FlatParamHandle {
             unsynced_grad: None,
             post_backward_done: false,
         }
+    }
+
+    /// Module path of the unit ("" for the root).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Layout of the flat parameter over the shard group.
+    pub fn layout(&self) -> &FlatParamLayout {
+        &self.layout
+    }
+
+    /// The original parameters, in layout order.
+    pub fn params(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    /// Fully-qualified name of each parameter (first use).
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// This rank's shard (f32, `chunk_numel`); for `NoShard`, the whole padded flat parameter.
+    pub fn shard(&self) -> &Tensor {
+        &self.shard
+    }
+
+    /// The reduced gradient of the shard, once a backward has produced one.
+    pub fn shard_grad(&self) -> Option<&Tensor> {
+        self.shard_grad.as_ref()
+    }
+
+    /// Replaces the shard's gradient (`None` drops it).
+    ///
+    /// # Errors
+    /// [`FsdpError::InvalidArgument`] if `grad` does not have the shard's element count.
+    pub fn set_shard_grad(&mut self, grad: Option<Tensor>) -> Result<()> {
+        if let Some(g) = &grad {
+            if g.numel() != self.shard.numel() {
+                return Err(FsdpError::InvalidArgument(format!(
+                    "a gradient of {} elements for unit `{}`, whose shard has {}",
+                    g.numel(),
+                    self.path,
+                    self.shard.numel()
+                )));
+            }
+        }
+        self.shard_grad = grad;
+        Ok(())
+    }
+
+    /// Drops the shard's gradient and the unsharded one kept while gradient sync is off.
+    pub fn zero_grad(&mut self) {
+        self.shard_grad = None;
+        self.unsynced_grad = None;
+    }
+
+    /// Starts an iteration: drops the views of the previous one and clears the post-backward
+    /// mark.
+    pub fn start_iteration(&mut self) {
+        self.drop_views();
+        self.post_backward_done = false;
+    }
+
+    /// Whether this iteration's post-backward step has run.
+    pub fn post_backward_done(&self) -> bool {
+        self.post_backward_done
+    }
+
+    /// Records that this iteration's post-backward step has run (the gradient was reduced or
+    /// kept unsynced).
+    pub fn mark_post_backward_done(&mut self) {
+        self.post_backward_done = true;
     }
 
     /// Bytes of the unsharded flat parameter, in the param dtype (what an unshard allocates and

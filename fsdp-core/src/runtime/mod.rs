@@ -14,5 +14,6 @@ pub(crate) mod comm;
 pub(crate) mod fsdp;
 pub(crate) mod handle;
 pub(crate) mod offload;
+pub(crate) mod slice;
 pub(crate) mod units;
 pub mod wrap;

@@ -72,9 +72,21 @@
 
 use std::collections::BTreeMap;
 
-use super::*;
+use super::durable::{atomic_write, check_save_target, disk_usage, fresh_id};
+use super::error::{Result, StateDictError};
+use super::format::{
+    check_generation, format_err, rank_path, read_bytes, read_file_meta, read_sharded_meta,
+    write_sharded_dir,
+};
+use super::optim::{load_sharded_optim, optim_ranks, sharded_optim_state_dict};
+use super::reshard::{agree_load, collective_sharded_save, load_sharded, sharded_state_dict, Ctx};
+use super::types::{OptimState, ShardedStateDict};
+use super::{FORMAT_VERSION, KIND_SHARDED_OPTIM, KIND_SHARDED_PARAMS, META_FILE};
 use crate::optim::{ShardedOptimizer, ShardedParams};
+use crate::runtime::fsdp::Fsdp;
 use crate::scaler::ShardedGradScaler;
+use fsdp_autograd::nn::Module;
+use std::path::{Path, PathBuf};
 
 const MANIFEST: &str = "checkpoint.json";
 const MANIFEST_FORMAT: &str = "fsdp-rs-checkpoint";

@@ -6,9 +6,6 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::SafeTensorError;
 
-#[allow(unused_imports)] // doc links
-use super::FORMAT_VERSION;
-
 // ------------------------------------------------------------------------------------- errors
 
 /// Everything that can go wrong saving or loading a state dict.
@@ -209,7 +206,7 @@ pub enum StateDictError {
         path: PathBuf,
         /// Its version.
         found: String,
-        /// [`FORMAT_VERSION`].
+        /// [`FORMAT_VERSION`](super::FORMAT_VERSION).
         supported: u32,
     },
     /// A tensor's bytes do not match the checksum recorded when it was saved (the file was

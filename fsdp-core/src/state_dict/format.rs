@@ -1,7 +1,19 @@
 //! The on-disk format: safetensors files with fsdp-rs metadata, full files and sharded
 //! directories.
 
-use super::*;
+use super::durable::atomic_write;
+use super::error::{Result, StateDictError};
+use super::optim::check_slots;
+use super::reshard::{check_shape, index_entries};
+use super::types::{ParamMeta, ShardPiece, ShardedStateDict, TensorEntry};
+use super::{
+    non_finite_allowed, FORMAT, FORMAT_VERSION, GENERATION_KEY, KIND_FULL_OPTIM,
+    KIND_SHARDED_OPTIM, META_FILE, NON_FINITE_KEY,
+};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 // ------------------------------------------------------------------------------- files
 
 /// An f32 slice as a safetensors tensor view (little-endian bytes made on demand).

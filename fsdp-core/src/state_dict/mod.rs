@@ -142,20 +142,6 @@
 //! - With `HybridShard`, sharded files are written once per shard (by replicate-group rank 0); the
 //!   recorded world size is the shard-group size.
 
-use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
-use std::ops::Range;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-use fsdp_alloc::{DType, Device, Stream};
-use fsdp_autograd::nn::{named_parameters, Module};
-use fsdp_autograd::{no_grad, with_stream, Tensor};
-use fsdp_collectives::{ProcessGroup, ReduceOp};
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
-
-use crate::runtime::fsdp::{gather_flat, tensor_slice, Fsdp, UnitShard};
-
 /// Version of the on-disk format written by this module (the `format_version` metadata key).
 /// Files of another version are refused with [`StateDictError::UnsupportedVersion`].
 pub const FORMAT_VERSION: u32 = 3;
@@ -205,11 +191,8 @@ mod reshard;
 mod tests;
 mod types;
 
-use durable::*;
 pub use durable::{check_save_target, disk_usage};
 pub use error::{Result, StateDictError};
-#[allow(unused_imports)]
-use format::*;
 pub use optim::*;
 pub use reshard::*;
 pub use types::*;

@@ -1,7 +1,18 @@
 //! Optimizer state dicts (full and sharded), generic over any optimizer that keeps per-unit
 //! shard tensors.
 
-use super::*;
+use super::error::{Result, StateDictError};
+use super::format::{read_sharded_meta, read_sharded_ranks, write_sharded_dir};
+use super::reshard::{
+    agree_load, all_names, chunks_from_entries, chunks_from_pieces, collective_sharded_save,
+    finish_collective_save, gather_entries, missing, ranks_needed, shard_pieces, Ctx,
+};
+use super::types::{FullOptimStateDict, OptimState, ShardedOptimStateDict, ShardedStateDict};
+use super::KIND_SHARDED_OPTIM;
+use crate::runtime::fsdp::Fsdp;
+use fsdp_autograd::nn::Module;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
 // ------------------------------------------------------------------------------- optimizer
 
 pub(super) fn check_slot_name(s: &str) -> Result<()> {

@@ -1,7 +1,25 @@
 //! The wrapped model's view and the resharding core: full (gather / chunk), sharded (pieces /
 //! overlap fill) and local state dicts of the parameters.
 
-use super::*;
+use super::durable::{fresh_id, publish_dir, staging_dir};
+use super::error::{Result, StateDictError};
+use super::format::{
+    check_generation, parse_pieces, rank_path, read_file_meta, read_sharded_meta,
+    read_sharded_ranks, write_sharded_dir, ShardedMeta,
+};
+use super::types::{
+    FullStateDict, LocalStateDict, LocalUnit, ParamMeta, ShardPiece, ShardedStateDict, TensorEntry,
+};
+use super::{KIND_SHARDED_PARAMS, META_FILE};
+use crate::runtime::fsdp::{gather_flat, tensor_slice, Fsdp, UnitShard};
+use fsdp_alloc::{DType, Device, Stream};
+use fsdp_autograd::nn::Module;
+use fsdp_autograd::{no_grad, with_stream, Tensor};
+use fsdp_collectives::{ProcessGroup, ReduceOp};
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
 // ------------------------------------------------------------------- the wrapped model's view
 
 /// What the state-dict functions need from a wrapped model.

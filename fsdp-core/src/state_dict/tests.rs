@@ -1,5 +1,11 @@
 //! Unit tests of the resharding core and the file format.
 
+use std::path::{Path, PathBuf};
+
+use super::format::{
+    base_meta, check_param_name, encode_shape, header_crc, parse_shape, write_file, F32View,
+    HEADER_CRC_KEY, HEADER_CRC_PLACEHOLDER,
+};
 use super::*;
 
 fn piece(rank: usize, offset: usize, values: Vec<f32>) -> ShardPiece {

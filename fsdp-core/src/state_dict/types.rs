@@ -1,7 +1,19 @@
 //! The state-dict value types (full, sharded, local; parameters and optimizer state) and their
 //! rank-local file methods.
 
-use super::*;
+use super::error::{Result, StateDictError};
+use super::format::{
+    read_full_file, read_sharded_meta, read_sharded_ranks, write_full_file, write_sharded_dir,
+};
+use super::optim::{check_slot_name, optim_ranks};
+use super::reshard::{check_shape, check_unused, index_entries, missing};
+use super::{
+    KIND_FULL_OPTIM, KIND_FULL_PARAMS, KIND_SHARDED_OPTIM, KIND_SHARDED_PARAMS, LOCAL_GENERATION,
+};
+use fsdp_autograd::nn::{named_parameters, Module};
+use fsdp_autograd::{no_grad, Tensor};
+use std::collections::HashSet;
+use std::path::Path;
 
 // -------------------------------------------------------------------------------------- types
 

@@ -7,8 +7,9 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 use fsdp_alloc::{Buffer, BufferRef, Device, DeviceId, Stream};
 
+pub(crate) use super::desc::Elem;
+use super::desc::ViewDesc;
 use super::error::{CudaKernelError, Result};
-use super::layout::ViewDesc;
 use super::plan::{GemmType, PArg, Plan, Ptr, Step};
 use super::program::{module_for, ArgKind, LoadedModule, BLOCK, MAX_GRID};
 use crate::kernels::{check, KernelError};
@@ -20,37 +21,6 @@ enum Arg {
     F32(f32),
     F64(f64),
     View(ViewDesc),
-}
-
-/// The element type a buffer argument is read or written as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Elem {
-    /// Raw bytes (copies, fills).
-    U8,
-    /// `f32`.
-    F32,
-    /// `f64` (scratch only).
-    F64,
-    /// `f16` or `bf16` bits.
-    U16,
-    /// `u32` (scratch only).
-    U32,
-    /// `i64` ids and targets.
-    I64,
-    /// `u64` (status words, 8-byte copies).
-    U64,
-}
-
-impl Elem {
-    /// Size (and alignment) in bytes.
-    pub(crate) fn size(self) -> usize {
-        match self {
-            Elem::U8 => 1,
-            Elem::U16 => 2,
-            Elem::F32 | Elem::U32 => 4,
-            Elem::F64 | Elem::I64 | Elem::U64 => 8,
-        }
-    }
 }
 
 /// A validated device buffer argument: its address and element count.

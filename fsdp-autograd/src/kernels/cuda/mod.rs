@@ -161,6 +161,8 @@ mod cast;
 #[cfg(feature = "cuda")]
 mod context;
 #[cfg(feature = "cuda")]
+mod desc;
+#[cfg(feature = "cuda")]
 mod elementwise;
 #[cfg(feature = "cuda")]
 mod embedding;
@@ -186,11 +188,11 @@ mod transfer;
 #[cfg(feature = "cuda")]
 pub use context::CudaKernels;
 #[cfg(feature = "cuda")]
+pub use desc::MAX_VIEW_RANK;
+#[cfg(feature = "cuda")]
 pub use embedding::IndexCheck;
 #[cfg(feature = "cuda")]
 pub use error::{CudaKernelError, Result};
-#[cfg(feature = "cuda")]
-pub use layout::MAX_VIEW_RANK;
 #[cfg(feature = "cuda")]
 pub use matmul::GemmPrecision;
 

@@ -6,8 +6,7 @@
 //! argument order, scratch sizes, cuBLAS parameters) in plain data lets the tests run the very
 //! same plans through the host emulator in `emu/` on machines without a GPU.
 
-use super::context::Elem;
-use super::layout::ViewDesc;
+use super::desc::{Elem, ViewDesc};
 use super::program::{ArgKind, Kernel};
 use cudarc::cublas::sys::cublasOperation_t;
 

@@ -22,7 +22,8 @@ mod gpu_only;
 use fsdp_alloc::{Device, DeviceId};
 
 use super::context::{grid_for, grid_rows};
-use super::layout::{is_injective, view_desc, MAX_VIEW_RANK};
+use super::desc::MAX_VIEW_RANK;
+use super::layout::{is_injective, view_desc};
 use super::matmul::col_major_gemm;
 use super::plan::{PArg, Plan, Ptr, Step};
 use super::program::{ArgKind, Kernel, MAX_GRID, SOURCE};
