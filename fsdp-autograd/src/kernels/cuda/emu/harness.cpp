@@ -176,6 +176,9 @@ static const std::map<std::string, Runner> g_kernels = {
     K(emb_scan), K(emb_scatter), K(emb_accum), K(ce_fwd), K(ce_bwd), K(cast_f32_f16),
     K(cast_f16_f32), K(cast_f32_bf16), K(cast_bf16_f32), K(strided_copy_b2), K(strided_copy_b4),
     K(strided_copy_b8), K(strided_add_f32),
+    // Optimizer, clipping, grad scaler.
+    K(opt_sgd), K(opt_sgd_momentum), K(opt_adamw), K(opt_lamb_dir), K(opt_lamb_apply),
+    K(opt_sumsq_partial), K(opt_sumsq_accum), K(opt_sumsq_final), K(opt_unscale),
 };
 #undef K
 

@@ -80,6 +80,8 @@ on_both!(
     strided,
     zero_and_copy,
     deterministic,
+    optimizer_steps,
+    sum_squares_and_unscale,
 );
 
 /// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.
