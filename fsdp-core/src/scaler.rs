@@ -343,7 +343,7 @@ impl ShardedGradScaler {
         }
         let v = with_stream(&stream, || flag.to_vec::<f32>());
         for w in works {
-            w.wait()?;
+            crate::sharded::outcome(&w)?;
         }
         let found_inf = v?[0] != 0.0;
         self.sched.stage = Stage::Unscaled { found_inf };

@@ -246,13 +246,23 @@ pub(crate) fn all_reduce_sum(
 }
 
 /// Reads an f32 tensor on `stream` (after everything launched there), then reports `work`'s
-/// error if the collective failed.
+/// error if the collective failed. The readback is the one host wait: the collective was
+/// launched on `stream` before the read, so it has finished once the read returns and its
+/// outcome is taken without waiting again (a collective still running then is waited for).
 pub(crate) fn read_after(t: &Tensor, stream: &Stream, work: Option<Work>) -> Result<Vec<f32>> {
     let v = with_stream(stream, || t.to_vec::<f32>());
     if let Some(w) = work {
-        w.wait()?;
+        outcome(&w)?;
     }
     Ok(v?)
+}
+
+/// A collective's outcome: without waiting when it has finished, else after waiting.
+pub(crate) fn outcome(w: &Work) -> Result<()> {
+    match w.try_result() {
+        Some(r) => Ok(r?),
+        None => Ok(w.wait()?),
+    }
 }
 
 #[cfg(test)]
