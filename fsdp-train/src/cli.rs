@@ -158,7 +158,7 @@ pub struct ParallelArgs {
     #[arg(long, value_enum, value_name = "D")]
     pub mixed_precision: Option<MixedPrecisionArg>,
     /// CPU offload, only when asked: keep shards, sharded gradients and optimizer state on a
-    /// separate host device (pinned host memory with --device cuda); the optimizer steps there
+    /// separate host device; the optimizer steps there
     /// and shards and gradients are copied to and from the compute device around each unit.
     /// Off by default, also with --device cuda (everything stays on the GPU)
     #[arg(long)]
