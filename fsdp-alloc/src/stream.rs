@@ -869,6 +869,29 @@ mod tests {
     }
 
     #[test]
+    fn host_waits_are_counted_per_thread() {
+        let s = s("count");
+        let before = host_syncs();
+        s.launch(|| {});
+        assert_eq!(host_syncs(), before, "launching is not a wait");
+        s.synchronize().unwrap();
+        s.record_event().synchronize().unwrap();
+        assert!(s
+            .record_event()
+            .synchronize_timeout(Duration::from_secs(5))
+            .unwrap());
+        assert_eq!(host_syncs(), before + 3);
+        // Another thread's waits are its own.
+        let s2 = s.clone();
+        std::thread::spawn(move || s2.synchronize().unwrap())
+            .join()
+            .unwrap();
+        assert_eq!(host_syncs(), before + 3);
+        count_host_sync();
+        assert_eq!(host_syncs(), before + 4);
+    }
+
+    #[test]
     fn wait_event_orders_streams() {
         let a = s("a");
         let b = s("b");
