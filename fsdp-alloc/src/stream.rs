@@ -741,7 +741,9 @@ impl Event {
     }
 
     /// Blocks the calling thread until the event completes; an error if its stream failed.
+    /// Counted by [`host_syncs`].
     pub fn synchronize(&self) -> Result<()> {
+        count_host_sync();
         let r = self.wait_raw().map_err(|m| self.failed(m));
         if r.is_ok() {
             self.observed();
@@ -758,7 +760,9 @@ impl Event {
     }
 
     /// Blocks until the event completes or `timeout` passes; `Ok(true)` if it completed.
+    /// Counted by [`host_syncs`] (once per call).
     pub fn synchronize_timeout(&self, timeout: std::time::Duration) -> Result<bool> {
+        count_host_sync();
         #[cfg(feature = "cuda")]
         if self.inner.cuda.is_some() {
             let deadline = std::time::Instant::now() + timeout;
@@ -797,6 +801,30 @@ impl Event {
             }
         }
     }
+}
+
+// ============================================================================ host waits
+
+thread_local! {
+    /// Host-side waits of this thread (see [`host_syncs`]).
+    static HOST_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times the calling thread has waited on the host for device work so far: every
+/// [`Event::synchronize`] / [`Event::synchronize_timeout`] (hence every [`Stream::synchronize`]
+/// and every collective `wait`), whether or not it actually had to block, plus the readbacks
+/// that wait by other means and report it through [`count_host_sync`] (fsdp-autograd's tensor
+/// readback). The same code path counts on CPU and CUDA devices; waits of stream workers on
+/// other streams' events (device-side ordering) are not host waits and are not counted.
+/// Per thread, so concurrent ranks on threads do not mix their counts.
+pub fn host_syncs() -> u64 {
+    HOST_SYNCS.with(|c| c.get())
+}
+
+/// Counts one host-side wait of the calling thread (for waits that do not go through
+/// [`Event::synchronize`], e.g. a readback that blocks on a channel fed by a stream).
+pub fn count_host_sync() {
+    HOST_SYNCS.with(|c| c.set(c.get() + 1));
 }
 
 #[cfg(test)]
@@ -838,6 +866,29 @@ mod tests {
         }
         st.synchronize().unwrap();
         assert_eq!(*log.lock().unwrap(), (0..100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn host_waits_are_counted_per_thread() {
+        let s = s("count");
+        let before = host_syncs();
+        s.launch(|| {});
+        assert_eq!(host_syncs(), before, "launching is not a wait");
+        s.synchronize().unwrap();
+        s.record_event().synchronize().unwrap();
+        assert!(s
+            .record_event()
+            .synchronize_timeout(Duration::from_secs(5))
+            .unwrap());
+        assert_eq!(host_syncs(), before + 3);
+        // Another thread's waits are its own.
+        let s2 = s.clone();
+        std::thread::spawn(move || s2.synchronize().unwrap())
+            .join()
+            .unwrap();
+        assert_eq!(host_syncs(), before + 3);
+        count_host_sync();
+        assert_eq!(host_syncs(), before + 4);
     }
 
     #[test]

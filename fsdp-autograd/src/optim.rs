@@ -14,73 +14,7 @@ use crate::ops::{check_pair, Ctx};
 use crate::param::Parameter;
 use crate::tensor::Tensor;
 
-/// SGD's update (PyTorch's formulation, no dampening, no Nesterov) of one flat tensor, element
-/// by element: `d = g + λ·p`; with momentum `b = d` on the first step, else `b = μ·b + d`, and
-/// `d = b`; then `p = p + (−lr)·d`. Each operation rounds to f32 (no fused multiply-add), so
-/// running it on any piece of a tensor gives exactly that piece of the whole update.
-///
-/// ```
-/// use fsdp_autograd::optim::SgdRule;
-///
-/// let rule = SgdRule { lr: 0.1, momentum: 0.5, weight_decay: 0.0 };
-/// let (mut p, mut b) = (vec![1.0f32], vec![0.0f32]);
-/// rule.update(&mut p, &[2.0], Some(&mut b), true); // b = 2, p = 1 − 0.2
-/// rule.update(&mut p, &[2.0], Some(&mut b), false); // b = 0.5·2 + 2 = 3, p −= 0.3
-/// assert_eq!(b, [3.0]);
-/// assert_eq!(p, [(1.0f32 + -0.1 * 2.0) + -0.1 * 3.0]);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SgdRule {
-    /// Learning rate.
-    pub lr: f32,
-    /// Momentum factor μ (0 disables momentum and its buffer).
-    pub momentum: f32,
-    /// Weight decay λ (L2, added to the gradient).
-    pub weight_decay: f32,
-}
-
-impl SgdRule {
-    /// Plain SGD with learning rate `lr` (no momentum, no weight decay).
-    pub fn new(lr: f32) -> SgdRule {
-        SgdRule {
-            lr,
-            momentum: 0.0,
-            weight_decay: 0.0,
-        }
-    }
-
-    /// Whether the rule keeps a momentum buffer.
-    pub fn has_momentum(&self) -> bool {
-        self.momentum != 0.0
-    }
-
-    /// Updates `p` in place from the gradient `g` (same length). `buf` is the momentum buffer
-    /// (used only with momentum; `first` says it holds no history yet and is overwritten).
-    pub fn update(&self, p: &mut [f32], g: &[f32], buf: Option<&mut [f32]>, first: bool) {
-        let neg_lr = -self.lr;
-        match buf.filter(|_| self.has_momentum()) {
-            Some(b) => {
-                for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
-                    let mut d = g;
-                    if self.weight_decay != 0.0 {
-                        d += self.weight_decay * *p;
-                    }
-                    *b = if first { d } else { self.momentum * *b + d };
-                    *p += neg_lr * *b;
-                }
-            }
-            None => {
-                for (p, &g) in p.iter_mut().zip(g) {
-                    let mut d = g;
-                    if self.weight_decay != 0.0 {
-                        d += self.weight_decay * *p;
-                    }
-                    *p += neg_lr * d;
-                }
-            }
-        }
-    }
-}
+pub use crate::kernels::cpu::optim::SgdRule;
 
 /// Stochastic gradient descent over plain parameters: [`SgdRule`] as one kernel per parameter on
 /// the current stream. Half-precision parameters are updated in f32 and rounded once per step
@@ -224,6 +158,7 @@ mod tests {
             lr: 0.1,
             momentum: 0.5,
             weight_decay: 0.2,
+            nesterov: false,
         };
         let mut p = vec![1.0f32];
         let mut b = vec![0.0f32];

@@ -235,6 +235,29 @@ impl Work {
         self.event.query()
     }
 
+    /// The outcome of a finished collective without waiting: `None` while it runs, else what
+    /// [`Work::wait`] would return. Never blocks, so it is not a host wait
+    /// (`fsdp_alloc::stream::host_syncs` does not count it).
+    pub fn try_result(&self) -> Option<Result<()>> {
+        if !self.is_completed() {
+            return None;
+        }
+        let stored = self
+            .outcome
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Some(match (stored, self.event.error()) {
+            (Some(r), _) => r,
+            (None, None) => Ok(()),
+            (None, Some(message)) => Err(CollectiveError::StreamFailed {
+                op: self.op,
+                rank: self.rank,
+                message,
+            }),
+        })
+    }
+
     fn result(&self, event: fsdp_alloc::Result<()>) -> Result<()> {
         let stored = self
             .outcome

@@ -19,8 +19,9 @@
 //! whole parameter) the results differ only by the f32 roundings of the partial sums and of their
 //! sum: a relative difference of at most about (W + 1)·2⁻²⁴ of the squared norm.
 //!
-//! The sums run as kernels on the model's optimizer stream; the functions wait for the result
-//! because they return it to the host.
+//! The sums run as kernels (the seam's `SumSquares`) on the model's optimizer stream and stay on
+//! the device until the functions read them, which they do because they return them to the host
+//! (one wait each; nothing else in a step waits).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -50,15 +51,23 @@
 //!   repair an overflow; a grad scaler skips such a step.
 //! - The per-rank sums travel as f32, so a norm above about 1.8·10¹⁹ (a squared norm beyond
 //!   f32's range) reads as infinite.
-//! - Host-accessible (CPU) memory only, like the optimizers.
+//! - The sharded norms and clipping run through the kernel seam on the shard device (CPU or
+//!   CUDA: `SumSquares`, `ScaleInplace`); the local references (`*_local`) sum on the host and
+//!   accept CPU tensors only. On CUDA the per-rank sums are blocked f64 sums (deterministic, no
+//!   atomics) and may differ from the CPU's sequential f64 sums in the last bit of the f32
+//!   rounding.
 
 use std::sync::mpsc;
 
 use fsdp_autograd::{current_stream, Parameter, Tensor};
 
 use crate::error::{FsdpError, Result};
+use fsdp_alloc::Stream;
+use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand, SqPiece};
+
 use crate::sharded::{
-    all_reduce_sum, f32_mem, launch_f32, read_after, sum_sq, zeros_on, ShardedParams,
+    all_reduce_sum, f32_mem, f32_operand, kernels_for, launch_f32, read_after, sum_sq, zeros_on,
+    ShardedParams,
 };
 
 /// Per-parameter sums of squares of either the gradients (`grads`) or the shards, completed
@@ -98,7 +107,7 @@ fn per_param_sq(model: &dyn ShardedParams, grads: bool, op: &str) -> Result<Vec<
                 s.layout.chunk_numel()
             )));
         }
-        reads.push(f32_mem(t, op, &format!("unit `{}`", s.path), &stream)?);
+        reads.push(f32_operand(t, op, &format!("unit `{}`", s.path), &stream)?);
         jobs.push(
             s.layout
                 .rank_pieces(s.rank)?
@@ -108,23 +117,25 @@ fn per_param_sq(model: &dyn ShardedParams, grads: bool, op: &str) -> Result<Vec<
         );
     }
     let sums = zeros_on(n, model.shard_device(), &stream)?;
-    launch_f32(
-        &stream,
-        "per_param_sq",
-        reads,
-        vec![f32_mem(&sums, op, "the norm sums", &stream)?],
-        move |r, w| {
-            let mut acc = vec![0f64; n];
-            for (x, pieces) in r.iter().zip(&jobs) {
-                for (idx, range) in pieces {
-                    acc[*idx] += sum_sq(&x[range.clone()]);
-                }
-            }
-            for (o, a) in w[0].iter_mut().zip(&acc) {
-                *o = *a as f32;
-            }
-        },
-    );
+    let out = f32_operand(&sums, op, "the norm sums", &stream)?;
+    let pieces: Vec<SqPiece> = jobs
+        .iter()
+        .enumerate()
+        .flat_map(|(input, pieces)| {
+            pieces.iter().map(move |(idx, range)| SqPiece {
+                input,
+                start: range.start,
+                len: range.len(),
+                out: *idx,
+            })
+        })
+        .collect();
+    let l = Launch::SumSquares {
+        xs: &reads,
+        pieces: &pieces,
+        out: &out,
+    };
+    kernels_for(model.shard_device())?.launch(&stream, &l)?;
     let work = all_reduce_sum(model, &sums, &stream)?;
     let v = read_after(&sums, &stream, work)?;
     Ok(names
@@ -169,7 +180,7 @@ pub fn grad_norm(model: &dyn ShardedParams) -> Result<f64> {
     let mut reads = Vec::new();
     for s in model.shards() {
         if let Some(g) = &s.grad {
-            reads.push(f32_mem(
+            reads.push(f32_operand(
                 g,
                 OP,
                 &format!("the gradient of unit `{}`", s.path),
@@ -177,17 +188,26 @@ pub fn grad_norm(model: &dyn ShardedParams) -> Result<f64> {
             )?);
         }
     }
+    // One output: every gradient's f64 sum of squares added in unit order (as one f64 sum
+    // over all units), rounded to f32 once.
+    let pieces: Vec<SqPiece> = reads
+        .iter()
+        .enumerate()
+        .map(|(input, g)| SqPiece {
+            input,
+            start: 0,
+            len: g.numel(),
+            out: 0,
+        })
+        .collect();
     let acc = zeros_on(1, model.shard_device(), &stream)?;
-    launch_f32(
-        &stream,
-        "grad_sq",
-        reads,
-        vec![f32_mem(&acc, OP, "the norm sum", &stream)?],
-        |r, w| {
-            let total: f64 = r.iter().map(|g| sum_sq(g)).sum();
-            w[0][0] = total as f32;
-        },
-    );
+    let out = f32_operand(&acc, OP, "the norm sum", &stream)?;
+    let l = Launch::SumSquares {
+        xs: &reads,
+        pieces: &pieces,
+        out: &out,
+    };
+    kernels_for(model.shard_device())?.launch(&stream, &l)?;
     let work = all_reduce_sum(model, &acc, &stream)?;
     let v = read_after(&acc, &stream, work)?;
     Ok((v[0] as f64).sqrt())
@@ -213,11 +233,14 @@ fn check_max_norm(op: &str, max_norm: f64) -> Result<()> {
     }
 }
 
-/// `g ← c·g` in place.
-fn scale_kernel(g: &mut [f32], c: f32) {
-    for x in g {
-        *x *= c;
-    }
+/// `g ← c·g` in place through the seam (`ScaleInplace`: one f32 product per element).
+fn scale_inplace(k: &Kernels, stream: &Stream, g: &Operand, c: f32) -> Result<()> {
+    let l = Launch::ScaleInplace {
+        n: g.numel(),
+        alpha: c,
+        y: g,
+    };
+    Ok(k.launch(stream, &l)?)
 }
 
 /// Clips the global gradient norm to `max_norm`: computes it as [`grad_norm`] (one all-reduce
@@ -233,17 +256,16 @@ pub fn clip_grad_norm(model: &dyn ShardedParams, max_norm: f64) -> Result<f64> {
     let total = grad_norm(model)?;
     if let Some(c) = clip_coef(max_norm, total) {
         let stream = model.optimizer_stream().clone();
+        let k = kernels_for(model.shard_device())?;
         for s in model.shards() {
             if let Some(g) = &s.grad {
-                let gm = f32_mem(
+                let gm = f32_operand(
                     g,
                     OP,
                     &format!("the gradient of unit `{}`", s.path),
                     &stream,
                 )?;
-                launch_f32(&stream, "clip_scale", vec![], vec![gm], move |_, w| {
-                    scale_kernel(w[0], c)
-                });
+                scale_inplace(&k, &stream, &gm, c)?;
                 g.storage().bump_version();
             }
         }
@@ -277,7 +299,15 @@ fn local_sq(tensors: &[Tensor], op: &'static str) -> Result<Vec<f64>> {
         } else {
             t.contiguous_copy()?
         };
-        reads.push(f32_mem(&t, op, "a local tensor", &stream)?);
+        let m = f32_mem(&t, op, "a local tensor", &stream)?;
+        if m.device_ptr().is_some() {
+            return Err(FsdpError::Device(format!(
+                "{op}: the local norm references sum on the host (f64, one sequential sum per \
+                 tensor); move the tensors to a CPU device, or use the sharded norms \
+                 (`grad_norm`, `grad_norms_per_param`), which run on the device"
+            )));
+        }
+        reads.push(m);
         keep.push(t);
     }
     let (tx, rx) = mpsc::channel();
@@ -364,10 +394,8 @@ pub fn clip_grad_norm_local(params: &[Parameter], max_norm: f64) -> Result<f64> 
     if let Some(c) = clip_coef(max_norm, total) {
         for g in &tensors {
             let stream = current_stream(g.device());
-            let gm = f32_mem(g, OP, "a gradient", &stream)?;
-            launch_f32(&stream, "clip_scale", vec![], vec![gm], move |_, w| {
-                scale_kernel(w[0], c)
-            });
+            let gm = f32_operand(g, OP, "a gradient", &stream)?;
+            scale_inplace(&kernels_for(g.device())?, &stream, &gm, c)?;
             g.storage().bump_version();
         }
     }

@@ -58,7 +58,10 @@ use fsdp_collectives::{DeviceSlice, ReduceOp};
 
 use crate::error::{FsdpError, Result};
 use crate::optim::{LocalOptimizer, ShardedOptimizer};
-use crate::sharded::{f32_mem, launch_f32, zeros_on, ShardedParams};
+use fsdp_alloc::Stream;
+use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand};
+
+use crate::sharded::{f32_operand, kernels_for, zeros_on, ShardedParams};
 
 /// Loss-scaling hyper-parameters (PyTorch's `GradScaler` defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -231,14 +234,16 @@ impl Schedule {
     }
 }
 
-/// `g ← g·inv` in place; true if any element was inf or NaN before scaling.
-fn unscale_kernel(g: &mut [f32], inv: f32) -> bool {
-    let mut found = false;
-    for x in g {
-        found |= !x.is_finite();
-        *x *= inv;
-    }
-    found
+/// `g ← g·inv` in place through the seam (`Unscale`); sets `flag[0] = 1` if any element was
+/// inf or NaN before scaling.
+fn unscale_on(k: &Kernels, stream: &Stream, g: &Operand, inv: f32, flag: &Operand) -> Result<()> {
+    let l = Launch::Unscale {
+        n: g.numel(),
+        inv,
+        g,
+        found_inf: flag,
+    };
+    Ok(k.launch(stream, &l)?)
 }
 
 /// The sharded grad scaler (see the [module docs](self)). The public knobs are in
@@ -312,27 +317,18 @@ impl ShardedGradScaler {
         let inv = self.sched.inv_scale(OP)?;
         let stream = model.optimizer_stream().clone();
         let flag = zeros_on(1, model.shard_device(), &stream)?;
-        let flag_mem = f32_mem(&flag, OP, "the found-inf flag", &stream)?;
+        let flag_op = f32_operand(&flag, OP, "the found-inf flag", &stream)?;
+        let flag_mem = flag_op.buf.clone();
+        let k = kernels_for(model.shard_device())?;
         for s in model.shards() {
             let Some(g) = &s.grad else { continue };
-            let gm = f32_mem(
+            let gm = f32_operand(
                 g,
                 OP,
                 &format!("the gradient of unit `{}`", s.path),
                 &stream,
             )?;
-            launch_f32(
-                &stream,
-                "unscale",
-                vec![],
-                vec![gm, flag_mem.clone()],
-                move |_, w| {
-                    let (g, flag) = w.split_at_mut(1);
-                    if unscale_kernel(g[0], inv) {
-                        flag[0][0] = 1.0;
-                    }
-                },
-            );
+            unscale_on(&k, &stream, &gm, inv, &flag_op)?;
             g.storage().bump_version();
         }
         // Max over every rank: the shard group, then the replicas (hybrid sharding). Also with
@@ -347,7 +343,7 @@ impl ShardedGradScaler {
         }
         let v = with_stream(&stream, || flag.to_vec::<f32>());
         for w in works {
-            w.wait()?;
+            crate::sharded::outcome(&w)?;
         }
         let found_inf = v?[0] != 0.0;
         self.sched.stage = Stage::Unscaled { found_inf };
@@ -460,15 +456,10 @@ impl LocalGradScaler {
         for p in params {
             let Some(g) = p.grad() else { continue };
             let stream = current_stream(g.device());
-            let gm = f32_mem(&g, OP, &format!("the gradient of `{}`", p.name()), &stream)?;
+            let gm = f32_operand(&g, OP, &format!("the gradient of `{}`", p.name()), &stream)?;
             let flag = zeros_on(1, g.device(), &stream)?;
-            let fm = f32_mem(&flag, OP, "the found-inf flag", &stream)?;
-            launch_f32(&stream, "unscale", vec![], vec![gm, fm], move |_, w| {
-                let (g, flag) = w.split_at_mut(1);
-                if unscale_kernel(g[0], inv) {
-                    flag[0][0] = 1.0;
-                }
-            });
+            let fm = f32_operand(&flag, OP, "the found-inf flag", &stream)?;
+            unscale_on(&kernels_for(g.device())?, &stream, &gm, inv, &fm)?;
             g.storage().bump_version();
             flags.push(flag);
         }
@@ -565,6 +556,7 @@ mod tests {
 
     #[test]
     fn unscale_kernel_flags_inf_and_nan() {
+        use fsdp_autograd::kernels::cpu::optim::unscale as unscale_kernel;
         let mut g = [2.0f32, 4.0];
         assert!(!unscale_kernel(&mut g, 0.5));
         assert_eq!(g, [1.0, 2.0]);

@@ -9,6 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use fsdp_alloc::{BufferRef, DType, Device, Stream};
+use fsdp_autograd::kernels::backend::{Kernels, Operand};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::{with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, ProcessGroup, ReduceOp, Work};
@@ -75,14 +76,44 @@ impl<M: Module + 'static> ShardedParams for Fsdp<M> {
 
 // ============================================================================ f32 kernels
 
+/// A contiguous f32 tensor as a kernel operand on `stream` (see [`f32_mem`]).
+///
+/// # Errors
+/// As [`f32_mem`].
+pub(crate) fn f32_operand(t: &Tensor, op: &str, what: &str, stream: &Stream) -> Result<Operand> {
+    Ok(Operand {
+        buf: f32_mem(t, op, what, stream)?,
+        dtype: DType::F32,
+    })
+}
+
+/// Elements `range` of an f32 operand.
+///
+/// # Errors
+/// A range outside the operand.
+pub(crate) fn slice_f32(o: &Operand, range: Range<usize>) -> Result<Operand> {
+    Ok(Operand {
+        buf: o.buf.slice_elems::<f32>(range.start, range.len())?,
+        dtype: DType::F32,
+    })
+}
+
+/// The kernels (the seam) of `device`.
+///
+/// # Errors
+/// A CUDA device without the `cuda` feature or whose kernels cannot be loaded.
+pub(crate) fn kernels_for(device: &Device) -> Result<Kernels> {
+    Ok(Kernels::for_device(device)?)
+}
+
 /// The memory of a contiguous f32 tensor for a kernel launched on `stream`. Records `stream` on
 /// the tensor's buffer when it was allocated on another stream (e.g. a gradient produced on the
 /// reduce stream), so the allocator does not hand the memory out again before the kernel ran.
 ///
 /// # Errors
 /// [`FsdpError::Dtype`] for a non-f32 tensor, [`FsdpError::InvalidArgument`] for a
-/// non-contiguous one, [`FsdpError::Device`] for a tensor on another device than `stream` or in
-/// CUDA memory, [`FsdpError::State`] for released storage.
+/// non-contiguous one, [`FsdpError::Device`] for a tensor on another device than `stream`,
+/// [`FsdpError::State`] for released storage.
 pub(crate) fn f32_mem(t: &Tensor, op: &str, what: &str, stream: &Stream) -> Result<BufferRef> {
     if t.dtype() != DType::F32 {
         return Err(FsdpError::Dtype(format!(
@@ -121,17 +152,12 @@ pub(crate) fn f32_mem(t: &Tensor, op: &str, what: &str, stream: &Stream) -> Resu
                  or gather it before this call"
             ))
         })?;
-    if r.device_ptr().is_some() {
-        return Err(FsdpError::Device(format!(
-            "{op}: {what} is CUDA device memory; the optimizer, clipping and scaler kernels of \
-             fsdp-core run on host-accessible (CPU) memory only — use CPU devices or CPU offload"
-        )));
-    }
     Ok(r.slice_elems::<f32>(t.offset(), t.numel())?)
 }
 
 /// Launches `f` on `stream` with shared access to `reads` and exclusive access to `writes`
-/// (f32 ranges). Access conflicts cannot happen for ranges checked at launch time; if one did,
+/// (f32 ranges of host-accessible memory: the local norm references only; everything a sharded
+/// model runs goes through the kernel seam). Access conflicts cannot happen for ranges checked at launch time; if one did,
 /// the stream fails (like an asynchronous device error) and reports it at the next
 /// synchronization.
 pub(crate) fn launch_f32(
@@ -199,10 +225,7 @@ pub(crate) fn trainable_ranges(s: &UnitShard) -> Result<Vec<Range<usize>>> {
 
 // ============================================================================ sums across ranks
 
-/// Σ x² accumulated in f64, sequentially.
-pub(crate) fn sum_sq(x: &[f32]) -> f64 {
-    x.iter().map(|&v| v as f64 * v as f64).sum()
-}
+pub(crate) use fsdp_autograd::kernels::cpu::optim::sum_sq;
 
 /// All-reduces (sum) the f32 tensor `t` over the model's shard group on `stream` and returns
 /// the collective; `None` when there is nothing to reduce (`NoShard`: every rank holds whole
@@ -223,13 +246,23 @@ pub(crate) fn all_reduce_sum(
 }
 
 /// Reads an f32 tensor on `stream` (after everything launched there), then reports `work`'s
-/// error if the collective failed.
+/// error if the collective failed. The readback is the one host wait: the collective was
+/// launched on `stream` before the read, so it has finished once the read returns and its
+/// outcome is taken without waiting again (a collective still running then is waited for).
 pub(crate) fn read_after(t: &Tensor, stream: &Stream, work: Option<Work>) -> Result<Vec<f32>> {
     let v = with_stream(stream, || t.to_vec::<f32>());
     if let Some(w) = work {
-        w.wait()?;
+        outcome(&w)?;
     }
     Ok(v?)
+}
+
+/// A collective's outcome: without waiting when it has finished, else after waiting.
+pub(crate) fn outcome(w: &Work) -> Result<()> {
+    match w.try_result() {
+        Some(r) => Ok(r?),
+        None => Ok(w.wait()?),
+    }
 }
 
 #[cfg(test)]

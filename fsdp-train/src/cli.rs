@@ -140,9 +140,9 @@ pub struct ParallelArgs {
     #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
     pub backend: BackendArg,
     /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (one GPU per
-    /// rank, NCCL collectives, always with CPU offload: the optimizer runs on the host; needs a
-    /// build with --features fsdp-core/cuda; never run on a GPU by its authors). Without a CUDA
-    /// driver, cuda exits with one line naming what is missing
+    /// rank, NCCL collectives; shards, sharded gradients and optimizer state stay on the GPU and
+    /// the optimizer runs there unless --cpu-offload; needs a build with --features
+    /// fsdp-core/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
     /// Sharding strategy
@@ -168,7 +168,10 @@ pub struct ParallelArgs {
     /// Gather and compute in D (bf16 | f16), reduce in D, keep f32 shards
     #[arg(long, value_enum, value_name = "D")]
     pub mixed_precision: Option<MixedPrecisionArg>,
-    /// Keep shards and sharded gradients on a separate host device; the optimizer steps there
+    /// CPU offload, only when asked: keep shards, sharded gradients and optimizer state on a
+    /// separate host device; the optimizer steps there
+    /// and shards and gradients are copied to and from the compute device around each unit.
+    /// Off by default, also with --device cuda (everything stays on the GPU)
     #[arg(long)]
     pub cpu_offload: bool,
     /// Run on checked (race-detecting) devices (slower; a violation stops training with both
@@ -631,11 +634,6 @@ impl Cli {
                  for up to 65536)"
             ));
         }
-        if cuda.is_some() && !p.strategy.is_sharded() {
-            return usage(
-                "--device cuda trains with CPU offload (the optimizer runs on the host), which                  needs a sharded strategy (not no-shard)",
-            );
-        }
         let strategy = p.strategy;
         let shard_size = p.shard_size.map(|f| f as usize);
         // Strategies that shard over a shard group (the table's `ShardOver::ShardGroup`) take
@@ -782,8 +780,8 @@ impl Cli {
                 MixedPrecisionArg::Bf16 => DType::BF16,
                 MixedPrecisionArg::F16 => DType::F16,
             }),
-            // CUDA ranks keep shards and optimizer state on the host (crate::cuda).
-            cpu_offload: p.cpu_offload || cuda.is_some(),
+            // Only when asked: CUDA ranks keep everything on the GPU by default.
+            cpu_offload: p.cpu_offload,
             checked: p.checked,
             tf32: p.tf32,
             steps: o.steps as usize,

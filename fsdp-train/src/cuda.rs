@@ -8,14 +8,15 @@
 //!   `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, `mpirun`, or Slurm's `srun`; read by
 //!   [`RendezvousEnv`]); the process's GPU is its local rank.
 //!
-//! Every GPU rank runs with CPU offload: the model is built on a host device (eager init writes
-//! parameters with host code; `--deferred-init` generates only the shards, on the host); the
-//! shards, sharded gradients and optimizer state live on that host device and the optimizer,
-//! gradient-norm and clipping kernels run there (fsdp-core's optimizer kernels are host code),
-//! while forward, backward, all-gathers and reduce-scatters run on the GPU. Shards are uploaded before each all-gather and reduced gradient shards downloaded
-//! after each reduce-scatter, synchronously for the issuing thread.
-//!
-//! **Never run on a GPU**: this path is compile-checked (`cargo check -p fsdp-train --features
+//! GPU ranks keep shards, sharded gradients and optimizer state on their GPU: the optimizer,
+//! gradient-norm, clipping and scaler kernels run there through the kernel seam (fsdp-core's
+//! optimizers launch `Launch::AdamWStep`, `SgdStep`, `SumSquares`, … on the shard device). With
+//! eager init the model is first built on a host device (eager init writes parameters with host
+//! code) and FSDP copies each rank's shards onto the GPU; `--deferred-init` generates only the
+//! shards. CPU offload happens only when asked (`--cpu-offload`): then the shards, sharded
+//! gradients and optimizer state live on that host device and the optimizer runs there.
+
+//! **Not run on a GPU since the device-resident optimizer**: this path is compile-checked (`cargo check -p fsdp-train --features
 //! cuda`); here, without a CUDA driver, `--device cuda` exits with a one-line
 //! error naming what is missing.
 
@@ -138,9 +139,10 @@ pub fn world_size(launch: CudaLaunch, ranks: Option<u64>) -> Result<usize, Strin
     }
 }
 
-/// Rank `rank`'s compute device and its CPU offload host (ids apart from the compute devices):
-/// CPU ranks as `cfg` says; CUDA ranks on their GPU, always with a host device (see the module
-/// docs).
+/// Rank `rank`'s compute device and its host device (ids apart from the compute devices): CPU
+/// ranks get a host device only with `--cpu-offload`; CUDA ranks always get one, to build the
+/// model on with eager init (see [`init_device`]), which is their offload device only with
+/// `--cpu-offload` (see `train.rs`).
 ///
 /// # Errors
 /// The device's error (no CUDA support, no driver, a bad ordinal).

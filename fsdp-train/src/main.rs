@@ -418,6 +418,13 @@ fn summary(
         steps.iter().map(|s| s.secs).collect()
     };
     let step_s = median(timed);
+    // Host waits per step (first step excluded like the time: it creates optimizer state).
+    let syncs: Vec<f64> = steps
+        .iter()
+        .skip(usize::from(steps.len() > 1))
+        .map(|s| s.host_syncs as f64)
+        .collect();
+    let host_syncs = median(syncs);
     let tokens = c.tokens_per_step() as f64;
     let tokens_per_s = tokens / step_s;
     let first = steps.first().map_or(f32::NAN, |s| s.loss);
@@ -512,6 +519,7 @@ fn summary(
             "strategy": strategy_name(c.strategy),
             "tokens_per_s": json_num((tokens_per_s * 10.0).round() / 10.0),
             "step_ms_median": json_num(step_s * 1e3),
+            "host_syncs_per_step": json_num(host_syncs),
             "final_loss": json_num(last as f64),
             "val_loss": json_num(val),
             "peak_allocated_bytes_per_rank": peak,

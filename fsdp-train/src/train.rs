@@ -235,6 +235,10 @@ pub struct StepRecord {
     pub grad_norm: f64,
     /// Rank 0's wall time of the step.
     pub secs: f64,
+    /// Host-side waits of rank 0's issuing thread on streams and events
+    /// (`fsdp_alloc::stream::host_syncs`) from the first forward until the optimizer step was
+    /// launched (the end-of-step synchronize is not counted).
+    pub host_syncs: u64,
     /// Tokens of the global batch over `secs`.
     pub tokens_per_s: f64,
     /// Max over ranks of the step's peak allocated bytes.
@@ -495,7 +499,8 @@ impl Rank {
             adaptive_limiter: cfg.adaptive_limiter,
             quantize_collectives: cfg.quantize_collectives,
             mixed_precision: cfg.mixed_precision.map(MixedPrecision::uniform),
-            cpu_offload: host.clone(),
+            // Only when asked: a CUDA rank's host device is only for eager init otherwise.
+            cpu_offload: host.clone().filter(|_| cfg.cpu_offload),
             ..FsdpConfig::default()
         };
         // With --deferred-init the parameters live on the fake device (recorded init ops only)
@@ -848,7 +853,7 @@ impl Rank {
             let batches: Result<Vec<_>, _> =
                 (0..self.cfg.grad_accum).map(|m| self.batch(s, m)).collect();
             let batches = self.agree(batches, "reading training data")?;
-            let (scaled, norm) = self
+            let (scaled, norm, host_syncs) = self
                 .step(batches, lr)
                 .map_err(self.err(format!("step {step}")))?;
             if !norm.is_finite() {
@@ -903,6 +908,7 @@ impl Rank {
                 lr,
                 grad_norm: norm,
                 secs,
+                host_syncs,
                 tokens_per_s: tokens / secs,
                 peak_allocated: peaks[0],
                 peak_reserved: peaks[1],
@@ -979,8 +985,13 @@ impl Rank {
 
     /// Forward/backward of every micro-batch, the gradient norm (clipped if asked) and the
     /// optimizer step unless the norm is not finite. Returns (this rank's summed scaled loss,
-    /// global gradient norm).
-    fn step(&mut self, batches: Vec<(Tensor, Tensor)>, lr: f32) -> Result<(f32, f64), FsdpError> {
+    /// global gradient norm, this thread's host waits until the optimizer step was launched).
+    fn step(
+        &mut self,
+        batches: Vec<(Tensor, Tensor)>,
+        lr: f32,
+    ) -> Result<(f32, f64, u64), FsdpError> {
+        let syncs_before = fsdp_alloc::stream::host_syncs();
         let accum = batches.len();
         let world = self.cfg.ranks;
         let vocab = self.cfg.gpt.vocab;
@@ -1010,14 +1021,19 @@ impl Rank {
         };
         if !norm.is_finite() {
             self.fsdp.zero_grad();
-            return Ok((scaled, norm));
+            return Ok((
+                scaled,
+                norm,
+                fsdp_alloc::stream::host_syncs() - syncs_before,
+            ));
         }
         match self.opt.as_mut() {
             Some(opt) => opt.step(&self.fsdp, lr)?,
             None => self.fsdp.sgd_step(lr)?,
         }
+        let syncs = fsdp_alloc::stream::host_syncs() - syncs_before;
         self.fsdp.synchronize()?;
-        Ok((scaled, norm))
+        Ok((scaled, norm, syncs))
     }
 
     /// Global mean loss and, over ranks: max peak allocated, max peak reserved, sum of

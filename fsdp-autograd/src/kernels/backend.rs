@@ -37,6 +37,7 @@ use std::sync::Arc;
 
 use fsdp_alloc::{BufferRef, DType, DeviceId, Stream};
 
+use super::cpu::optim::{AdamCoeffs, LambCoeffs, SgdRule};
 use super::{Gelu, KernelError};
 use crate::error::{AutogradError, Result};
 
@@ -270,6 +271,20 @@ pub struct SumTo {
     pub target_strides: Vec<usize>,
     /// Elements of `out`.
     pub out_numel: usize,
+}
+
+/// One piece of a [`Launch::SumSquares`]: elements `start..start + len` of input `input`,
+/// whose squares are added to output `out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SqPiece {
+    /// Index into the launch's inputs.
+    pub input: usize,
+    /// First element of the piece in that input.
+    pub start: usize,
+    /// Number of elements.
+    pub len: usize,
+    /// Index of the output element the squares are added to.
+    pub out: usize,
 }
 
 /// One kernel launch through the seam: which kernel, its shape struct and sizes, and its
@@ -573,6 +588,101 @@ pub enum Launch<'a> {
         /// The destination memory.
         dst: &'a Operand,
     },
+    // ---- optimizer, gradient clipping and grad scaler (fsdp-core's optimizers launch these;
+    // CPU kernels in `cpu::optim`, CUDA kernels in the "optimizer" section of kernels.cu).
+    // Every operand is f32 and no output overlaps another operand.
+    /// Fused SGD step of `n` elements: [`SgdRule::update`] on `p` from `g` with the momentum
+    /// buffer `buf` (`None` without momentum; `first`: the buffer holds no history yet).
+    SgdStep {
+        /// Elements.
+        n: usize,
+        /// The hyper-parameters.
+        rule: SgdRule,
+        /// The momentum buffer is fresh (overwritten, not decayed).
+        first: bool,
+        /// Parameters (updated).
+        p: &'a Operand,
+        /// Gradient.
+        g: &'a Operand,
+        /// Momentum buffer (updated), with momentum only.
+        buf: Option<&'a Operand>,
+    },
+    /// Fused AdamW step of `n` elements, both state slots at once
+    /// ([`cpu::optim::adamw_step`](super::cpu::optim::adamw_step)).
+    AdamWStep {
+        /// Elements.
+        n: usize,
+        /// The step's scalars.
+        c: AdamCoeffs,
+        /// Parameters (updated).
+        p: &'a Operand,
+        /// Gradient.
+        g: &'a Operand,
+        /// First moment (updated).
+        m: &'a Operand,
+        /// Second moment (updated).
+        v: &'a Operand,
+    },
+    /// LAMB's moments and direction `u` over `n` elements
+    /// ([`cpu::optim::lamb_direction`](super::cpu::optim::lamb_direction)).
+    LambDirection {
+        /// Elements.
+        n: usize,
+        /// The step's scalars.
+        c: LambCoeffs,
+        /// Parameters (read).
+        p: &'a Operand,
+        /// Gradient.
+        g: &'a Operand,
+        /// First moment (updated).
+        m: &'a Operand,
+        /// Second moment (updated).
+        v: &'a Operand,
+        /// Direction (written).
+        u: &'a Operand,
+    },
+    /// `p += (−lr·ratio)·u` over `n` elements, the trust ratio computed on the device from the
+    /// squared norms `sums[w_sq]` and `sums[u_sq]`
+    /// ([`cpu::optim::lamb_apply`](super::cpu::optim::lamb_apply)).
+    LambApply {
+        /// Elements.
+        n: usize,
+        /// Learning rate.
+        lr: f32,
+        /// Index of `‖p‖²` in `sums`.
+        w_sq: usize,
+        /// Index of `‖u‖²` in `sums`.
+        u_sq: usize,
+        /// The squared norms.
+        sums: &'a Operand,
+        /// Direction.
+        u: &'a Operand,
+        /// Parameters (updated).
+        p: &'a Operand,
+    },
+    /// Deterministic sums of squares: `out[o] = Σ` (over the pieces with `out == o`, in order)
+    /// of the piece's `Σ x²`; every sum accumulates in f64 and is rounded to f32 once; outputs
+    /// no piece names are 0. No float atomics (CPU: sequential; CUDA: fixed-shape blocked sums).
+    SumSquares {
+        /// The inputs.
+        xs: &'a [Operand],
+        /// The pieces, in summation order.
+        pieces: &'a [SqPiece],
+        /// The sums (overwritten).
+        out: &'a Operand,
+    },
+    /// Grad-scaler unscale of `n` elements: `g *= inv`; `found_inf[0] = 1` if any element was
+    /// inf or NaN before scaling (left alone otherwise).
+    Unscale {
+        /// Elements.
+        n: usize,
+        /// `1 / scale`.
+        inv: f32,
+        /// Gradient (updated).
+        g: &'a Operand,
+        /// One-element flag.
+        found_inf: &'a Operand,
+    },
 }
 
 impl Launch<'_> {
@@ -609,6 +719,12 @@ impl Launch<'_> {
             Launch::Fill { .. } => "fill",
             Launch::Arange { .. } => "arange",
             Launch::Copy { .. } => "copy",
+            Launch::SgdStep { .. } => "sgd_step",
+            Launch::AdamWStep { .. } => "adamw_step",
+            Launch::LambDirection { .. } => "lamb_direction",
+            Launch::LambApply { .. } => "lamb_apply",
+            Launch::SumSquares { .. } => "sum_squares",
+            Launch::Unscale { .. } => "unscale",
         }
     }
 }
@@ -1087,6 +1203,12 @@ impl Kernels {
                 dst_view,
                 dst,
             } => self.check_copy(src_view, src, dst_view, dst),
+            Launch::SgdStep { .. }
+            | Launch::AdamWStep { .. }
+            | Launch::LambDirection { .. }
+            | Launch::LambApply { .. }
+            | Launch::SumSquares { .. }
+            | Launch::Unscale { .. } => self.check_optim(l),
         }
     }
 
@@ -1167,5 +1289,125 @@ impl Kernels {
     pub fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
         self.dev("read", "src", src)?;
         self.backend.read(s, src, f)
+    }
+}
+
+/// What optimizer state, gradients and norm sums hold (for dtype errors).
+const OPTIM: &str = "optimizer operands are f32";
+
+impl Kernels {
+    /// The checks of the optimizer launches ([`Launch::SgdStep`] … [`Launch::Unscale`]): every
+    /// operand f32 of the stated size on this device, and no output overlapping another operand.
+    fn check_optim(&self, l: &Launch<'_>) -> Result<bool> {
+        let op = l.name();
+        let f = |name, o, n| exact(name, o, DType::F32, OPTIM, n);
+        let n_is = |n: usize| move || format!("n={n}");
+        // (table, outputs, the number of elements computed)
+        let (table, outs, n): (Vec<Arg<'_>>, Vec<&Operand>, usize) = match *l {
+            Launch::SgdStep { n, p, g, buf, .. } => {
+                let mut t = vec![f("p", p, n), f("g", g, n)];
+                let mut outs = vec![p];
+                if let Some(b) = buf {
+                    t.push(f("buf", b, n));
+                    outs.push(b);
+                }
+                (t, outs, n)
+            }
+            Launch::AdamWStep { n, p, g, m, v, .. } => (
+                vec![f("p", p, n), f("g", g, n), f("m", m, n), f("v", v, n)],
+                vec![p, m, v],
+                n,
+            ),
+            Launch::LambDirection {
+                n, p, g, m, v, u, ..
+            } => (
+                vec![
+                    f("p", p, n),
+                    f("g", g, n),
+                    f("m", m, n),
+                    f("v", v, n),
+                    f("u", u, n),
+                ],
+                vec![m, v, u],
+                n,
+            ),
+            Launch::LambApply {
+                n,
+                w_sq,
+                u_sq,
+                sums,
+                u,
+                p,
+                ..
+            } => {
+                if w_sq >= sums.numel() || u_sq >= sums.numel() {
+                    let reason = format!(
+                        "norm indices {w_sq} and {u_sq} must lie below the {} sums",
+                        sums.numel()
+                    );
+                    return Err(invalid(op, reason));
+                }
+                (
+                    vec![f("u", u, n), f("p", p, n), f("sums", sums, sums.numel())],
+                    vec![p],
+                    n,
+                )
+            }
+            Launch::SumSquares { xs, pieces, out } => {
+                let mut t: Vec<Arg<'_>> = xs.iter().map(|x| f("xs", x, x.numel())).collect();
+                t.push(f("out", out, out.numel()));
+                for (i, pc) in pieces.iter().enumerate() {
+                    let x = xs.get(pc.input).ok_or_else(|| {
+                        invalid(
+                            op,
+                            format!("piece {i} names input {} of {}", pc.input, xs.len()),
+                        )
+                    })?;
+                    if pc.start.checked_add(pc.len).is_none_or(|e| e > x.numel())
+                        || pc.out >= out.numel()
+                    {
+                        let reason = format!(
+                            "piece {i} ({pc:?}) reaches outside input {} ({} elements) or the \
+                             {} outputs",
+                            pc.input,
+                            x.numel(),
+                            out.numel()
+                        );
+                        return Err(invalid(op, reason));
+                    }
+                }
+                (t, vec![out], out.numel())
+            }
+            Launch::Unscale {
+                n, g, found_inf, ..
+            } => (
+                vec![f("g", g, n), f("found_inf", found_inf, 1)],
+                vec![g, found_inf],
+                n,
+            ),
+            _ => unreachable!("check_optim is called for the optimizer launches only"),
+        };
+        self.args(op, n_is(n), &table)?;
+        // Outputs are identified by their row in the table (the same operand may be passed
+        // under two names, which must fail too).
+        let is_out = |a: &Arg<'_>| outs.iter().any(|o| std::ptr::eq(*o, a.o) && a.name != "xs");
+        for (i, a) in table.iter().enumerate() {
+            if !is_out(a) || a.o.buf.is_empty() {
+                continue;
+            }
+            for (j, b) in table.iter().enumerate() {
+                if i != j && a.o.buf.overlaps(&b.o.buf) {
+                    return Err(AutogradError::Argument {
+                        op,
+                        detail: format!(
+                            "the output `{}` overlaps `{}`; optimizer operands must be \
+                             distinct memory",
+                            a.name, b.name
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(n > 0)
     }
 }

@@ -1,10 +1,14 @@
 //! AdamW (PyTorch's single-tensor algorithm, decoupled weight decay): the hyper-parameters
 //! shared with LAMB, the rule, and the sharded and local optimizers running it.
 
+use fsdp_autograd::kernels::backend::Launch;
+use fsdp_autograd::kernels::cpu::optim::adamw_step;
 use fsdp_autograd::Parameter;
 
 use super::driver::{Local, Sharded};
-use super::rule::{check_betas, check_finite, ElementwiseRule, Rule};
+use super::rule::{
+    check_betas, check_finite, kernel_err, missing_slices, slots, ElementwiseRule, Rule, StepArgs,
+};
 use crate::error::Result;
 
 /// AdamW hyper-parameters, shared by [`AdamW`], [`LocalAdamW`], [`super::Lamb`] and
@@ -41,63 +45,9 @@ impl AdamParams {
     }
 }
 
-/// AdamW hyper-parameters for one step `t`, as the kernel sees them (scalars computed in f64,
-/// rounded to f32 once). Made by [`Rule::coeffs`]; opaque.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamCoeffs {
-    decay: f32,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    neg_step_size: f32,
-    bc2_sqrt: f32,
-    pub(crate) eps: f32,
-}
-
-impl AdamCoeffs {
-    pub(crate) fn new(
-        lr: f32,
-        betas: (f32, f32),
-        eps: f32,
-        weight_decay: f32,
-        step: u64,
-    ) -> AdamCoeffs {
-        let (b1, b2) = (betas.0 as f64, betas.1 as f64);
-        let t = step as f64;
-        let bc1 = 1.0 - b1.powf(t);
-        let bc2 = 1.0 - b2.powf(t);
-        AdamCoeffs {
-            decay: (1.0 - lr as f64 * weight_decay as f64) as f32,
-            one_minus_beta1: (1.0 - b1) as f32,
-            beta2: betas.1,
-            one_minus_beta2: (1.0 - b2) as f32,
-            neg_step_size: (-(lr as f64) / bc1) as f32,
-            bc2_sqrt: bc2.sqrt() as f32,
-            eps,
-        }
-    }
-}
-
-/// The Adam moment updates shared by AdamW and LAMB:
-/// `m = m + (1−β1)·(g − m)`, `v = β2·v + (1−β2)·(g·g)`; returns the new (m, v).
-#[inline(always)]
-pub(crate) fn moments(g: f32, m: &mut f32, v: &mut f32, c: &AdamCoeffs) -> (f32, f32) {
-    *m += c.one_minus_beta1 * (g - *m);
-    *v = c.beta2 * *v + c.one_minus_beta2 * (g * g);
-    (*m, *v)
-}
-
-/// One AdamW update (PyTorch's single-tensor algorithm), element by element:
-/// `p = p·(1 − lr·λ)`, moments as [`moments`], `denom = √v / √(1−β2ᵗ) + ε`,
-/// `p = p + (−lr/(1−β1ᵗ))·(m / denom)`.
-fn adamw_kernel(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs) {
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let decayed = *p * c.decay;
-        let (m, v) = moments(g, m, v, &c);
-        let denom = v.sqrt() / c.bc2_sqrt + c.eps;
-        *p = decayed + c.neg_step_size * (m / denom);
-    }
-}
+/// AdamW's scalars for one step `t`, as the kernels see them (computed in f64, rounded to f32
+/// once): the seam's type, made by [`Rule::coeffs`].
+pub use fsdp_autograd::kernels::cpu::optim::AdamCoeffs;
 
 /// AdamW's update rule (slots `exp_avg`, `exp_avg_sq`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -121,11 +71,31 @@ impl Rule for AdamWRule {
         AdamCoeffs::new(h.lr, h.betas, h.eps, h.weight_decay, step)
     }
 
-    fn update(c: &AdamCoeffs, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]], _: bool) {
+    fn update(
+        c: &AdamCoeffs,
+        p: &mut [f32],
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        _: bool,
+    ) -> Result<()> {
+        let n = state.len();
         let [m, v] = state else {
-            unreachable!("the drivers pass one slice per slot")
+            return Err(missing_slices("AdamW", n, 2));
         };
-        adamw_kernel(p, g, m, v, *c);
+        adamw_step(c, p, g, m, v).map_err(kernel_err)
+    }
+
+    fn launch(c: &AdamCoeffs, a: &StepArgs<'_>) -> Result<()> {
+        let [m, v] = slots::<2>("AdamW::step", a)?;
+        let l = Launch::AdamWStep {
+            n: a.p.numel(),
+            c: *c,
+            p: a.p,
+            g: a.g,
+            m,
+            v,
+        };
+        Ok(a.kernels.launch(a.stream, &l)?)
     }
 }
 
@@ -227,7 +197,7 @@ mod tests {
             let g: Vec<f32> = (0..7)
                 .map(|i| ((i * 3 + t as usize) % 5) as f32 - 2.0)
                 .collect();
-            AdamWRule::update(&rule.coeffs(t), &mut p, &g, &mut [&mut m, &mut v], t == 1);
+            AdamWRule::update(&rule.coeffs(t), &mut p, &g, &mut [&mut m, &mut v], t == 1).unwrap();
             for i in 0..7 {
                 (rp[i], rm[i], rv[i]) = adamw_reference(rp[i], g[i], rm[i], rv[i], t, h);
             }
@@ -246,13 +216,8 @@ mod tests {
         let mut p = vec![1.0f32, -2.0, 0.5];
         let g = [3.0f32, -0.25, 1e-3];
         let (mut m, mut v) = (vec![0.0; 3], vec![0.0; 3]);
-        adamw_kernel(
-            &mut p,
-            &g,
-            &mut m,
-            &mut v,
-            AdamCoeffs::new(h.lr, h.betas, h.eps, 0.0, 1),
-        );
+        let c = AdamCoeffs::new(h.lr, h.betas, h.eps, 0.0, 1);
+        adamw_step(&c, &mut p, &g, &mut m, &mut v).unwrap();
         for (x, want) in p.iter().zip([0.95f32, -1.95, 0.45]) {
             assert!((x - want).abs() < 1e-5, "{x} vs {want}");
         }

@@ -5,24 +5,25 @@
 
 use std::ops::{Deref, DerefMut, Range};
 
-use fsdp_alloc::{BufferRef, Device, Stream};
+use fsdp_alloc::{Device, Stream};
+use fsdp_autograd::kernels::backend::Operand;
 use fsdp_autograd::{current_stream, Parameter, Tensor};
 use fsdp_collectives::Work;
 
-use super::rule::{ElementwiseRule, Rule};
+use super::rule::{ElementwiseRule, Rule, StepArgs};
 use super::state::{local_sizes, OptimizerState, Slots};
 use super::{LocalOptimizer, ShardedOptimizer};
 use crate::error::{FsdpError, Result};
 use crate::runtime::fsdp::UnitShard;
-use crate::sharded::{f32_mem, launch_f32, trainable_ranges, ShardedParams};
+use crate::sharded::{f32_operand, kernels_for, slice_f32, trainable_ranges, ShardedParams};
 
 /// What one update writes and reads: the parameter tensor (a unit's shard, or a local
 /// parameter), its trainable ranges, its memory and its gradient's memory.
 pub(crate) struct UnitOperands {
     pub(crate) tensor: Tensor,
     pub(crate) ranges: Vec<Range<usize>>,
-    pub(crate) param: BufferRef,
-    pub(crate) grad: BufferRef,
+    pub(crate) param: Operand,
+    pub(crate) grad: Operand,
 }
 
 /// One unit's memory for a sharded step, or `None` if the unit has no gradient or nothing
@@ -51,13 +52,13 @@ pub(crate) fn unit_operands(
     if ranges.is_empty() {
         return Ok(None);
     }
-    let param = f32_mem(
+    let param = f32_operand(
         &s.shard,
         op,
         &format!("the shard of unit `{}`", s.path),
         stream,
     )?;
-    let grad = f32_mem(g, op, &format!("the gradient of unit `{}`", s.path), stream)?;
+    let grad = f32_operand(g, op, &format!("the gradient of unit `{}`", s.path), stream)?;
     Ok(Some(UnitOperands {
         tensor: s.shard.clone(),
         ranges,
@@ -89,8 +90,8 @@ fn local_operands(p: &Parameter, op: &str) -> Result<Option<(Stream, UnitOperand
         )));
     }
     let stream = current_stream(t.device());
-    let param = f32_mem(&t, op, &format!("parameter `{}`", p.name()), &stream)?;
-    let grad = f32_mem(&g, op, &format!("the gradient of `{}`", p.name()), &stream)?;
+    let param = f32_operand(&t, op, &format!("parameter `{}`", p.name()), &stream)?;
+    let grad = f32_operand(&g, op, &format!("the gradient of `{}`", p.name()), &stream)?;
     let o = UnitOperands {
         ranges: std::iter::once(0..t.numel()).collect(),
         tensor: t,
@@ -110,12 +111,12 @@ pub(crate) fn state_operands(
     device: &Device,
     stream: &Stream,
     op: &str,
-) -> Result<(Vec<Tensor>, Vec<BufferRef>, bool)> {
+) -> Result<(Vec<Tensor>, Vec<Operand>, bool)> {
     let (mut tensors, mut mems, mut fresh) = (Vec::new(), Vec::new(), false);
     if keeps_state {
         for slot in 0..slots.names.len() {
             let (t, created) = slots.tensor(slot, i, n, device, stream)?;
-            mems.push(f32_mem(&t, op, slots.names[slot], stream)?);
+            mems.push(f32_operand(&t, op, slots.names[slot], stream)?);
             fresh |= created;
             tensors.push(t);
         }
@@ -123,32 +124,40 @@ pub(crate) fn state_operands(
     Ok((tensors, mems, fresh))
 }
 
-/// Launches `R::update` on `ranges` of the parameter (written), gradient (read) and state
-/// (written) memory.
+/// Launches the rule's fused kernel through the seam on each of `ranges` of the parameter,
+/// gradient and state operands: one launch per range, all state slots at once (a unit whose
+/// parameters are all trainable has one range, so one launch per unit shard).
+#[allow(clippy::too_many_arguments)]
 fn launch_rule<R: Rule>(
+    device: &Device,
     stream: &Stream,
     c: R::Coeffs,
-    ranges: Vec<Range<usize>>,
-    param: BufferRef,
-    grad: BufferRef,
-    state: Vec<BufferRef>,
+    ranges: &[Range<usize>],
+    param: &Operand,
+    grad: &Operand,
+    state: &[Operand],
     fresh: bool,
-) {
-    let mut writes = vec![param];
-    writes.extend(state);
-    launch_f32(stream, R::KERNEL, vec![grad], writes, move |r, w| {
-        let (p, state) = w.split_at_mut(1);
-        for range in &ranges {
-            let mut st: Vec<&mut [f32]> = state.iter_mut().map(|s| &mut s[range.clone()]).collect();
-            R::update(
-                &c,
-                &mut p[0][range.clone()],
-                &r[0][range.clone()],
-                &mut st,
-                fresh,
-            );
-        }
-    });
+) -> Result<()> {
+    let kernels = kernels_for(device)?;
+    for r in ranges {
+        let p = slice_f32(param, r.clone())?;
+        let g = slice_f32(grad, r.clone())?;
+        let st = state
+            .iter()
+            .map(|s| slice_f32(s, r.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        let a = StepArgs {
+            device,
+            kernels: &kernels,
+            stream,
+            p: &p,
+            g: &g,
+            state: &st,
+            fresh,
+        };
+        R::launch(&c, &a)?;
+    }
+    Ok(())
 }
 
 /// One update of entry `i` (a unit or a parameter) by `rule`: creates the entry's state on
@@ -167,7 +176,9 @@ fn step_entry<R: Rule>(
     let (state, mems, fresh) = state_operands(slots, rule.keeps_state(), i, n, device, stream, op)?;
     slots.steps[i] += 1;
     let c = rule.coeffs(slots.steps[i]);
-    launch_rule::<R>(stream, c, o.ranges, o.param, o.grad, mems, fresh);
+    launch_rule::<R>(
+        device, stream, c, &o.ranges, &o.param, &o.grad, &mems, fresh,
+    )?;
     o.tensor.storage().bump_version();
     bump(&state);
     Ok(())

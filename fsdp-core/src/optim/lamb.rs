@@ -5,59 +5,21 @@
 
 use std::ops::Range;
 
-use fsdp_alloc::BufferRef;
+use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand, SqPiece};
+use fsdp_autograd::kernels::cpu::optim::{lamb_apply, lamb_direction, sum_sq};
 use fsdp_autograd::{Parameter, Tensor};
 
-use super::adamw::{moments, AdamCoeffs, AdamParams};
+use super::adamw::AdamParams;
 use super::driver::{state_operands, unit_operands, Local, Sharded, ShardedStep, UnitOperands};
-use super::rule::Rule;
+use super::rule::{kernel_err, missing_slices, slots, Rule, StepArgs};
 use crate::error::Result;
-use crate::sharded::{all_reduce_sum, f32_mem, launch_f32, sum_sq, zeros_on, ShardedParams};
+use crate::sharded::{
+    all_reduce_sum, f32_operand, kernels_for, slice_f32, zeros_on, ShardedParams,
+};
 
-/// One LAMB step's coefficients. Made by [`Rule::coeffs`]; opaque.
-#[derive(Clone, Copy, Debug)]
-pub struct LambCoeffs {
-    adam: AdamCoeffs,
-    bc1: f32,
-    bc2: f32,
-    weight_decay: f32,
-    lr: f32,
-}
-
-/// LAMB phase 1, element by element: moments as in AdamW, then the update direction
-/// `u = m̂ / (√v̂ + ε) + λ·p` with `m̂ = m / (1−β1ᵗ)`, `v̂ = v / (1−β2ᵗ)` (written to `u`).
-fn direction(p: &[f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32], c: &LambCoeffs) {
-    for ((((&p, &g), m), v), u) in p
-        .iter()
-        .zip(g)
-        .zip(m.iter_mut())
-        .zip(v.iter_mut())
-        .zip(u.iter_mut())
-    {
-        let (m, v) = moments(g, m, v, &c.adam);
-        let m_hat = m / c.bc1;
-        let v_hat = v / c.bc2;
-        *u = m_hat / (v_hat.sqrt() + c.adam.eps) + c.weight_decay * p;
-    }
-}
-
-/// LAMB phase 2, element by element: `p = p + (−lr·ratio)·u`.
-fn apply(p: &mut [f32], u: &[f32], lr: f32, ratio: f32) {
-    let a = -(lr * ratio);
-    for (p, &u) in p.iter_mut().zip(u) {
-        *p += a * u;
-    }
-}
-
-/// The trust ratio `‖w‖ / ‖u‖` from the squared norms (1 if either norm is 0 or not finite).
-pub(crate) fn trust_ratio(w_sq: f64, u_sq: f64) -> f32 {
-    let (w, u) = (w_sq.sqrt(), u_sq.sqrt());
-    if w > 0.0 && u > 0.0 && w.is_finite() && u.is_finite() {
-        (w / u) as f32
-    } else {
-        1.0
-    }
-}
+/// One LAMB step's scalars, as the kernels see them: the seam's type, made by
+/// [`Rule::coeffs`].
+pub use fsdp_autograd::kernels::cpu::optim::LambCoeffs;
 
 /// LAMB's update rule on one whole parameter (slots `exp_avg`, `exp_avg_sq`): direction, f64
 /// norms of `p` and `u`, trust ratio, update. Not an [`super::ElementwiseRule`]: the ratio needs
@@ -80,24 +42,86 @@ impl Rule for LambRule {
 
     fn coeffs(&self, step: u64) -> LambCoeffs {
         let h = self.hyper;
-        let t = step as f64;
-        LambCoeffs {
-            adam: AdamCoeffs::new(0.0, h.betas, h.eps, 0.0, step),
-            bc1: (1.0 - (h.betas.0 as f64).powf(t)) as f32,
-            bc2: (1.0 - (h.betas.1 as f64).powf(t)) as f32,
-            weight_decay: h.weight_decay,
-            lr: h.lr,
-        }
+        LambCoeffs::new(h.lr, h.betas, h.eps, h.weight_decay, step)
     }
 
-    fn update(c: &LambCoeffs, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]], _: bool) {
+    fn update(
+        c: &LambCoeffs,
+        p: &mut [f32],
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        _: bool,
+    ) -> Result<()> {
+        let n = state.len();
         let [m, v] = state else {
-            unreachable!("the drivers pass one slice per slot")
+            return Err(missing_slices("Lamb", n, 2));
         };
         let mut u = vec![0f32; p.len()];
-        direction(p, g, m, v, &mut u, c);
-        let ratio = trust_ratio(sum_sq(p), sum_sq(&u));
-        apply(p, &u, c.lr, ratio);
+        lamb_direction(c, p, g, m, v, &mut u).map_err(kernel_err)?;
+        // The squared norms are rounded to f32 as the seam's `SumSquares` does (and the sharded
+        // step, whose sums travel through an f32 all-reduce).
+        let (w_sq, u_sq) = (sum_sq(p) as f32, sum_sq(&u) as f32);
+        lamb_apply(p, &u, c.lr, w_sq as f64, u_sq as f64).map_err(kernel_err)
+    }
+
+    fn launch(c: &LambCoeffs, a: &StepArgs<'_>) -> Result<()> {
+        let [m, v] = slots::<2>("Lamb::step", a)?;
+        let n = a.p.numel();
+        let u = zeros_on(n, a.device, a.stream)?;
+        let sums = zeros_on(2, a.device, a.stream)?;
+        let (uo, so) = (
+            f32_operand(&u, "Lamb::step", "the LAMB direction", a.stream)?,
+            f32_operand(&sums, "Lamb::step", "the norm sums", a.stream)?,
+        );
+        let (k, s) = (a.kernels, a.stream);
+        k.launch(
+            s,
+            &Launch::LambDirection {
+                n,
+                c: *c,
+                p: a.p,
+                g: a.g,
+                m,
+                v,
+                u: &uo,
+            },
+        )?;
+        let xs = [a.p.clone(), uo.clone()];
+        let pieces = [
+            SqPiece {
+                input: 0,
+                start: 0,
+                len: n,
+                out: 0,
+            },
+            SqPiece {
+                input: 1,
+                start: 0,
+                len: n,
+                out: 1,
+            },
+        ];
+        k.launch(
+            s,
+            &Launch::SumSquares {
+                xs: &xs,
+                pieces: &pieces,
+                out: &so,
+            },
+        )?;
+        k.launch(
+            s,
+            &Launch::LambApply {
+                n,
+                lr: c.lr,
+                w_sq: 0,
+                u_sq: 1,
+                sums: &so,
+                u: &uo,
+                p: a.p,
+            },
+        )?;
+        Ok(())
     }
 }
 
@@ -124,11 +148,11 @@ impl Sharded<LambRule> {
 }
 
 /// A unit's part of a sharded LAMB step: its trainable pieces as (global parameter index, range
-/// in the shard), the shard memory and the direction tensor.
+/// in the shard), the shard and the direction.
 struct Job {
     pieces: Vec<(usize, Range<usize>)>,
-    param: BufferRef,
-    dir: Tensor,
+    param: Operand,
+    dir: Operand,
 }
 
 impl ShardedStep for LambRule {
@@ -140,9 +164,11 @@ impl ShardedStep for LambRule {
         opt.slots.ensure(shards.len(), OP)?;
         let stream = model.optimizer_stream().clone();
         let dev = model.shard_device().clone();
+        let k = kernels_for(&dev)?;
         let num_params: usize = shards.iter().map(|s| s.layout.num_params()).sum();
-        // Phase 1: moments and directions, per unit with a gradient.
+        // Phase 1: moments and directions, per unit with a gradient, per trainable range.
         let mut jobs: Vec<Job> = Vec::new();
+        let mut keep: Vec<Tensor> = Vec::new();
         let mut base = 0;
         for (u, s) in shards.iter().enumerate() {
             let first_param = base;
@@ -164,91 +190,88 @@ impl ShardedStep for LambRule {
                 .map(|p| (first_param + p.param_index, p.shard_range()))
                 .collect();
             let n = s.shard.numel();
-            let (state, mut writes, _) =
-                state_operands(&mut opt.slots, true, u, n, &dev, &stream, OP)?;
-            let dir = zeros_on(n, &dev, &stream)?;
-            writes.push(f32_mem(&dir, OP, "the LAMB direction", &stream)?);
+            let (state, mems, _) = state_operands(&mut opt.slots, true, u, n, &dev, &stream, OP)?;
+            let dir_t = zeros_on(n, &dev, &stream)?;
+            let dir = f32_operand(&dir_t, OP, "the LAMB direction", &stream)?;
             opt.slots.steps[u] += 1;
             let c = rule.coeffs(opt.slots.steps[u]);
-            launch_f32(
-                &stream,
-                "lamb_direction",
-                vec![param.clone(), grad],
-                writes,
-                move |r, w| {
-                    let [m, v, d] = w else {
-                        unreachable!("three outputs launched")
-                    };
-                    for range in &ranges {
-                        direction(
-                            &r[0][range.clone()],
-                            &r[1][range.clone()],
-                            &mut m[range.clone()],
-                            &mut v[range.clone()],
-                            &mut d[range.clone()],
-                            &c,
-                        );
-                    }
-                },
-            );
+            for r in &ranges {
+                let sl = |o: &Operand| slice_f32(o, r.clone());
+                let (p, g, m, v, d) = (
+                    sl(&param)?,
+                    sl(&grad)?,
+                    sl(&mems[0])?,
+                    sl(&mems[1])?,
+                    sl(&dir)?,
+                );
+                let l = Launch::LambDirection {
+                    n: r.len(),
+                    c,
+                    p: &p,
+                    g: &g,
+                    m: &m,
+                    v: &v,
+                    u: &d,
+                };
+                k.launch(&stream, &l)?;
+            }
             for t in &state {
                 t.storage().bump_version();
             }
+            keep.push(dir_t);
             jobs.push(Job { pieces, param, dir });
         }
-        // Phase 2: per-parameter squared norms of p (first half) and u (second half), summed
-        // over this rank's pieces in f64, then across the shard group in one all-reduce.
+        // Phase 2: per-parameter squared norms of p (first half) and u (second half), each a
+        // sequential f64 sum over this rank's piece rounded to f32 (CUDA: a fixed blocked f64
+        // sum), then across the shard group in one all-reduce.
         let sums = zeros_on(2 * num_params, &dev, &stream)?;
-        let mut reads = Vec::with_capacity(2 * jobs.len());
-        for j in &jobs {
-            reads.push(j.param.clone());
-            reads.push(f32_mem(&j.dir, OP, "the LAMB direction", &stream)?);
+        let sums_op = f32_operand(&sums, OP, "the norm sums", &stream)?;
+        let mut xs = Vec::with_capacity(2 * jobs.len());
+        let mut sq = Vec::new();
+        for (j, job) in jobs.iter().enumerate() {
+            xs.push(job.param.clone());
+            xs.push(job.dir.clone());
+            for (idx, range) in &job.pieces {
+                for (input, out) in [(2 * j, *idx), (2 * j + 1, num_params + idx)] {
+                    sq.push(SqPiece {
+                        input,
+                        start: range.start,
+                        len: range.len(),
+                        out,
+                    });
+                }
+            }
         }
-        let all_pieces: Vec<Vec<(usize, Range<usize>)>> =
-            jobs.iter().map(|j| j.pieces.clone()).collect();
-        launch_f32(
-            &stream,
-            "lamb_norms",
-            reads,
-            vec![f32_mem(&sums, OP, "the norm sums", &stream)?],
-            move |r, w| {
-                let mut acc = vec![0f64; 2 * num_params];
-                for (j, pieces) in all_pieces.iter().enumerate() {
-                    let (p, d) = (r[2 * j], r[2 * j + 1]);
-                    for (idx, range) in pieces {
-                        acc[*idx] += sum_sq(&p[range.clone()]);
-                        acc[num_params + idx] += sum_sq(&d[range.clone()]);
-                    }
-                }
-                for (o, a) in w[0].iter_mut().zip(&acc) {
-                    *o = *a as f32;
-                }
-            },
-        );
+        let l = Launch::SumSquares {
+            xs: &xs,
+            pieces: &sq,
+            out: &sums_op,
+        };
+        launch_sums(&k, &stream, &l, 2 * num_params)?;
         if let Some(w) = all_reduce_sum(model, &sums, &stream)? {
             opt.pending.push(w);
         }
-        // Phase 3: p += (−lr·ratio)·u per parameter piece, the ratios read on the stream.
-        let sums_mem = f32_mem(&sums, OP, "the norm sums", &stream)?;
+        // Phase 3: p += (−lr·ratio)·u per parameter piece, the ratios computed on the device.
         let lr = rule.hyper.lr;
-        for Job { pieces, param, dir } in jobs {
-            launch_f32(
-                &stream,
-                "lamb_apply",
-                vec![
-                    f32_mem(&dir, OP, "the LAMB direction", &stream)?,
-                    sums_mem.clone(),
-                ],
-                vec![param],
-                move |r, w| {
-                    let (d, sums) = (r[0], r[1]);
-                    for (idx, range) in &pieces {
-                        let ratio = trust_ratio(sums[*idx] as f64, sums[num_params + idx] as f64);
-                        apply(&mut w[0][range.clone()], &d[range.clone()], lr, ratio);
-                    }
-                },
-            );
+        for Job { pieces, param, dir } in &jobs {
+            for (idx, range) in pieces {
+                let (p, d) = (
+                    slice_f32(param, range.clone())?,
+                    slice_f32(dir, range.clone())?,
+                );
+                let l = Launch::LambApply {
+                    n: range.len(),
+                    lr,
+                    w_sq: *idx,
+                    u_sq: num_params + idx,
+                    sums: &sums_op,
+                    u: &d,
+                    p: &p,
+                };
+                k.launch(&stream, &l)?;
+            }
         }
+        drop(keep);
         for s in &shards {
             if s.grad.is_some() {
                 s.shard.storage().bump_version();
@@ -257,6 +280,19 @@ impl ShardedStep for LambRule {
         model.params_updated();
         Ok(())
     }
+}
+
+/// Launches a `SumSquares` into `n_out` sums (nothing to launch for none).
+fn launch_sums(
+    k: &Kernels,
+    stream: &fsdp_alloc::Stream,
+    l: &Launch<'_>,
+    n_out: usize,
+) -> Result<()> {
+    if n_out > 0 {
+        k.launch(stream, l)?;
+    }
+    Ok(())
 }
 
 /// Local LAMB-style optimizer with [`Lamb`]'s elementwise arithmetic; the norms are summed over
@@ -285,18 +321,5 @@ impl Local<LambRule> {
     /// LAMB over `params` with hyper-parameters `hp`.
     pub fn new(params: Vec<Parameter>, hp: AdamParams) -> LocalLamb {
         Local::from_rule(params, LambRule { hyper: hp })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn trust_ratio_falls_back_to_one() {
-        assert_eq!(trust_ratio(4.0, 1.0), 2.0);
-        assert_eq!(trust_ratio(0.0, 1.0), 1.0);
-        assert_eq!(trust_ratio(1.0, 0.0), 1.0);
-        assert_eq!(trust_ratio(f64::INFINITY, 1.0), 1.0);
     }
 }

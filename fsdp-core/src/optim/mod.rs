@@ -17,10 +17,17 @@
 //! in a different order than locally, so [`Lamb`] matches [`LocalLamb`] within a tolerance only.
 //!
 //! # Where the math runs
-//! Every update is a kernel *launched* on the model's optimizer stream
-//! ([`ShardedParams::optimizer_stream`]: the compute stream, or the host stream under CPU
+//! Every update is a kernel *launched through the kernel seam*
+//! (`fsdp_autograd::kernels::backend::Launch::{SgdStep, AdamWStep, LambDirection, LambApply,
+//! SumSquares}`) on the device holding the shards — CPU or CUDA — on the model's optimizer
+//! stream ([`ShardedParams::optimizer_stream`]: the compute stream, or the host stream under CPU
 //! offload) or, for local optimizers, on the parameter device's current stream: the issuing
-//! thread returns at once and nothing is read back to the host. After all units are updated the
+//! thread returns at once and nothing is read back to the host. The update is **fused**: one
+//! launch per unit shard updates the parameters and every state slot (one per contiguous
+//! trainable range of the shard; a unit whose parameters are all trainable has one). The CPU
+//! kernels are the rules' host updates ([`Rule::update`], the functions of
+//! `fsdp_autograd::kernels::cpu::optim`); the CUDA kernels repeat their operations in the same
+//! order without fused multiply-adds (compiled and emulated here, not run on a GPU). After all units are updated the
 //! optimizer calls [`ShardedParams::params_updated`], so the next all-gather waits for the update.
 //!
 //! Only the pieces of *trainable* parameters are updated (the layout's per-rank pieces); frozen
@@ -57,8 +64,10 @@
 //!   decay still move it, where a local optimizer skips a parameter without gradient (PyTorch's
 //!   FSDP with flat parameters behaves the same). Step counts are kept per unit, not per
 //!   parameter.
-//! - Kernels run on host-accessible memory (CPU devices); on a CUDA device the step returns an
-//!   error instead of launching (there are no device kernels for the optimizers yet).
+//! - LAMB's apply is one launch per parameter piece (the trust ratio differs per parameter);
+//!   SGD and AdamW are one launch per unit shard.
+//! - [`LocalLamb`] rounds its squared norms to f32 before the trust ratio (as the seam's
+//!   `SumSquares` and the sharded [`Lamb`] do); before the seam it used the unrounded f64 sums.
 //!
 //! # Layout: rules and drivers
 //! An optimizer is a [`Rule`] — what it does to one flat f32 tensor given its gradient and its
@@ -81,7 +90,7 @@ mod state;
 pub use adamw::{AdamCoeffs, AdamParams, AdamW, AdamWRule, LocalAdamW};
 pub use driver::{Local, Sharded, ShardedStep};
 pub use lamb::{Lamb, LambCoeffs, LambRule, LocalLamb};
-pub use rule::{ElementwiseRule, Rule};
+pub use rule::{ElementwiseRule, Rule, StepArgs};
 pub use sgd::{LocalSgd, Sgd, SgdRule};
 pub use state::OptimizerState;
 

@@ -3,7 +3,30 @@
 //! [`super::driver`] run a rule over every unit's shard ([`super::Sharded`]) or over every plain
 //! parameter ([`super::Local`]); a new optimizer adds a rule, not a driver.
 
+use fsdp_alloc::{Device, Stream};
+use fsdp_autograd::kernels::backend::{Kernels, Operand};
+
 use crate::error::{FsdpError, Result};
+
+/// Where and on what one update runs: the device's kernels (the seam), the stream, and the
+/// operands — all f32, `p`, `g` and every state slot of the same length.
+#[derive(Debug, Clone, Copy)]
+pub struct StepArgs<'a> {
+    /// The device holding the operands (for temporaries, e.g. LAMB's direction).
+    pub device: &'a Device,
+    /// Its kernels.
+    pub kernels: &'a Kernels,
+    /// The stream the update is launched on.
+    pub stream: &'a Stream,
+    /// The parameters (updated in place).
+    pub p: &'a Operand,
+    /// The gradient.
+    pub g: &'a Operand,
+    /// One operand per [`Rule::SLOTS`] entry (none if not [`Rule::keeps_state`]).
+    pub state: &'a [Operand],
+    /// The state was just created as zeros.
+    pub fresh: bool,
+}
 
 /// An optimizer's update of one flat f32 tensor `p` from its gradient `g` and its state
 /// (one f32 tensor per [`Self::SLOTS`] entry, shaped like `p`).
@@ -38,9 +61,28 @@ pub trait Rule: Clone + std::fmt::Debug {
     /// The coefficients of step `step` (1 for the tensor's first step).
     fn coeffs(&self, step: u64) -> Self::Coeffs;
 
-    /// Updates `p` in place. `state` holds one slice per slot (none if not
+    /// Updates `p` in place on host slices: the rule's CPU kernel (the functions of
+    /// `fsdp_autograd::kernels::cpu::optim`). `state` holds one slice per slot (none if not
     /// [`Self::keeps_state`]), `fresh` is true when the state was just created as zeros.
-    fn update(c: &Self::Coeffs, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]], fresh: bool);
+    ///
+    /// # Errors
+    /// Slices of different lengths, a missing state slice.
+    fn update(
+        c: &Self::Coeffs,
+        p: &mut [f32],
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        fresh: bool,
+    ) -> Result<()>;
+
+    /// Launches one update of all of `a.p` through the kernel seam on `a.stream`: the rule's
+    /// fused kernel(s) (all state slots in one launch), which on a CPU device run exactly
+    /// [`Self::update`]'s arithmetic and on a CUDA device the matching CUDA kernels. Returns
+    /// once launched.
+    ///
+    /// # Errors
+    /// The seam's argument checks; a missing state slot; CUDA errors.
+    fn launch(c: &Self::Coeffs, a: &StepArgs<'_>) -> Result<()>;
 }
 
 /// A [`Rule`] whose element `i` depends only on element `i` of the parameter, the gradient and
@@ -75,4 +117,26 @@ pub(crate) fn check_betas(op: &str, betas: (f32, f32), eps: f32) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The `K` state operands of a rule that keeps `K` slots.
+pub(crate) fn slots<'a, const K: usize>(name: &str, a: &StepArgs<'a>) -> Result<&'a [Operand; K]> {
+    a.state.try_into().map_err(|_| {
+        FsdpError::State(format!(
+            "{name}: {} state operands passed where the rule keeps {K}",
+            a.state.len()
+        ))
+    })
+}
+
+/// The error of a rule's host update called with the wrong number of state slices.
+pub(crate) fn missing_slices(name: &str, got: usize, want: usize) -> FsdpError {
+    FsdpError::State(format!(
+        "{name}: {got} state slices passed where the rule keeps {want}"
+    ))
+}
+
+/// A kernel error of a host update as an [`FsdpError`].
+pub(crate) fn kernel_err(e: fsdp_autograd::kernels::KernelError) -> FsdpError {
+    fsdp_autograd::AutogradError::from(e).into()
 }

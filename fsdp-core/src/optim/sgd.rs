@@ -2,12 +2,14 @@
 //! rule) as a [`Rule`], and the sharded and local optimizers running it.
 
 use fsdp_autograd::nn::Module;
+use fsdp_autograd::kernels::backend::Launch;
+use fsdp_autograd::kernels::cpu::optim::sgd_step;
 use fsdp_autograd::Parameter;
 
 pub use fsdp_autograd::optim::SgdRule;
 
 use super::driver::{Local, Sharded};
-use super::rule::{check_finite, ElementwiseRule, Rule};
+use super::rule::{check_finite, ElementwiseRule, Rule, StepArgs};
 use crate::error::Result;
 use crate::optim::ShardedOptimizer;
 use crate::runtime::fsdp::Fsdp;
@@ -22,7 +24,13 @@ impl Rule for SgdRule {
     fn check(&self, op: &str) -> Result<()> {
         check_finite(op, "lr", self.lr)?;
         check_finite(op, "momentum", self.momentum)?;
-        check_finite(op, "weight_decay", self.weight_decay)
+        check_finite(op, "weight_decay", self.weight_decay)?;
+        if self.nesterov && !self.has_momentum() {
+            return Err(crate::FsdpError::InvalidArgument(format!(
+                "{op}: Nesterov momentum needs a non-zero momentum; set momentum or drop nesterov"
+            )));
+        }
+        Ok(())
     }
 
     fn keeps_state(&self) -> bool {
@@ -33,15 +41,42 @@ impl Rule for SgdRule {
         *self
     }
 
-    fn update(c: &SgdRule, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]], fresh: bool) {
-        c.update(p, g, state.first_mut().map(|b| &mut **b), fresh)
+    fn update(
+        c: &SgdRule,
+        p: &mut [f32],
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        fresh: bool,
+    ) -> Result<()> {
+        if c.has_momentum() && state.is_empty() {
+            return Err(super::rule::missing_slices("Sgd", 0, 1));
+        }
+        let buf = state.first_mut().map(|b| &mut **b);
+        sgd_step(c, p, g, buf, fresh).map_err(super::rule::kernel_err)
+    }
+
+    fn launch(c: &SgdRule, a: &StepArgs<'_>) -> Result<()> {
+        let buf = if c.has_momentum() {
+            Some(super::rule::slots::<1>("Sgd::step", a)?)
+        } else {
+            None
+        };
+        let l = Launch::SgdStep {
+            n: a.p.numel(),
+            rule: *c,
+            first: a.fresh,
+            p: a.p,
+            g: a.g,
+            buf: buf.map(|[b]| b),
+        };
+        Ok(a.kernels.launch(a.stream, &l)?)
     }
 }
 
 impl ElementwiseRule for SgdRule {}
 
-/// Sharded SGD with momentum and weight decay: `d = g + λ·p`, `b = μ·b + d` (`b = d` on the first
-/// step), `p −= lr·b` — on each unit's shard, with one momentum buffer of `chunk_numel` per unit.
+/// Sharded SGD with momentum, Nesterov and weight decay: `d = g + λ·p`, `b = μ·b + d` (`b = d` on
+/// the first step), `p −= lr·b` (Nesterov: `p −= lr·(d + μ·b)`) — on each unit's shard, with one momentum buffer of `chunk_numel` per unit.
 /// With `momentum == 0` and `weight_decay == 0` this is exactly [`crate::Fsdp::sgd_step`].
 /// The hyper-parameters are the rule's fields: `opt.lr`, `opt.momentum`, `opt.weight_decay`.
 ///
@@ -63,6 +98,12 @@ impl Sharded<SgdRule> {
     /// With weight decay λ.
     pub fn with_weight_decay(mut self, weight_decay: f32) -> Sgd {
         self.weight_decay = weight_decay;
+        self
+    }
+
+    /// With or without Nesterov momentum (PyTorch's `nesterov=True`; only with momentum).
+    pub fn with_nesterov(mut self, nesterov: bool) -> Sgd {
+        self.nesterov = nesterov;
         self
     }
 }

@@ -266,12 +266,11 @@ impl CommContext {
         let mut keep = Vec::with_capacity(l.works.len());
         let mut first = Ok(());
         for w in std::mem::take(&mut l.works) {
-            if w.is_completed() {
-                if let (Err(e), true) = (w.wait(), first.is_ok()) {
-                    first = Err(e.into());
-                }
-            } else {
-                keep.push(w);
+            // A finished collective's outcome is read without waiting (no host sync).
+            match w.try_result() {
+                Some(Err(e)) if first.is_ok() => first = Err(e.into()),
+                Some(_) => {}
+                None => keep.push(w),
             }
         }
         l.works = keep;

@@ -82,6 +82,8 @@ pub(crate) fn copy_across(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result
                     let _ = tx.send(b.to_vec());
                 }),
             )?;
+            // A host wait for the download (CUDA: the backend synchronized the stream).
+            fsdp_alloc::stream::count_host_sync();
             let Ok(bytes) = rx.recv() else {
                 // The read never ran: the stream failed before it.
                 stream.synchronize()?;

@@ -321,6 +321,12 @@ impl Backend for CpuBackend {
                     )
                 });
             }
+            Launch::SgdStep { .. }
+            | Launch::AdamWStep { .. }
+            | Launch::LambDirection { .. }
+            | Launch::LambApply { .. }
+            | Launch::SumSquares { .. }
+            | Launch::Unscale { .. } => launch_optim(s, l),
         }
         Ok(())
     }
@@ -361,5 +367,75 @@ fn sum_to(st: &SumTo, x: &[f32], o: &mut [f32]) {
             t -= tstrides[d] * gs[d];
             idx[d] = 0;
         }
+    }
+}
+
+/// The optimizer launches: one closure per launch running the `cpu::optim` kernel (operands are
+/// f32, checked by the seam's front).
+fn launch_optim(s: &Stream, l: &Launch<'_>) {
+    use cpu::optim;
+    let op = l.name();
+    match *l {
+        Launch::SgdStep {
+            rule,
+            first,
+            p,
+            g,
+            buf,
+            ..
+        } => match buf {
+            Some(b) => launch_f32(s, op, [g], [p, b], true, move |[g], [p, b]| {
+                optim::sgd_step(&rule, p, g, Some(b), first)
+            }),
+            None => launch_f32(s, op, [g], [p], true, move |[g], [p]| {
+                optim::sgd_step(&rule, p, g, None, first)
+            }),
+        },
+        Launch::AdamWStep { c, p, g, m, v, .. } => {
+            launch_f32(s, op, [g], [p, m, v], true, move |[g], [p, m, v]| {
+                optim::adamw_step(&c, p, g, m, v)
+            })
+        }
+        Launch::LambDirection {
+            c, p, g, m, v, u, ..
+        } => launch_f32(s, op, [p, g], [m, v, u], true, move |[p, g], [m, v, u]| {
+            optim::lamb_direction(&c, p, g, m, v, u)
+        }),
+        Launch::LambApply {
+            lr,
+            w_sq,
+            u_sq,
+            sums,
+            u,
+            p,
+            ..
+        } => launch_f32(s, op, [u, sums], [p], true, move |[u, sums], [p]| {
+            optim::lamb_apply(p, u, lr, sums[w_sq] as f64, sums[u_sq] as f64)
+        }),
+        Launch::SumSquares { xs, pieces, out } => {
+            let (xs, pieces, out) = (xs.to_vec(), pieces.to_vec(), out.clone());
+            launch(s, op, move || {
+                let reads: Vec<_> = xs.iter().map(|x| x.read_f32(op)).collect();
+                let mut acc = vec![0f64; out.numel()];
+                for pc in &pieces {
+                    acc[pc.out] += optim::sum_sq(&reads[pc.input][pc.start..pc.start + pc.len]);
+                }
+                drop(reads);
+                out.f32_mut(op, false, |o| {
+                    for (o, a) in o.iter_mut().zip(&acc) {
+                        *o = *a as f32;
+                    }
+                });
+            });
+        }
+        Launch::Unscale {
+            inv, g, found_inf, ..
+        } => launch_f32(s, op, [], [g, found_inf], true, move |[], [g, flag]| {
+            if optim::unscale(g, inv) {
+                flag[0] = 1.0;
+            }
+            Ok(())
+        }),
+        _ => unreachable!("launch_optim is called for the optimizer launches only"),
     }
 }

@@ -9,6 +9,7 @@
 //! | lookup / loss | [`embedding`], [`embedding_backward`], [`cross_entropy`], [`cross_entropy_backward`] |
 //! | attention | [`causal_attention`], [`causal_attention_backward`] |
 //! | layout (views) | [`strided_copy`], [`strided_add_assign`] |
+//! | optimizer, clipping, scaler ([`optim`]) | [`optim::sgd_step`], [`optim::adamw_step`], [`optim::lamb_direction`], [`optim::lamb_apply`], [`optim::sum_sq`], [`optim::unscale`] |
 //! | casts (`half`) | [`cast_f32_to_f16`], [`cast_f16_to_f32`], [`cast_f32_to_bf16`], [`cast_bf16_to_f32`] |
 //!
 //! Conventions:
@@ -52,6 +53,7 @@ mod loss;
 mod math;
 mod matmul;
 mod norm;
+pub mod optim;
 
 pub use attention::{causal_attention, causal_attention_backward};
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};

@@ -175,6 +175,47 @@ mod imp {
                 .map_err(err("copy"))
         }
 
+        /// The optimizer launches (f32 operands, checked by the seam's front): one fused
+        /// kernel per launch, see `kernels/cuda/optim.rs`.
+        fn optim(&self, s: &Stream, l: &Launch<'_>) -> Result<()> {
+            let k = &self.k;
+            let op = l.name();
+            match *l {
+                Launch::SgdStep {
+                    rule,
+                    first,
+                    p,
+                    g,
+                    buf,
+                    ..
+                } => k.sgd_step(s, &rule, first, &p.buf, &g.buf, buf.map(|b| &b.buf)),
+                Launch::AdamWStep { c, p, g, m, v, .. } => {
+                    k.adamw_step(s, &c, &p.buf, &g.buf, &m.buf, &v.buf)
+                }
+                Launch::LambDirection {
+                    c, p, g, m, v, u, ..
+                } => k.lamb_direction(s, &c, &p.buf, &g.buf, &m.buf, &v.buf, &u.buf),
+                Launch::LambApply {
+                    lr,
+                    w_sq,
+                    u_sq,
+                    sums,
+                    u,
+                    p,
+                    ..
+                } => k.lamb_apply(s, lr, w_sq, u_sq, &sums.buf, &u.buf, &p.buf),
+                Launch::SumSquares { xs, pieces, out } => {
+                    let bufs: Vec<BufferRef> = xs.iter().map(|x| x.buf.clone()).collect();
+                    k.sum_squares(s, &bufs, pieces, &out.buf)
+                }
+                Launch::Unscale {
+                    inv, g, found_inf, ..
+                } => k.unscale(s, inv, &g.buf, &found_inf.buf),
+                _ => unreachable!("optim is called for the optimizer launches only"),
+            }
+            .map_err(err(op))
+        }
+
         fn scope<'a>(&'a self, op: &'static str, s: &'a Stream) -> F32Scope<'a> {
             F32Scope {
                 b: self,
@@ -668,6 +709,12 @@ mod imp {
                     dst_view,
                     dst,
                 } => self.copy(s, src_view, src, dst_view, dst),
+                Launch::SgdStep { .. }
+                | Launch::AdamWStep { .. }
+                | Launch::LambDirection { .. }
+                | Launch::LambApply { .. }
+                | Launch::SumSquares { .. }
+                | Launch::Unscale { .. } => self.optim(s, l),
             }
         }
 

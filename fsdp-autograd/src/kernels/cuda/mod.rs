@@ -62,6 +62,7 @@
 //! | attention | [`causal_attention`](CudaKernels::causal_attention), [`causal_attention_backward`](CudaKernels::causal_attention_backward) (unfused: saves the `t×t` probabilities) |
 //! | fused attention (`flash.cu`) | [`flash_attention`](CudaKernels::flash_attention), [`flash_attention_backward`](CudaKernels::flash_attention_backward) (FlashAttention-2 style: saves a per-query log-sum-exp; f32/bf16/f16) |
 //! | layout (views) | [`strided_copy`](CudaKernels::strided_copy), [`strided_add_assign`](CudaKernels::strided_add_assign) |
+//! | optimizer, clipping, scaler | [`sgd_step`](CudaKernels::sgd_step), [`adamw_step`](CudaKernels::adamw_step), [`lamb_direction`](CudaKernels::lamb_direction), [`lamb_apply`](CudaKernels::lamb_apply), [`sum_squares`](CudaKernels::sum_squares), [`unscale`](CudaKernels::unscale) |
 //! | casts | [`cast_f32_to_f16`](CudaKernels::cast_f32_to_f16), [`cast_f16_to_f32`](CudaKernels::cast_f16_to_f32), [`cast_f32_to_bf16`](CudaKernels::cast_f32_to_bf16), [`cast_bf16_to_f32`](CudaKernels::cast_bf16_to_f32) |
 //! | memory | [`upload`](CudaKernels::upload), [`download`](CudaKernels::download), [`zero`](CudaKernels::zero), [`copy`](CudaKernels::copy) |
 //!
@@ -176,6 +177,8 @@ mod layout;
 mod loss;
 #[cfg(feature = "cuda")]
 mod matmul;
+#[cfg(feature = "cuda")]
+mod optim;
 #[cfg(feature = "cuda")]
 mod plan;
 #[cfg(feature = "cuda")]

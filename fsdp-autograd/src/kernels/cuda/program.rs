@@ -130,6 +130,16 @@ kernels! {
     FlashBwdDqF32D128 => "flash_bwd_dq_f32_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashBwdDqBf16D128 => "flash_bwd_dq_bf16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashBwdDqF16D128 => "flash_bwd_dq_f16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    // Optimizer, clipping, grad scaler (kernels/cuda/optim.rs).
+    OptSgd => "opt_sgd" [U64, F32, F32, Ptr, Ptr];
+    OptSgdMomentum => "opt_sgd_momentum" [U64, U64, F32, F32, F32, Ptr, Ptr, Ptr];
+    OptAdamW => "opt_adamw" [U64, F32, F32, F32, F32, F32, F32, F32, Ptr, Ptr, Ptr, Ptr];
+    OptLambDir => "opt_lamb_dir" [U64, F32, F32, F32, F32, F32, F32, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    OptLambApply => "opt_lamb_apply" [U64, F32, U64, U64, Ptr, Ptr, Ptr];
+    OptSumsqPartial => "opt_sumsq_partial" [U64, Ptr, Ptr];
+    OptSumsqAccum => "opt_sumsq_accum" [U64, Ptr, Ptr];
+    OptSumsqFinal => "opt_sumsq_final" [U64, Ptr, Ptr];
+    OptUnscale => "opt_unscale" [U64, F32, Ptr, Ptr];
 }
 
 /// NVRTC options: IEEE division and square root, no flush-to-zero, and no FMA contraction, so

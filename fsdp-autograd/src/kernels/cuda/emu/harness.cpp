@@ -187,6 +187,9 @@ static const std::map<std::string, Runner> g_kernels = {
     K(flash_bwd_dkdv_f16_d128), K(flash_bwd_dq_f32_d64), K(flash_bwd_dq_bf16_d64),
     K(flash_bwd_dq_f16_d64), K(flash_bwd_dq_f32_d128), K(flash_bwd_dq_bf16_d128),
     K(flash_bwd_dq_f16_d128),
+    // Optimizer, clipping, grad scaler.
+    K(opt_sgd), K(opt_sgd_momentum), K(opt_adamw), K(opt_lamb_dir), K(opt_lamb_apply),
+    K(opt_sumsq_partial), K(opt_sumsq_accum), K(opt_sumsq_final), K(opt_unscale),
 };
 #undef K
 

@@ -958,3 +958,186 @@ pub(super) fn deterministic(e: &mut dyn Exec) {
         }
     }
 }
+
+/// SGD (plain, momentum, Nesterov, weight decay), AdamW and LAMB's two halves over two steps:
+/// bit-identical to the CPU kernels (same operations in the same order, no FMA).
+pub(super) fn optimizer_steps(e: &mut dyn Exec) {
+    use crate::kernels::cpu::optim::{self as co, AdamCoeffs, LambCoeffs, SgdRule};
+    let mut r = Rng::new(21);
+    for n in [1usize, 257, 3000] {
+        let p0 = r.vec(n, 2.0);
+        let grads = [r.vec(n, 1.0), r.vec(n, 1.0)];
+        // SGD, every configuration.
+        let rules = [
+            SgdRule::new(0.1),
+            SgdRule::new(0.1).with_weight_decay(0.01),
+            SgdRule::new(0.05).with_momentum(0.9),
+            SgdRule::new(0.05)
+                .with_momentum(0.9)
+                .with_weight_decay(0.1)
+                .with_nesterov(true),
+        ];
+        for rule in rules {
+            let (hp, hb) = (up_f32(e, &p0), up_f32(e, &vec![0.0; n]));
+            let (mut p, mut b) = (p0.clone(), vec![0.0; n]);
+            for (step, g) in grads.iter().enumerate() {
+                let hg = up_f32(e, g);
+                let first = step == 0;
+                let buf = rule.has_momentum().then_some(hb);
+                run(
+                    e,
+                    Op::SgdStep {
+                        rule,
+                        first,
+                        p: hp,
+                        g: hg,
+                        buf,
+                    },
+                );
+                let cb = rule.has_momentum().then_some(&mut b[..]);
+                co::sgd_step(&rule, &mut p, g, cb, first).unwrap();
+            }
+            assert_bits("sgd p", &down_f32(e, hp), &p);
+            if rule.has_momentum() {
+                assert_bits("sgd buf", &down_f32(e, hb), &b);
+            }
+        }
+        // AdamW.
+        let (hp, hm, hv) = (
+            up_f32(e, &p0),
+            up_f32(e, &vec![0.0; n]),
+            up_f32(e, &vec![0.0; n]),
+        );
+        let (mut p, mut m, mut v) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
+        for (step, g) in grads.iter().enumerate() {
+            let c = AdamCoeffs::new(1e-2, (0.9, 0.999), 1e-8, 0.01, step as u64 + 1);
+            let hg = up_f32(e, g);
+            run(
+                e,
+                Op::AdamWStep {
+                    c,
+                    p: hp,
+                    g: hg,
+                    m: hm,
+                    v: hv,
+                },
+            );
+            co::adamw_step(&c, &mut p, g, &mut m, &mut v).unwrap();
+        }
+        assert_bits("adamw p", &down_f32(e, hp), &p);
+        assert_bits("adamw m", &down_f32(e, hm), &m);
+        assert_bits("adamw v", &down_f32(e, hv), &v);
+        // LAMB: direction, then apply with norms given as sums.
+        let c = LambCoeffs::new(1e-2, (0.9, 0.999), 1e-6, 0.01, 1);
+        let (hp, hm, hv, hu) = (
+            up_f32(e, &p0),
+            up_f32(e, &vec![0.0; n]),
+            up_f32(e, &vec![0.0; n]),
+            nan_f32(e, n),
+        );
+        let hg = up_f32(e, &grads[0]);
+        run(
+            e,
+            Op::LambDirection {
+                c,
+                p: hp,
+                g: hg,
+                m: hm,
+                v: hv,
+                u: hu,
+            },
+        );
+        let (mut m, mut v, mut u) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        co::lamb_direction(&c, &p0, &grads[0], &mut m, &mut v, &mut u).unwrap();
+        assert_bits("lamb u", &down_f32(e, hu), &u);
+        assert_bits("lamb m", &down_f32(e, hm), &m);
+        let sums = [co::sum_sq(&p0) as f32, co::sum_sq(&u) as f32, 0.0];
+        let hs = up_f32(e, &sums);
+        for (w_sq, u_sq) in [(0, 1), (2, 1)] {
+            let hp2 = up_f32(e, &p0);
+            run(
+                e,
+                Op::LambApply {
+                    lr: 0.1,
+                    w_sq,
+                    u_sq,
+                    sums: hs,
+                    u: hu,
+                    p: hp2,
+                },
+            );
+            let mut p = p0.clone();
+            co::lamb_apply(&mut p, &u, 0.1, sums[w_sq] as f64, sums[u_sq] as f64).unwrap();
+            assert_bits("lamb p", &down_f32(e, hp2), &p);
+        }
+    }
+}
+
+/// Sums of squares over pieces (several inputs, pieces sharing an output, an output no piece
+/// names, an empty piece) within 1 f32 ulp-scale of the CPU's sequential f64 sums and
+/// bit-identical on repetition; unscale bit-identical with the inf/NaN flag.
+pub(super) fn sum_squares_and_unscale(e: &mut dyn Exec) {
+    use crate::kernels::backend::SqPiece;
+    use crate::kernels::cpu::optim as co;
+    let mut r = Rng::new(22);
+    let a = r.vec(5000, 3.0);
+    let b = r.vec(300, 1.0);
+    let (ha, hb) = (up_f32(e, &a), up_f32(e, &b));
+    let pc = |input, start, len, out| SqPiece {
+        input,
+        start,
+        len,
+        out,
+    };
+    let pieces = vec![
+        pc(0, 0, 4000, 0),
+        pc(1, 0, 300, 0),
+        pc(0, 4000, 1000, 2),
+        pc(1, 10, 0, 3),
+        pc(1, 7, 1, 3),
+    ];
+    let mut want = [0f64; 5];
+    for p in &pieces {
+        let x = if p.input == 0 { &a } else { &b };
+        want[p.out] += co::sum_sq(&x[p.start..p.start + p.len]);
+    }
+    let want: Vec<f32> = want.iter().map(|&s| s as f32).collect();
+    let mut first: Option<Vec<f32>> = None;
+    for _ in 0..2 {
+        let out = nan_f32(e, 5);
+        run(
+            e,
+            Op::SumSquares {
+                xs: vec![ha, hb],
+                pieces: pieces.clone(),
+                out,
+            },
+        );
+        let got = down_f32(e, out);
+        assert_close("sum_squares", &got, &want, 2e-7, 0.0);
+        assert_eq!((got[1], got[4]), (0.0, 0.0), "outputs without pieces are 0");
+        match &first {
+            None => first = Some(got),
+            Some(f) => assert_bits("sum_squares repeated", &got, f),
+        }
+    }
+    for poison in [None, Some(f32::INFINITY), Some(f32::NAN)] {
+        let mut g = r.vec(1000, 4.0);
+        if let Some(x) = poison {
+            g[777] = x;
+        }
+        let (hg, hf) = (up_f32(e, &g), up_f32(e, &[0.0]));
+        run(
+            e,
+            Op::Unscale {
+                inv: 0.125,
+                g: hg,
+                flag: hf,
+            },
+        );
+        let found = co::unscale(&mut g, 0.125);
+        assert_bits("unscale g", &down_f32(e, hg), &g);
+        assert_eq!(down_f32(e, hf)[0], if found { 1.0 } else { 0.0 }, "flag");
+        assert_eq!(found, poison.is_some());
+    }
+}

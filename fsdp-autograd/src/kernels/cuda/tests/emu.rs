@@ -24,6 +24,9 @@ use crate::kernels::cuda::flash::{plan_flash, plan_flash_backward, FlashType};
 use crate::kernels::cuda::layout::{plan_strided, view_desc};
 use crate::kernels::cuda::loss::{plan_cross_entropy, plan_cross_entropy_backward};
 use crate::kernels::cuda::matmul::{plan_gemm, plan_gemm_typed};
+use crate::kernels::cuda::optim::{
+    plan_adamw, plan_lamb_apply, plan_lamb_direction, plan_sgd, plan_sum_squares, plan_unscale,
+};
 use crate::kernels::cuda::plan::{GemmType, PArg, Plan, Ptr, Step};
 use crate::kernels::cuda::program::{ArgKind, Kernel};
 use crate::kernels::cuda::rows::{
@@ -690,6 +693,66 @@ impl Exec for EmuExec {
                 let mut plan = Plan::new();
                 plan.copy(d(*dst), d(*src), self.lens[*src]);
                 Ok(plan)
+            }
+            Op::SgdStep {
+                rule,
+                first,
+                p,
+                g,
+                buf,
+            } => Ok(plan_sgd(
+                self.f32s(*p) as u64,
+                rule,
+                *first,
+                d(*p),
+                d(*g),
+                buf.map(d),
+            )),
+            Op::AdamWStep { c, p, g, m, v } => Ok(plan_adamw(
+                self.f32s(*p) as u64,
+                c,
+                d(*p),
+                d(*g),
+                d(*m),
+                d(*v),
+            )),
+            Op::LambDirection { c, p, g, m, v, u } => Ok(plan_lamb_direction(
+                self.f32s(*p) as u64,
+                c,
+                d(*p),
+                d(*g),
+                d(*m),
+                d(*v),
+                d(*u),
+            )),
+            Op::LambApply {
+                lr,
+                w_sq,
+                u_sq,
+                sums,
+                u,
+                p,
+            } => Ok(plan_lamb_apply(
+                self.f32s(*p) as u64,
+                *lr,
+                *w_sq as u64,
+                *u_sq as u64,
+                d(*sums),
+                d(*u),
+                d(*p),
+            )),
+            Op::SumSquares { xs, pieces, out } => {
+                let pcs: Vec<(u64, u64, usize)> = pieces
+                    .iter()
+                    .map(|pc| {
+                        let a = Self::addr(xs[pc.input]) + pc.start as u64 * 4;
+                        (a, pc.len as u64, pc.out)
+                    })
+                    .collect();
+                Ok(plan_sum_squares(&pcs, self.f32s(*out) as u64, d(*out)))
+            }
+            Op::Unscale { inv, g, flag } => {
+                Ok(plan_unscale(self.f32s(*g) as u64, *inv, d(*g), d(*flag)))
             }
         };
         self.plan(p)

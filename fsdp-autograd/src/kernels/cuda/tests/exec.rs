@@ -235,6 +235,47 @@ pub(super) enum Op {
         src: H,
         dst: H,
     },
+    // Optimizer, clipping, grad scaler.
+    SgdStep {
+        rule: crate::kernels::cpu::optim::SgdRule,
+        first: bool,
+        p: H,
+        g: H,
+        buf: Option<H>,
+    },
+    AdamWStep {
+        c: crate::kernels::cpu::optim::AdamCoeffs,
+        p: H,
+        g: H,
+        m: H,
+        v: H,
+    },
+    LambDirection {
+        c: crate::kernels::cpu::optim::LambCoeffs,
+        p: H,
+        g: H,
+        m: H,
+        v: H,
+        u: H,
+    },
+    LambApply {
+        lr: f32,
+        w_sq: usize,
+        u_sq: usize,
+        sums: H,
+        u: H,
+        p: H,
+    },
+    SumSquares {
+        xs: Vec<H>,
+        pieces: Vec<crate::kernels::backend::SqPiece>,
+        out: H,
+    },
+    Unscale {
+        inv: f32,
+        g: H,
+        flag: H,
+    },
 }
 
 /// An executor of [`Op`]s on its own buffers.

@@ -325,6 +325,30 @@ impl Exec for GpuExec {
             } => k.strided_add_assign(s, b(dst), *offset, shape, strides, b(src)),
             Op::Zero { buf } => k.zero(s, b(buf)),
             Op::Copy { src, dst } => k.copy(s, b(src), b(dst)),
+            Op::SgdStep {
+                rule,
+                first,
+                p,
+                g,
+                buf,
+            } => k.sgd_step(s, rule, *first, b(p), b(g), buf.as_ref().map(b)),
+            Op::AdamWStep { c, p, g, m, v } => k.adamw_step(s, c, b(p), b(g), b(m), b(v)),
+            Op::LambDirection { c, p, g, m, v, u } => {
+                k.lamb_direction(s, c, b(p), b(g), b(m), b(v), b(u))
+            }
+            Op::LambApply {
+                lr,
+                w_sq,
+                u_sq,
+                sums,
+                u,
+                p,
+            } => k.lamb_apply(s, *lr, *w_sq, *u_sq, b(sums), b(u), b(p)),
+            Op::SumSquares { xs, pieces, out } => {
+                let xs: Vec<_> = xs.iter().map(|h| b(h).clone()).collect();
+                k.sum_squares(s, &xs, pieces, b(out))
+            }
+            Op::Unscale { inv, g, flag } => k.unscale(s, *inv, b(g), b(flag)),
         }
     }
 }

@@ -86,6 +86,8 @@ on_both!(
     gemm_tf32,
     flash_attention_f32,
     flash_attention_half,
+    optimizer_steps,
+    sum_squares_and_unscale,
 );
 
 /// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.
