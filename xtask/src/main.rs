@@ -251,7 +251,8 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str = "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | nvrtc | \
+const USAGE: &str =
+    "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | nvrtc | \
                      bench [NAME] | soak | doc | mpi-test [--nodes 2]>";
 
 fn main() {

@@ -1,9 +1,9 @@
 //! SGD with momentum and weight decay: fsdp-autograd's [`SgdRule`] (the workspace's one SGD
 //! rule) as a [`Rule`], and the sharded and local optimizers running it.
 
-use fsdp_autograd::nn::Module;
 use fsdp_autograd::kernels::backend::Launch;
 use fsdp_autograd::kernels::cpu::optim::sgd_step;
+use fsdp_autograd::nn::Module;
 use fsdp_autograd::Parameter;
 
 pub use fsdp_autograd::optim::SgdRule;
