@@ -104,7 +104,10 @@ pub fn check_fingerprint(ckpt: &Path, meta: &Value, now: &Value) -> Result<(), C
                 "model" => {
                     "the model (--model/--d-model/--layers/--heads/--seq-len/--vocab/--tied/--gelu)"
                 }
-                "optimizer" => "--optimizer",
+                "optimizer" => {
+                    "--optimizer or its hyper-parameters (--momentum, --nesterov, --beta1, \
+                     --beta2, --eps, --weight-decay)"
+                }
                 "global_batch" => "the global batch (--ranks × --batch × --grad-accum sequences)",
                 "data" => "--data",
                 "seed" => "--seed",

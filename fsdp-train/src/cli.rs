@@ -142,7 +142,7 @@ pub struct ParallelArgs {
     /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (one GPU per
     /// rank, NCCL collectives; shards, sharded gradients and optimizer state stay on the GPU and
     /// the optimizer runs there unless --cpu-offload; needs a build with --features
-    /// fsdp-core/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
+    /// fsdp-train/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
     /// Sharding strategy
@@ -157,9 +157,11 @@ pub struct ParallelArgs {
     /// Issue the next unit's all-gather before the current forward
     #[arg(long)]
     pub forward_prefetch: bool,
-    /// Rate-limit in-flight all-gathers: on, off, or auto (off until the allocator has to free
-    /// its cache and retry, then on; off again after 10 clean iterations)
-    #[arg(long, value_name = "on|off|auto", default_value = "on", value_parser = parse_limit,
+    /// Rate-limit in-flight all-gathers: auto (the default: off until the allocator has to free
+    /// its cache and retry, then on; off again after 10 clean iterations), on (always; the
+    /// issuing thread waits on the host for an older all-gather, so each step has more host
+    /// waits), or off
+    #[arg(long, value_name = "on|off|auto", default_value = "auto", value_parser = parse_limit,
           action = clap::ArgAction::Set)]
     pub limit_all_gathers: LimitAllGathers,
     /// Build the model on the fake device and let FSDP materialize only each rank's shards
@@ -243,6 +245,9 @@ pub struct OptimArgs {
     /// SGD momentum μ (default 0: plain SGD)
     #[arg(long, value_name = "M", value_parser = parse_unit)]
     pub momentum: Option<f32>,
+    /// SGD with Nesterov momentum (PyTorch's nesterov=True; needs --momentum > 0)
+    #[arg(long)]
+    pub nesterov: bool,
     /// Adam/LAMB β1, the first moment's decay (default 0.9)
     #[arg(long, value_name = "B", value_parser = parse_unit)]
     pub beta1: Option<f32>,
@@ -712,6 +717,10 @@ impl Cli {
             return usage("--momentum applies to --optimizer sgd (Adam's is --beta1)");
         }
         optim_hyper.momentum = o.momentum.unwrap_or(optim_hyper.momentum);
+        if o.nesterov && (optimizer != Optimizer::Sgd || optim_hyper.momentum == 0.0) {
+            return usage("--nesterov needs --optimizer sgd with --momentum above 0");
+        }
+        optim_hyper.nesterov = o.nesterov;
         optim_hyper.beta1 = o.beta1.unwrap_or(optim_hyper.beta1);
         optim_hyper.beta2 = o.beta2.unwrap_or(optim_hyper.beta2);
         optim_hyper.eps = o.eps.unwrap_or(optim_hyper.eps);
@@ -861,7 +870,9 @@ mod tests {
         assert_eq!(c.gpt.gelu, Gelu::Exact);
         assert_eq!(parse(&["--gelu", "tanh"]).unwrap().gpt.gelu, Gelu::Tanh);
         assert_eq!(c.strategy, ShardingStrategy::FullShard);
-        assert!(c.limit_all_gathers);
+        // The adaptive limiter: off until the allocator has to free and retry (no host waits
+        // for the limiter in a step that has memory to spare).
+        assert!(c.limit_all_gathers && c.adaptive_limiter.is_some());
         assert!(matches!(c.data, DataSpec::Synthetic));
     }
 
@@ -1065,6 +1076,13 @@ mod tests {
         // Flags of another optimizer, and out-of-range values, are usage errors.
         assert!(parse(&["--beta1", "0.8"]).unwrap_err().contains("--beta1"));
         assert!(parse(&["--optimizer", "lamb", "--momentum", "0.9"]).is_err());
+        assert!(parse(&["--nesterov"]).is_err());
+        assert!(
+            parse(&["--momentum", "0.9", "--nesterov"])
+                .unwrap()
+                .optim_hyper
+                .nesterov
+        );
         for bad in [
             ["--momentum", "1"],
             ["--beta2", "-0.1"],

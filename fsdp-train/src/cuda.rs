@@ -306,7 +306,7 @@ pub fn run_job(
 ) -> Result<Report, TrainError> {
     Err(TrainError::Thread(
         "--device cuda: this binary was built without the `cuda` feature; rebuild with \
-         `--features fsdp-core/cuda`"
+         `-p fsdp-train --features cuda`"
             .into(),
     ))
 }

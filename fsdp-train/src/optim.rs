@@ -24,6 +24,8 @@ pub enum Optimizer {
 pub struct OptimHyper {
     /// SGD momentum μ (0: none).
     pub momentum: f32,
+    /// SGD with Nesterov momentum (only with a non-zero momentum).
+    pub nesterov: bool,
     /// Adam β1.
     pub beta1: f32,
     /// Adam β2.
@@ -41,6 +43,7 @@ impl OptimHyper {
         let a = AdamParams::new(0.0);
         OptimHyper {
             momentum: 0.0,
+            nesterov: false,
             beta1: a.betas.0,
             beta2: a.betas.1,
             eps: a.eps,
@@ -81,6 +84,7 @@ impl RankOptimizer {
             Optimizer::Sgd => Some(RankOptimizer::Sgd(
                 Sgd::new(lr)
                     .with_momentum(h.momentum)
+                    .with_nesterov(h.nesterov)
                     .with_weight_decay(h.weight_decay),
             )),
             Optimizer::AdamW => Some(RankOptimizer::AdamW(AdamW::with_params(h.adam(lr)))),

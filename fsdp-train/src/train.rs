@@ -319,7 +319,7 @@ pub fn fingerprint(cfg: &TrainConfig) -> Value {
         "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
         "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
                          g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
-        "optimizer": format!("{:?}", cfg.optimizer),
+        "optimizer": format!("{:?} {:?}", cfg.optimizer, cfg.optim_hyper),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
             DataSpec::Synthetic => "synthetic".to_string(),
@@ -1482,6 +1482,7 @@ mod tests {
         assert_eq!(slots, 1);
         assert_ne!(plain, mom);
         assert_ne!(mom, run(&["--momentum", "0.9", "--weight-decay", "0.01"]).0);
+        assert_ne!(mom, run(&["--momentum", "0.9", "--nesterov"]).0);
         let (adamw, slots) = run(&["--optimizer", "adamw", "--lr", "0.01"]);
         assert_eq!(slots, 2);
         assert_ne!(
