@@ -25,47 +25,12 @@
 //! count as that job's position.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use crate::clock::Clock;
 use crate::error::{AllocError, Result};
-use crate::stream::{Health, StreamId};
-
-/// A vector clock: for each stream, the last position known to have happened before.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Clock(HashMap<StreamId, u64>);
-
-impl Clock {
-    pub(crate) fn get(&self, s: StreamId) -> u64 {
-        self.0.get(&s).copied().unwrap_or(0)
-    }
-
-    pub(crate) fn advance(&mut self, s: StreamId, pos: u64) {
-        let e = self.0.entry(s).or_insert(0);
-        *e = (*e).max(pos);
-    }
-
-    pub(crate) fn merge(&mut self, other: &Clock) {
-        for (&s, &p) in &other.0 {
-            self.advance(s, p);
-        }
-    }
-
-    fn covers(&self, other: &Clock) -> bool {
-        other.0.iter().all(|(&s, &p)| self.get(s) >= p)
-    }
-
-    /// This clock with the entry of `s` set to exactly `pos` (removed when 0).
-    fn with_entry(&self, s: StreamId, pos: u64) -> Clock {
-        let mut c = self.clone();
-        if pos == 0 {
-            c.0.remove(&s);
-        } else {
-            c.0.insert(s, pos);
-        }
-        c
-    }
-}
+use crate::health::Health;
+use crate::stream_id::StreamId;
 
 /// A point in the checked mode's happens-before order, for code that orders launched work by
 /// means the checked mode cannot see — a rendezvous of several streams' jobs, as in a thread

@@ -24,10 +24,10 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 
 use crate::error::{AllocError, Result};
-use crate::stream::{run_work, Event, Health, Stream, Work};
-use crate::DeviceId;
+use crate::health::Health;
+use crate::work::{run_work, Work};
 
-/// A CUDA stream under a [`Stream`].
+/// A CUDA stream under a [`crate::Stream`].
 pub(crate) struct StreamBackend(Arc<CudaStream>);
 
 impl StreamBackend {
@@ -36,7 +36,7 @@ impl StreamBackend {
     }
 }
 
-/// A CUDA event under an [`Event`].
+/// A CUDA event under an [`crate::Event`].
 pub(crate) struct EventBackend(CudaEvent);
 
 /// Opens `cuda:ordinal`: its primary context (event tracking off) and its default stream.
@@ -62,16 +62,16 @@ pub(crate) fn open(ordinal: usize) -> Result<(Arc<CudaContext>, StreamBackend)> 
     Ok((ctx, StreamBackend(stream)))
 }
 
-/// A new CUDA stream; if the driver refuses, a stream already failed with the driver's error.
-pub(crate) fn new_stream(device: DeviceId, name: &str, ctx: &Arc<CudaContext>) -> Stream {
-    match ctx.new_stream() {
-        Ok(s) => Stream::new_cuda(device, name, StreamBackend(s)),
-        Err(e) => {
-            let s = Stream::new_cuda(device, name, StreamBackend(ctx.default_stream()));
-            s.fail(format!("cuStreamCreate failed: {e}"));
-            s
-        }
-    }
+/// A new CUDA stream of `ctx`; the driver's error if it refuses.
+pub(crate) fn new_backend(ctx: &Arc<CudaContext>) -> std::result::Result<StreamBackend, String> {
+    ctx.new_stream()
+        .map(StreamBackend)
+        .map_err(|e| e.to_string())
+}
+
+/// The default stream of `ctx` (a stand-in under a stream the driver refused to create).
+pub(crate) fn default_backend(ctx: &Arc<CudaContext>) -> StreamBackend {
+    StreamBackend(ctx.default_stream())
 }
 
 struct HostJob {
@@ -125,33 +125,11 @@ pub(crate) fn record(s: &StreamBackend) -> std::result::Result<EventBackend, Str
         .map_err(|e| format!("cuEventRecord failed: {e}"))
 }
 
-/// Makes the CUDA stream wait for `event` (a CUDA event, or a CPU event via a host function).
-pub(crate) fn wait(
-    s: &StreamBackend,
-    event: &Event,
-    health: &Arc<Health>,
-) -> std::result::Result<(), String> {
-    if let Some(ev) = event.cuda_backend() {
-        return s
-            .0
-            .wait(&ev.0)
-            .map_err(|e| format!("cuStreamWaitEvent failed: {e}"));
-    }
-    if event.query() && event.error().is_none() {
-        return Ok(());
-    }
-    let ev = event.clone();
-    // The host function runs in this stream's order; a failed event fails the waiting stream.
-    launch_host(
-        s,
-        Box::new(move || {
-            if let Err(e) = ev.synchronize() {
-                panic!("waited on a failed event: {e}");
-            }
-        }),
-        0,
-        health,
-    )
+/// Makes the CUDA stream wait for the CUDA event `ev` (`cuStreamWaitEvent`). Waiting on a
+/// CPU event is `Stream::wait_event`'s business (a host function, see [`launch_host`]).
+pub(crate) fn wait_event(s: &StreamBackend, ev: &EventBackend) -> std::result::Result<(), String> {
+    s.0.wait(&ev.0)
+        .map_err(|e| format!("cuStreamWaitEvent failed: {e}"))
 }
 
 /// True once the event's work completed (a query error counts as complete; the error surfaces

@@ -201,7 +201,7 @@ impl Device {
     pub fn new_stream(&self, name: &str) -> Stream {
         #[cfg(feature = "cuda")]
         if let Some(ctx) = &self.inner.cuda {
-            let s = crate::cuda::new_stream(self.inner.id, name, ctx);
+            let s = Stream::new_cuda_on(self.inner.id, name, ctx);
             self.inner
                 .streams
                 .lock()

@@ -18,6 +18,10 @@
 //!   FSDP2 explicit buffer lifetime).
 //! - [`dtype`], [`error`]: the element-type vocabulary and [`AllocError`].
 //! - `checked` (private): the checked mode's vector clocks and access histories.
+//! - private leaves under `stream`, `checked` and `cuda` (so their imports form no cycle):
+//!   `stream_id` ([`StreamId`]), `clock` (the vector clock), `health` (a stream's failure and
+//!   clock, shared with what runs its work), `work` (running one launched job, used by CPU
+//!   workers and the CUDA host-function trampoline).
 //! - `cuda` (private, feature `cuda`): cudarc contexts, streams, events, host functions and
 //!   `cuMemAlloc`/`cuMemFree`. Compile-checked only on machines without a GPU.
 //!
@@ -50,16 +54,20 @@
 
 pub mod allocator;
 mod checked;
+mod clock;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod device;
 mod device_id;
 pub mod dtype;
 pub mod error;
+mod health;
 pub mod memory;
 pub mod rate_limiter;
 pub mod stream;
+mod stream_id;
 pub mod trace;
+mod work;
 
 pub use allocator::{
     AllocatorConfig, BlockInfo, BlockState, Buffer, CachingAllocator, MemoryStats, Pool, PoolStats,

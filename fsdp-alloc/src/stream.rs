@@ -20,7 +20,6 @@
 //! as a host function (`cuLaunchHostFunc`, so it runs in stream order and must not call CUDA),
 //! events are CUDA events, and `wait_event` is `cuStreamWaitEvent`.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::thread;
@@ -28,9 +27,13 @@ use std::time::Instant;
 
 use crossbeam::channel::{unbounded, Sender};
 
-use crate::checked::{self, Clock, JobCtx};
+use crate::checked;
+use crate::clock::Clock;
 use crate::error::{AllocError, Result};
+use crate::health::Health;
+pub use crate::stream_id::StreamId;
 use crate::trace;
+use crate::work::{run_work, Work};
 use crate::DeviceId;
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
@@ -45,18 +48,6 @@ pub enum StreamMode {
     Inline,
 }
 
-/// A process-unique stream identifier.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StreamId(pub u64);
-
-impl std::fmt::Display for StreamId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "s{}", self.0)
-    }
-}
-
-pub(crate) type Work = Box<dyn FnOnce() + Send + 'static>;
-
 enum Job {
     Work {
         work: Work,
@@ -70,56 +61,6 @@ enum Job {
         pos: u64,
     },
     Record(Event),
-}
-
-/// State shared by a stream's handles and its worker: failure, and (checked mode) its clock.
-pub(crate) struct Health {
-    id: StreamId,
-    name: Arc<str>,
-    /// The device and the stream's own name (trace tracks).
-    device: DeviceId,
-    stream_name: Arc<str>,
-    checked: bool,
-    failure: Mutex<Option<String>>,
-    clock: Mutex<Clock>,
-}
-
-impl Health {
-    fn new(id: StreamId, device: DeviceId, stream: &str, name: &str, checked: bool) -> Health {
-        Health {
-            id,
-            name: Arc::from(name),
-            device,
-            stream_name: Arc::from(stream),
-            checked,
-            failure: Mutex::new(None),
-            clock: Mutex::new(Clock::default()),
-        }
-    }
-
-    fn failure(&self) -> Option<String> {
-        self.failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    pub(crate) fn fail(&self, msg: String) {
-        let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-        if f.is_none() {
-            *f = Some(msg);
-        }
-    }
-
-    fn clock(&self) -> std::sync::MutexGuard<'_, Clock> {
-        self.clock.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Checked mode: orders everything this stream runs from now on after `other` (see
-    /// [`crate::OrderPoint`]).
-    pub(crate) fn merge_clock(&self, other: &Clock) {
-        self.clock().merge(other);
-    }
 }
 
 pub(crate) struct StreamInner {
@@ -179,44 +120,6 @@ impl PartialEq for Stream {
     }
 }
 impl Eq for Stream {}
-
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic with a non-string payload".to_string()
-    }
-}
-
-/// Runs launched work on behalf of `health`'s stream: skipped after a failure, a panic becomes
-/// the stream's failure. Also used by the CUDA host-function trampoline.
-pub(crate) fn run_work(work: Work, pos: u64, host: Option<Arc<Clock>>, health: &Arc<Health>) {
-    if health.failure().is_some() {
-        return; // skip work queued after a failure
-    }
-    let ctx = if health.checked {
-        let mut c = health.clock();
-        if let Some(h) = &host {
-            c.merge(h);
-        }
-        c.advance(health.id, pos);
-        Some(Arc::new(JobCtx {
-            stream: health.id,
-            name: Arc::clone(&health.name),
-            pos,
-            clock: Arc::new(c.clone()),
-            health: Arc::clone(health),
-        }))
-    } else {
-        None
-    };
-    let r = checked::with_job(ctx, health.id, || catch_unwind(AssertUnwindSafe(work)));
-    if let Err(p) = r {
-        health.fail(panic_message(p.as_ref()));
-    }
-}
 
 fn run_job(job: Job, health: &Arc<Health>, label: &str) {
     match job {
@@ -359,6 +262,24 @@ impl Stream {
                 submit_lock: Mutex::new(()),
                 cuda: Some(backend),
             }),
+        }
+    }
+
+    /// A new CUDA stream of `ctx`; if the driver refuses, a stream already failed with the
+    /// driver's error.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn new_cuda_on(
+        device: DeviceId,
+        name: &str,
+        ctx: &Arc<cudarc::driver::CudaContext>,
+    ) -> Stream {
+        match crate::cuda::new_backend(ctx) {
+            Ok(b) => Stream::new_cuda(device, name, b),
+            Err(e) => {
+                let s = Stream::new_cuda(device, name, crate::cuda::default_backend(ctx));
+                s.fail(format!("cuStreamCreate failed: {e}"));
+                s
+            }
         }
     }
 
@@ -509,7 +430,7 @@ impl Stream {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = &self.inner.cuda {
             self.inner.launched.fetch_add(1, Ordering::AcqRel);
-            if let Err(e) = crate::cuda::wait(cuda, event, &self.inner.health) {
+            if let Err(e) = cuda_wait(cuda, event, &self.inner.health) {
                 self.inner.health.fail(e);
             }
             return;
@@ -550,6 +471,33 @@ impl Stream {
             }),
         }
     }
+}
+
+/// Makes the CUDA stream `s` wait for `event` (a CUDA event, or a CPU event via a host function).
+#[cfg(feature = "cuda")]
+fn cuda_wait(
+    s: &crate::cuda::StreamBackend,
+    event: &Event,
+    health: &Arc<Health>,
+) -> std::result::Result<(), String> {
+    if let Some(ev) = event.cuda_backend() {
+        return crate::cuda::wait_event(s, ev);
+    }
+    if event.query() && event.error().is_none() {
+        return Ok(());
+    }
+    let ev = event.clone();
+    // The host function runs in this stream's order; a failed event fails the waiting stream.
+    crate::cuda::launch_host(
+        s,
+        Box::new(move || {
+            if let Err(e) = ev.synchronize() {
+                panic!("waited on a failed event: {e}");
+            }
+        }),
+        0,
+        health,
+    )
 }
 
 #[derive(Debug)]
