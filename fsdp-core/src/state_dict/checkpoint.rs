@@ -72,13 +72,13 @@
 
 use std::collections::BTreeMap;
 
+use super::check::{format_err, optim_ranks};
 use super::durable::{atomic_write, check_save_target, disk_usage, fresh_id};
 use super::error::{Result, StateDictError};
 use super::format::{
-    check_generation, format_err, rank_path, read_bytes, read_file_meta, read_sharded_meta,
-    write_sharded_dir,
+    check_generation, rank_path, read_bytes, read_file_meta, read_sharded_meta, write_sharded_dir,
 };
-use super::optim::{load_sharded_optim, optim_ranks, sharded_optim_state_dict};
+use super::optim::{load_sharded_optim, sharded_optim_state_dict};
 use super::reshard::{agree_load, collective_sharded_save, load_sharded, sharded_state_dict, Ctx};
 use super::types::{OptimState, ShardedStateDict};
 use super::{FORMAT_VERSION, KIND_SHARDED_OPTIM, KIND_SHARDED_PARAMS, META_FILE};

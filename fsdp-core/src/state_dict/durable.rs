@@ -5,8 +5,8 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::check::format_err;
 use super::error::{Result, StateDictError};
-use super::format::format_err;
 use std::path::{Path, PathBuf};
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);

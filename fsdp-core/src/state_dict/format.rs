@@ -1,10 +1,9 @@
 //! The on-disk format: safetensors files with fsdp-rs metadata, full files and sharded
 //! directories.
 
+use super::check::{check_shape, check_slots, format_err, index_entries};
 use super::durable::atomic_write;
 use super::error::{Result, StateDictError};
-use super::optim::check_slots;
-use super::reshard::{check_shape, index_entries};
 use super::types::{ParamMeta, ShardPiece, ShardedStateDict, TensorEntry};
 use super::{
     non_finite_allowed, FORMAT, FORMAT_VERSION, GENERATION_KEY, KIND_FULL_OPTIM,
@@ -244,13 +243,6 @@ pub(super) fn read_bytes(path: &Path) -> Result<Vec<u8>> {
         path: path.to_path_buf(),
         source,
     })
-}
-
-pub(super) fn format_err(path: &Path, detail: impl Into<String>) -> StateDictError {
-    StateDictError::Format {
-        path: path.to_path_buf(),
-        detail: detail.into(),
-    }
 }
 
 /// Parses a file's header, checks format, version and kind; returns the metadata and the raw

@@ -181,6 +181,7 @@ fn non_finite_allowed() -> bool {
     ALLOW_NON_FINITE.with(|c| c.get())
 }
 
+mod check;
 pub mod checkpoint;
 mod durable;
 pub(crate) mod error;
@@ -190,6 +191,7 @@ mod reshard;
 #[cfg(test)]
 mod tests;
 mod types;
+mod types_io;
 
 pub use durable::{check_save_target, disk_usage};
 pub use error::{Result, StateDictError};

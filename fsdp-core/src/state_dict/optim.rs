@@ -1,53 +1,20 @@
 //! Optimizer state dicts (full and sharded), generic over any optimizer that keeps per-unit
 //! shard tensors.
 
+use super::check::{check_slots, missing, optim_ranks};
 use super::error::{Result, StateDictError};
 use super::format::{read_sharded_meta, read_sharded_ranks, write_sharded_dir};
 use super::reshard::{
     agree_load, all_names, chunks_from_entries, chunks_from_pieces, collective_sharded_save,
-    finish_collective_save, gather_entries, missing, ranks_needed, shard_pieces, Ctx,
+    finish_collective_save, gather_entries, ranks_needed, shard_pieces, Ctx,
 };
 use super::types::{FullOptimStateDict, OptimState, ShardedOptimStateDict, ShardedStateDict};
 use super::KIND_SHARDED_OPTIM;
 use crate::runtime::fsdp::Fsdp;
 use fsdp_autograd::nn::Module;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::Path;
 // ------------------------------------------------------------------------------- optimizer
-
-pub(super) fn check_slot_name(s: &str) -> Result<()> {
-    let reason = if s.is_empty() {
-        Some("is empty")
-    } else if s.contains('/') {
-        Some("contains `/` (it separates slot and parameter in file keys)")
-    } else if s.contains(['\t', '\n']) {
-        Some("contains a tab or newline")
-    } else {
-        None
-    };
-    match reason {
-        Some(reason) => Err(StateDictError::InvalidName {
-            what: "optimizer slot",
-            name: s.into(),
-            reason,
-        }),
-        None => Ok(()),
-    }
-}
-
-pub(super) fn check_slots<'a>(names: impl Iterator<Item = &'a str>) -> Result<()> {
-    let mut seen = HashSet::new();
-    for s in names {
-        check_slot_name(s)?;
-        if !seen.insert(s) {
-            return Err(StateDictError::DuplicateEntry {
-                what: "optimizer slot".into(),
-                name: s.into(),
-            });
-        }
-    }
-    Ok(())
-}
 
 pub(super) fn slot_what(slot: &str) -> String {
     format!("optimizer state (slot `{slot}`) of parameter")
@@ -318,19 +285,4 @@ pub fn load_sharded_optim<M: Module + 'static>(
         load_sharded_optim_state_dict(fsdp, &dict)
     })();
     agree_load(&ctx, dir, world, "load_sharded_optim", local)
-}
-
-pub(super) fn optim_ranks(slots: &[(String, ShardedStateDict)]) -> Result<Vec<usize>> {
-    let mut ranks: Option<&Vec<usize>> = None;
-    let mut world: Option<usize> = None;
-    for (s, d) in slots {
-        if ranks.is_some_and(|r| *r != d.ranks) || world.is_some_and(|w| w != d.world_size) {
-            return Err(StateDictError::Incompatible {
-                detail: format!("slot `{s}` has other ranks or another world size"),
-            });
-        }
-        ranks = Some(&d.ranks);
-        world = Some(d.world_size);
-    }
-    Ok(ranks.cloned().unwrap_or_default())
 }

@@ -1,6 +1,7 @@
 //! The wrapped model's view and the resharding core: full (gather / chunk), sharded (pieces /
 //! overlap fill) and local state dicts of the parameters.
 
+use super::check::{check_shape, index_entries, missing};
 use super::durable::{fresh_id, publish_dir, staging_dir};
 use super::error::{Result, StateDictError};
 use super::format::{
@@ -174,66 +175,6 @@ impl Ctx {
 }
 
 // ---------------------------------------------------------------------------- validation
-
-pub(super) fn missing(what: &str, name: &str) -> StateDictError {
-    StateDictError::MissingEntry {
-        what: what.into(),
-        name: name.into(),
-    }
-}
-
-pub(super) fn check_shape(what: &str, name: &str, expected: &[usize], got: &[usize]) -> Result<()> {
-    if expected != got {
-        return Err(StateDictError::ShapeMismatch {
-            what: what.into(),
-            name: name.into(),
-            expected: expected.to_vec(),
-            got: got.to_vec(),
-        });
-    }
-    Ok(())
-}
-
-/// Indexes entries by name, checking duplicates and value counts.
-pub(super) fn index_entries<'a>(
-    entries: &'a [TensorEntry],
-    what: &str,
-) -> Result<HashMap<&'a str, &'a TensorEntry>> {
-    let mut map = HashMap::with_capacity(entries.len());
-    for e in entries {
-        let n: usize = e.shape.iter().product();
-        if e.values.len() != n {
-            return Err(StateDictError::ValueCount {
-                what: what.into(),
-                name: e.name.clone(),
-                shape: e.shape.clone(),
-                expected: n,
-                got: e.values.len(),
-            });
-        }
-        if map.insert(e.name.as_str(), e).is_some() {
-            return Err(StateDictError::DuplicateEntry {
-                what: what.into(),
-                name: e.name.clone(),
-            });
-        }
-    }
-    Ok(map)
-}
-
-pub(super) fn check_unused(
-    entries: &[TensorEntry],
-    used: &HashSet<&str>,
-    what: &str,
-) -> Result<()> {
-    match entries.iter().find(|e| !used.contains(e.name.as_str())) {
-        Some(e) => Err(StateDictError::UnexpectedEntry {
-            what: what.into(),
-            name: e.name.clone(),
-        }),
-        None => Ok(()),
-    }
-}
 
 /// Which units a set of names covers: per unit `true` (all of its parameters), `false` (none);
 /// partially covered units are an error naming the first missing parameter. With `require`,

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::check::{check_slot_name, check_slots};
 use super::format::{
     base_meta, check_param_name, encode_shape, header_crc, parse_shape, write_file, F32View,
     HEADER_CRC_KEY, HEADER_CRC_PLACEHOLDER,
