@@ -21,8 +21,7 @@
 
 #include "cuda_emu.h"
 
-#include "../kernels.cu"
-#include "../flash.cu"
+#include "../kernels.cu"  // the whole program: kernels.cu then flash.cu (program::SOURCE)
 
 #include <stdio.h>
 #include <stdlib.h>
