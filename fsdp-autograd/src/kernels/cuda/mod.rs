@@ -33,10 +33,11 @@
 //! [`BufferRef`](fsdp_alloc::BufferRef)s of its memory:
 //!
 //! ```no_run
+//! # #[cfg(feature = "cuda")]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use fsdp_alloc::Device;
 //! use fsdp_autograd::kernels::cuda::CudaKernels;
 //!
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dev = Device::cuda(0)?; // AllocError::CudaUnavailable without a driver
 //! let k = CudaKernels::new(&dev)?;
 //! let s = dev.default_stream();
@@ -49,6 +50,8 @@
 //! assert!((host[3] - 1.0 / 3.0).abs() < 1e-6);
 //! # Ok(())
 //! # }
+//! # #[cfg(not(feature = "cuda"))]
+//! # fn main() {} // without the `cuda` feature only `CudaBackend` is compiled here
 //! ```
 //!
 //! | group | methods |
