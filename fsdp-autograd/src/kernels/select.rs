@@ -22,8 +22,8 @@ impl Kernels {
     /// (created once per device and cached).
     ///
     /// # Errors
-    /// For a CUDA device: [`AutogradError::CudaNotBuilt`] without the `cuda` feature, or
-    /// [`AutogradError::Backend`] if the CUDA kernels cannot be loaded (NVRTC, cuBLAS, driver).
+    /// For a CUDA device: [`AutogradError::CudaNotBuilt`](crate::AutogradError::CudaNotBuilt) without the `cuda` feature, or
+    /// [`AutogradError::Backend`](crate::AutogradError::Backend) if the CUDA kernels cannot be loaded (NVRTC, cuBLAS, driver).
     pub fn for_device(device: &Device) -> Result<Kernels> {
         let backend = match device.id() {
             DeviceId::Cpu(_) => cpu_backend(),

@@ -49,7 +49,7 @@
 //! # Memory behaviour
 //! - [`full_state_dict`] gathers **one unit at a time**: a buffer of the unit's padded flat size
 //!   is allocated on the shard device (the compute device, or the host device under CPU offload),
-//!   all-gathered on the shard stream ([`Fsdp::optimizer_stream`]), copied to the host, and freed
+//!   all-gathered on the shard stream ([`Fsdp::optimizer_stream`](crate::Fsdp::optimizer_stream)), copied to the host, and freed
 //!   before the next unit. The extra device memory is therefore at most the largest unit
 //!   (`max ψᵢ`, as one forward unshard). With `rank0_only = false` every rank ends up with a host
 //!   copy of the whole model (`Ψ`). With `rank0_only = true` only the *primary* rank (rank 0 of

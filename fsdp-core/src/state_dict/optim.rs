@@ -21,7 +21,7 @@ pub(super) fn slot_what(slot: &str) -> String {
 }
 
 /// Gathers an optimizer's state into full tensors with the parameters' names and shapes, per
-/// slot. A **collective** like [`full_state_dict`] (one all-gather per unit and slot with state);
+/// slot. A **collective** like [`full_state_dict`](crate::state_dict::full_state_dict) (one all-gather per unit and slot with state);
 /// every rank must pass state for the same units.
 ///
 /// # Errors
@@ -178,7 +178,7 @@ pub fn sharded_optim_state_dict<M: Module + 'static>(
 /// shard tensors, like [`load_full_optim_state_dict`]. No communication.
 ///
 /// # Errors
-/// As [`load_sharded_state_dict`], per slot.
+/// As [`load_sharded_state_dict`](crate::state_dict::load_sharded_state_dict), per slot.
 pub fn load_sharded_optim_state_dict<M: Module + 'static>(
     fsdp: &Fsdp<M>,
     dict: &ShardedOptimStateDict,
@@ -193,7 +193,7 @@ pub fn load_sharded_optim_state_dict<M: Module + 'static>(
 }
 
 /// Gathers the optimizer state with `rank0_only` and writes it to `path` on the primary rank.
-/// A **collective**, like [`save_full`].
+/// A **collective**, like [`save_full`](crate::state_dict::save_full).
 ///
 /// # Errors
 /// As [`full_optim_state_dict`] and [`FullOptimStateDict::save`];
@@ -226,7 +226,7 @@ pub fn load_full_optim<M: Module + 'static>(
 }
 
 /// Saves the sharded optimizer state as the checkpoint directory `dir`, all-or-nothing exactly
-/// like [`save_sharded`] (staging directory, checksums, one atomic rename; a separate
+/// like [`save_sharded`](crate::state_dict::save_sharded) (staging directory, checksums, one atomic rename; a separate
 /// directory from the parameters').
 ///
 /// # Errors
@@ -261,7 +261,7 @@ pub fn save_sharded_optim<M: Module + 'static>(
 
 /// Reads what this rank needs of a sharded optimizer checkpoint (saved at any world size) and
 /// returns its per-unit shard tensors. A **collective** with the same all-or-nothing agreement
-/// as [`load_sharded`].
+/// as [`load_sharded`](crate::state_dict::load_sharded).
 ///
 /// # Errors
 /// As [`ShardedOptimStateDict::load_dir`] and [`load_sharded_optim_state_dict`];

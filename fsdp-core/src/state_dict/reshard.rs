@@ -571,7 +571,7 @@ pub fn load_sharded_state_dict<M: Module + 'static>(
 ///
 /// # Errors
 /// [`StateDictError::NonFinite`] (non-finite parameters are never saved unless inside
-/// [`allow_non_finite`]), [`StateDictError::NotRegularFile`] when `dir` exists and is not a
+/// [`allow_non_finite`](crate::state_dict::allow_non_finite)), [`StateDictError::NotRegularFile`] when `dir` exists and is not a
 /// directory, I/O errors; [`StateDictError::PeerFailed`] on the ranks whose own part succeeded
 /// when another rank's failed. On error `dir` is unchanged and the staging directory removed.
 pub fn save_sharded<M: Module + 'static>(fsdp: &Fsdp<M>, dir: impl AsRef<Path>) -> Result<()> {

@@ -20,7 +20,7 @@ pub struct TensorEntry {
 }
 
 /// A full (gathered) state dict: every parameter with its original name and shape, in unit order
-/// and, within a unit, in layout order (the order of [`Fsdp::full_parameters`]).
+/// and, within a unit, in layout order (the order of [`Fsdp::full_parameters`](crate::Fsdp::full_parameters)).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct FullStateDict {
     /// The number of shards of the run that produced it (informational: a full state dict loads
@@ -101,7 +101,7 @@ pub struct ShardPiece {
 }
 
 /// A sharded state dict: the pieces of the parameters held by one or more ranks (one rank's, as
-/// built by [`sharded_state_dict`]; several, after [`ShardedStateDict::merge`] or
+/// built by [`sharded_state_dict`](crate::state_dict::sharded_state_dict); several, after [`ShardedStateDict::merge`] or
 /// [`ShardedStateDict::load_dir`]), with the catalogue of every parameter.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ShardedStateDict {

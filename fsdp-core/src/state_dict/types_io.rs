@@ -69,7 +69,7 @@ impl FullStateDict {
         )
     }
 
-    /// Reads a dict written by [`FullStateDict::save`] (or [`save_full`]).
+    /// Reads a dict written by [`FullStateDict::save`] (or [`save_full`](crate::state_dict::save_full)).
     ///
     /// # Errors
     /// I/O, safetensors, [`StateDictError::Format`] and [`StateDictError::UnsupportedVersion`].
@@ -108,7 +108,7 @@ impl ShardedStateDict {
     }
 
     /// Reads a whole sharded checkpoint directory (every saving rank's pieces). To load into a
-    /// wrapped model, [`load_sharded`] reads only the files a rank needs.
+    /// wrapped model, [`load_sharded`](crate::state_dict::load_sharded) reads only the files a rank needs.
     ///
     /// # Errors
     /// I/O, safetensors, [`StateDictError::Format`] and [`StateDictError::UnsupportedVersion`].
@@ -144,7 +144,7 @@ impl FullOptimStateDict {
         )
     }
 
-    /// Reads a file written by [`FullOptimStateDict::save`] (or [`save_full_optim`]).
+    /// Reads a file written by [`FullOptimStateDict::save`] (or [`save_full_optim`](crate::state_dict::save_full_optim)).
     ///
     /// # Errors
     /// As [`FullStateDict::load`].
