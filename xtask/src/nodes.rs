@@ -452,13 +452,7 @@ pub fn bench_nodes() -> Result<(), String> {
         ]),
     )?;
     let predicted = |label: &str| -> Result<f64, String> {
-        table
-            .lines()
-            .find(|l| l.contains(label))
-            .and_then(|l| {
-                let rest = &l[l.find(label)? + label.len()..];
-                rest.split_whitespace().next()?.parse::<f64>().ok()
-            })
+        plan_step_ms(&table, label)
             .ok_or_else(|| format!("no `{label}` row with a step time in the plan table"))
     };
     let full_pred = predicted("full-shard F=4 bwd=pre fwd=off lim=on")?;
@@ -484,4 +478,65 @@ pub fn bench_nodes() -> Result<(), String> {
         cluster.shaping
     );
     Ok(())
+}
+
+/// The predicted step time (ms) of the plan `label` (`STRATEGY F=N bwd=B fwd=F lim=L`) in
+/// `train_gpt --plan`'s table. The table merges candidates whose predictions print the same into
+/// one row (`bwd=pre|post`, `fwd=any`, …) followed by an `alike` count; a row matches when every
+/// setting of `label` is among its alternatives or the row says `any`.
+fn plan_step_ms(table: &str, label: &str) -> Option<f64> {
+    let want: Vec<&str> = label.split_whitespace().collect();
+    table.lines().find_map(|line| {
+        let toks: Vec<&str> = line.split_whitespace().collect();
+        let start = toks.iter().position(|t| *t == want[0])?;
+        let row = toks.get(start..start + want.len())?;
+        let matches = row.iter().zip(&want).all(|(got, want)| {
+            match (got.split_once('='), want.split_once('=')) {
+                (Some((gk, gv)), Some((wk, wv))) => {
+                    gk == wk && (gv == "any" || gv.split('|').any(|v| v == wv))
+                }
+                _ => got == want,
+            }
+        });
+        if !matches {
+            return None;
+        }
+        let mut rest = toks[start + want.len()..].iter();
+        let first = rest.next()?;
+        // Newer tables put the `alike` count (an integer) before the step time.
+        if first.contains('.') {
+            first.parse().ok()
+        } else {
+            rest.next()?.parse().ok()
+        }
+    })
+}
+
+#[cfg(test)]
+mod plan_table_tests {
+    use super::plan_step_ms;
+
+    #[test]
+    fn finds_merged_and_plain_rows() {
+        let merged = "rank  plan  alike  step ms\n   \
+            1  hybrid-shard F=2 bwd=pre fwd=any lim=any           4     205.24     201.68\n   \
+            3  full-shard F=4 bwd=pre|post fwd=off lim=any        4     211.00     201.65\n";
+        assert_eq!(
+            plan_step_ms(merged, "hybrid-shard F=2 bwd=pre fwd=off lim=on"),
+            Some(205.24)
+        );
+        assert_eq!(
+            plan_step_ms(merged, "full-shard F=4 bwd=post fwd=off lim=on"),
+            Some(211.0)
+        );
+        assert_eq!(
+            plan_step_ms(merged, "full-shard F=4 bwd=none fwd=off lim=on"),
+            None
+        );
+        let plain = "   1  full-shard F=4 bwd=pre fwd=off lim=on     233.10   200.0\n";
+        assert_eq!(
+            plan_step_ms(plain, "full-shard F=4 bwd=pre fwd=off lim=on"),
+            Some(233.1)
+        );
+    }
 }
