@@ -543,29 +543,32 @@ fn summary(
     }
 }
 
+/// A command-line parse failure: `--help`/`--version` print and succeed; anything else prints
+/// one line (clap's first line names the flag, the value and the allowed range) and exits 2.
+fn usage_exit(prog: &str, e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        let _ = e.print();
+        return ExitCode::SUCCESS;
+    }
+    let msg = e.to_string();
+    let line = msg
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("usage error");
+    eprintln!(
+        "{prog}: {} (see --help)",
+        line.trim_start_matches("error: ")
+    );
+    ExitCode::from(2)
+}
+
 fn main() -> ExitCode {
     // `train_gpt sample …`: generation (module `sample`), its own flags.
     if std::env::args().nth(1).as_deref() == Some("sample") {
-        let args = std::env::args().skip(1);
-        let cli = match sample::SampleCli::try_parse_from(args) {
+        let cli = match sample::SampleCli::try_parse_from(std::env::args().skip(1)) {
             Ok(c) => c,
-            Err(e) => {
-                use clap::error::ErrorKind;
-                if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
-                    let _ = e.print();
-                    return ExitCode::SUCCESS;
-                }
-                let msg = e.to_string();
-                let line = msg
-                    .lines()
-                    .find(|l| !l.trim().is_empty())
-                    .unwrap_or("usage error");
-                eprintln!(
-                    "train_gpt sample: {} (see --help)",
-                    line.trim_start_matches("error: ")
-                );
-                return ExitCode::from(2);
-            }
+            Err(e) => return usage_exit("train_gpt sample", e),
         };
         return match sample::run(cli) {
             Ok(()) => ExitCode::SUCCESS,
@@ -577,24 +580,7 @@ fn main() -> ExitCode {
     }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
-        Err(e) => {
-            use clap::error::ErrorKind;
-            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
-                let _ = e.print();
-                return ExitCode::SUCCESS;
-            }
-            // One line: clap's first line names the flag, the value and the allowed range.
-            let msg = e.to_string();
-            let line = msg
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("usage error");
-            eprintln!(
-                "train_gpt: {} (see --help)",
-                line.trim_start_matches("error: ")
-            );
-            return ExitCode::from(2);
-        }
+        Err(e) => return usage_exit("train_gpt", e),
     };
     if cli.planning.apply && !cli.planning.plan {
         eprintln!(

@@ -234,11 +234,9 @@ pub(crate) fn capture(step: &str, cmd: &mut Command) -> Result<String, String> {
     last_json_line(&out.stdout).ok_or_else(|| format!("{step}: no JSON line in its output"))
 }
 
-/// `cargo xtask bench mpi`: collective throughput over MPI vs threads, and train_gpt tokens/s
-/// over MPI vs threads, in one run; prints one JSON object as the last line (with the 1-minute
-/// load average at the end: the development machine is shared, absolute figures drift with it).
-pub fn bench_mpi() -> Result<(), String> {
-    check_mpirun()?;
+/// Builds the MPI benches' binaries (release, feature `mpi`): the `mpi_bench` example and
+/// `train_gpt`. Shared by `bench mpi` and `bench nodes`.
+pub(crate) fn build_bench_binaries() -> Result<(), String> {
     run(
         "build MPI bench binaries",
         cargo().args([
@@ -255,7 +253,15 @@ pub fn bench_mpi() -> Result<(), String> {
             "--bin",
             "train_gpt",
         ]),
-    )?;
+    )
+}
+
+/// `cargo xtask bench mpi`: collective throughput over MPI vs threads, and train_gpt tokens/s
+/// over MPI vs threads, in one run; prints one JSON object as the last line (with the 1-minute
+/// load average at the end: the development machine is shared, absolute figures drift with it).
+pub fn bench_mpi() -> Result<(), String> {
+    check_mpirun()?;
+    build_bench_binaries()?;
     let coll = capture(
         "mpi collectives bench",
         mpirun(4).arg(example("release", "mpi_bench")),

@@ -368,23 +368,7 @@ pub fn bench_nodes() -> Result<(), String> {
     let Some(cluster) = Cluster::up()? else {
         return Err("bench nodes needs network namespaces (run as root)".into());
     };
-    run(
-        "build MPI bench binaries",
-        cargo().args([
-            "build",
-            "--release",
-            "-p",
-            "fsdp-collectives",
-            "-p",
-            "fsdp-train",
-            "--features",
-            "fsdp-collectives/mpi,fsdp-train/mpi",
-            "--example",
-            "mpi_bench",
-            "--bin",
-            "train_gpt",
-        ]),
-    )?;
+    crate::mpi::build_bench_binaries()?;
     let bench = example("release", "mpi_bench");
     let hier = capture(
         "all-gather, hierarchical path",
