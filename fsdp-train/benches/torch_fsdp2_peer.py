@@ -14,6 +14,9 @@ head without bias (tied to the token embedding for gpt2). Weights are random: on
 memory are compared, never losses.
 
     python3 fsdp-train/benches/torch_fsdp2_peer.py --config mini --config gpt2 --config gpt2:bf16
+
+`cargo xtask gpu-peer` runs it beside train_gpt and prints the ratios (":tf32" lets f32
+matrix products use TF32, like train_gpt --tf32).
 """
 import argparse
 import json
@@ -114,6 +117,7 @@ def run(name, mp, offload, batch, steps, warmup, dev):
         "batch": batch,
         "seq": seq,
         "mixed_precision": mp,
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
         "cpu_offload": offload,
         "params": sum(p.numel() for p in model.parameters()),
         "step_ms_median": ms,
@@ -131,7 +135,7 @@ def main():
     p.add_argument(
         "--config",
         action="append",
-        help="MODEL[:bf16][:offload][:bBATCH], MODEL one of mini, small, gpt2 (repeatable)",
+        help="MODEL[:bf16][:tf32][:offload][:bBATCH], MODEL one of mini, small, gpt2 (repeatable)",
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -147,6 +151,7 @@ def main():
             parts = cfg.split(":")
             batch = next((int(s[1:]) for s in parts[1:] if s.startswith("b") and s[1:].isdigit()), None)
             mp = "bf16" if "bf16" in parts else "none"
+            torch.backends.cuda.matmul.allow_tf32 = "tf32" in parts
             r = run(parts[0], mp, "offload" in parts, batch, a.steps, a.warmup, a.device)
             print(json.dumps(r), flush=True)
     finally:

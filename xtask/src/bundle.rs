@@ -135,7 +135,7 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
         let (pkg, test) = match s.exec {
             Exec::Test { pkg, test, .. } => (pkg, test),
             Exec::Launch2 => ("fsdp-tests", Some("gpu_nccl")),
-            Exec::TrainGpt { .. } => continue,
+            Exec::TrainGpt { .. } | Exec::Peer => continue,
         };
         if wanted.contains(&(pkg, test)) || missing.contains(&test_bin_name(pkg, test)) {
             continue;
@@ -177,6 +177,11 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
     total += copy_stripped(&release.join("train_gpt"), &bin.join("train_gpt"))?;
     total += copy_stripped(&release.join("xtask"), &bin.join("xtask"))?;
 
+    // The PyTorch peer of the `peer` suite (a Python script: run by the GPU machine's Python).
+    let peer = crate::root().join("fsdp-train/benches").join(PEER_SCRIPT);
+    total += std::fs::copy(&peer, dir.join(PEER_SCRIPT))
+        .map_err(|e| format!("copying {}: {e}", peer.display()))?;
+
     let script = run_sh(&missing);
     let run_path = dir.join("run.sh");
     std::fs::write(&run_path, &script).map_err(|e| format!("writing run.sh: {e}"))?;
@@ -214,6 +219,9 @@ fn set_executable(p: &Path) -> Result<(), String> {
     std::fs::set_permissions(p, perm).map_err(|e| e.to_string())
 }
 
+/// The PyTorch FSDP2 peer script (`fsdp-train/benches/`), copied to the bundle's top directory.
+pub(crate) const PEER_SCRIPT: &str = "torch_fsdp2_peer.py";
+
 /// The shell line of one step, run from the bundle directory.
 fn step_line(exec: &Exec) -> String {
     match *exec {
@@ -243,6 +251,9 @@ fn step_line(exec: &Exec) -> String {
         Exec::Launch2 => format!(
             "\"$B/bin/xtask\" gpu-launch-2 --bin \"$B/bin/{}\"",
             test_bin_name("fsdp-tests", Some("gpu_nccl"))
+        ),
+        Exec::Peer => format!(
+            "\"$B/bin/xtask\" gpu-peer --train-gpt \"$B/bin/train_gpt\" --script \"$B/{PEER_SCRIPT}\""
         ),
     }
 }
@@ -427,8 +438,11 @@ mod tests {
             assert!(s.contains(&format!("# {}", st.what)), "{}", st.what);
         }
         assert!(s.contains("missing attention"));
-        assert!(s.contains("\nsummary ops attention nccl fsdp teardown bench kernels\n"));
+        assert!(s.contains("\nsummary ops attention nccl fsdp teardown bench kernels peer\n"));
         assert!(s.contains("gpu-launch-2 --bin \"$B/bin/fsdp-tests-gpu_nccl\""));
+        assert!(s.contains(
+            "gpu-peer --train-gpt \"$B/bin/train_gpt\" --script \"$B/torch_fsdp2_peer.py\""
+        ));
     }
 
     #[test]

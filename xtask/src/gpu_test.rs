@@ -26,6 +26,8 @@ pub enum Exec {
     TrainGpt { args: &'static [&'static str] },
     /// Two processes of the `gpu_nccl` test binary as ranks 0 and 1 of a torchrun-style job.
     Launch2,
+    /// `xtask gpu-peer`: train_gpt beside the PyTorch FSDP2 peer (needs PyTorch with CUDA).
+    Peer,
 }
 
 /// One step of the GPU suite.
@@ -189,6 +191,14 @@ pub const STEPS: &[Step] = &[
             ],
         },
     },
+    Step {
+        suite: "peer",
+        what: "train_gpt --device cuda beside PyTorch FSDP2 on the same GPU (GPT-mini, the 25.6M \
+               shape, GPT-2 f32 / TF32 / bf16 / CPU offload): step times, their ratio, peak \
+               memory, as a table and one JSON line (needs Python with PyTorch for CUDA)",
+        min_gpus: 1,
+        exec: Exec::Peer,
+    },
 ];
 
 /// The names of the suites, in order of first appearance.
@@ -255,6 +265,11 @@ fn command(exec: &Exec) -> Command {
         Exec::Launch2 => {
             let mut c = cargo();
             c.args(["run", "-p", "xtask", "--", "gpu-launch-2"]);
+            c
+        }
+        Exec::Peer => {
+            let mut c = cargo();
+            c.args(["run", "-p", "xtask", "--", "gpu-peer"]);
             c
         }
     }

@@ -9,6 +9,7 @@
 //!   attention memory scaling, NCCL, FSDP parity and memory, clean teardown, the train_gpt
 //!   bench, the kernel-time bench; the list is `gpu_test::STEPS`) if found, otherwise says so
 //!   and fails; one summary line per suite. `--list` prints the suite without running it.
+//! - `gpu-peer`: `train_gpt --device cuda` beside PyTorch FSDP2 on the same GPU (`peer.rs`).
 //! - `gpu-bundle DIR`: builds every binary of the GPU suite (release, `cuda`) here, without a
 //!   GPU, strips them into `DIR/bin` and writes `DIR/run.sh`, which runs the same suite as
 //!   `gpu-test` on a GPU machine without a Rust toolchain (see `bundle.rs`).
@@ -32,6 +33,7 @@ mod gpu_test;
 mod house;
 mod mpi;
 mod nodes;
+mod peer;
 
 use std::path::{Path, PathBuf};
 use std::process::{exit, Command};
@@ -251,9 +253,27 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str =
-    "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | nvrtc | \
+const USAGE: &str = "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | \
+                     gpu-peer [--train-gpt BIN] [--script PY] | nvrtc | \
                      bench [NAME] | soak | doc | mpi-test [--nodes 2]>";
+
+/// `gpu-peer`'s options: `--train-gpt BIN` and `--script PY`, each at most once.
+fn peer_args<'a>(rest: &[&'a str]) -> Result<(Option<&'a str>, Option<&'a str>), String> {
+    let (mut train_gpt, mut script) = (None, None);
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let slot = match *flag {
+            "--train-gpt" => &mut train_gpt,
+            "--script" => &mut script,
+            other => return Err(format!("gpu-peer: unknown option {other:?}\n{USAGE}")),
+        };
+        *slot = Some(
+            *it.next()
+                .ok_or_else(|| format!("gpu-peer: {flag} needs a value\n{USAGE}"))?,
+        );
+    }
+    Ok((train_gpt, script))
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -270,6 +290,7 @@ fn main() {
         ["gpu-launch-2", "--bin", b] => gpu_test::launch_2(Some(b)),
         ["gpu-find"] => gpu_test::find_gpu().map(|n| println!("{n}")),
         ["gpu-bundle", dir] => bundle::gpu_bundle(dir),
+        ["gpu-peer", rest @ ..] => peer_args(rest).and_then(|(t, s)| peer::gpu_peer(t, s)),
         ["nvrtc"] => gpu_test::nvrtc(),
         ["bench"] => bench(None),
         ["bench", "mpi"] => mpi::bench_mpi(),
