@@ -11,9 +11,10 @@ use fsdp_autograd::nn::{Gelu, GptConfig};
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
 use fsdp_core::{ShardOver, STRATEGIES};
 
-use crate::cuda::CudaLaunch;
 use crate::data::DataFormat;
-use crate::train::{DataSpec, OptimHyper, Optimizer, TrainConfig};
+use crate::job::UsageError;
+use crate::job::{CudaLaunch, DataSpec, TrainConfig};
+use crate::optim::{OptimHyper, Optimizer};
 
 /// Largest `--steps`, `--warmup-steps`, `--eval-every`, `--checkpoint-every`.
 pub const MAX_STEPS: u64 = 10_000_000;
@@ -482,13 +483,26 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
-/// A command line that parses but does not make sense (exit 2, like clap's own errors).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+/// The layout `--device` and `--backend` ask for; `None` for CPU ranks.
+///
+/// # Errors
+/// A usage message for `--backend nccl` without `--device cuda` and for `--device cuda
+/// --backend mpi`.
+pub fn cuda_launch(device: DeviceArg, backend: BackendArg) -> Result<Option<CudaLaunch>, String> {
+    match (device, backend) {
+        (DeviceArg::Cpu, BackendArg::Thread | BackendArg::Mpi) => Ok(None),
+        (DeviceArg::Cpu, BackendArg::Nccl) => Err(
+            "--backend nccl runs one process per GPU; add --device cuda (CPU ranks use \
+             --backend thread or mpi)"
+                .into(),
+        ),
+        (DeviceArg::Cuda, BackendArg::Thread) => Ok(Some(CudaLaunch::Threads)),
+        (DeviceArg::Cuda, BackendArg::Nccl) => Ok(Some(CudaLaunch::Processes)),
+        (DeviceArg::Cuda, BackendArg::Mpi) => Err(
+            "--backend mpi runs CPU ranks; for one process per GPU use --device cuda \
+             --backend nccl under torchrun, mpirun or srun"
+                .into(),
+        ),
     }
 }
 
@@ -618,7 +632,7 @@ impl Cli {
                  CPU products are always full f32)",
             );
         }
-        let cuda = CudaLaunch::from_args(p.device, p.backend).map_err(UsageError)?;
+        let cuda = cuda_launch(p.device, p.backend).map_err(UsageError)?;
         let mpi = p.backend == BackendArg::Mpi;
         if mpi && !cfg!(feature = "mpi") {
             return usage(
@@ -835,23 +849,26 @@ fn mpi_world_size() -> Result<usize, UsageError> {
     )
 }
 
-/// The `--strategy` spelling of a strategy (its name in fsdp-core's strategy table).
-pub fn strategy_name(s: ShardingStrategy) -> &'static str {
-    s.name()
-}
-
-/// The `--backward-prefetch` spelling.
-pub fn prefetch_name(p: BackwardPrefetch) -> &'static str {
-    match p {
-        BackwardPrefetch::None => "none",
-        BackwardPrefetch::BackwardPre => "pre",
-        BackwardPrefetch::BackwardPost => "post",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn device_and_backend_pick_the_layout() {
+        use BackendArg::*;
+        use DeviceArg::*;
+        assert_eq!(cuda_launch(Cpu, Thread), Ok(None));
+        assert_eq!(cuda_launch(Cpu, Mpi), Ok(None));
+        assert_eq!(cuda_launch(Cuda, Thread), Ok(Some(CudaLaunch::Threads)));
+        assert_eq!(cuda_launch(Cuda, Nccl), Ok(Some(CudaLaunch::Processes)));
+        assert!(cuda_launch(Cpu, Nccl)
+            .unwrap_err()
+            .contains("--device cuda"));
+        assert!(cuda_launch(Cuda, Mpi)
+            .unwrap_err()
+            .contains("--backend nccl"));
+        assert_eq!(CudaLaunch::Threads.ordinal(3), 3);
+    }
 
     fn parse(args: &[&str]) -> Result<TrainConfig, String> {
         let cli = Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))

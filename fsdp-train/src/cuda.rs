@@ -25,54 +25,7 @@ use std::sync::Arc;
 use fsdp_alloc::{AllocError, Device, DeviceConfig};
 use fsdp_collectives::{ProcessGroup, RendezvousEnv};
 
-use crate::cli::{BackendArg, DeviceArg};
-use crate::train::{Observer, Report, TrainConfig, TrainError};
-
-/// How the ranks of a CUDA run are laid out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CudaLaunch {
-    /// One process, a thread per GPU (`--device cuda`).
-    Threads,
-    /// One process per GPU under a launcher (`--device cuda --backend nccl`).
-    Processes,
-}
-
-impl CudaLaunch {
-    /// The layout `--device` and `--backend` ask for; `None` for CPU ranks.
-    ///
-    /// # Errors
-    /// A usage message for `--backend nccl` without `--device cuda` and for `--device cuda
-    /// --backend mpi`.
-    pub fn from_args(device: DeviceArg, backend: BackendArg) -> Result<Option<CudaLaunch>, String> {
-        match (device, backend) {
-            (DeviceArg::Cpu, BackendArg::Thread | BackendArg::Mpi) => Ok(None),
-            (DeviceArg::Cpu, BackendArg::Nccl) => Err(
-                "--backend nccl runs one process per GPU; add --device cuda (CPU ranks use \
-                 --backend thread or mpi)"
-                    .into(),
-            ),
-            (DeviceArg::Cuda, BackendArg::Thread) => Ok(Some(CudaLaunch::Threads)),
-            (DeviceArg::Cuda, BackendArg::Nccl) => Ok(Some(CudaLaunch::Processes)),
-            (DeviceArg::Cuda, BackendArg::Mpi) => Err(
-                "--backend mpi runs CPU ranks; for one process per GPU use --device cuda \
-                 --backend nccl under torchrun, mpirun or srun"
-                    .into(),
-            ),
-        }
-    }
-
-    /// The GPU of `rank`: the rank itself for threads, the launcher's local rank (else the
-    /// rank) for processes.
-    pub fn ordinal(self, rank: usize) -> usize {
-        match self {
-            CudaLaunch::Threads => rank,
-            CudaLaunch::Processes => RendezvousEnv::from_env()
-                .ok()
-                .and_then(|e| e.local_rank)
-                .unwrap_or(rank),
-        }
-    }
-}
+use crate::job::{CudaLaunch, Observer, Report, TrainConfig, TrainError};
 
 /// Opens the first GPU this process would use (a typed error, never a panic, when the build has
 /// no CUDA support or there is no driver or device) and returns how many CUDA devices are
@@ -183,8 +136,10 @@ mod imp {
     use fsdp_collectives::{CollectiveError, NcclConfig, NcclGroup, TcpStore};
     use fsdp_core::FsdpError;
 
-    use super::*;
-    use crate::train::Quiet;
+    use super::{
+        Arc, CudaLaunch, Observer, RendezvousEnv, Report, RunRank, TrainConfig, TrainError,
+    };
+    use crate::job::Quiet;
 
     /// Bound on the rendezvous and on every collective.
     const TIMEOUT: Duration = Duration::from_secs(600);
@@ -314,29 +269,6 @@ pub fn run_job(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn device_and_backend_pick_the_layout() {
-        use BackendArg::*;
-        use DeviceArg::*;
-        assert_eq!(CudaLaunch::from_args(Cpu, Thread), Ok(None));
-        assert_eq!(CudaLaunch::from_args(Cpu, Mpi), Ok(None));
-        assert_eq!(
-            CudaLaunch::from_args(Cuda, Thread),
-            Ok(Some(CudaLaunch::Threads))
-        );
-        assert_eq!(
-            CudaLaunch::from_args(Cuda, Nccl),
-            Ok(Some(CudaLaunch::Processes))
-        );
-        assert!(CudaLaunch::from_args(Cpu, Nccl)
-            .unwrap_err()
-            .contains("--device cuda"));
-        assert!(CudaLaunch::from_args(Cuda, Mpi)
-            .unwrap_err()
-            .contains("--backend nccl"));
-        assert_eq!(CudaLaunch::Threads.ordinal(3), 3);
-    }
 
     #[test]
     fn without_a_gpu_cuda_runs_are_typed_errors() {

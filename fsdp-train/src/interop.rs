@@ -10,9 +10,9 @@ use fsdp_core::{state_dict, Fsdp};
 
 use crate::data::DataFormat;
 use crate::hf::{self, HfCheckpoint};
+use crate::job::{DataSpec, Interop, TrainConfig};
 use crate::sample::{self, SampleOpts};
 use crate::tokenizer::Tokenizer;
-use crate::train::{DataSpec, TrainConfig};
 
 /// Tokenizer, Hugging Face weights and samples.
 #[derive(Args, Debug, Clone)]
@@ -46,23 +46,6 @@ pub enum TokenizerArg {
     Bytes,
     /// GPT-2's byte-pair encoding (r50k_base, vocab 50257)
     Gpt2,
-}
-
-/// The validated flags.
-#[derive(Debug, Clone, Default)]
-pub struct Interop {
-    /// The text tokenizer.
-    pub tokenizer: Tokenizer,
-    /// `--init-from`.
-    pub init_from: Option<PathBuf>,
-    /// An explicit `--vocab` (with `--init-from`: at least the checkpoint's).
-    pub vocab: Option<usize>,
-    /// An explicit `--seq-len` (with `--init-from`: at most `n_positions`).
-    pub seq_len: Option<usize>,
-    /// `--export-hf`.
-    pub export_hf: Option<PathBuf>,
-    /// `--sample-every` (0: never).
-    pub sample_every: usize,
 }
 
 impl InteropArgs {

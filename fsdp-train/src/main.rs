@@ -84,6 +84,7 @@ mod cuda;
 mod data;
 mod hf;
 mod interop;
+mod job;
 mod kernel_times;
 mod optim;
 mod paths;
@@ -104,9 +105,10 @@ use fsdp_core::state_dict::check_save_target;
 use fsdp_core::{BackwardPrefetch, ShardOver};
 use serde_json::json;
 
-use crate::cli::{prefetch_name, strategy_name, Cli};
+use crate::cli::Cli;
+use crate::job::{prefetch_name, strategy_name, StepRecord, TrainConfig};
+use crate::optim::Optimizer;
 use crate::report::{mib, thousands, Console};
-use crate::train::{Optimizer, StepRecord, TrainConfig};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -191,8 +193,8 @@ fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64
     }
     if let Some(launch) = c.cuda {
         extras.push_str(match launch {
-            cuda::CudaLaunch::Threads => " | CUDA: a thread per GPU, NCCL",
-            cuda::CudaLaunch::Processes => " | CUDA: a process per GPU, NCCL",
+            job::CudaLaunch::Threads => " | CUDA: a thread per GPU, NCCL",
+            job::CudaLaunch::Processes => " | CUDA: a process per GPU, NCCL",
         });
     }
     if c.cpu_offload {
@@ -265,7 +267,7 @@ fn json_num(x: f64) -> serde_json::Value {
 /// Whether this process prints: always with thread ranks; with `--backend mpi`, rank 0 (from
 /// the launcher's environment).
 fn primary_process(c: &TrainConfig) -> bool {
-    if c.cuda == Some(cuda::CudaLaunch::Processes) {
+    if c.cuda == Some(job::CudaLaunch::Processes) {
         return fsdp_collectives::RendezvousEnv::from_env().is_ok_and(|e| e.rank == 0);
     }
     if !c.mpi {
@@ -404,7 +406,7 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
 
 fn summary(
     c: &TrainConfig,
-    rep: &train::Report,
+    rep: &job::Report,
     wall: f64,
     gemm_probe: &probe::Probe,
     params: u64,
@@ -588,8 +590,7 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    if let Ok(Some(launch)) = cuda::CudaLaunch::from_args(cli.parallel.device, cli.parallel.backend)
-    {
+    if let Ok(Some(launch)) = cli::cuda_launch(cli.parallel.device, cli.parallel.backend) {
         // A typed error, never a panic: `Device::cuda` checks for the driver library before
         // touching cudarc.
         if let Err(e) = cuda::preflight(launch) {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use fsdp_core::checkpoint;
 
 use crate::data::file_kind;
-use crate::train::{DataSpec, TrainConfig};
+use crate::job::{DataSpec, TrainConfig};
 
 /// What identifies a file system object (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -56,8 +56,8 @@ use fsdp_core::plan::{
 };
 use fsdp_core::{ShardOver, WrapPolicy};
 
-use crate::cli::{strategy_name, UsageError};
-use crate::train::{Optimizer, TrainConfig};
+use crate::job::{strategy_name, TrainConfig, UsageError};
+use crate::optim::Optimizer;
 
 /// Planning (the cost model of `fsdp_core::plan`).
 #[derive(Args, Debug, Clone, Default)]

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::Tensor;
 
-use crate::train::TrainConfig;
+use crate::job::TrainConfig;
 
 /// A probe's result.
 pub struct Probe {

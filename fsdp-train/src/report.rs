@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plotters::prelude::*;
 use serde_json::{json, Value};
 
-use crate::train::{Observer, StepRecord};
+use crate::job::{Observer, StepRecord};
 
 /// `1234567` → `1,234,567`.
 pub fn thousands(n: u64) -> String {

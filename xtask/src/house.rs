@@ -38,12 +38,16 @@ pub const CRATES: &[&str] = &[
     "fsdp-autograd",
     "fsdp-init",
     "fsdp-core",
+    "fsdp-train",
+    "examples/candle-mlp",
+    "tests",
 ];
 
-/// Crates whose findings are printed but do not fail the check yet (the main job's package:
-/// its `cli`/`cuda`/`plan`/`report`/`train` files form one cycle today). Move a crate to
-/// [`CRATES`] once it is clean.
-pub const REPORTED: &[&str] = &["fsdp-train"];
+/// Crates whose findings are printed but do not fail the check yet; move a crate to [`CRATES`]
+/// once it is clean. (fsdp-train moved to [`CRATES`] when its shared types went to
+/// `fsdp-train/src/job.rs`; xtask's commands still import their helpers from `main.rs`, which
+/// imports them.)
+pub const REPORTED: &[&str] = &["xtask"];
 
 // ---------------------------------------------------------------------------------------------
 // Lexer
