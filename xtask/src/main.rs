@@ -34,8 +34,10 @@ mod house;
 mod mpi;
 mod nodes;
 mod peer;
+mod util;
 
-use std::path::{Path, PathBuf};
+pub use util::{cargo, cuda_test, root, run};
+
 use std::process::{exit, Command};
 
 /// Benches: (name, crate directory, package name).
@@ -51,39 +53,6 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("paper", "fsdp-core", "fsdp-core"),
     ("quantized", "fsdp-train", "fsdp-train"),
 ];
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives one level below the workspace root")
-        .to_path_buf()
-}
-
-fn cargo() -> Command {
-    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    c.current_dir(root());
-    c
-}
-
-/// `cargo test -p <pkg> --features cuda <args…>`: the shape of every CUDA test step (the
-/// emulator step of `ci`, the `gpu-test` suites, `nvrtc`).
-fn cuda_test(pkg: &str, args: &[&str]) -> Command {
-    let mut c = cargo();
-    c.args(["test", "-p", pkg, "--features", "cuda"]).args(args);
-    c
-}
-
-fn run(step: &str, cmd: &mut Command) -> Result<(), String> {
-    eprintln!("xtask: {step}: {cmd:?}");
-    let status = cmd
-        .status()
-        .map_err(|e| format!("{step}: could not start: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{step} failed ({status})"))
-    }
-}
 
 /// Runs a CI step that needs a tool from outside cargo. Under `CI=true` (and when the tool is
 /// there) its failure fails CI; on a machine where the tool is missing and `CI` is not set, the
