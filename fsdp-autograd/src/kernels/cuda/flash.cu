@@ -2,7 +2,8 @@
 // Fused causal attention, FlashAttention-2 style (helper "kern", issue #25). Compiled as part of
 // the same NVRTC program as kernels.cu (program.rs appends this file to it), so it shares its
 // conventions: BLOCK threads per block, a one-dimensional grid that the kernels loop over, u64
-// sizes, --fmad=false, no floating-point atomics.
+// sizes, --fmad=false (the dot products here use explicit __fmaf_rn instead), no floating-point
+// atomics.
 //
 // Layout: q, k, v, out, dout, dq, dk, dv are [bh, t, d] row-major in the element type E (f32,
 // or the raw bits of bf16 / f16); lse and delta are [bh, t] f32. Scores are s = (q.k)*scale with
@@ -21,11 +22,16 @@
 // over the key tiles up to the diagonal: dq += scale * dS k). Every output element is written
 // by exactly one thread, summing in a fixed order: no atomics, so results are bit-reproducible.
 //
-// Tile sizes are compile-time: head dims up to 64 use 64-query / 32-key forward tiles and
-// 32 x 32 backward tiles, head dims up to 128 use 32 / 16 and 16 x 16 (everything in static
-// shared memory, under 48 KiB per block). Rows are padded by one float against bank conflicts.
-// The arithmetic is plain f32 on the CUDA cores (no tensor-core mma): half inputs are widened
-// on load and results rounded once on store.
+// Two kernel families share that structure. Head dims of exactly 64 or 128 (when t * d < 2^31)
+// take the register-tiled kernels (`_d64`, `_d128`; section "Register-tiled kernels" below:
+// compile-time head dim, per-thread micro-tiles, float4 shared loads, explicit FMAs). Every other
+// head dim up to 128 takes the generic kernels (`_le64`, `_le128`): head dim read at run time,
+// one score (or output column) per thread and loop step, two shared loads per multiply-add.
+// Both use the same compile-time tiles: head dims up to 64 use 64-query / 32-key forward tiles
+// and 32 x 32 backward tiles, head dims up to 128 use 32 / 16 and 16 x 16 (everything in static
+// shared memory, under 48 KiB per block). The arithmetic is f32 on the CUDA cores (no
+// tensor-core mma: the host emulator cannot run inline PTX): half inputs are widened on load and
+// results rounded once on store.
 
 struct EltF32 {
     typedef float T;

@@ -8,6 +8,11 @@
 //! for `dk`/`dv` and a separate pass over query tiles for `dq`, so every output element is
 //! summed by one thread in a fixed order (no atomics). Scratch: `delta`, `[batch, heads, t]`
 //! f32.
+//!
+//! Head dims of exactly 64 and 128 take register-tiled kernels (compile-time head dim, each
+//! thread a micro-tile of scores and output columns, 16-byte shared loads, fused multiply-adds
+//! in a fixed order); other head dims take generic kernels that read the head dim at run time.
+//! Both families multiply on the CUDA cores in f32, not on tensor cores.
 
 use fsdp_alloc::{BufferRef, DType, Stream};
 
