@@ -6,7 +6,8 @@
 //!   (bytes handed out, host-side accounting, so no timing is involved).
 //! - `attention_kernel_times`: the fused kernels' forward and backward times at GPT-2's shape
 //!   (batch 4, 12 heads, t = 1024, d = 64) in f32 and bf16, with CUDA events around the kernel
-//!   launches only; one JSON line.
+//!   launches only, and the generic kernels' at d = 63 as the same run's baseline; one JSON
+//!   line.
 //!
 //! **Never run on a GPU**: written where no GPU exists. The test is `#[ignore]`d and also needs
 //! `FSDP_GPU_TESTS=1` (set by `cargo xtask gpu-test`); without it the test says so and returns.
@@ -224,10 +225,16 @@ fn time_attention(
 fn attention_kernel_times() {
     let Some(dev) = gpu() else { return };
     let k = CudaKernels::new(&dev).expect("CUDA kernels");
-    let shape = (4, HEADS, 1024, D);
     let mut parts = Vec::new();
-    for (name, dtype) in [("f32", DType::F32), ("bf16", DType::BF16)] {
-        let tm = time_attention(&k, dtype, shape, 10);
+    // d = 63 takes the generic kernels (head dim read at run time, same tiles as d = 64): the
+    // same run's baseline for the register-tiled d = 64 kernels.
+    for (name, dtype, d) in [
+        ("f32", DType::F32, D),
+        ("bf16", DType::BF16, D),
+        ("f32_generic_d63", DType::F32, 63),
+        ("bf16_generic_d63", DType::BF16, 63),
+    ] {
+        let tm = time_attention(&k, dtype, (4, HEADS, 1024, d), 10);
         assert!(
             tm.fwd_ms > 0.0 && tm.bwd_ms > 0.0,
             "{name}: no time measured"
