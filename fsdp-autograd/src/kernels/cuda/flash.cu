@@ -2,8 +2,8 @@
 // Fused causal attention, FlashAttention-2 style (helper "kern", issue #25). Compiled as part of
 // the same NVRTC program as kernels.cu (program.rs appends this file to it), so it shares its
 // conventions: BLOCK threads per block, a one-dimensional grid that the kernels loop over, u64
-// sizes, --fmad=false (the dot products here use explicit __fmaf_rn instead), no floating-point
-// atomics.
+// sizes, --fmad=false (the register-tiled kernels' products, delta and the generic backward's
+// dot products use explicit __fmaf_rn instead), no floating-point atomics.
 //
 // Layout: q, k, v, out, dout, dq, dk, dv are [bh, t, d] row-major in the element type E (f32,
 // or the raw bits of bf16 / f16); lse and delta are [bh, t] f32. Scores are s = (q.k)*scale with
@@ -26,7 +26,8 @@
 // take the register-tiled kernels (`_d64`, `_d128`; section "Register-tiled kernels" below:
 // compile-time head dim, per-thread micro-tiles, float4 shared loads, explicit FMAs). Every other
 // head dim up to 128 takes the generic kernels (`_le64`, `_le128`): head dim read at run time,
-// one score (or output column) per thread and loop step, two shared loads per multiply-add.
+// one score (or output column) per thread and loop step, two shared loads per multiply-add,
+// rows padded by one float against bank conflicts.
 // Both use the same compile-time tiles: head dims up to 64 use 64-query / 32-key forward tiles
 // and 32 x 32 backward tiles, head dims up to 128 use 32 / 16 and 16 x 16 (everything in static
 // shared memory, under 48 KiB per block). The arithmetic is f32 on the CUDA cores (no
