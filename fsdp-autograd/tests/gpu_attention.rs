@@ -1,8 +1,13 @@
-//! `cargo xtask gpu-test` check of the fused attention's memory (issue #25): the peak device
-//! memory of causal attention forward + backward on a CUDA device grows linearly in the sequence
-//! length `t` (the fused kernels save a `[batch, heads, t]` log-sum-exp, never a `t×t` matrix),
-//! while the unfused kernels' grows quadratically. Measured with the caching allocator's peak
-//! statistics (bytes handed out, host-side accounting, so no timing is involved).
+//! `cargo xtask gpu-test` checks of the fused attention:
+//! - `attention_memory_linear_in_t` (issue #25): the peak device memory of causal attention
+//!   forward + backward on a CUDA device grows linearly in the sequence length `t` (the fused
+//!   kernels save a `[batch, heads, t]` log-sum-exp, never a `t×t` matrix), while the unfused
+//!   kernels' grows quadratically. Measured with the caching allocator's peak statistics
+//!   (bytes handed out, host-side accounting, so no timing is involved).
+//! - `attention_kernel_times`: the fused kernels' forward and backward times at GPT-2's shape
+//!   (batch 4, 12 heads, t = 1024, d = 64) in f32 and bf16, with CUDA events around the kernel
+//!   launches only, and the generic kernels' at d = 63 as the same run's baseline; one JSON
+//!   line.
 //!
 //! **Never run on a GPU**: written where no GPU exists. The test is `#[ignore]`d and also needs
 //! `FSDP_GPU_TESTS=1` (set by `cargo xtask gpu-test`); without it the test says so and returns.
@@ -12,8 +17,8 @@
 mod common;
 
 use common::Rng;
-use fsdp_alloc::{DType, Device};
-use fsdp_autograd::kernels::cuda::set_fused_attention;
+use fsdp_alloc::{Buffer, DType, Device};
+use fsdp_autograd::kernels::cuda::{set_fused_attention, CudaKernels};
 use fsdp_autograd::{causal_attention, Tensor};
 
 fn gpu() -> Option<Device> {
@@ -90,5 +95,158 @@ fn attention_memory_linear_in_t() {
         ratio > 3.0,
         "the unfused attention's peak should grow about 4× when t doubles, got {ratio:.2}× \
          ({unfused:?}): the peak measurement is not seeing the t×t buffers"
+    );
+}
+
+/// One timed configuration of [`attention_kernel_times`]: milliseconds per forward, per
+/// backward, and model TFLOP/s of forward + backward.
+struct Timing {
+    fwd_ms: f64,
+    bwd_ms: f64,
+    tflops: f64,
+}
+
+/// Times `iters` fused forwards, then `iters` fused backwards, of causal attention at
+/// `[batch, heads, t, d]` in `dtype` on the default stream of `k`'s device, with CUDA events
+/// recorded on that stream around the launches (after two untimed warm-up rounds). FLOPs are
+/// the usual model count: forward `4·bh·d·t(t+1)/2` (two causal products), backward 2.5× that
+/// (five products; the kernels recompute two more, which are not counted).
+fn time_attention(
+    k: &CudaKernels,
+    dtype: DType,
+    (batch, heads, t, d): (usize, usize, usize, usize),
+    iters: usize,
+) -> Timing {
+    let dev = k.device().clone();
+    let stream = dev.default_stream().clone();
+    let cs = stream
+        .cuda_stream()
+        .expect("a CUDA device's default stream is a CUDA stream")
+        .clone();
+    let (n, nl) = (batch * heads * t * d, batch * heads * t);
+    let mut r = Rng::new(0xa77e);
+    let bytes = |v: Vec<f32>| -> Vec<u8> {
+        match dtype {
+            DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            _ => v
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                .collect(),
+        }
+    };
+    let es = if dtype == DType::F32 { 4 } else { 2 };
+    let alloc = |len: usize| -> Buffer { dev.alloc(len, &stream).expect("device memory") };
+    let inputs: Vec<Buffer> = (0..4)
+        .map(|_| {
+            let host = bytes(r.vec(n));
+            let b = alloc(host.len());
+            k.upload(&stream, &host, b.data()).expect("upload");
+            b
+        })
+        .collect();
+    let [q, kk, v, dout] = [0, 1, 2, 3].map(|i| inputs[i].data());
+    let (out, lse) = (alloc(n * es), alloc(nl * 4));
+    let (dq, dk, dv) = (alloc(n * es), alloc(n * es), alloc(n * es));
+    let fwd = || {
+        k.flash_attention(
+            &stream,
+            dtype,
+            q,
+            kk,
+            v,
+            out.data(),
+            lse.data(),
+            batch,
+            heads,
+            t,
+            d,
+        )
+        .expect("flash_attention")
+    };
+    let bwd = || {
+        k.flash_attention_backward(
+            &stream,
+            dtype,
+            q,
+            kk,
+            v,
+            out.data(),
+            lse.data(),
+            dout,
+            dq.data(),
+            dk.data(),
+            dv.data(),
+            batch,
+            heads,
+            t,
+            d,
+        )
+        .expect("flash_attention_backward")
+    };
+    for _ in 0..2 {
+        fwd();
+        bwd();
+    }
+    let event = || {
+        cs.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("cuEventRecord")
+    };
+    let e0 = event();
+    for _ in 0..iters {
+        fwd();
+    }
+    let e1 = event();
+    for _ in 0..iters {
+        bwd();
+    }
+    let e2 = event();
+    let fwd_ms = e0.elapsed_ms(&e1).expect("cuEventElapsedTime") as f64 / iters as f64;
+    let bwd_ms = e1.elapsed_ms(&e2).expect("cuEventElapsedTime") as f64 / iters as f64;
+    // The results are finite (the timed kernels did the work).
+    let mut host = vec![0u8; nl * 4];
+    k.download(&stream, lse.data(), &mut host)
+        .expect("download");
+    assert!(
+        host.chunks_exact(4)
+            .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+        "non-finite log-sum-exp after the timed runs ({dtype})"
+    );
+    let fwd_flops = 4.0 * (batch * heads * d) as f64 * (t * (t + 1) / 2) as f64;
+    let tflops = 3.5 * fwd_flops / ((fwd_ms + bwd_ms) * 1e-3) / 1e12;
+    Timing {
+        fwd_ms,
+        bwd_ms,
+        tflops,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run `cargo xtask gpu-test` (FSDP_GPU_TESTS=1)"]
+fn attention_kernel_times() {
+    let Some(dev) = gpu() else { return };
+    let k = CudaKernels::new(&dev).expect("CUDA kernels");
+    let mut parts = Vec::new();
+    // d = 63 takes the generic kernels (head dim read at run time, same tiles as d = 64): the
+    // same run's baseline for the register-tiled d = 64 kernels.
+    for (name, dtype, d) in [
+        ("f32", DType::F32, D),
+        ("bf16", DType::BF16, D),
+        ("f32_generic_d63", DType::F32, 63),
+        ("bf16_generic_d63", DType::BF16, 63),
+    ] {
+        let tm = time_attention(&k, dtype, (4, HEADS, 1024, d), 10);
+        assert!(
+            tm.fwd_ms > 0.0 && tm.bwd_ms > 0.0,
+            "{name}: no time measured"
+        );
+        parts.push(format!(
+            "\"{name}\": {{\"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"tflops\": {:.2}}}",
+            tm.fwd_ms, tm.bwd_ms, tm.tflops
+        ));
+    }
+    println!(
+        "{{\"attention_kernel_times\": {{\"batch\": 4, \"heads\": {HEADS}, \"t\": 1024, \
+         \"d\": {D}, {}}}}}",
+        parts.join(", ")
     );
 }

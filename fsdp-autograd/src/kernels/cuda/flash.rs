@@ -8,6 +8,11 @@
 //! for `dk`/`dv` and a separate pass over query tiles for `dq`, so every output element is
 //! summed by one thread in a fixed order (no atomics). Scratch: `delta`, `[batch, heads, t]`
 //! f32.
+//!
+//! Head dims of exactly 64 and 128 take register-tiled kernels (compile-time head dim, each
+//! thread a micro-tile of scores and output columns, 16-byte shared loads, fused multiply-adds
+//! in a fixed order); other head dims take generic kernels that read the head dim at run time.
+//! Both families multiply on the CUDA cores in f32, not on tensor cores.
 
 use fsdp_alloc::{BufferRef, DType, Stream};
 
@@ -63,48 +68,49 @@ fn tiles(d: usize) -> (usize, usize) {
     }
 }
 
-/// The kernels for `ty` and `d`: forward, backward preprocessing, dk/dv pass, dq pass.
-fn kernels(ty: FlashType, d: usize) -> [Kernel; 4] {
+/// Whether the register-tiled kernels (`flash.cu`'s `_d64` / `_d128`: head dim a compile-time
+/// constant, u32 index math inside a head) take `t` rows of head dimension `d`; other shapes go
+/// to the generic kernels (`_le64` / `_le128`, head dim read at run time).
+fn register_tiled(t: usize, d: usize) -> bool {
+    (d == 64 || d == 128) && t.checked_mul(d).is_some_and(|n| n < 1 << 31)
+}
+
+/// The kernels for `ty`, `t` and `d`: forward, backward preprocessing, dk/dv pass, dq pass.
+/// Both kernel families use the tiles of [`tiles`].
+fn kernels(ty: FlashType, t: usize, d: usize) -> [Kernel; 4] {
     use Kernel::*;
-    let small = d <= 64;
-    match (ty, small) {
-        (FlashType::F32, true) => [
-            FlashFwdF32D64,
-            FlashBwdPreF32,
-            FlashBwdDkdvF32D64,
-            FlashBwdDqF32D64,
+    let pre = match ty {
+        FlashType::F32 => FlashBwdPreF32,
+        FlashType::Bf16 => FlashBwdPreBf16,
+        FlashType::F16 => FlashBwdPreF16,
+    };
+    let [fwd, dkdv, dq] = match (ty, register_tiled(t, d), d <= 64) {
+        (FlashType::F32, true, true) => [FlashFwdF32D64, FlashBwdDkdvF32D64, FlashBwdDqF32D64],
+        (FlashType::Bf16, true, true) => [FlashFwdBf16D64, FlashBwdDkdvBf16D64, FlashBwdDqBf16D64],
+        (FlashType::F16, true, true) => [FlashFwdF16D64, FlashBwdDkdvF16D64, FlashBwdDqF16D64],
+        (FlashType::F32, true, false) => [FlashFwdF32D128, FlashBwdDkdvF32D128, FlashBwdDqF32D128],
+        (FlashType::Bf16, true, false) => {
+            [FlashFwdBf16D128, FlashBwdDkdvBf16D128, FlashBwdDqBf16D128]
+        }
+        (FlashType::F16, true, false) => [FlashFwdF16D128, FlashBwdDkdvF16D128, FlashBwdDqF16D128],
+        (FlashType::F32, false, true) => [FlashFwdF32Le64, FlashBwdDkdvF32Le64, FlashBwdDqF32Le64],
+        (FlashType::Bf16, false, true) => {
+            [FlashFwdBf16Le64, FlashBwdDkdvBf16Le64, FlashBwdDqBf16Le64]
+        }
+        (FlashType::F16, false, true) => [FlashFwdF16Le64, FlashBwdDkdvF16Le64, FlashBwdDqF16Le64],
+        (FlashType::F32, false, false) => {
+            [FlashFwdF32Le128, FlashBwdDkdvF32Le128, FlashBwdDqF32Le128]
+        }
+        (FlashType::Bf16, false, false) => [
+            FlashFwdBf16Le128,
+            FlashBwdDkdvBf16Le128,
+            FlashBwdDqBf16Le128,
         ],
-        (FlashType::Bf16, true) => [
-            FlashFwdBf16D64,
-            FlashBwdPreBf16,
-            FlashBwdDkdvBf16D64,
-            FlashBwdDqBf16D64,
-        ],
-        (FlashType::F16, true) => [
-            FlashFwdF16D64,
-            FlashBwdPreF16,
-            FlashBwdDkdvF16D64,
-            FlashBwdDqF16D64,
-        ],
-        (FlashType::F32, false) => [
-            FlashFwdF32D128,
-            FlashBwdPreF32,
-            FlashBwdDkdvF32D128,
-            FlashBwdDqF32D128,
-        ],
-        (FlashType::Bf16, false) => [
-            FlashFwdBf16D128,
-            FlashBwdPreBf16,
-            FlashBwdDkdvBf16D128,
-            FlashBwdDqBf16D128,
-        ],
-        (FlashType::F16, false) => [
-            FlashFwdF16D128,
-            FlashBwdPreF16,
-            FlashBwdDkdvF16D128,
-            FlashBwdDqF16D128,
-        ],
-    }
+        (FlashType::F16, false, false) => {
+            [FlashFwdF16Le128, FlashBwdDkdvF16Le128, FlashBwdDqF16Le128]
+        }
+    };
+    [fwd, pre, dkdv, dq]
 }
 
 fn check_d(op: &'static str, d: usize) -> Result<()> {
@@ -148,7 +154,7 @@ pub(crate) fn plan_flash(
         return Ok(plan);
     }
     check_d("flash_attention", d)?;
-    let [fwd, ..] = kernels(ty, d);
+    let [fwd, ..] = kernels(ty, t, d);
     let mut args = head_args(bh, t, d);
     args.extend([q, k, v, out, lse].map(PArg::Ptr));
     plan.launch(fwd, tile_grid(bh, t, tiles(d).0), args);
@@ -168,7 +174,7 @@ pub(crate) fn plan_flash_backward(
         return Ok(plan);
     }
     check_d("flash_attention_backward", d)?;
-    let [_, pre, dkdv, dqk] = kernels(ty, d);
+    let [_, pre, dkdv, dqk] = kernels(ty, t, d);
     let rows = bh * t;
     let delta = Ptr::scratch(plan.scratch(rows, Elem::F32));
     plan.launch(

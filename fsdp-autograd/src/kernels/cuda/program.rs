@@ -109,15 +109,34 @@ kernels! {
     StridedCopyB8 => "strided_copy_b8" [U64, View, Ptr, Ptr];
     StridedAddF32 => "strided_add_f32" [U64, View, Ptr, Ptr];
     // flash.cu: fused causal attention.
+    FlashFwdF32Le64 => "flash_fwd_f32_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdBf16Le64 => "flash_fwd_bf16_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdF16Le64 => "flash_fwd_f16_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdF32Le128 => "flash_fwd_f32_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdBf16Le128 => "flash_fwd_bf16_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashFwdF16Le128 => "flash_fwd_f16_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdPreF32 => "flash_bwd_pre_f32" [U64, U64, Ptr, Ptr, Ptr];
+    FlashBwdPreBf16 => "flash_bwd_pre_bf16" [U64, U64, Ptr, Ptr, Ptr];
+    FlashBwdPreF16 => "flash_bwd_pre_f16" [U64, U64, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF32Le64 => "flash_bwd_dkdv_f32_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvBf16Le64 => "flash_bwd_dkdv_bf16_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF16Le64 => "flash_bwd_dkdv_f16_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF32Le128 => "flash_bwd_dkdv_f32_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvBf16Le128 => "flash_bwd_dkdv_bf16_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDkdvF16Le128 => "flash_bwd_dkdv_f16_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF32Le64 => "flash_bwd_dq_f32_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqBf16Le64 => "flash_bwd_dq_bf16_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF16Le64 => "flash_bwd_dq_f16_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF32Le128 => "flash_bwd_dq_f32_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqBf16Le128 => "flash_bwd_dq_bf16_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FlashBwdDqF16Le128 => "flash_bwd_dq_f16_le128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    // flash.cu: the register-tiled kernels for head dims exactly 64 and 128.
     FlashFwdF32D64 => "flash_fwd_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdBf16D64 => "flash_fwd_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdF16D64 => "flash_fwd_f16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdF32D128 => "flash_fwd_f32_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdBf16D128 => "flash_fwd_bf16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdF16D128 => "flash_fwd_f16_d128" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FlashBwdPreF32 => "flash_bwd_pre_f32" [U64, U64, Ptr, Ptr, Ptr];
-    FlashBwdPreBf16 => "flash_bwd_pre_bf16" [U64, U64, Ptr, Ptr, Ptr];
-    FlashBwdPreF16 => "flash_bwd_pre_f16" [U64, U64, Ptr, Ptr, Ptr];
     FlashBwdDkdvF32D64 => "flash_bwd_dkdv_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashBwdDkdvBf16D64 => "flash_bwd_dkdv_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashBwdDkdvF16D64 => "flash_bwd_dkdv_f16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];

@@ -49,6 +49,16 @@ inline double __longlong_as_double(long long x) {
     return d;
 }
 
+// flash.cu's register-tiled kernels: 16-byte shared tiles, float4 loads, explicit FMA. fmaf is
+// correctly rounded like the device's fma.rn.f32.
+#define __align__(n) __attribute__((aligned(n)))
+
+struct __attribute__((aligned(16))) float4 {
+    float x, y, z, w;
+};
+
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+
 inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
     std::atomic_ref<unsigned long long> a(*p);
     unsigned long long old = a.load();

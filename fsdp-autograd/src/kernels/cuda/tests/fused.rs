@@ -226,16 +226,21 @@ fn reference_lse(q: &[f32], k: &[f32], bh: usize, t: usize, d: usize) -> Vec<f32
     out
 }
 
-/// Shapes of the fused attention cases: t = 1, t not a multiple of any tile (5, 17, 70; the
-/// forward tiles are 64/32 queries, the backward 32/16), both head-dimension classes (d ≤ 64
-/// and 64 < d ≤ 128), several heads.
-const SHAPES: [(usize, usize, usize, usize); 6] = [
+/// Shapes of the fused attention cases: t = 1, t not a multiple of any tile (5, 17, 21, 37, 70;
+/// the forward tiles are 64/32 queries, the backward 32/16), several heads, and every kernel
+/// family: the register-tiled kernels for d = 64 and d = 128 (t = 1, 37, 70) and the generic
+/// ones for other head dims up to 64 (1, 4, 8, 16, the odd 33) and up to 128 (100).
+const SHAPES: [(usize, usize, usize, usize); 10] = [
     (1, 1, 1, 1),
     (1, 1, 1, 64),
     (2, 3, 5, 4),
     (1, 2, 17, 8),
     (1, 1, 70, 16),
     (1, 1, 37, 100),
+    (1, 2, 70, 64),
+    (1, 1, 1, 128),
+    (1, 1, 37, 128),
+    (1, 1, 21, 33),
 ];
 
 /// f32 fused attention, forward and backward, against the CPU kernels (and the forward against
@@ -361,7 +366,7 @@ pub(super) fn flash_attention_f32(e: &mut dyn Exec) {
     }
 }
 
-/// bf16 (all shapes) and f16 (two shapes) fused attention against the CPU kernels run in f32 on
+/// bf16 (all shapes) and f16 (four shapes: both kernel families) fused attention against the CPU kernels run in f32 on
 /// the same rounded inputs. The kernels compute in f32 and round each output once, so the
 /// tolerance is `u·|want|` (u = 2⁻⁸ for bf16, 2⁻¹¹ for f16: one round-to-nearest) plus the f32
 /// term of [`flash_attention_f32`]; for the gradients add what the rounded forward output
@@ -373,7 +378,7 @@ pub(super) fn flash_attention_half(e: &mut dyn Exec) {
     let cases = SHAPES
         .iter()
         .map(|&s| (BF16, s))
-        .chain([(F16, SHAPES[2]), (F16, SHAPES[5])]);
+        .chain([2, 5, 6, 8].map(|i| (F16, SHAPES[i])));
     for (half, (batch, heads, t, d)) in cases {
         let (bh, n, np) = (batch * heads, batch * heads * t * d, batch * heads * t * t);
         let what = format!("{:?} batch={batch} heads={heads} t={t} d={d}", half.dtype);

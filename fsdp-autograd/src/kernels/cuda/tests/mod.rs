@@ -404,6 +404,24 @@ fn plans_are_well_formed() {
             Kernel::FlashBwdDqBf16D64
         ]
     );
+    // Head dims other than 64 and 128 take the generic kernels (head dim read at run time).
+    let b = plan_flash_backward(FlashType::F32, 2, 40, 63, nine).unwrap();
+    let kernels: Vec<Kernel> = b
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Launch { kernel, .. } => Some(*kernel),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        kernels,
+        [
+            Kernel::FlashBwdPreF32,
+            Kernel::FlashBwdDkdvF32Le64,
+            Kernel::FlashBwdDqF32Le64
+        ]
+    );
 }
 
 #[test]
