@@ -83,6 +83,19 @@ pub const STEPS: &[Step] = &[
         },
     },
     Step {
+        suite: "attention",
+        what: "fused attention kernel times: forward and backward at batch 4, 12 heads, t = 1024, \
+               d = 64 in f32 and bf16 (register-tiled kernels) and at d = 63 (the generic \
+               kernels, the same run's baseline), CUDA events, one JSON line (fwd_ms, bwd_ms, \
+               tflops) per case (fsdp-autograd/tests/gpu_attention.rs, attention_kernel_times)",
+        min_gpus: 1,
+        exec: Exec::Test {
+            pkg: "fsdp-autograd",
+            test: Some("gpu_attention"),
+            args: &["--include-ignored", "attention_kernel_times", "--nocapture"],
+        },
+    },
+    Step {
         suite: "nccl",
         what: "all-gather, reduce-scatter sum/avg (f32, bf16), all-reduce, broadcast on every \
                visible GPU, one thread per GPU, with asserted results",
