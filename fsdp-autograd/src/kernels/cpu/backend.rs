@@ -374,6 +374,9 @@ fn sum_to(st: &SumTo, x: &[f32], o: &mut [f32]) {
 /// f32 (256 KiB per operand) is worth a task, and a GPT-2 unit's shard still makes dozens.
 const PIECE: usize = 1 << 16;
 
+/// One piece of [`par_pieces`]: the inputs' and outputs' slices of the same element range.
+type Piece<'a, const I: usize, const O: usize> = ([&'a [f32]; I], [&'a mut [f32]; O]);
+
 /// Runs `f` on matching pieces of `ins` and `outs` (operands of one length), on rayon's global
 /// pool when there is more than one piece. For the elementwise kernels (SGD, AdamW, the LAMB
 /// halves) a piece's update is exactly that piece of the whole update, so the result is the
@@ -391,7 +394,7 @@ fn par_pieces<const I: usize, const O: usize>(
         return f(ins, outs);
     }
     let mut out_pieces = outs.map(|o| o.chunks_mut(PIECE));
-    let pieces: Vec<([&[f32]; I], [&mut [f32]; O])> = (0..n.div_ceil(PIECE))
+    let pieces: Vec<Piece<'_, I, O>> = (0..n.div_ceil(PIECE))
         .map(|k| {
             let r = k * PIECE..((k + 1) * PIECE).min(n);
             let o = out_pieces
