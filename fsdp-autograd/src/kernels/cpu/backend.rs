@@ -540,3 +540,51 @@ mod par_tests {
         );
     }
 }
+
+#[cfg(test)]
+mod copy_host_tests {
+    use fsdp_alloc::Device;
+
+    use crate::kernels::backend::Kernels;
+    use crate::AutogradError;
+
+    /// The seam's host copy: in stream order, bit for bit, and refused for a stream of another
+    /// device, a buffer on a third device, or lengths that differ.
+    #[test]
+    fn copy_host_checks_its_arguments_and_copies_in_stream_order() {
+        let (dev, host, other) = (Device::cpu(0), Device::cpu(1), Device::cpu(2));
+        let s = dev.new_stream("copy");
+        let k = Kernels::for_device(&dev).unwrap();
+        let src = host.alloc(64, &s).unwrap();
+        let dst = dev.alloc(64, &s).unwrap();
+        src.data()
+            .write::<f32>()
+            .unwrap()
+            .copy_from_slice(&[-0.0f32; 16]);
+        // A held-up stream: the copy must not run before the work launched ahead of it.
+        s.launch(|| std::thread::sleep(std::time::Duration::from_millis(30)));
+        k.copy_host(&s, src.data(), dst.data()).unwrap();
+        s.synchronize().unwrap();
+        let bits: Vec<u32> = dst
+            .data()
+            .read::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(bits, vec![(-0.0f32).to_bits(); 16]);
+
+        let elsewhere = other.new_stream("x");
+        assert!(matches!(
+            k.copy_host(&elsewhere, src.data(), dst.data()),
+            Err(AutogradError::Device { .. })
+        ));
+        let third = other.alloc(64, &elsewhere).unwrap();
+        assert!(matches!(
+            k.copy_host(&s, src.data(), third.data()),
+            Err(AutogradError::Device { .. })
+        ));
+        let short = dev.alloc(32, &s).unwrap();
+        assert!(k.copy_host(&s, src.data(), short.data()).is_err());
+    }
+}
