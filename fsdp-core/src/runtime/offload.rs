@@ -28,8 +28,12 @@ use crate::runtime::slice::tensor_slice;
 
 /// Copies the host `shard` into a new tensor on `device` for `consumer`: on the copy stream
 /// `copy` (of `device`) after `ready` (the shards' last update), and `consumer` waits for the
-/// copy. The new tensor's memory is released in `consumer`'s order (it was written on `copy`
-/// and is read on `consumer`).
+/// copy.
+///
+/// The new tensor belongs to `consumer` (allocated on it, so its block is recycled in the
+/// consumer's order exactly as when the consumer copied the shard itself: no more compute-device
+/// memory than before the copy stream); the copy stream first waits for the consumer's earlier
+/// work, so a recycled block's last reader has finished before the copy overwrites it.
 ///
 /// # Errors
 /// The allocator's, the seam's and [`copy_across`]'s errors.
@@ -40,13 +44,13 @@ pub(crate) fn upload(
     ready: &Event,
     consumer: &Stream,
 ) -> Result<Tensor> {
-    copy.wait_event(ready);
-    let dev = with_stream(copy, || {
+    let dev = with_stream(consumer, || {
         Tensor::empty(&[shard.numel()], shard.dtype(), device)
     })?;
+    copy.wait_event(&consumer.record_event());
+    copy.wait_event(ready);
     copy_across(shard, &dev, copy)?;
     consumer.wait_event(&copy.record_event());
-    dev.storage().with_buffer(|b| b.record_stream(consumer));
     Ok(dev)
 }
 
