@@ -110,13 +110,99 @@ extern "C" __global__ void add_row_bias_inplace(u64 n, u64 cols, float* y, const
     GRID_STRIDE(i, n) y[i] = y[i] + bias[i % cols];
 }
 
-// One thread per column, rows added in order 0, 1, ... in f32: the CPU kernel's order, bit for bit.
-extern "C" __global__ void col_sums(u64 rows, u64 cols, const float* x, float* out) {
-    GRID_STRIDE(j, cols) {
-        float acc = 0.0f;
-        for (u64 r = 0; r < rows; ++r) acc = acc + x[r * cols + j];
-        out[j] = acc;
+// Column reductions in row order (col_sums, layer_norm_bwd_params): out[j] = sum over r of
+// v(r, j), rows added in order 0, 1, ... in f32 -- the CPU kernels' order, bit for bit. That order
+// is a serial chain per column, so the parallelism is across columns only; what must be fast is
+// feeding the chains. Each block owns COL_GROUP adjacent columns at a time (one 32-byte sector of
+// an f32 row). All BLOCK threads stage a tile of COL_TILE rows x COL_GROUP columns into shared
+// memory (thread t loads column t % COL_GROUP of rows t / COL_GROUP + k * COL_PASS: a warp reads
+// four rows' sectors per instruction, COL_PER_THREAD independent loads per thread in flight),
+// then thread c < COL_GROUP adds column c's staged rows in order. The next tile's loads are
+// issued into registers before the adding starts (register double buffering), so the global
+// loads of tile t + 1 overlap the in-order additions of tile t. The host launches one block per
+// column group (capped at the grid limit; blocks loop over the groups).
+
+#define COL_GROUP 8
+#define COL_TILE 256
+#define COL_PASS (BLOCK / COL_GROUP)
+#define COL_PER_THREAD (COL_TILE / COL_PASS)
+
+// What col_sums adds: x[r, j].
+struct ColSumSrc {
+    const float* x;
+    u64 cols;
+    __device__ void load(u64 r, u64 j, float* v) const { v[0] = x[r * cols + j]; }
+};
+
+// What layer_norm_bwd_params adds: dy * xhat into dgamma and dy into dbeta, with
+// xhat = (x - mean[r]) * rstd[r]. Each product is rounded on its own (--fmad=false), so computing
+// it in the loading thread gives the same bits as computing it in the adding one.
+struct LnParamsSrc {
+    const float* x;
+    const float* mean;
+    const float* rstd;
+    const float* dy;
+    u64 cols;
+    __device__ void load(u64 r, u64 j, float* v) const {
+        float d = dy[r * cols + j];
+        float xhat = (x[r * cols + j] - mean[r]) * rstd[r];
+        v[0] = d * xhat;
+        v[1] = d;
     }
+};
+
+// Loads this thread's share of the tile at rows [base, base + COL_TILE) of column j (zeros past
+// the matrix; the adding loop never reads them).
+template <int N, class S>
+__device__ void col_stage_load(const S& src, u64 rows, u64 cols, u64 base, u64 j, float (*v)[N]) {
+    const u64 r0 = base + threadIdx.x / COL_GROUP;
+    for (int k = 0; k < COL_PER_THREAD; ++k) {
+        u64 r = r0 + (u64)k * COL_PASS;
+        if (j < cols && r < rows) {
+            src.load(r, j, v[k]);
+        } else {
+            for (int a = 0; a < N; ++a) v[k][a] = 0.0f;
+        }
+    }
+}
+
+// The N column sums of `src` (N = 1 or 2) into out0 (and out1). Every thread of the block runs
+// every barrier: the loops' bounds are the same for the whole block.
+template <int N, class S>
+__device__ void col_reduce(u64 rows, u64 cols, const S& src, float* out0, float* out1) {
+    __shared__ float tile[N][COL_TILE][COL_GROUP];
+    const unsigned c = threadIdx.x % COL_GROUP;
+    const unsigned r0 = threadIdx.x / COL_GROUP;
+    const u64 groups = (cols + COL_GROUP - 1) / COL_GROUP;
+    for (u64 g = blockIdx.x; g < groups; g += gridDim.x) {
+        const u64 j = g * COL_GROUP + c;
+        float v[COL_PER_THREAD][N];
+        col_stage_load<N>(src, rows, cols, 0, j, v);
+        float acc[N];
+        for (int a = 0; a < N; ++a) acc[a] = 0.0f;
+        for (u64 base = 0; base < rows; base += COL_TILE) {
+            for (int k = 0; k < COL_PER_THREAD; ++k)
+                for (int a = 0; a < N; ++a) tile[a][r0 + k * COL_PASS][c] = v[k][a];
+            __syncthreads();
+            if (base + COL_TILE < rows) col_stage_load<N>(src, rows, cols, base + COL_TILE, j, v);
+            if (threadIdx.x < COL_GROUP) {
+                const unsigned n = rows - base < COL_TILE ? (unsigned)(rows - base) : COL_TILE;
+#pragma unroll 8
+                for (unsigned r = 0; r < n; ++r)
+                    for (int a = 0; a < N; ++a) acc[a] = acc[a] + tile[a][r][threadIdx.x];
+            }
+            // The tile is free for the next round's stores once every adder is done with it.
+            __syncthreads();
+        }
+        if (threadIdx.x < COL_GROUP && j < cols) {
+            out0[j] = acc[0];
+            if constexpr (N > 1) out1[j] = acc[1];
+        }
+    }
+}
+
+extern "C" __global__ void col_sums(u64 rows, u64 cols, const float* x, float* out) {
+    col_reduce<1>(rows, cols, ColSumSrc{x, cols}, out, out);
 }
 
 // Stage 1 of sum/mean: block b writes the f64 sum of its grid-strided elements to partial[b].
@@ -248,8 +334,8 @@ extern "C" __global__ void causal_softmax_bwd(u64 rows, u64 t, const float* p, f
 }
 
 // ---------------------------------------------------------------------------------------------
-// Layer norm (one block per row for the row statistics and dx; one thread per column for the
-// parameter gradients, rows in order, as on the CPU).
+// Layer norm (one block per row for the row statistics and dx; the parameter gradients are
+// column reductions in row order, as on the CPU: see col_reduce).
 
 extern "C" __global__ void layer_norm_fwd(u64 rows, u64 cols, float eps, const float* x,
                                           const float* gamma, const float* beta, float* y,
@@ -304,21 +390,11 @@ extern "C" __global__ void layer_norm_bwd_dx(u64 rows, u64 cols, const float* x,
     }
 }
 
+// dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy, rows in order (see col_reduce).
 extern "C" __global__ void layer_norm_bwd_params(u64 rows, u64 cols, const float* x,
                                                  const float* mean, const float* rstd,
                                                  const float* dy, float* dgamma, float* dbeta) {
-    GRID_STRIDE(j, cols) {
-        float dg = 0.0f;
-        float db = 0.0f;
-        for (u64 r = 0; r < rows; ++r) {
-            float d = dy[r * cols + j];
-            float xhat = (x[r * cols + j] - mean[r]) * rstd[r];
-            dg = dg + d * xhat;
-            db = db + d;
-        }
-        dgamma[j] = dg;
-        dbeta[j] = db;
-    }
+    col_reduce<2>(rows, cols, LnParamsSrc{x, mean, rstd, dy, cols}, dgamma, dbeta);
 }
 
 // ---------------------------------------------------------------------------------------------

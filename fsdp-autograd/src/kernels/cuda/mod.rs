@@ -130,7 +130,9 @@
 //! - f32 compute except matrix products and the fused attention: the other kernels take f32,
 //!   and the seam casts half-precision tensors to f32 temporaries around them (as on the CPU).
 //! - Speed was not a goal beyond avoiding pathologies: [`col_sums`](CudaKernels::col_sums) and
-//!   the layer-norm parameter gradients use one thread per column; the embedding backward ranks
+//!   the layer-norm parameter gradients keep the CPU's serial row order per column (one block
+//!   per 8 columns stages row tiles through shared memory, so the loads are coalesced and in
+//!   flight, but each column is still one chain of additions); the embedding backward ranks
 //!   positions in a single block; [`sum`](CudaKernels::sum) uses at most 1024 partial blocks.
 //!   The fused attention keeps its tiles in shared memory but multiplies with plain f32 FMA-free
 //!   arithmetic on the CUDA cores (no tensor-core `mma`), and its speed has never been measured;

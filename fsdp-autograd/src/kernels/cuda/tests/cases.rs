@@ -139,10 +139,21 @@ pub(super) fn elementwise(e: &mut dyn Exec) {
     }
 }
 
-/// Row bias (out of place and in place) and column sums: bit-identical.
+/// Row bias (out of place and in place) and column sums: bit-identical. The column sums stage
+/// tiles of 256 rows × 8 columns: the shapes include one row, one column, rows and columns that
+/// are not multiples of the tile (several tiles with a partial last one), and exact multiples.
 pub(super) fn row_bias_and_col_sums(e: &mut dyn Exec) {
     let mut r = Rng::new(2);
-    for (rows, cols) in [(1usize, 1usize), (37, 19), (3, 300), (0, 5)] {
+    for (rows, cols) in [
+        (1usize, 1usize),
+        (37, 19),
+        (3, 300),
+        (0, 5),
+        (1, 17),
+        (600, 1),
+        (513, 13),
+        (256, 16),
+    ] {
         let x = r.vec(rows * cols, 2.0);
         let bias = r.vec(cols, 2.0);
         let (hx, hb) = (up_f32(e, &x), up_f32(e, &bias));
@@ -293,11 +304,21 @@ pub(super) fn softmax(e: &mut dyn Exec) {
 }
 
 /// Layer norm: forward within f32 rounding of the CPU; the backward, fed the CPU's saved
-/// statistics, gives bit-identical parameter gradients.
+/// statistics, gives bit-identical parameter gradients (column reductions over tiles of 256
+/// rows × 8 columns: one row, one column, partial tiles and several tiles are covered).
 pub(super) fn layer_norm(e: &mut dyn Exec) {
     let mut r = Rng::new(6);
     let eps = 1e-5f32;
-    for (rows, cols) in [(1usize, 1usize), (5, 8), (3, 300), (64, 33), (0, 4)] {
+    for (rows, cols) in [
+        (1usize, 1usize),
+        (5, 8),
+        (3, 300),
+        (64, 33),
+        (0, 4),
+        (1, 21),
+        (300, 1),
+        (530, 11),
+    ] {
         let x: Vec<f32> = r.vec(rows * cols, 3.0).iter().map(|v| v + 10.0).collect();
         let gamma: Vec<f32> = r.vec(cols, 0.5).iter().map(|v| v + 1.0).collect();
         let beta = r.vec(cols, 1.0);
