@@ -48,14 +48,17 @@ mod imp {
         Attention, AttentionSave, AttentionSaved, AttentionStats, Backend, BinaryOp, Launch,
         Operand, ReadFn, View,
     };
+    use crate::kernels::cuda::typed::{type_code, TBuf};
     use crate::kernels::cuda::{CudaKernelError, CudaKernels, GemmPrecision, IndexCheck};
 
     /// The CUDA kernels behind the seam: one per CUDA device, created on first use (compiling
     /// the kernels with NVRTC once per process). Float operands in `f16`/`bf16` are cast to `f32`
     /// temporaries on the stream, computed, and cast back, as the CPU backend does on the host,
     /// except where a kernel takes them directly: matrix products with A and B of one half type
-    /// (cuBLAS Ex on the tensor cores, f32 accumulation) and the fused attention with one dtype
-    /// throughout. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
+    /// (cuBLAS Ex on the tensor cores, f32 accumulation), the fused attention with one dtype
+    /// throughout, and the typed kernels (any mix of f32/f16/bf16 operands, same bits as the
+    /// cast-around path) for add, row-bias add, axpy (one row, or alpha 1), column sums, GELU
+    /// and its backward, layer norm and its backward. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
     /// attention is fused ([`Backend::attention_save`] says `Lse`) unless
     /// [`set_fused_attention`](crate::kernels::cuda::set_fused_attention) is off or `d` is above
     /// [`FUSED_ATTENTION_MAX_D`](crate::kernels::cuda::FUSED_ATTENTION_MAX_D).
@@ -332,6 +335,19 @@ mod imp {
         })
     }
 
+    /// Whether a launch's float operands go to the typed kernels (`kernels/cuda/typed.rs`): some
+    /// operand is f16 or bf16 and every one is f32, f16 or bf16. The typed kernels read and write
+    /// the half operands directly, bit for bit what the f32 temporaries of [`F32Scope`] give.
+    fn typed(ops: &[&Operand]) -> bool {
+        let half = |d: DType| d == DType::F16 || d == DType::BF16;
+        ops.iter().any(|o| half(o.dtype)) && ops.iter().all(|o| type_code(o.dtype).is_some())
+    }
+
+    /// An operand as a typed-kernel argument.
+    fn tb(o: &Operand) -> TBuf<'_> {
+        (&o.buf, o.dtype)
+    }
+
     /// Byte range of `count` elements of `o` from element `first`.
     fn elems(o: &Operand, first: usize, count: usize) -> Result<BufferRef> {
         let sz = o.dtype.size();
@@ -373,6 +389,15 @@ mod imp {
                 } => {
                     let name = l.name();
                     let full = b.numel() == a.numel();
+                    if op == BinaryOp::Add && typed(&[a, b, out]) {
+                        let (x, y, o) = (tb(a), tb(b), tb(out));
+                        return if full {
+                            self.k.add_t(s, x, y, o)
+                        } else {
+                            self.k.add_row_bias_t(s, x, y, o)
+                        }
+                        .map_err(err(name));
+                    }
                     let mut f = self.scope(name, s);
                     let (x, y, o) = (f.input(a)?, f.input(b)?, f.output(out, false)?);
                     let e = err(name);
@@ -405,6 +430,14 @@ mod imp {
                     f.finish()
                 }
                 Launch::AxpyRows { rows, alpha, x, y } => {
+                    if (rows.rows == 1 || alpha == 1.0) && typed(&[x, y]) {
+                        return if rows.rows == 1 {
+                            self.k.add_scaled_t(s, tb(y), alpha, tb(x))
+                        } else {
+                            self.k.add_row_bias_inplace_t(s, tb(y), tb(x))
+                        }
+                        .map_err(err("axpy"));
+                    }
                     let mut f = self.scope("axpy", s);
                     let (x, y) = (f.input(x)?, f.output(y, true)?);
                     let e = err("axpy");
@@ -434,6 +467,10 @@ mod imp {
                     f.finish()
                 }
                 Launch::ColSums { x, out, .. } => {
+                    if typed(&[x, out]) {
+                        let op = "col_sums";
+                        return self.k.col_sums_t(s, tb(x), tb(out)).map_err(err(op));
+                    }
                     let mut f = self.scope("col_sums", s);
                     let (x, o) = (f.input(x)?, f.output(out, false)?);
                     self.k.col_sums(s, &x, &o).map_err(err("col_sums"))?;
@@ -449,6 +486,9 @@ mod imp {
                     ),
                 )),
                 Launch::Gelu { kind, x, y, .. } => {
+                    if typed(&[x, y]) {
+                        return self.k.gelu_t(s, kind, tb(x), tb(y)).map_err(err("gelu"));
+                    }
                     let mut f = self.scope("gelu", s);
                     let (x, y) = (f.input(x)?, f.output(y, false)?);
                     self.k.gelu(s, kind, &x, &y).map_err(err("gelu"))?;
@@ -458,6 +498,12 @@ mod imp {
                     kind, x, dy, dx, ..
                 } => {
                     let op = "gelu_backward";
+                    if typed(&[x, dy, dx]) {
+                        return self
+                            .k
+                            .gelu_backward_t(s, kind, tb(x), tb(dy), tb(dx))
+                            .map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let (x, dy, dx) = (f.input(x)?, f.input(dy)?, f.output(dx, false)?);
                     self.k
@@ -494,6 +540,15 @@ mod imp {
                     rstd,
                 } => {
                     let op = "layer_norm";
+                    if typed(&[x, gamma, beta, y]) {
+                        let (cols, eps) = (ln.rows.cols, ln.eps);
+                        let (m, r) = (&mean.buf, &rstd.buf);
+                        let [x, g, b, y] = [x, gamma, beta, y].map(tb);
+                        return self
+                            .k
+                            .layer_norm_t(s, x, g, b, y, m, r, cols, eps)
+                            .map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let [x, g, b] = f.inputs([x, gamma, beta])?;
                     let y = f.output(y, false)?;
@@ -515,6 +570,15 @@ mod imp {
                     dbeta,
                 } => {
                     let op = "layer_norm_backward";
+                    if typed(&[x, gamma, dy, dx, dgamma, dbeta]) {
+                        let (m, r) = (&mean.buf, &rstd.buf);
+                        let [x, g, dy, dx, dg, db] = [x, gamma, dy, dx, dgamma, dbeta].map(tb);
+                        let cols = ln.rows.cols;
+                        return self
+                            .k
+                            .layer_norm_backward_t(s, x, g, m, r, dy, dx, dg, db, cols)
+                            .map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let [x, g, dy] = f.inputs([x, gamma, dy])?;
                     let [dx, dg, db] = f.outputs([dx, dgamma, dbeta])?;

@@ -35,6 +35,58 @@ __device__ float neg_inf_f32() { return __uint_as_float(0xff800000u); }
 __device__ float nan_f32() { return __uint_as_float(0x7fc00000u); }
 __device__ double nan_f64() { return __longlong_as_double(0x7ff8000000000000LL); }
 
+// Half-precision conversions. f16 uses the PTX conversion instructions (round to nearest even);
+// bf16 follows the `half` crate's bit algorithms exactly (round to nearest even, NaNs quieted).
+
+#ifndef FSDP_HOST_EMULATION
+__device__ u16 f32_to_f16_bits(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ float f16_bits_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#endif
+
+__device__ u16 f32_to_bf16_bits(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
+    u16 h = (u16)(x >> 16);
+    if ((x & 0x8000u) != 0u && (x & 0x17fffu) != 0u) h = (u16)(h + 1);
+    return h;
+}
+
+// Element codes of the typed kernels (see "Typed kernels" below).
+#define TY_F32 0u
+#define TY_F16 1u
+#define TY_BF16 2u
+#define TYPES_F32 0ull
+
+__device__ unsigned ty_of(u64 types, unsigned i) { return (unsigned)(types >> (2u * i)) & 3u; }
+
+__device__ float ld_t(const void* p, u64 i, unsigned ty) {
+    if (ty == TY_F32) return ((const float*)p)[i];
+    u16 h = ((const u16*)p)[i];
+    if (ty == TY_F16) return f16_bits_to_f32(h);
+    u32 b = h;
+    if ((b & 0x7fffu) > 0x7f80u) b |= 0x0040u;
+    return __uint_as_float(b << 16);
+}
+
+__device__ void st_t(void* p, u64 i, unsigned ty, float x) {
+    if (ty == TY_F32) {
+        ((float*)p)[i] = x;
+    } else if (ty == TY_F16) {
+        ((u16*)p)[i] = f32_to_f16_bits(x);
+    } else {
+        ((u16*)p)[i] = f32_to_bf16_bits(x);
+    }
+}
+
+
 // ---------------------------------------------------------------------------------------------
 // Block reductions: a fixed binary tree over the BLOCK lanes. Every thread of the block must call
 // them (they contain barriers); the result is returned to all threads and `sh` is reusable after.
@@ -127,25 +179,27 @@ extern "C" __global__ void add_row_bias_inplace(u64 n, u64 cols, float* y, const
 #define COL_PASS (BLOCK / COL_GROUP)
 #define COL_PER_THREAD (COL_TILE / COL_PASS)
 
-// What col_sums adds: x[r, j].
+// What col_sums adds: x[r, j] (element code tx).
 struct ColSumSrc {
-    const float* x;
+    const void* x;
     u64 cols;
-    __device__ void load(u64 r, u64 j, float* v) const { v[0] = x[r * cols + j]; }
+    unsigned tx;
+    __device__ void load(u64 r, u64 j, float* v) const { v[0] = ld_t(x, r * cols + j, tx); }
 };
 
 // What layer_norm_bwd_params adds: dy * xhat into dgamma and dy into dbeta, with
 // xhat = (x - mean[r]) * rstd[r]. Each product is rounded on its own (--fmad=false), so computing
 // it in the loading thread gives the same bits as computing it in the adding one.
 struct LnParamsSrc {
-    const float* x;
+    const void* x;
     const float* mean;
     const float* rstd;
-    const float* dy;
+    const void* dy;
     u64 cols;
+    unsigned tx, tdy;
     __device__ void load(u64 r, u64 j, float* v) const {
-        float d = dy[r * cols + j];
-        float xhat = (x[r * cols + j] - mean[r]) * rstd[r];
+        float d = ld_t(dy, r * cols + j, tdy);
+        float xhat = (ld_t(x, r * cols + j, tx) - mean[r]) * rstd[r];
         v[0] = d * xhat;
         v[1] = d;
     }
@@ -166,10 +220,12 @@ __device__ void col_stage_load(const S& src, u64 rows, u64 cols, u64 base, u64 j
     }
 }
 
-// The N column sums of `src` (N = 1 or 2) into out0 (and out1). Every thread of the block runs
-// every barrier: the loops' bounds are the same for the whole block.
+// The N column sums of `src` (N = 1 or 2) into out0 (and out1), of element codes t0 (and t1).
+// Every thread of the block runs every barrier: the loops' bounds are the same for the whole
+// block.
 template <int N, class S>
-__device__ void col_reduce(u64 rows, u64 cols, const S& src, float* out0, float* out1) {
+__device__ void col_reduce(u64 rows, u64 cols, const S& src, void* out0, void* out1, unsigned t0,
+                           unsigned t1) {
     __shared__ float tile[N][COL_TILE][COL_GROUP];
     const unsigned c = threadIdx.x % COL_GROUP;
     const unsigned r0 = threadIdx.x / COL_GROUP;
@@ -195,14 +251,14 @@ __device__ void col_reduce(u64 rows, u64 cols, const S& src, float* out0, float*
             __syncthreads();
         }
         if (threadIdx.x < COL_GROUP && j < cols) {
-            out0[j] = acc[0];
-            if constexpr (N > 1) out1[j] = acc[1];
+            st_t(out0, j, t0, acc[0]);
+            if constexpr (N > 1) st_t(out1, j, t1, acc[1]);
         }
     }
 }
 
 extern "C" __global__ void col_sums(u64 rows, u64 cols, const float* x, float* out) {
-    col_reduce<1>(rows, cols, ColSumSrc{x, cols}, out, out);
+    col_reduce<1>(rows, cols, ColSumSrc{x, cols, TY_F32}, out, out, TY_F32, TY_F32);
 }
 
 // Stage 1 of sum/mean: block b writes the f64 sum of its grid-strided elements to partial[b].
@@ -232,21 +288,21 @@ extern "C" __global__ void sum_final(u64 count, const double* partial, double di
 __device__ float gelu_arg(float x) { return SQRT_2_OVER_PI * (x + GELU_C * x * x * x); }
 __device__ float exp_neg_2u(float u) { return expf(fminf(-2.0f * u, 88.0f)); }
 
+__device__ float gelu_tanh_value(float v) { return v / (1.0f + exp_neg_2u(gelu_arg(v))); }
+
+__device__ float gelu_tanh_grad(float v, float g) {
+    float e = exp_neg_2u(gelu_arg(v));
+    float s = 1.0f / (1.0f + e);
+    float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_C * v * v);
+    return g * (s + 2.0f * v * (e * s * s) * du);
+}
+
 extern "C" __global__ void gelu_fwd(u64 n, const float* x, float* y) {
-    GRID_STRIDE(i, n) {
-        float v = x[i];
-        y[i] = v / (1.0f + exp_neg_2u(gelu_arg(v)));
-    }
+    GRID_STRIDE(i, n) y[i] = gelu_tanh_value(x[i]);
 }
 
 extern "C" __global__ void gelu_bwd(u64 n, const float* x, const float* dy, float* dx) {
-    GRID_STRIDE(i, n) {
-        float v = x[i];
-        float e = exp_neg_2u(gelu_arg(v));
-        float s = 1.0f / (1.0f + e);
-        float du = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_C * v * v);
-        dx[i] = dy[i] * (s + 2.0f * v * (e * s * s) * du);
-    }
+    GRID_STRIDE(i, n) dx[i] = gelu_tanh_grad(x[i], dy[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -258,19 +314,19 @@ extern "C" __global__ void gelu_bwd(u64 n, const float* x, const float* dy, floa
 
 __device__ float normal_cdf(float x) { return 0.5f * erfcf(-x * FRAC_1_SQRT_2); }
 
+__device__ float gelu_exact_value(float v) { return v * normal_cdf(v); }
+
+__device__ float gelu_exact_grad(float v, float g) {
+    float pdf = INV_SQRT_2PI * expf(fmaxf(-0.5f * v * v, -104.0f));
+    return g * (normal_cdf(v) + v * pdf);
+}
+
 extern "C" __global__ void gelu_exact_fwd(u64 n, const float* x, float* y) {
-    GRID_STRIDE(i, n) {
-        float v = x[i];
-        y[i] = v * normal_cdf(v);
-    }
+    GRID_STRIDE(i, n) y[i] = gelu_exact_value(x[i]);
 }
 
 extern "C" __global__ void gelu_exact_bwd(u64 n, const float* x, const float* dy, float* dx) {
-    GRID_STRIDE(i, n) {
-        float v = x[i];
-        float pdf = INV_SQRT_2PI * expf(fmaxf(-0.5f * v * v, -104.0f));
-        dx[i] = dy[i] * (normal_cdf(v) + v * pdf);
-    }
+    GRID_STRIDE(i, n) dx[i] = gelu_exact_grad(x[i], dy[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -337,19 +393,21 @@ extern "C" __global__ void causal_softmax_bwd(u64 rows, u64 t, const float* p, f
 // Layer norm (one block per row for the row statistics and dx; the parameter gradients are
 // column reductions in row order, as on the CPU: see col_reduce).
 
-extern "C" __global__ void layer_norm_fwd(u64 rows, u64 cols, float eps, const float* x,
-                                          const float* gamma, const float* beta, float* y,
-                                          float* mean, float* rstd) {
+// Operand codes in `types`: x 0, gamma 1, beta 2, y 3 (mean and rstd are f32).
+__device__ void layer_norm_fwd_body(u64 types, u64 rows, u64 cols, float eps, const void* x,
+                                    const void* gamma, const void* beta, void* y, float* mean,
+                                    float* rstd) {
     __shared__ double shd[BLOCK];
+    const unsigned tx = ty_of(types, 0), tg = ty_of(types, 1), tb = ty_of(types, 2),
+                   ty = ty_of(types, 3);
     ROW_LOOP(r, rows) {
-        const float* xr = x + r * cols;
-        float* yr = y + r * cols;
+        const u64 o = r * cols;
         double acc = 0.0;
-        COL_LOOP(j, cols) acc = acc + (double)xr[j];
+        COL_LOOP(j, cols) acc = acc + (double)ld_t(x, o + j, tx);
         double mu = block_sum(acc, shd) / (double)cols;
         double vacc = 0.0;
         COL_LOOP(j, cols) {
-            double d = (double)xr[j] - mu;
+            double d = (double)ld_t(x, o + j, tx) - mu;
             vacc = vacc + d * d;
         }
         double var = block_sum(vacc, shd);
@@ -359,42 +417,59 @@ extern "C" __global__ void layer_norm_fwd(u64 rows, u64 cols, float eps, const f
             mean[r] = m;
             rstd[r] = rs;
         }
-        COL_LOOP(j, cols) yr[j] = (xr[j] - m) * rs * gamma[j] + beta[j];
+        COL_LOOP(j, cols) {
+            st_t(y, o + j, ty, (ld_t(x, o + j, tx) - m) * rs * ld_t(gamma, j, tg) + ld_t(beta, j, tb));
+        }
     }
 }
 
-extern "C" __global__ void layer_norm_bwd_dx(u64 rows, u64 cols, const float* x,
-                                             const float* gamma, const float* mean,
-                                             const float* rstd, const float* dy, float* dx) {
+extern "C" __global__ void layer_norm_fwd(u64 rows, u64 cols, float eps, const float* x,
+                                          const float* gamma, const float* beta, float* y,
+                                          float* mean, float* rstd) {
+    layer_norm_fwd_body(TYPES_F32, rows, cols, eps, x, gamma, beta, y, mean, rstd);
+}
+
+// Operand codes in `types`: x 0, gamma 1, dy 4, dx 5 (2 and 3 are mean and rstd, always f32).
+__device__ void layer_norm_bwd_dx_body(u64 types, u64 rows, u64 cols, const void* x,
+                                       const void* gamma, const float* mean, const float* rstd,
+                                       const void* dy, void* dx) {
     __shared__ double shd[BLOCK];
+    const unsigned tx = ty_of(types, 0), tg = ty_of(types, 1), tdy = ty_of(types, 4),
+                   tdx = ty_of(types, 5);
     ROW_LOOP(r, rows) {
-        const float* xr = x + r * cols;
-        const float* gr = dy + r * cols;
-        float* dr = dx + r * cols;
+        const u64 o = r * cols;
         float m = mean[r];
         float rs = rstd[r];
         double sg = 0.0;
         double sgx = 0.0;
         COL_LOOP(j, cols) {
-            float xhat = (xr[j] - m) * rs;
-            float g = gr[j] * gamma[j];
+            float xhat = (ld_t(x, o + j, tx) - m) * rs;
+            float g = ld_t(dy, o + j, tdy) * ld_t(gamma, j, tg);
             sg = sg + (double)g;
             sgx = sgx + (double)g * (double)xhat;
         }
         float mean_g = (float)(block_sum(sg, shd) / (double)cols);
         float mean_gx = (float)(block_sum(sgx, shd) / (double)cols);
         COL_LOOP(j, cols) {
-            float xhat = (xr[j] - m) * rs;
-            dr[j] = rs * (gr[j] * gamma[j] - mean_g - xhat * mean_gx);
+            float xhat = (ld_t(x, o + j, tx) - m) * rs;
+            float g = ld_t(dy, o + j, tdy) * ld_t(gamma, j, tg);
+            st_t(dx, o + j, tdx, rs * (g - mean_g - xhat * mean_gx));
         }
     }
+}
+
+extern "C" __global__ void layer_norm_bwd_dx(u64 rows, u64 cols, const float* x,
+                                             const float* gamma, const float* mean,
+                                             const float* rstd, const float* dy, float* dx) {
+    layer_norm_bwd_dx_body(TYPES_F32, rows, cols, x, gamma, mean, rstd, dy, dx);
 }
 
 // dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy, rows in order (see col_reduce).
 extern "C" __global__ void layer_norm_bwd_params(u64 rows, u64 cols, const float* x,
                                                  const float* mean, const float* rstd,
                                                  const float* dy, float* dgamma, float* dbeta) {
-    col_reduce<2>(rows, cols, LnParamsSrc{x, mean, rstd, dy, cols}, dgamma, dbeta);
+    col_reduce<2>(rows, cols, LnParamsSrc{x, mean, rstd, dy, cols, TY_F32, TY_F32}, dgamma, dbeta,
+                  TY_F32, TY_F32);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -546,29 +621,7 @@ extern "C" __global__ void ce_bwd(u64 rows, u64 cols, const float* logits, const
 }
 
 // ---------------------------------------------------------------------------------------------
-// Casts. f16 uses the PTX conversion instructions (round to nearest even); bf16 follows the
-// `half` crate's bit algorithms exactly (round to nearest even, NaNs quieted).
-
-#ifndef FSDP_HOST_EMULATION
-__device__ u16 f32_to_f16_bits(float x) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
-__device__ float f16_bits_to_f32(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-#endif
-
-__device__ u16 f32_to_bf16_bits(float f) {
-    u32 x = __float_as_uint(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
-    u16 h = (u16)(x >> 16);
-    if ((x & 0x8000u) != 0u && (x & 0x17fffu) != 0u) h = (u16)(h + 1);
-    return h;
-}
+// Casts (conversion helpers at the top of the file).
 
 extern "C" __global__ void cast_f32_f16(u64 n, const float* src, u16* dst) {
     GRID_STRIDE(i, n) dst[i] = f32_to_f16_bits(src[i]);
@@ -589,6 +642,88 @@ extern "C" __global__ void cast_bf16_f32(u64 n, const u16* src, float* dst) {
         if ((h & 0x7fffu) > 0x7f80u) h |= 0x0040u;
         dst[i] = __uint_as_float(h << 16);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed kernels (suffix _t): the elementwise, bias, column-sum, GELU and layer-norm kernels with
+// each float operand in f32, f16 or bf16, so that half tensors need no f32 temporaries. The
+// first parameter `types` holds operand i's element code in bits 2i..2i+1 (operands numbered in
+// parameter order, pointers only; TY_* below). Half values are widened exactly on load (bf16
+// signaling NaNs quieted, as cast_bf16_f32 does), everything is computed in f32 with the very
+// expressions of the f32 kernels, and each result is rounded once on store (cast_f32_f16 /
+// cast_f32_bf16's rounding): bit for bit the cast-around path (cast in, f32 kernel, cast out).
+// The f32 kernels are these bodies with every code TY_F32 (a constant, folded away).
+
+extern "C" __global__ void ew_add_t(u64 types, u64 n, const void* a, const void* b, void* out) {
+    const unsigned ta = ty_of(types, 0), tb = ty_of(types, 1), to = ty_of(types, 2);
+    GRID_STRIDE(i, n) st_t(out, i, to, ld_t(a, i, ta) + ld_t(b, i, tb));
+}
+
+// y <- y + alpha * x (as ew_axpy).
+extern "C" __global__ void ew_axpy_t(u64 types, u64 n, void* y, float alpha, const void* x) {
+    const unsigned ty = ty_of(types, 0), tx = ty_of(types, 1);
+    GRID_STRIDE(i, n) st_t(y, i, ty, ld_t(y, i, ty) + alpha * ld_t(x, i, tx));
+}
+
+extern "C" __global__ void add_row_bias_t(u64 types, u64 n, u64 cols, const void* x,
+                                          const void* bias, void* out) {
+    const unsigned tx = ty_of(types, 0), tb = ty_of(types, 1), to = ty_of(types, 2);
+    GRID_STRIDE(i, n) st_t(out, i, to, ld_t(x, i, tx) + ld_t(bias, i % cols, tb));
+}
+
+extern "C" __global__ void add_row_bias_inplace_t(u64 types, u64 n, u64 cols, void* y,
+                                                  const void* bias) {
+    const unsigned ty = ty_of(types, 0), tb = ty_of(types, 1);
+    GRID_STRIDE(i, n) st_t(y, i, ty, ld_t(y, i, ty) + ld_t(bias, i % cols, tb));
+}
+
+extern "C" __global__ void col_sums_t(u64 types, u64 rows, u64 cols, const void* x, void* out) {
+    col_reduce<1>(rows, cols, ColSumSrc{x, cols, ty_of(types, 0)}, out, out, ty_of(types, 1),
+                  TY_F32);
+}
+
+extern "C" __global__ void gelu_fwd_t(u64 types, u64 n, const void* x, void* y) {
+    const unsigned tx = ty_of(types, 0), ty = ty_of(types, 1);
+    GRID_STRIDE(i, n) st_t(y, i, ty, gelu_tanh_value(ld_t(x, i, tx)));
+}
+
+extern "C" __global__ void gelu_bwd_t(u64 types, u64 n, const void* x, const void* dy, void* dx) {
+    const unsigned tx = ty_of(types, 0), tg = ty_of(types, 1), td = ty_of(types, 2);
+    GRID_STRIDE(i, n) st_t(dx, i, td, gelu_tanh_grad(ld_t(x, i, tx), ld_t(dy, i, tg)));
+}
+
+extern "C" __global__ void gelu_exact_fwd_t(u64 types, u64 n, const void* x, void* y) {
+    const unsigned tx = ty_of(types, 0), ty = ty_of(types, 1);
+    GRID_STRIDE(i, n) st_t(y, i, ty, gelu_exact_value(ld_t(x, i, tx)));
+}
+
+extern "C" __global__ void gelu_exact_bwd_t(u64 types, u64 n, const void* x, const void* dy,
+                                            void* dx) {
+    const unsigned tx = ty_of(types, 0), tg = ty_of(types, 1), td = ty_of(types, 2);
+    GRID_STRIDE(i, n) st_t(dx, i, td, gelu_exact_grad(ld_t(x, i, tx), ld_t(dy, i, tg)));
+}
+
+// Operands: x, gamma, beta, y (typed); mean and rstd are always f32.
+extern "C" __global__ void layer_norm_fwd_t(u64 types, u64 rows, u64 cols, float eps,
+                                            const void* x, const void* gamma, const void* beta,
+                                            void* y, float* mean, float* rstd) {
+    layer_norm_fwd_body(types, rows, cols, eps, x, gamma, beta, y, mean, rstd);
+}
+
+// Operands: x, gamma, (mean, rstd: f32), dy, dx.
+extern "C" __global__ void layer_norm_bwd_dx_t(u64 types, u64 rows, u64 cols, const void* x,
+                                               const void* gamma, const float* mean,
+                                               const float* rstd, const void* dy, void* dx) {
+    layer_norm_bwd_dx_body(types, rows, cols, x, gamma, mean, rstd, dy, dx);
+}
+
+// Operands: x, (mean, rstd: f32), dy, dgamma, dbeta.
+extern "C" __global__ void layer_norm_bwd_params_t(u64 types, u64 rows, u64 cols, const void* x,
+                                                   const float* mean, const float* rstd,
+                                                   const void* dy, void* dgamma, void* dbeta) {
+    col_reduce<2>(rows, cols,
+                  LnParamsSrc{x, mean, rstd, dy, cols, ty_of(types, 0), ty_of(types, 3)}, dgamma,
+                  dbeta, ty_of(types, 4), ty_of(types, 5));
 }
 
 // ---------------------------------------------------------------------------------------------

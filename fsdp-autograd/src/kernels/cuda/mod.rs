@@ -192,6 +192,8 @@ mod program;
 mod rows;
 #[cfg(feature = "cuda")]
 mod transfer;
+#[cfg(feature = "cuda")]
+mod typed;
 
 #[cfg(feature = "cuda")]
 pub use context::CudaKernels;

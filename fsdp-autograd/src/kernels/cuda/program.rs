@@ -108,6 +108,19 @@ kernels! {
     StridedCopyB4 => "strided_copy_b4" [U64, View, Ptr, Ptr];
     StridedCopyB8 => "strided_copy_b8" [U64, View, Ptr, Ptr];
     StridedAddF32 => "strided_add_f32" [U64, View, Ptr, Ptr];
+    // Typed (f32 / f16 / bf16 operands; kernels/cuda/typed.rs).
+    AddT => "ew_add_t" [U64, U64, Ptr, Ptr, Ptr];
+    AxpyT => "ew_axpy_t" [U64, U64, Ptr, F32, Ptr];
+    AddRowBiasT => "add_row_bias_t" [U64, U64, U64, Ptr, Ptr, Ptr];
+    AddRowBiasInplaceT => "add_row_bias_inplace_t" [U64, U64, U64, Ptr, Ptr];
+    ColSumsT => "col_sums_t" [U64, U64, U64, Ptr, Ptr];
+    GeluFwdT => "gelu_fwd_t" [U64, U64, Ptr, Ptr];
+    GeluBwdT => "gelu_bwd_t" [U64, U64, Ptr, Ptr, Ptr];
+    GeluExactFwdT => "gelu_exact_fwd_t" [U64, U64, Ptr, Ptr];
+    GeluExactBwdT => "gelu_exact_bwd_t" [U64, U64, Ptr, Ptr, Ptr];
+    LayerNormFwdT => "layer_norm_fwd_t" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    LayerNormBwdDxT => "layer_norm_bwd_dx_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    LayerNormBwdParamsT => "layer_norm_bwd_params_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     // flash.cu: fused causal attention.
     FlashFwdF32D64 => "flash_fwd_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdBf16D64 => "flash_fwd_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];

@@ -35,7 +35,13 @@ use crate::kernels::cuda::rows::{
 use crate::kernels::cuda::CudaKernelError;
 use crate::kernels::KernelError;
 
-use super::exec::{CastKind, Exec, Op, H};
+use crate::kernels::cuda::typed::{
+    plan_add_row_bias_inplace_t, plan_add_row_bias_t, plan_add_t, plan_axpy_t, plan_col_sums_t,
+    plan_gelu_backward_t, plan_gelu_t, plan_layer_norm_backward_t, plan_layer_norm_t, type_code,
+    types_word,
+};
+
+use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
 
 /// The emulator binary, built on first use; `Err` says why it is unavailable.
 pub(super) fn harness() -> Result<&'static Path, String> {
@@ -324,6 +330,92 @@ impl EmuExec {
     fn plan(&mut self, plan: Result<Plan, CudaKernelError>) -> Result<(), CudaKernelError> {
         self.exec(&plan?);
         Ok(())
+    }
+}
+
+impl EmuExec {
+    /// The plan of a typed-kernel call (sizes from the buffers' byte lengths and dtypes).
+    fn typed_plan(&self, t: &TypedOp) -> Plan {
+        let d = Self::dev;
+        let n = |&(h, dt): &TH| (self.lens[h] / dt.size()) as u64;
+        let c = |&(_, dt): &TH| type_code(dt).expect("a float dtype");
+        match t {
+            TypedOp::Add { a, b, out } => plan_add_t(
+                types_word(&[c(a), c(b), c(out)]),
+                n(a),
+                d(a.0),
+                d(b.0),
+                d(out.0),
+            ),
+            TypedOp::AddScaled { y, alpha, x } => {
+                plan_axpy_t(types_word(&[c(y), c(x)]), n(y), d(y.0), *alpha, d(x.0))
+            }
+            TypedOp::AddRowBias { x, bias, out } => plan_add_row_bias_t(
+                types_word(&[c(x), c(bias), c(out)]),
+                n(x),
+                n(bias),
+                d(x.0),
+                d(bias.0),
+                d(out.0),
+            ),
+            TypedOp::AddRowBiasInplace { y, bias } => plan_add_row_bias_inplace_t(
+                types_word(&[c(y), c(bias)]),
+                n(y),
+                n(bias),
+                d(y.0),
+                d(bias.0),
+            ),
+            TypedOp::ColSums { x, out } => plan_col_sums_t(
+                types_word(&[c(x), c(out)]),
+                n(x) / n(out),
+                n(out),
+                d(x.0),
+                d(out.0),
+            ),
+            TypedOp::Gelu { kind, x, y } => {
+                plan_gelu_t(*kind, types_word(&[c(x), c(y)]), n(x), d(x.0), d(y.0))
+            }
+            TypedOp::GeluBackward { kind, x, dy, dx } => plan_gelu_backward_t(
+                *kind,
+                types_word(&[c(x), c(dy), c(dx)]),
+                n(x),
+                d(x.0),
+                d(dy.0),
+                d(dx.0),
+            ),
+            TypedOp::LayerNorm {
+                x,
+                gamma,
+                beta,
+                y,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => plan_layer_norm_t(
+                [c(x), c(gamma), c(beta), c(y)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                *eps,
+                [x.0, gamma.0, beta.0, y.0, *mean, *rstd].map(d),
+            ),
+            TypedOp::LayerNormBackward {
+                x,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                dbeta,
+                cols,
+            } => plan_layer_norm_backward_t(
+                [c(x), c(gamma), c(dy), c(dx), c(dgamma), c(dbeta)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                [x.0, gamma.0, *mean, *rstd, dy.0, dx.0, dgamma.0, dbeta.0].map(d),
+            ),
+        }
     }
 }
 
@@ -751,6 +843,7 @@ impl Exec for EmuExec {
                     .collect();
                 Ok(plan_sum_squares(&pcs, self.f32s(*out) as u64, d(*out)))
             }
+            Op::Typed(t) => Ok(self.typed_plan(t)),
             Op::Unscale { inv, g, flag } => {
                 Ok(plan_unscale(self.f32s(*g) as u64, *inv, d(*g), d(*flag)))
             }

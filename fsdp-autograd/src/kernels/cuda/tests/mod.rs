@@ -88,6 +88,7 @@ on_both!(
     flash_attention_half,
     optimizer_steps,
     sum_squares_and_unscale,
+    typed_kernels,
 );
 
 /// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.
