@@ -753,6 +753,19 @@ mod imp {
                     if x.dtype == out.dtype {
                         return self.k.copy(s, &x.buf, &out.buf).map_err(err("cast"));
                     }
+                    // One cast kernel from x into out where one side is f32 (what the path
+                    // through a temporary computes, without the temporary and its copy).
+                    let (xb, ob) = (&x.buf, &out.buf);
+                    let direct = match (x.dtype, out.dtype) {
+                        (DType::F16, DType::F32) => Some(self.k.cast_f16_to_f32(s, xb, ob)),
+                        (DType::BF16, DType::F32) => Some(self.k.cast_bf16_to_f32(s, xb, ob)),
+                        (DType::F32, DType::F16) => Some(self.k.cast_f32_to_f16(s, xb, ob)),
+                        (DType::F32, DType::BF16) => Some(self.k.cast_f32_to_bf16(s, xb, ob)),
+                        _ => None,
+                    };
+                    if let Some(r) = direct {
+                        return r.map_err(err("cast"));
+                    }
                     // Through f32, as on the CPU: x → f32 (a temporary unless x is f32), then →
                     // out.
                     let mut f = self.scope("cast", s);
