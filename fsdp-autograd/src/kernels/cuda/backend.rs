@@ -58,7 +58,7 @@ mod imp {
     /// (cuBLAS Ex on the tensor cores, f32 accumulation), the fused attention with one dtype
     /// throughout, and the typed kernels (any mix of f32/f16/bf16 operands, same bits as the
     /// cast-around path) for add, row-bias add, axpy (one row, or alpha 1), column sums, GELU
-    /// and its backward, layer norm and its backward. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
+    /// and its backward, layer norm and its backward, cross-entropy and its backward. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
     /// attention is fused ([`Backend::attention_save`] says `Lse`) unless
     /// [`set_fused_attention`](crate::kernels::cuda::set_fused_attention) is off or `d` is above
     /// [`FUSED_ATTENTION_MAX_D`](crate::kernels::cuda::FUSED_ATTENTION_MAX_D).
@@ -719,6 +719,15 @@ mod imp {
                     lse,
                 } => {
                     let op = "cross_entropy";
+                    if typed(&[logits, loss]) {
+                        let (t, e) = (&targets.buf, &lse.buf);
+                        let check = self
+                            .k
+                            .cross_entropy_t(s, tb(logits), t, rows.cols, e, tb(loss))
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let (l, o) = (f.input(logits)?, f.output(loss, false)?);
                     let (t, e) = (&targets.buf, &lse.buf);
@@ -738,6 +747,16 @@ mod imp {
                     dlogits,
                 } => {
                     let op = "cross_entropy_backward";
+                    if typed(&[logits, dloss, dlogits]) {
+                        let (t, e) = (&targets.buf, &lse.buf);
+                        let (l, g, d) = (tb(logits), tb(dloss), tb(dlogits));
+                        let check = self
+                            .k
+                            .cross_entropy_backward_t(s, l, t, e, g, d, rows.cols)
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let [l, g] = f.inputs([logits, dloss])?;
                     let d = f.output(dlogits, false)?;

@@ -119,14 +119,20 @@ __device__ float block_max(float v, float* sh) {
 // The statistics of a softmax over row[0..n): the row maximum (into *m, NaNs skipped) and the f64
 // sum of expf(row[j] - max) over the fixed tree. Every thread of the block must call it and gets
 // both.
-__device__ double max_and_exp_sum(const float* row, u64 n, float* m, double* shd, float* shf) {
+// The typed form reads the row at x + o (elements of code tx; see "Typed kernels").
+__device__ double max_and_exp_sum_t(const void* x, u64 o, unsigned tx, u64 n, float* m,
+                                    double* shd, float* shf) {
     float mx = neg_inf_f32();
-    COL_LOOP(j, n) mx = fmaxf(mx, row[j]);
+    COL_LOOP(j, n) mx = fmaxf(mx, ld_t(x, o + j, tx));
     mx = block_max(mx, shf);
     double s = 0.0;
-    COL_LOOP(j, n) s = s + (double)expf(row[j] - mx);
+    COL_LOOP(j, n) s = s + (double)expf(ld_t(x, o + j, tx) - mx);
     *m = mx;
     return block_sum(s, shd);
+}
+
+__device__ double max_and_exp_sum(const float* row, u64 n, float* m, double* shd, float* shf) {
+    return max_and_exp_sum_t(row, 0, TY_F32, n, m, shd, shf);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -270,13 +276,19 @@ extern "C" __global__ void sum_partial(u64 n, const float* x, double* partial) {
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-// Stage 2 (one block): out[0] = (sum of partial[0..count]) / divisor, rounded to f32.
-extern "C" __global__ void sum_final(u64 count, const double* partial, double divisor, float* out) {
+// Stage 2 (one block): out[0] = (sum of partial[0..count]) / divisor, rounded to f32 (and then,
+// for a half `out` of code `to`, to its type).
+__device__ void sum_final_body(u64 count, const double* partial, double divisor, void* out,
+                               unsigned to) {
     __shared__ double sh[BLOCK];
     double acc = 0.0;
     for (u64 i = threadIdx.x; i < count; i += BLOCK) acc = acc + partial[i];
     double s = block_sum(acc, sh);
-    if (threadIdx.x == 0) out[0] = (float)(s / divisor);
+    if (threadIdx.x == 0) st_t(out, 0, to, (float)(s / divisor));
+}
+
+extern "C" __global__ void sum_final(u64 count, const double* partial, double divisor, float* out) {
+    sum_final_body(count, partial, divisor, out, TY_F32);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -584,40 +596,53 @@ extern "C" __global__ void emb_accum(u64 rows, u64 dim, const u32* start, const 
 // Cross-entropy with integer targets. Forward writes lse[r] and the f64 row loss
 // lse_r - logits[r, t_r] (NaN for an invalid target); sum_final then takes the mean.
 
-extern "C" __global__ void ce_fwd(u64 rows, u64 cols, const float* logits, const i64* targets,
-                                  float* lse, double* row_loss) {
+// Operand codes in `types`: logits 0 (targets, lse and row_loss are i64, f32, f64).
+__device__ void ce_fwd_body(u64 types, u64 rows, u64 cols, const void* logits,
+                            const i64* targets, float* lse, double* row_loss) {
     __shared__ double shd[BLOCK];
     __shared__ float shf[BLOCK];
+    const unsigned tl = ty_of(types, 0);
     ROW_LOOP(r, rows) {
-        const float* xr = logits + r * cols;
+        const u64 o = r * cols;
         float m;
-        double s = max_and_exp_sum(xr, cols, &m, shd, shf);
+        double s = max_and_exp_sum_t(logits, o, tl, cols, &m, shd, shf);
         double l = (double)m + log(s);
         if (threadIdx.x == 0) {
             lse[r] = (float)l;
             i64 t = targets[r];
-            row_loss[r] = in_range(t, cols) ? l - (double)xr[t] : nan_f64();
+            row_loss[r] = in_range(t, cols) ? l - (double)ld_t(logits, o + (u64)t, tl) : nan_f64();
         }
     }
 }
 
+extern "C" __global__ void ce_fwd(u64 rows, u64 cols, const float* logits, const i64* targets,
+                                  float* lse, double* row_loss) {
+    ce_fwd_body(TYPES_F32, rows, cols, logits, targets, lse, row_loss);
+}
+
 // dlogits[r, j] = (dloss[0] / rows) * (exp(logits[r, j] - lse[r]) - [j == t_r]); NaN rows for
-// invalid targets.
-extern "C" __global__ void ce_bwd(u64 rows, u64 cols, const float* logits, const i64* targets,
-                                  const float* lse, const float* dloss, float* dlogits) {
-    float g = dloss[0] / (float)rows;
+// invalid targets. Operand codes in `types`: logits 0, dloss 3, dlogits 4.
+__device__ void ce_bwd_body(u64 types, u64 rows, u64 cols, const void* logits,
+                            const i64* targets, const float* lse, const void* dloss,
+                            void* dlogits) {
+    const unsigned tl = ty_of(types, 0), tg = ty_of(types, 3), td = ty_of(types, 4);
+    float g = ld_t(dloss, 0, tg) / (float)rows;
     ROW_LOOP(r, rows) {
-        const float* xr = logits + r * cols;
-        float* dr = dlogits + r * cols;
+        const u64 o = r * cols;
         float l = lse[r];
         i64 t = targets[r];
         bool ok = in_range(t, cols);
         COL_LOOP(j, cols) {
-            float p = expf(xr[j] - l);
-            float o = (ok && j == (u64)t) ? g * (p - 1.0f) : g * p;
-            dr[j] = ok ? o : nan_f32();
+            float p = expf(ld_t(logits, o + j, tl) - l);
+            float v = (ok && j == (u64)t) ? g * (p - 1.0f) : g * p;
+            st_t(dlogits, o + j, td, ok ? v : nan_f32());
         }
     }
+}
+
+extern "C" __global__ void ce_bwd(u64 rows, u64 cols, const float* logits, const i64* targets,
+                                  const float* lse, const float* dloss, float* dlogits) {
+    ce_bwd_body(TYPES_F32, rows, cols, logits, targets, lse, dloss, dlogits);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -724,6 +749,25 @@ extern "C" __global__ void layer_norm_bwd_params_t(u64 types, u64 rows, u64 cols
     col_reduce<2>(rows, cols,
                   LnParamsSrc{x, mean, rstd, dy, cols, ty_of(types, 0), ty_of(types, 3)}, dgamma,
                   dbeta, ty_of(types, 4), ty_of(types, 5));
+}
+
+// Operands: partial (f64), out (typed).
+extern "C" __global__ void sum_final_t(u64 types, u64 count, const double* partial,
+                                       double divisor, void* out) {
+    sum_final_body(count, partial, divisor, out, ty_of(types, 1));
+}
+
+// Operands: logits (typed), targets, lse, row_loss.
+extern "C" __global__ void ce_fwd_t(u64 types, u64 rows, u64 cols, const void* logits,
+                                    const i64* targets, float* lse, double* row_loss) {
+    ce_fwd_body(types, rows, cols, logits, targets, lse, row_loss);
+}
+
+// Operands: logits, targets, lse, dloss, dlogits (logits, dloss and dlogits typed).
+extern "C" __global__ void ce_bwd_t(u64 types, u64 rows, u64 cols, const void* logits,
+                                    const i64* targets, const float* lse, const void* dloss,
+                                    void* dlogits) {
+    ce_bwd_body(types, rows, cols, logits, targets, lse, dloss, dlogits);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -121,6 +121,9 @@ kernels! {
     LayerNormFwdT => "layer_norm_fwd_t" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     LayerNormBwdDxT => "layer_norm_bwd_dx_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     LayerNormBwdParamsT => "layer_norm_bwd_params_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    SumFinalT => "sum_final_t" [U64, U64, Ptr, F64, Ptr];
+    CeFwdT => "ce_fwd_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr];
+    CeBwdT => "ce_bwd_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
     // flash.cu: fused causal attention.
     FlashFwdF32D64 => "flash_fwd_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdBf16D64 => "flash_fwd_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];

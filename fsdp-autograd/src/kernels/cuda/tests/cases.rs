@@ -1517,3 +1517,82 @@ pub(super) fn typed_kernels(e: &mut dyn Exec) {
         }
     }
 }
+
+/// Typed cross-entropy (logits, loss, dloss, dlogits in f32 / f16 / bf16) against the
+/// cast-around path, bit for bit (the saved lse, f32, too); an invalid target still reports
+/// the index error and gives NaN rows.
+pub(super) fn typed_cross_entropy(e: &mut dyn Exec) {
+    let mut r = Rng::new(32);
+    for half in [DType::BF16, DType::F16] {
+        for mixed in [false, true] {
+            let ty = |i: usize| {
+                if mixed && i % 2 == 1 {
+                    DType::F32
+                } else {
+                    half
+                }
+            };
+            let tag = |op: &str| format!("{op} {half} mixed={mixed}");
+            for (rows, cols, bad) in [(1usize, 1usize, false), (9, 300, false), (5, 7, true)] {
+                let lv = r.vec(rows * cols, 4.0);
+                let mut tv: Vec<i64> = (0..rows).map(|_| r.below(cols) as i64).collect();
+                if bad {
+                    tv[2] = cols as i64;
+                }
+                let targets = up_i64(e, &tv);
+                let logits = t_input(e, ty(0), &lv);
+                let loss = t_output(e, ty(1), 1);
+                let (tl, fl) = (nan_f32(e, rows), nan_f32(e, rows));
+                let got = e.run(&Op::Typed(TypedOp::CrossEntropy {
+                    logits: logits.t,
+                    targets,
+                    cols,
+                    lse: tl,
+                    loss: loss.t,
+                }));
+                let want = e.run(&Op::CrossEntropy {
+                    logits: logits.f,
+                    targets,
+                    cols,
+                    lse: fl,
+                    loss: loss.f,
+                });
+                assert_eq!(got.is_err(), bad, "{}", tag("cross_entropy status"));
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("cross_entropy loss"), &loss);
+                assert_bits(
+                    &tag("cross_entropy lse"),
+                    &down_f32(e, tl),
+                    &down_f32(e, fl),
+                );
+
+                let dloss = t_input(e, ty(1), &[0.75]);
+                let dlogits = t_output(e, ty(2), rows * cols);
+                let got = e.run(&Op::Typed(TypedOp::CrossEntropyBackward {
+                    logits: logits.t,
+                    targets,
+                    lse: fl,
+                    dloss: dloss.t,
+                    dlogits: dlogits.t,
+                    cols,
+                }));
+                let want = e.run(&Op::CrossEntropyBackward {
+                    logits: logits.f,
+                    targets,
+                    lse: fl,
+                    dloss: dloss.f,
+                    dlogits: dlogits.f,
+                    cols,
+                });
+                assert_eq!(
+                    got.is_err(),
+                    bad,
+                    "{}",
+                    tag("cross_entropy_backward status")
+                );
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("cross_entropy_backward dlogits"), &dlogits);
+            }
+        }
+    }
+}

@@ -22,7 +22,10 @@ use crate::kernels::cuda::elementwise::{
 use crate::kernels::cuda::embedding::{plan_embedding, plan_embedding_backward};
 use crate::kernels::cuda::flash::{plan_flash, plan_flash_backward, FlashType};
 use crate::kernels::cuda::layout::{plan_strided, view_desc};
-use crate::kernels::cuda::loss::{plan_cross_entropy, plan_cross_entropy_backward};
+use crate::kernels::cuda::loss::{
+    plan_cross_entropy, plan_cross_entropy_backward, plan_cross_entropy_backward_t,
+    plan_cross_entropy_t, CeCodes,
+};
 use crate::kernels::cuda::matmul::{plan_gemm, plan_gemm_typed};
 use crate::kernels::cuda::optim::{
     plan_adamw, plan_lamb_apply, plan_lamb_direction, plan_sgd, plan_sum_squares, plan_unscale,
@@ -399,6 +402,9 @@ impl EmuExec {
                 *eps,
                 [x.0, gamma.0, beta.0, y.0, *mean, *rstd].map(d),
             ),
+            TypedOp::CrossEntropy { .. } | TypedOp::CrossEntropyBackward { .. } => {
+                unreachable!("cross-entropy plans are run with their index check in `run`")
+            }
             TypedOp::LayerNormBackward {
                 x,
                 gamma,
@@ -842,6 +848,67 @@ impl Exec for EmuExec {
                     })
                     .collect();
                 Ok(plan_sum_squares(&pcs, self.f32s(*out) as u64, d(*out)))
+            }
+            Op::Typed(TypedOp::CrossEntropy {
+                logits,
+                targets,
+                cols,
+                lse,
+                loss,
+            }) => {
+                let rows = self.lens[logits.0] / logits.1.size() / cols;
+                let codes = CeCodes {
+                    logits: type_code(logits.1).expect("a float dtype"),
+                    scalar: type_code(loss.1).expect("a float dtype"),
+                    dlogits: 0,
+                };
+                let (plan, status) = plan_cross_entropy_t(
+                    codes,
+                    rows as u64,
+                    *cols as u64,
+                    d(logits.0),
+                    d(*targets),
+                    d(*lse),
+                    d(loss.0),
+                );
+                return self.exec_checked(
+                    "cross_entropy",
+                    "target",
+                    &plan,
+                    status,
+                    *targets,
+                    *cols,
+                );
+            }
+            Op::Typed(TypedOp::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dloss,
+                dlogits,
+                cols,
+            }) => {
+                let rows = self.lens[logits.0] / logits.1.size() / cols;
+                let code = |t: &TH| type_code(t.1).expect("a float dtype");
+                let codes = CeCodes {
+                    logits: code(logits),
+                    scalar: code(dloss),
+                    dlogits: code(dlogits),
+                };
+                let (plan, status) = plan_cross_entropy_backward_t(
+                    codes,
+                    rows as u64,
+                    *cols as u64,
+                    [logits.0, *targets, *lse, dloss.0, dlogits.0].map(d),
+                );
+                return self.exec_checked(
+                    "cross_entropy_backward",
+                    "target",
+                    &plan,
+                    status,
+                    *targets,
+                    *cols,
+                );
             }
             Op::Typed(t) => Ok(self.typed_plan(t)),
             Op::Unscale { inv, g, flag } => {

@@ -341,6 +341,21 @@ pub(super) enum TypedOp {
         dbeta: TH,
         cols: usize,
     },
+    CrossEntropy {
+        logits: TH,
+        targets: H,
+        cols: usize,
+        lse: H,
+        loss: TH,
+    },
+    CrossEntropyBackward {
+        logits: TH,
+        targets: H,
+        lse: H,
+        dloss: TH,
+        dlogits: TH,
+        cols: usize,
+    },
 }
 
 /// An executor of [`Op`]s on its own buffers.

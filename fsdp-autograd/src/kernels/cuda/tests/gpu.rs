@@ -123,6 +123,33 @@ impl Exec for GpuExec {
                         *cols,
                         *eps,
                     ),
+                    TypedOp::CrossEntropy {
+                        logits,
+                        targets,
+                        cols,
+                        lse,
+                        loss,
+                    } => k
+                        .cross_entropy_t(s, tb(logits), b(targets), *cols, b(lse), tb(loss))?
+                        .wait(),
+                    TypedOp::CrossEntropyBackward {
+                        logits,
+                        targets,
+                        lse,
+                        dloss,
+                        dlogits,
+                        cols,
+                    } => k
+                        .cross_entropy_backward_t(
+                            s,
+                            tb(logits),
+                            b(targets),
+                            b(lse),
+                            tb(dloss),
+                            tb(dlogits),
+                            *cols,
+                        )?
+                        .wait(),
                     TypedOp::LayerNormBackward {
                         x,
                         gamma,

@@ -89,6 +89,7 @@ on_both!(
     optimizer_steps,
     sum_squares_and_unscale,
     typed_kernels,
+    typed_cross_entropy,
 );
 
 /// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.
