@@ -58,7 +58,8 @@ mod imp {
     /// (cuBLAS Ex on the tensor cores, f32 accumulation), the fused attention with one dtype
     /// throughout, and the typed kernels (any mix of f32/f16/bf16 operands, same bits as the
     /// cast-around path) for add, row-bias add, axpy (one row, or alpha 1), column sums, GELU
-    /// and its backward, layer norm and its backward, cross-entropy and its backward. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
+    /// and its backward, layer norm and its backward, cross-entropy and embedding and their
+    /// backwards. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
     /// attention is fused ([`Backend::attention_save`] says `Lse`) unless
     /// [`set_fused_attention`](crate::kernels::cuda::set_fused_attention) is off or `d` is above
     /// [`FUSED_ATTENTION_MAX_D`](crate::kernels::cuda::FUSED_ATTENTION_MAX_D).
@@ -591,6 +592,14 @@ mod imp {
                 }
                 Launch::Embedding { e, ids, table, out } => {
                     let op = "embedding";
+                    if typed(&[table, out]) {
+                        let check = self
+                            .k
+                            .embedding_t(s, &ids.buf, tb(table), tb(out), e.dim)
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let (t, o) = (f.input(table)?, f.output(out, false)?);
                     let check = self
@@ -602,6 +611,14 @@ mod imp {
                 }
                 Launch::EmbeddingBackward { e, ids, dy, dtable } => {
                     let op = "embedding_backward";
+                    if typed(&[dy, dtable]) {
+                        let check = self
+                            .k
+                            .embedding_backward_t(s, &ids.buf, tb(dy), tb(dtable), e.dim)
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let (g, d) = (f.input(dy)?, f.output(dtable, false)?);
                     let check = self

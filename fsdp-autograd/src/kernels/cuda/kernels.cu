@@ -501,14 +501,21 @@ extern "C" __global__ void check_ids(u64 n, const i64* ids, u64 bound, u64* firs
 // stable counting sort of the positions by id, then one block per table row adds its dy rows in
 // position order — the CPU kernel's summation order, bit for bit.
 
-extern "C" __global__ void embedding_fwd(u64 total, u64 dim, u64 rows, const i64* ids,
-                                         const float* table, float* out) {
+// Operand codes in `types`: table 1, out 2 (ids are i64).
+__device__ void embedding_fwd_body(u64 types, u64 total, u64 dim, u64 rows, const i64* ids,
+                                   const void* table, void* out) {
+    const unsigned tt = ty_of(types, 1), to = ty_of(types, 2);
     GRID_STRIDE(e, total) {
         u64 i = e / dim;
         u64 j = e - i * dim;
         i64 v = ids[i];
-        out[e] = in_range(v, rows) ? table[(u64)v * dim + j] : nan_f32();
+        st_t(out, e, to, in_range(v, rows) ? ld_t(table, (u64)v * dim + j, tt) : nan_f32());
     }
+}
+
+extern "C" __global__ void embedding_fwd(u64 total, u64 dim, u64 rows, const i64* ids,
+                                         const float* table, float* out) {
+    embedding_fwd_body(TYPES_F32, total, dim, rows, ids, table, out);
 }
 
 // One block. count[0..rows] must be zero on entry. Positions are processed in tiles of BLOCK, in
@@ -579,17 +586,24 @@ extern "C" __global__ void emb_scatter(u64 n, u64 rows, const i64* ids, const u3
 }
 
 // dtable[r, :] = sum of dy[i, :] over the positions i of id r, in position order (0 if none).
-extern "C" __global__ void emb_accum(u64 rows, u64 dim, const u32* start, const u32* count,
-                                     const u32* order, const float* dy, float* dtable) {
+// Operand codes in `types`: dy 3, dtable 4 (start, count, order are u32).
+__device__ void emb_accum_body(u64 types, u64 rows, u64 dim, const u32* start, const u32* count,
+                               const u32* order, const void* dy, void* dtable) {
+    const unsigned tg = ty_of(types, 3), td = ty_of(types, 4);
     ROW_LOOP(r, rows) {
         u32 s = start[r];
         u32 c = count[r];
         COL_LOOP(j, dim) {
             float acc = 0.0f;
-            for (u32 p = 0; p < c; ++p) acc = acc + dy[(u64)order[s + p] * dim + j];
-            dtable[r * dim + j] = acc;
+            for (u32 p = 0; p < c; ++p) acc = acc + ld_t(dy, (u64)order[s + p] * dim + j, tg);
+            st_t(dtable, r * dim + j, td, acc);
         }
     }
+}
+
+extern "C" __global__ void emb_accum(u64 rows, u64 dim, const u32* start, const u32* count,
+                                     const u32* order, const float* dy, float* dtable) {
+    emb_accum_body(TYPES_F32, rows, dim, start, count, order, dy, dtable);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -768,6 +782,19 @@ extern "C" __global__ void ce_bwd_t(u64 types, u64 rows, u64 cols, const void* l
                                     const i64* targets, const float* lse, const void* dloss,
                                     void* dlogits) {
     ce_bwd_body(types, rows, cols, logits, targets, lse, dloss, dlogits);
+}
+
+// Operands: ids, table, out (table and out typed).
+extern "C" __global__ void embedding_fwd_t(u64 types, u64 total, u64 dim, u64 rows,
+                                           const i64* ids, const void* table, void* out) {
+    embedding_fwd_body(types, total, dim, rows, ids, table, out);
+}
+
+// Operands: start, count, order, dy, dtable (dy and dtable typed).
+extern "C" __global__ void emb_accum_t(u64 types, u64 rows, u64 dim, const u32* start,
+                                       const u32* count, const u32* order, const void* dy,
+                                       void* dtable) {
+    emb_accum_body(types, rows, dim, start, count, order, dy, dtable);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@
 use fsdp_alloc::{BufferRef, DType, Stream};
 
 use super::context::{expect_len, grid_rows, row_args, rows_of, Call, CudaKernels, Dev, Elem};
-use super::embedding::{exec_checked, plan_check, IndexCheck};
+use super::embedding::{exec_checked, float_operand, plan_check, IndexCheck};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
-use super::typed::{type_code, types_word, TBuf};
+use super::typed::{types_word, TBuf};
 use crate::kernels::KernelError;
 
 /// Element codes of a cross-entropy call's float operands (see `typed.rs`): the logits, the
@@ -109,19 +109,6 @@ pub(crate) fn plan_cross_entropy_backward_t(
         plan.launch(Kernel::CeBwdT, grid_rows(rows), args);
     }
     (plan, status)
-}
-
-/// A float operand's element type for the buffer checks, and its code.
-fn float_operand(op: &'static str, arg: &'static str, dtype: DType) -> Result<(Elem, u64)> {
-    match type_code(dtype) {
-        Some(0) => Ok((Elem::F32, 0)),
-        Some(code) => Ok((Elem::U16, code)),
-        None => Err(KernelError::InvalidShape {
-            op,
-            reason: format!("`{arg}` is {dtype}; this kernel takes f32, f16 or bf16"),
-        }
-        .into()),
-    }
 }
 
 /// Shared checks: logits rows, one target and one lse per row, at least one row.

@@ -124,6 +124,8 @@ kernels! {
     SumFinalT => "sum_final_t" [U64, U64, Ptr, F64, Ptr];
     CeFwdT => "ce_fwd_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr];
     CeBwdT => "ce_bwd_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
+    EmbeddingFwdT => "embedding_fwd_t" [U64, U64, U64, U64, Ptr, Ptr, Ptr];
+    EmbAccumT => "emb_accum_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
     // flash.cu: fused causal attention.
     FlashFwdF32D64 => "flash_fwd_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdBf16D64 => "flash_fwd_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];

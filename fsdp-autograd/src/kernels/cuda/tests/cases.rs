@@ -1596,3 +1596,70 @@ pub(super) fn typed_cross_entropy(e: &mut dyn Exec) {
         }
     }
 }
+
+/// Typed embedding (table, out, dy, dtable in f32 / f16 / bf16) against the cast-around path,
+/// bit for bit; an out-of-range id is still reported (NaN row forward, skipped backward).
+pub(super) fn typed_embedding(e: &mut dyn Exec) {
+    let mut r = Rng::new(33);
+    for half in [DType::BF16, DType::F16] {
+        for mixed in [false, true] {
+            let ty = |i: usize| {
+                if mixed && i % 2 == 1 {
+                    DType::F32
+                } else {
+                    half
+                }
+            };
+            let tag = |op: &str| format!("{op} {half} mixed={mixed}");
+            for (vocab, dim, n, bad) in [
+                (37usize, 5usize, 300usize, false),
+                (4, 300, 9, false),
+                (5, 3, 0, false),
+                (6, 4, 10, true),
+            ] {
+                let mut idv: Vec<i64> = (0..n)
+                    .map(|i| if i % 3 == 0 { 1 } else { r.below(vocab) as i64 })
+                    .collect();
+                if bad {
+                    idv[4] = vocab as i64 + 2;
+                }
+                let ids = up_i64(e, &idv);
+                let table = t_input(e, ty(0), &r.vec(vocab * dim, 2.0));
+                let out = t_output(e, ty(1), n * dim);
+                let got = e.run(&Op::Typed(TypedOp::Embedding {
+                    ids,
+                    table: table.t,
+                    out: out.t,
+                    dim,
+                }));
+                let want = e.run(&Op::Embedding {
+                    ids,
+                    table: table.f,
+                    out: out.f,
+                    dim,
+                });
+                assert_eq!(got.is_err(), bad, "{}", tag("embedding status"));
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("embedding"), &out);
+
+                let dy = t_input(e, ty(1), &r.vec(n * dim, 1.0));
+                let dtable = t_output(e, ty(0), vocab * dim);
+                let got = e.run(&Op::Typed(TypedOp::EmbeddingBackward {
+                    ids,
+                    dy: dy.t,
+                    dtable: dtable.t,
+                    dim,
+                }));
+                let want = e.run(&Op::EmbeddingBackward {
+                    ids,
+                    dy: dy.f,
+                    dtable: dtable.f,
+                    dim,
+                });
+                assert_eq!(got.is_err(), bad, "{}", tag("embedding_backward status"));
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("embedding_backward"), &dtable);
+            }
+        }
+    }
+}

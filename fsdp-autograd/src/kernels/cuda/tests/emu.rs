@@ -19,7 +19,9 @@ use crate::kernels::cuda::elementwise::{
     plan_add_row_bias, plan_add_row_bias_inplace, plan_axpy, plan_binary, plan_col_sums, plan_gelu,
     plan_gelu_backward, plan_scale, plan_scale_inplace, plan_sum,
 };
-use crate::kernels::cuda::embedding::{plan_embedding, plan_embedding_backward};
+use crate::kernels::cuda::embedding::{
+    plan_embedding, plan_embedding_backward, plan_embedding_backward_t, plan_embedding_t,
+};
 use crate::kernels::cuda::flash::{plan_flash, plan_flash_backward, FlashType};
 use crate::kernels::cuda::layout::{plan_strided, view_desc};
 use crate::kernels::cuda::loss::{
@@ -402,8 +404,11 @@ impl EmuExec {
                 *eps,
                 [x.0, gamma.0, beta.0, y.0, *mean, *rstd].map(d),
             ),
-            TypedOp::CrossEntropy { .. } | TypedOp::CrossEntropyBackward { .. } => {
-                unreachable!("cross-entropy plans are run with their index check in `run`")
+            TypedOp::CrossEntropy { .. }
+            | TypedOp::CrossEntropyBackward { .. }
+            | TypedOp::Embedding { .. }
+            | TypedOp::EmbeddingBackward { .. } => {
+                unreachable!("plans with an index check are run in `run`")
             }
             TypedOp::LayerNormBackward {
                 x,
@@ -848,6 +853,50 @@ impl Exec for EmuExec {
                     })
                     .collect();
                 Ok(plan_sum_squares(&pcs, self.f32s(*out) as u64, d(*out)))
+            }
+            Op::Typed(TypedOp::Embedding {
+                ids,
+                table,
+                out,
+                dim,
+            }) => {
+                let (n, rows) = (
+                    self.lens[*ids] / 8,
+                    self.lens[table.0] / table.1.size() / dim,
+                );
+                let code = |t: &TH| type_code(t.1).expect("a float dtype");
+                let (plan, status) = plan_embedding_t(
+                    [code(table), code(out)],
+                    n as u64,
+                    *dim as u64,
+                    rows as u64,
+                    d(*ids),
+                    d(table.0),
+                    d(out.0),
+                );
+                return self.exec_checked("embedding", "id", &plan, status, *ids, rows);
+            }
+            Op::Typed(TypedOp::EmbeddingBackward {
+                ids,
+                dy,
+                dtable,
+                dim,
+            }) => {
+                let (n, rows) = (
+                    self.lens[*ids] / 8,
+                    self.lens[dtable.0] / dtable.1.size() / dim,
+                );
+                let code = |t: &TH| type_code(t.1).expect("a float dtype");
+                let (plan, status) = plan_embedding_backward_t(
+                    [code(dy), code(dtable)],
+                    n as u64,
+                    *dim as u64,
+                    rows as u64,
+                    d(*ids),
+                    d(dy.0),
+                    d(dtable.0),
+                );
+                return self.exec_checked("embedding_backward", "id", &plan, status, *ids, rows);
             }
             Op::Typed(TypedOp::CrossEntropy {
                 logits,

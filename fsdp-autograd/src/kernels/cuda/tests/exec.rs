@@ -341,6 +341,18 @@ pub(super) enum TypedOp {
         dbeta: TH,
         cols: usize,
     },
+    Embedding {
+        ids: H,
+        table: TH,
+        out: TH,
+        dim: usize,
+    },
+    EmbeddingBackward {
+        ids: H,
+        dy: TH,
+        dtable: TH,
+        dim: usize,
+    },
     CrossEntropy {
         logits: TH,
         targets: H,

@@ -123,6 +123,20 @@ impl Exec for GpuExec {
                         *cols,
                         *eps,
                     ),
+                    TypedOp::Embedding {
+                        ids,
+                        table,
+                        out,
+                        dim,
+                    } => k.embedding_t(s, b(ids), tb(table), tb(out), *dim)?.wait(),
+                    TypedOp::EmbeddingBackward {
+                        ids,
+                        dy,
+                        dtable,
+                        dim,
+                    } => k
+                        .embedding_backward_t(s, b(ids), tb(dy), tb(dtable), *dim)?
+                        .wait(),
                     TypedOp::CrossEntropy {
                         logits,
                         targets,

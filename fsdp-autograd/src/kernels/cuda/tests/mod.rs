@@ -90,6 +90,7 @@ on_both!(
     sum_squares_and_unscale,
     typed_kernels,
     typed_cross_entropy,
+    typed_embedding,
 );
 
 /// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.
