@@ -57,8 +57,8 @@ mod imp {
     /// except where a kernel takes them directly: matrix products with A and B of one half type
     /// (cuBLAS Ex on the tensor cores, f32 accumulation), the fused attention with one dtype
     /// throughout, and the typed kernels (any mix of f32/f16/bf16 operands, same bits as the
-    /// cast-around path) for add, row-bias add, axpy (one row, or alpha 1), column sums, GELU
-    /// and its backward, layer norm and its backward, cross-entropy and embedding and their
+    /// cast-around path) for add, mul, scale, axpy, row-bias add, sum and mean, column sums,
+    /// GELU and its backward, layer norm and its backward, cross-entropy and embedding and their
     /// backwards. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
     /// attention is fused ([`Backend::attention_save`] says `Lse`) unless
     /// [`set_fused_attention`](crate::kernels::cuda::set_fused_attention) is off or `d` is above
@@ -390,14 +390,26 @@ mod imp {
                 } => {
                     let name = l.name();
                     let full = b.numel() == a.numel();
-                    if op == BinaryOp::Add && typed(&[a, b, out]) {
+                    if typed(&[a, b, out]) {
                         let (x, y, o) = (tb(a), tb(b), tb(out));
-                        return if full {
-                            self.k.add_t(s, x, y, o)
-                        } else {
-                            self.k.add_row_bias_t(s, x, y, o)
-                        }
-                        .map_err(err(name));
+                        let e = err(name);
+                        return match (op, full) {
+                            (BinaryOp::Add, true) => self.k.add_t(s, x, y, o).map_err(e),
+                            (BinaryOp::Mul, true) => self.k.mul_t(s, x, y, o).map_err(e),
+                            (BinaryOp::Add, false) => self.k.add_row_bias_t(s, x, y, o).map_err(e),
+                            (BinaryOp::Mul, false) => {
+                                // One launch per row, as for f32.
+                                let (xs, os) =
+                                    (rows.cols * a.dtype.size(), rows.cols * out.dtype.size());
+                                for r in 0..rows.rows {
+                                    let xr = a.buf.slice(r * xs, xs)?;
+                                    let or = out.buf.slice(r * os, os)?;
+                                    let (xr, or) = ((&xr, a.dtype), (&or, out.dtype));
+                                    self.k.mul_t(s, xr, y, or).map_err(err(name))?;
+                                }
+                                Ok(())
+                            }
+                        };
                     }
                     let mut f = self.scope(name, s);
                     let (x, y, o) = (f.input(a)?, f.input(b)?, f.output(out, false)?);
@@ -419,25 +431,48 @@ mod imp {
                     f.finish()
                 }
                 Launch::Scale { alpha, x, out, .. } => {
+                    if typed(&[x, out]) {
+                        return self
+                            .k
+                            .scale_t(s, tb(x), alpha, tb(out))
+                            .map_err(err("scale"));
+                    }
                     let mut f = self.scope("scale", s);
                     let (x, o) = (f.input(x)?, f.output(out, false)?);
                     self.k.scale(s, &x, alpha, &o).map_err(err("scale"))?;
                     f.finish()
                 }
                 Launch::ScaleInplace { alpha, y, .. } => {
+                    if typed(&[y]) {
+                        return self
+                            .k
+                            .scale_inplace_t(s, tb(y), alpha)
+                            .map_err(err("scale_"));
+                    }
                     let mut f = self.scope("scale_", s);
                     let y = f.output(y, true)?;
                     self.k.scale_inplace(s, &y, alpha).map_err(err("scale_"))?;
                     f.finish()
                 }
                 Launch::AxpyRows { rows, alpha, x, y } => {
-                    if (rows.rows == 1 || alpha == 1.0) && typed(&[x, y]) {
-                        return if rows.rows == 1 {
-                            self.k.add_scaled_t(s, tb(y), alpha, tb(x))
-                        } else {
-                            self.k.add_row_bias_inplace_t(s, tb(y), tb(x))
+                    if typed(&[x, y]) {
+                        let e = err("axpy");
+                        if rows.rows == 1 {
+                            return self.k.add_scaled_t(s, tb(y), alpha, tb(x)).map_err(e);
                         }
-                        .map_err(err("axpy"));
+                        if alpha == 1.0 {
+                            return self.k.add_row_bias_inplace_t(s, tb(y), tb(x)).map_err(e);
+                        }
+                        // One launch per row, as for f32.
+                        let bytes = rows.cols * y.dtype.size();
+                        for r in 0..rows.rows {
+                            let yr = y.buf.slice(r * bytes, bytes)?;
+                            let yr = (&yr, y.dtype);
+                            self.k
+                                .add_scaled_t(s, yr, alpha, tb(x))
+                                .map_err(err("axpy"))?;
+                        }
+                        return Ok(());
                     }
                     let mut f = self.scope("axpy", s);
                     let (x, y) = (f.input(x)?, f.output(y, true)?);
@@ -457,6 +492,9 @@ mod imp {
                 }
                 Launch::Sum { mean, x, out, .. } => {
                     let op = l.name();
+                    if typed(&[x, out]) {
+                        return self.k.sum_t(s, tb(x), tb(out), mean).map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let (x, o) = (f.input(x)?, f.output(out, false)?);
                     if mean {

@@ -765,6 +765,31 @@ extern "C" __global__ void layer_norm_bwd_params_t(u64 types, u64 rows, u64 cols
                   dbeta, ty_of(types, 4), ty_of(types, 5));
 }
 
+extern "C" __global__ void ew_mul_t(u64 types, u64 n, const void* a, const void* b, void* out) {
+    const unsigned ta = ty_of(types, 0), tb = ty_of(types, 1), to = ty_of(types, 2);
+    GRID_STRIDE(i, n) st_t(out, i, to, ld_t(a, i, ta) * ld_t(b, i, tb));
+}
+
+extern "C" __global__ void ew_scale_t(u64 types, u64 n, const void* x, float alpha, void* out) {
+    const unsigned tx = ty_of(types, 0), to = ty_of(types, 1);
+    GRID_STRIDE(i, n) st_t(out, i, to, alpha * ld_t(x, i, tx));
+}
+
+extern "C" __global__ void ew_scale_inplace_t(u64 types, u64 n, void* y, float alpha) {
+    const unsigned ty = ty_of(types, 0);
+    GRID_STRIDE(i, n) st_t(y, i, ty, ld_t(y, i, ty) * alpha);
+}
+
+// Operands: x (typed), partial (f64).
+extern "C" __global__ void sum_partial_t(u64 types, u64 n, const void* x, double* partial) {
+    __shared__ double sh[BLOCK];
+    const unsigned tx = ty_of(types, 0);
+    double acc = 0.0;
+    GRID_STRIDE(i, n) acc = acc + (double)ld_t(x, i, tx);
+    double s = block_sum(acc, sh);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
 // Operands: partial (f64), out (typed).
 extern "C" __global__ void sum_final_t(u64 types, u64 count, const double* partial,
                                        double divisor, void* out) {

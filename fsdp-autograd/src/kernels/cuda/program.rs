@@ -126,6 +126,10 @@ kernels! {
     CeBwdT => "ce_bwd_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
     EmbeddingFwdT => "embedding_fwd_t" [U64, U64, U64, U64, Ptr, Ptr, Ptr];
     EmbAccumT => "emb_accum_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
+    MulT => "ew_mul_t" [U64, U64, Ptr, Ptr, Ptr];
+    ScaleT => "ew_scale_t" [U64, U64, Ptr, F32, Ptr];
+    ScaleInplaceT => "ew_scale_inplace_t" [U64, U64, Ptr, F32];
+    SumPartialT => "sum_partial_t" [U64, U64, Ptr, Ptr];
     // flash.cu: fused causal attention.
     FlashFwdF32D64 => "flash_fwd_f32_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdBf16D64 => "flash_fwd_bf16_d64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];

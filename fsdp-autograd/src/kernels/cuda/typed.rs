@@ -9,7 +9,7 @@
 use fsdp_alloc::{BufferRef, DType, Stream};
 
 use super::context::{expect_len, grid_for, grid_rows, rows_of, Call, CudaKernels, Dev, Elem};
-use super::elementwise::grid_col_groups;
+use super::elementwise::{grid_col_groups, sum_parts};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
@@ -69,7 +69,13 @@ fn plan_map_t(kernel: Kernel, n: u64, args: Vec<PArg>) -> Plan {
 }
 
 /// `out = a + b` ([`Kernel::AddT`]).
+#[cfg(test)]
 pub(crate) fn plan_add_t(types: u64, n: u64, a: Ptr, b: Ptr, out: Ptr) -> Plan {
+    plan_binary_t(Kernel::AddT, types, n, a, b, out)
+}
+
+/// `out = a ∘ b` for the typed binary kernels ([`Kernel::AddT`], [`Kernel::MulT`]).
+pub(crate) fn plan_binary_t(kernel: Kernel, types: u64, n: u64, a: Ptr, b: Ptr, out: Ptr) -> Plan {
     let args = vec![
         PArg::U64(types),
         PArg::U64(n),
@@ -77,7 +83,59 @@ pub(crate) fn plan_add_t(types: u64, n: u64, a: Ptr, b: Ptr, out: Ptr) -> Plan {
         PArg::Ptr(b),
         PArg::Ptr(out),
     ];
-    plan_map_t(Kernel::AddT, n, args)
+    plan_map_t(kernel, n, args)
+}
+
+/// `out = alpha·x` (codes: x, out).
+pub(crate) fn plan_scale_t(types: u64, n: u64, x: Ptr, alpha: f32, out: Ptr) -> Plan {
+    let args = vec![
+        PArg::U64(types),
+        PArg::U64(n),
+        PArg::Ptr(x),
+        PArg::F32(alpha),
+        PArg::Ptr(out),
+    ];
+    plan_map_t(Kernel::ScaleT, n, args)
+}
+
+/// `y ← alpha·y` (code: y).
+pub(crate) fn plan_scale_inplace_t(types: u64, n: u64, y: Ptr, alpha: f32) -> Plan {
+    let args = vec![
+        PArg::U64(types),
+        PArg::U64(n),
+        PArg::Ptr(y),
+        PArg::F32(alpha),
+    ];
+    plan_map_t(Kernel::ScaleInplaceT, n, args)
+}
+
+/// `out[0] = Σ x / divisor` (codes: x, out) through f64 partial sums, as `plan_sum`.
+pub(crate) fn plan_sum_t(codes: [u64; 2], n: u64, x: Ptr, out: Ptr, divisor: f64) -> Plan {
+    let mut plan = Plan::new();
+    let parts = sum_parts(n);
+    let partial = Ptr::scratch(plan.scratch(parts as usize, Elem::F64));
+    plan.launch(
+        Kernel::SumPartialT,
+        parts,
+        vec![
+            PArg::U64(types_word(&[codes[0]])),
+            PArg::U64(n),
+            PArg::Ptr(x),
+            PArg::Ptr(partial),
+        ],
+    );
+    plan.launch(
+        Kernel::SumFinalT,
+        1,
+        vec![
+            PArg::U64(types_word(&[0, codes[1]])),
+            PArg::U64(parts as u64),
+            PArg::Ptr(partial),
+            PArg::F64(divisor),
+            PArg::Ptr(out),
+        ],
+    );
+    plan
 }
 
 /// `y ← y + alpha·x` ([`Kernel::AxpyT`]; codes: y, x).
@@ -236,7 +294,90 @@ impl CudaKernels {
         b: TBuf<'_>,
         out: TBuf<'_>,
     ) -> Result<()> {
-        let op = "add";
+        self.binary_t("add", Kernel::AddT, stream, a, b, out)
+    }
+
+    /// `out = a ⊙ b` elementwise, each operand f32, f16 or bf16.
+    pub(crate) fn mul_t(
+        &self,
+        stream: &Stream,
+        a: TBuf<'_>,
+        b: TBuf<'_>,
+        out: TBuf<'_>,
+    ) -> Result<()> {
+        self.binary_t("mul", Kernel::MulT, stream, a, b, out)
+    }
+
+    /// `out = alpha·x`, each operand f32, f16 or bf16.
+    pub(crate) fn scale_t(
+        &self,
+        stream: &Stream,
+        x: TBuf<'_>,
+        alpha: f32,
+        out: TBuf<'_>,
+    ) -> Result<()> {
+        let op = "scale";
+        let c = self.call(op, stream)?;
+        let (dx, cx) = operand(&c, op, "x", x)?;
+        let (dout, co) = operand(&c, op, "out", out)?;
+        expect_len(op, "out", dout.len, dx.len, || format!("len(x)={}", dx.len))?;
+        c.disjoint(&[("out", out.0)], &[("x", x.0)])?;
+        let types = types_word(&[cx, co]);
+        let plan = plan_scale_t(types, dx.len as u64, dx.as_ptr(), alpha, dout.as_ptr());
+        // SAFETY: x and out hold n elements of their dtypes on this device and do not overlap.
+        unsafe { c.exec(&plan) }.map(drop)
+    }
+
+    /// `y ← alpha·y` in place, `y` f32, f16 or bf16.
+    pub(crate) fn scale_inplace_t(&self, stream: &Stream, y: TBuf<'_>, alpha: f32) -> Result<()> {
+        let op = "scale_inplace";
+        let c = self.call(op, stream)?;
+        let (dy, cy) = operand(&c, op, "y", y)?;
+        let plan = plan_scale_inplace_t(types_word(&[cy]), dy.len as u64, dy.as_ptr(), alpha);
+        // SAFETY: y holds n elements of its dtype on this device; each is read and written by
+        // one thread.
+        unsafe { c.exec(&plan) }.map(drop)
+    }
+
+    /// `out[0] = Σ x` (or the mean with `mean`), `x` and the one-element `out` each f32, f16 or
+    /// bf16 (as [`CudaKernels::sum`] / [`CudaKernels::mean`]).
+    pub(crate) fn sum_t(
+        &self,
+        stream: &Stream,
+        x: TBuf<'_>,
+        out: TBuf<'_>,
+        mean: bool,
+    ) -> Result<()> {
+        let op = if mean { "mean" } else { "sum" };
+        let c = self.call(op, stream)?;
+        let (dx, cx) = operand(&c, op, "x", x)?;
+        let (dout, co) = operand(&c, op, "out", out)?;
+        expect_len(op, "out", dout.len, 1, || "a scalar output".into())?;
+        c.disjoint(&[("out", out.0)], &[("x", x.0)])?;
+        if mean && dx.len == 0 {
+            return Err(KernelError::InvalidShape {
+                op,
+                reason: "the mean of an empty slice is undefined".into(),
+            }
+            .into());
+        }
+        let divisor = if mean { dx.len as f64 } else { 1.0 };
+        let plan = plan_sum_t([cx, co], dx.len as u64, dx.as_ptr(), dout.as_ptr(), divisor);
+        // SAFETY: x holds n elements and out one, of their dtypes, on this device, disjoint; the
+        // partial sums live in the plan's scratch, sized to the first launch's blocks.
+        unsafe { c.exec(&plan) }.map(drop)
+    }
+
+    /// Shared body of [`CudaKernels::add_t`] and [`CudaKernels::mul_t`].
+    fn binary_t(
+        &self,
+        op: &'static str,
+        kernel: Kernel,
+        stream: &Stream,
+        a: TBuf<'_>,
+        b: TBuf<'_>,
+        out: TBuf<'_>,
+    ) -> Result<()> {
         let c = self.call(op, stream)?;
         let (da, ca) = operand(&c, op, "a", a)?;
         let (db, cb) = operand(&c, op, "b", b)?;
@@ -245,7 +386,8 @@ impl CudaKernels {
         expect_len(op, "b", db.len, da.len, shape)?;
         expect_len(op, "out", dout.len, da.len, shape)?;
         c.disjoint(&[("out", out.0)], &[("a", a.0), ("b", b.0)])?;
-        let plan = plan_add_t(
+        let plan = plan_binary_t(
+            kernel,
             types_word(&[ca, cb, co]),
             da.len as u64,
             da.as_ptr(),

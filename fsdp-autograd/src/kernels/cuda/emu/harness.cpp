@@ -182,7 +182,8 @@ static const std::map<std::string, Runner> g_kernels = {
     K(ew_add_t), K(ew_axpy_t), K(add_row_bias_t), K(add_row_bias_inplace_t), K(col_sums_t),
     K(gelu_fwd_t), K(gelu_bwd_t), K(gelu_exact_fwd_t), K(gelu_exact_bwd_t), K(layer_norm_fwd_t),
     K(layer_norm_bwd_dx_t), K(layer_norm_bwd_params_t), K(sum_final_t), K(ce_fwd_t), K(ce_bwd_t),
-    K(embedding_fwd_t), K(emb_accum_t),
+    K(embedding_fwd_t), K(emb_accum_t), K(ew_mul_t), K(ew_scale_t), K(ew_scale_inplace_t),
+    K(sum_partial_t),
     // flash.cu
     K(flash_fwd_f32_d64), K(flash_fwd_bf16_d64), K(flash_fwd_f16_d64), K(flash_fwd_f32_d128),
     K(flash_fwd_bf16_d128), K(flash_fwd_f16_d128), K(flash_bwd_pre_f32), K(flash_bwd_pre_bf16),

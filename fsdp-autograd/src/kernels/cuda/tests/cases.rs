@@ -1310,6 +1310,86 @@ pub(super) fn typed_kernels(e: &mut dyn Exec) {
                 );
                 t_check(e, &tag("add"), &out);
 
+                let (a2, b2, out) = (
+                    t_input(e, ty(0), &av),
+                    t_input(e, ty(1), &bv),
+                    t_output(e, ty(2), n),
+                );
+                run(
+                    e,
+                    Op::Typed(TypedOp::Mul {
+                        a: a2.t,
+                        b: b2.t,
+                        out: out.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::Mul {
+                        a: a2.f,
+                        b: b2.f,
+                        out: out.f,
+                    },
+                );
+                t_check(e, &tag("mul"), &out);
+
+                let out = t_output(e, ty(1), n);
+                run(
+                    e,
+                    Op::Typed(TypedOp::Scale {
+                        x: a2.t,
+                        alpha: -0.375,
+                        out: out.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::Scale {
+                        x: a2.f,
+                        alpha: -0.375,
+                        out: out.f,
+                    },
+                );
+                t_check(e, &tag("scale"), &out);
+
+                let y = t_input(e, ty(0), &av);
+                run(e, Op::Typed(TypedOp::ScaleInplace { y: y.t, alpha: 1.7 }));
+                run(e, Op::ScaleInplace { y: y.f, alpha: 1.7 });
+                t_check(e, &tag("scale_inplace"), &y);
+
+                for mean in [false, true] {
+                    if mean && n == 0 {
+                        continue;
+                    }
+                    let out = t_output(e, ty(1), 1);
+                    run(
+                        e,
+                        Op::Typed(TypedOp::Sum {
+                            x: a2.t,
+                            out: out.t,
+                            mean,
+                        }),
+                    );
+                    if mean {
+                        run(
+                            e,
+                            Op::Mean {
+                                x: a2.f,
+                                out: out.f,
+                            },
+                        );
+                    } else {
+                        run(
+                            e,
+                            Op::Sum {
+                                x: a2.f,
+                                out: out.f,
+                            },
+                        );
+                    }
+                    t_check(e, &tag(if mean { "mean" } else { "sum" }), &out);
+                }
+
                 let (y, x) = (t_input(e, ty(0), &av), t_input(e, ty(1), &bv));
                 run(
                     e,

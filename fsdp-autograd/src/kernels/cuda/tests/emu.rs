@@ -41,9 +41,9 @@ use crate::kernels::cuda::CudaKernelError;
 use crate::kernels::KernelError;
 
 use crate::kernels::cuda::typed::{
-    plan_add_row_bias_inplace_t, plan_add_row_bias_t, plan_add_t, plan_axpy_t, plan_col_sums_t,
-    plan_gelu_backward_t, plan_gelu_t, plan_layer_norm_backward_t, plan_layer_norm_t, type_code,
-    types_word,
+    plan_add_row_bias_inplace_t, plan_add_row_bias_t, plan_add_t, plan_axpy_t, plan_binary_t,
+    plan_col_sums_t, plan_gelu_backward_t, plan_gelu_t, plan_layer_norm_backward_t,
+    plan_layer_norm_t, plan_scale_inplace_t, plan_scale_t, plan_sum_t, type_code, types_word,
 };
 
 use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
@@ -352,6 +352,24 @@ impl EmuExec {
                 d(b.0),
                 d(out.0),
             ),
+            TypedOp::Mul { a, b, out } => plan_binary_t(
+                Kernel::MulT,
+                types_word(&[c(a), c(b), c(out)]),
+                n(a),
+                d(a.0),
+                d(b.0),
+                d(out.0),
+            ),
+            TypedOp::Scale { x, alpha, out } => {
+                plan_scale_t(types_word(&[c(x), c(out)]), n(x), d(x.0), *alpha, d(out.0))
+            }
+            TypedOp::ScaleInplace { y, alpha } => {
+                plan_scale_inplace_t(types_word(&[c(y)]), n(y), d(y.0), *alpha)
+            }
+            TypedOp::Sum { x, out, mean } => {
+                let divisor = if *mean { n(x) as f64 } else { 1.0 };
+                plan_sum_t([c(x), c(out)], n(x), d(x.0), d(out.0), divisor)
+            }
             TypedOp::AddScaled { y, alpha, x } => {
                 plan_axpy_t(types_word(&[c(y), c(x)]), n(y), d(y.0), *alpha, d(x.0))
             }

@@ -291,6 +291,25 @@ pub(super) enum TypedOp {
         b: TH,
         out: TH,
     },
+    Mul {
+        a: TH,
+        b: TH,
+        out: TH,
+    },
+    Scale {
+        x: TH,
+        alpha: f32,
+        out: TH,
+    },
+    ScaleInplace {
+        y: TH,
+        alpha: f32,
+    },
+    Sum {
+        x: TH,
+        out: TH,
+        mean: bool,
+    },
     AddScaled {
         y: TH,
         alpha: f32,

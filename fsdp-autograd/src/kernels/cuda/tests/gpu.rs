@@ -91,6 +91,10 @@ impl Exec for GpuExec {
                 let tb = |(h, d): &TH| (self.bufs[*h].data(), *d);
                 match t {
                     TypedOp::Add { a, b, out } => k.add_t(s, tb(a), tb(b), tb(out)),
+                    TypedOp::Mul { a, b, out } => k.mul_t(s, tb(a), tb(b), tb(out)),
+                    TypedOp::Scale { x, alpha, out } => k.scale_t(s, tb(x), *alpha, tb(out)),
+                    TypedOp::ScaleInplace { y, alpha } => k.scale_inplace_t(s, tb(y), *alpha),
+                    TypedOp::Sum { x, out, mean } => k.sum_t(s, tb(x), tb(out), *mean),
                     TypedOp::AddScaled { y, alpha, x } => k.add_scaled_t(s, tb(y), *alpha, tb(x)),
                     TypedOp::AddRowBias { x, bias, out } => {
                         k.add_row_bias_t(s, tb(x), tb(bias), tb(out))
