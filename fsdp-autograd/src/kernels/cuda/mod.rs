@@ -127,10 +127,11 @@
 //!   (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`): keep NVRTC no newer than the driver.
 //! - The first [`CudaKernels::new`] per process compiles the program (typically a fraction of
 //!   a second); compile errors are cached for the process.
-//! - f32 compute except matrix products, the fused attention and the typed kernels (add, axpy,
-//!   row-bias add, column sums, GELU, layer norm and their backwards, which take f16/bf16
-//!   operands directly with the cast-around path's bits): for the other kernels the seam casts
-//!   half-precision tensors to f32 temporaries around them (as on the CPU).
+//! - f32 compute except matrix products, the fused attention and the typed kernels (add, mul,
+//!   scale, axpy, row-bias add, sum/mean, column sums, GELU, layer norm, cross-entropy,
+//!   embedding and their backwards, which take f16/bf16 operands directly with the cast-around
+//!   path's bits): for the other kernels (softmax and the unfused attention, strided copies)
+//!   the seam casts half-precision tensors to f32 temporaries around them (as on the CPU).
 //! - Speed was not a goal beyond avoiding pathologies: [`col_sums`](CudaKernels::col_sums) and
 //!   the layer-norm parameter gradients keep the CPU's serial row order per column (one block
 //!   per 8 columns stages row tiles through shared memory, so the loads are coalesced and in
