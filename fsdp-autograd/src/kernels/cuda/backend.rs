@@ -48,14 +48,18 @@ mod imp {
         Attention, AttentionSave, AttentionSaved, AttentionStats, Backend, BinaryOp, Launch,
         Operand, ReadFn, View,
     };
+    use crate::kernels::cuda::typed::{type_code, TBuf};
     use crate::kernels::cuda::{CudaKernelError, CudaKernels, GemmPrecision, IndexCheck};
 
     /// The CUDA kernels behind the seam: one per CUDA device, created on first use (compiling
     /// the kernels with NVRTC once per process). Float operands in `f16`/`bf16` are cast to `f32`
     /// temporaries on the stream, computed, and cast back, as the CPU backend does on the host,
     /// except where a kernel takes them directly: matrix products with A and B of one half type
-    /// (cuBLAS Ex on the tensor cores, f32 accumulation) and the fused attention with one dtype
-    /// throughout. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
+    /// (cuBLAS Ex on the tensor cores, f32 accumulation), the fused attention with one dtype
+    /// throughout, and the typed kernels (any mix of f32/f16/bf16 operands, same bits as the
+    /// cast-around path) for add, mul, scale, axpy, row-bias add, sum and mean, column sums,
+    /// GELU and its backward, layer norm and its backward, cross-entropy and embedding and their
+    /// backwards. f32 products use TF32 when [`set_allow_tf32`](crate::kernels::cuda::set_allow_tf32) is on;
     /// attention is fused ([`Backend::attention_save`] says `Lse`) unless
     /// [`set_fused_attention`](crate::kernels::cuda::set_fused_attention) is off or `d` is above
     /// [`FUSED_ATTENTION_MAX_D`](crate::kernels::cuda::FUSED_ATTENTION_MAX_D).
@@ -332,6 +336,19 @@ mod imp {
         })
     }
 
+    /// Whether a launch's float operands go to the typed kernels (`kernels/cuda/typed.rs`): some
+    /// operand is f16 or bf16 and every one is f32, f16 or bf16. The typed kernels read and write
+    /// the half operands directly, bit for bit what the f32 temporaries of [`F32Scope`] give.
+    fn typed(ops: &[&Operand]) -> bool {
+        let half = |d: DType| d == DType::F16 || d == DType::BF16;
+        ops.iter().any(|o| half(o.dtype)) && ops.iter().all(|o| type_code(o.dtype).is_some())
+    }
+
+    /// An operand as a typed-kernel argument.
+    fn tb(o: &Operand) -> TBuf<'_> {
+        (&o.buf, o.dtype)
+    }
+
     /// Byte range of `count` elements of `o` from element `first`.
     fn elems(o: &Operand, first: usize, count: usize) -> Result<BufferRef> {
         let sz = o.dtype.size();
@@ -373,6 +390,27 @@ mod imp {
                 } => {
                     let name = l.name();
                     let full = b.numel() == a.numel();
+                    if typed(&[a, b, out]) {
+                        let (x, y, o) = (tb(a), tb(b), tb(out));
+                        let e = err(name);
+                        return match (op, full) {
+                            (BinaryOp::Add, true) => self.k.add_t(s, x, y, o).map_err(e),
+                            (BinaryOp::Mul, true) => self.k.mul_t(s, x, y, o).map_err(e),
+                            (BinaryOp::Add, false) => self.k.add_row_bias_t(s, x, y, o).map_err(e),
+                            (BinaryOp::Mul, false) => {
+                                // One launch per row, as for f32.
+                                let (xs, os) =
+                                    (rows.cols * a.dtype.size(), rows.cols * out.dtype.size());
+                                for r in 0..rows.rows {
+                                    let xr = a.buf.slice(r * xs, xs)?;
+                                    let or = out.buf.slice(r * os, os)?;
+                                    let (xr, or) = ((&xr, a.dtype), (&or, out.dtype));
+                                    self.k.mul_t(s, xr, y, or).map_err(err(name))?;
+                                }
+                                Ok(())
+                            }
+                        };
+                    }
                     let mut f = self.scope(name, s);
                     let (x, y, o) = (f.input(a)?, f.input(b)?, f.output(out, false)?);
                     let e = err(name);
@@ -393,18 +431,49 @@ mod imp {
                     f.finish()
                 }
                 Launch::Scale { alpha, x, out, .. } => {
+                    if typed(&[x, out]) {
+                        return self
+                            .k
+                            .scale_t(s, tb(x), alpha, tb(out))
+                            .map_err(err("scale"));
+                    }
                     let mut f = self.scope("scale", s);
                     let (x, o) = (f.input(x)?, f.output(out, false)?);
                     self.k.scale(s, &x, alpha, &o).map_err(err("scale"))?;
                     f.finish()
                 }
                 Launch::ScaleInplace { alpha, y, .. } => {
+                    if typed(&[y]) {
+                        return self
+                            .k
+                            .scale_inplace_t(s, tb(y), alpha)
+                            .map_err(err("scale_"));
+                    }
                     let mut f = self.scope("scale_", s);
                     let y = f.output(y, true)?;
                     self.k.scale_inplace(s, &y, alpha).map_err(err("scale_"))?;
                     f.finish()
                 }
                 Launch::AxpyRows { rows, alpha, x, y } => {
+                    if typed(&[x, y]) {
+                        let e = err("axpy");
+                        if rows.rows == 1 {
+                            return self.k.add_scaled_t(s, tb(y), alpha, tb(x)).map_err(e);
+                        }
+                        if alpha == 1.0 {
+                            return self.k.add_row_bias_inplace_t(s, tb(y), tb(x)).map_err(e);
+                        }
+                        // One launch per row, as for f32.
+                        let bytes = rows.cols * y.dtype.size();
+                        for r in 0..rows.rows {
+                            let yr = y.buf.slice(r * bytes, bytes)?;
+                            let yr = (&yr, y.dtype);
+                            self.k
+                                .add_scaled_t(s, yr, alpha, tb(x))
+                                .map_err(err("axpy"))?;
+                        }
+                        return Ok(());
+                    }
                     let mut f = self.scope("axpy", s);
                     let (x, y) = (f.input(x)?, f.output(y, true)?);
                     let e = err("axpy");
@@ -423,6 +492,9 @@ mod imp {
                 }
                 Launch::Sum { mean, x, out, .. } => {
                     let op = l.name();
+                    if typed(&[x, out]) {
+                        return self.k.sum_t(s, tb(x), tb(out), mean).map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let (x, o) = (f.input(x)?, f.output(out, false)?);
                     if mean {
@@ -434,6 +506,10 @@ mod imp {
                     f.finish()
                 }
                 Launch::ColSums { x, out, .. } => {
+                    if typed(&[x, out]) {
+                        let op = "col_sums";
+                        return self.k.col_sums_t(s, tb(x), tb(out)).map_err(err(op));
+                    }
                     let mut f = self.scope("col_sums", s);
                     let (x, o) = (f.input(x)?, f.output(out, false)?);
                     self.k.col_sums(s, &x, &o).map_err(err("col_sums"))?;
@@ -449,6 +525,9 @@ mod imp {
                     ),
                 )),
                 Launch::Gelu { kind, x, y, .. } => {
+                    if typed(&[x, y]) {
+                        return self.k.gelu_t(s, kind, tb(x), tb(y)).map_err(err("gelu"));
+                    }
                     let mut f = self.scope("gelu", s);
                     let (x, y) = (f.input(x)?, f.output(y, false)?);
                     self.k.gelu(s, kind, &x, &y).map_err(err("gelu"))?;
@@ -458,6 +537,12 @@ mod imp {
                     kind, x, dy, dx, ..
                 } => {
                     let op = "gelu_backward";
+                    if typed(&[x, dy, dx]) {
+                        return self
+                            .k
+                            .gelu_backward_t(s, kind, tb(x), tb(dy), tb(dx))
+                            .map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let (x, dy, dx) = (f.input(x)?, f.input(dy)?, f.output(dx, false)?);
                     self.k
@@ -494,6 +579,15 @@ mod imp {
                     rstd,
                 } => {
                     let op = "layer_norm";
+                    if typed(&[x, gamma, beta, y]) {
+                        let (cols, eps) = (ln.rows.cols, ln.eps);
+                        let (m, r) = (&mean.buf, &rstd.buf);
+                        let [x, g, b, y] = [x, gamma, beta, y].map(tb);
+                        return self
+                            .k
+                            .layer_norm_t(s, x, g, b, y, m, r, cols, eps)
+                            .map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let [x, g, b] = f.inputs([x, gamma, beta])?;
                     let y = f.output(y, false)?;
@@ -515,6 +609,15 @@ mod imp {
                     dbeta,
                 } => {
                     let op = "layer_norm_backward";
+                    if typed(&[x, gamma, dy, dx, dgamma, dbeta]) {
+                        let (m, r) = (&mean.buf, &rstd.buf);
+                        let [x, g, dy, dx, dg, db] = [x, gamma, dy, dx, dgamma, dbeta].map(tb);
+                        let cols = ln.rows.cols;
+                        return self
+                            .k
+                            .layer_norm_backward_t(s, x, g, m, r, dy, dx, dg, db, cols)
+                            .map_err(err(op));
+                    }
                     let mut f = self.scope(op, s);
                     let [x, g, dy] = f.inputs([x, gamma, dy])?;
                     let [dx, dg, db] = f.outputs([dx, dgamma, dbeta])?;
@@ -527,6 +630,14 @@ mod imp {
                 }
                 Launch::Embedding { e, ids, table, out } => {
                     let op = "embedding";
+                    if typed(&[table, out]) {
+                        let check = self
+                            .k
+                            .embedding_t(s, &ids.buf, tb(table), tb(out), e.dim)
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let (t, o) = (f.input(table)?, f.output(out, false)?);
                     let check = self
@@ -538,6 +649,14 @@ mod imp {
                 }
                 Launch::EmbeddingBackward { e, ids, dy, dtable } => {
                     let op = "embedding_backward";
+                    if typed(&[dy, dtable]) {
+                        let check = self
+                            .k
+                            .embedding_backward_t(s, &ids.buf, tb(dy), tb(dtable), e.dim)
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let (g, d) = (f.input(dy)?, f.output(dtable, false)?);
                     let check = self
@@ -655,6 +774,15 @@ mod imp {
                     lse,
                 } => {
                     let op = "cross_entropy";
+                    if typed(&[logits, loss]) {
+                        let (t, e) = (&targets.buf, &lse.buf);
+                        let check = self
+                            .k
+                            .cross_entropy_t(s, tb(logits), t, rows.cols, e, tb(loss))
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let (l, o) = (f.input(logits)?, f.output(loss, false)?);
                     let (t, e) = (&targets.buf, &lse.buf);
@@ -674,6 +802,16 @@ mod imp {
                     dlogits,
                 } => {
                     let op = "cross_entropy_backward";
+                    if typed(&[logits, dloss, dlogits]) {
+                        let (t, e) = (&targets.buf, &lse.buf);
+                        let (l, g, d) = (tb(logits), tb(dloss), tb(dlogits));
+                        let check = self
+                            .k
+                            .cross_entropy_backward_t(s, l, t, e, g, d, rows.cols)
+                            .map_err(err(op))?;
+                        self.defer(check);
+                        return Ok(());
+                    }
                     let mut f = self.scope(op, s);
                     let [l, g] = f.inputs([logits, dloss])?;
                     let d = f.output(dlogits, false)?;
@@ -688,6 +826,19 @@ mod imp {
                 Launch::Cast { x, out, .. } => {
                     if x.dtype == out.dtype {
                         return self.k.copy(s, &x.buf, &out.buf).map_err(err("cast"));
+                    }
+                    // One cast kernel from x into out where one side is f32 (what the path
+                    // through a temporary computes, without the temporary and its copy).
+                    let (xb, ob) = (&x.buf, &out.buf);
+                    let direct = match (x.dtype, out.dtype) {
+                        (DType::F16, DType::F32) => Some(self.k.cast_f16_to_f32(s, xb, ob)),
+                        (DType::BF16, DType::F32) => Some(self.k.cast_bf16_to_f32(s, xb, ob)),
+                        (DType::F32, DType::F16) => Some(self.k.cast_f32_to_f16(s, xb, ob)),
+                        (DType::F32, DType::BF16) => Some(self.k.cast_f32_to_bf16(s, xb, ob)),
+                        _ => None,
+                    };
+                    if let Some(r) = direct {
+                        return r.map_err(err("cast"));
                     }
                     // Through f32, as on the CPU: x → f32 (a temporary unless x is f32), then →
                     // out.

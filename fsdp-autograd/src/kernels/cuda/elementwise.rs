@@ -5,7 +5,7 @@ use fsdp_alloc::{BufferRef, Stream};
 use super::context::{expect_len, grid_for, rows_of, CudaKernels, Elem};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
-use super::program::{Kernel, BLOCK};
+use super::program::{Kernel, BLOCK, MAX_GRID};
 use crate::kernels::{Gelu, KernelError};
 
 /// One grid-strided launch over `n` elements (nothing for `n == 0`).
@@ -77,18 +77,31 @@ pub(crate) fn plan_add_row_bias_inplace(n: u64, cols: u64, y: Ptr, bias: Ptr) ->
     )
 }
 
+/// Columns per block of the column reductions (`COL_GROUP` in `kernels.cu`, checked by a test):
+/// one 32-byte sector of an f32 row.
+pub(crate) const COL_GROUP: u64 = 8;
+
+/// The grid of a column reduction (`col_sums`, `layer_norm_bwd_params`): one block per group of
+/// [`COL_GROUP`] columns (4096×768 gets 96 blocks, ×3072 gets 384), capped at the grid limit
+/// (the blocks loop over the groups).
+pub(crate) fn grid_col_groups(cols: u64) -> u32 {
+    cols.div_ceil(COL_GROUP).clamp(1, MAX_GRID as u64) as u32
+}
+
 /// Column sums of a `rows × cols` matrix (`cols > 0`; zero rows give zeros).
 pub(crate) fn plan_col_sums(rows: u64, cols: u64, x: Ptr, out: Ptr) -> Plan {
-    plan_map(
+    let mut plan = Plan::new();
+    plan.launch(
         Kernel::ColSums,
-        cols,
+        grid_col_groups(cols),
         vec![
             PArg::U64(rows),
             PArg::U64(cols),
             PArg::Ptr(x),
             PArg::Ptr(out),
         ],
-    )
+    );
+    plan
 }
 
 /// Number of partial sums for `n` elements: a function of `n` only, so the summation tree (and
@@ -309,9 +322,11 @@ impl CudaKernels {
     }
 
     /// Column sums `out[j] = Σ_r x[r, j]` (CPU: [`cpu::col_sums`](crate::kernels::cpu::col_sums)):
-    /// one thread per column adds the rows in order 0, 1, … in f32 — the CPU order, so the
-    /// result is bit-identical. Parallelism is one thread per column, so this is slow for few
-    /// columns and many rows.
+    /// each column's rows are added in order 0, 1, … in f32 — the CPU order, so the result is
+    /// bit-identical. One block per group of 8 columns stages tiles of 256 rows through shared
+    /// memory (coalesced loads, the next tile in flight while one thread per column adds the
+    /// current one); the serial order per column bounds the speed for few columns and very many
+    /// rows.
     ///
     /// # Errors
     /// Empty `out` or partial rows; buffer/stream errors; overlap of `out` and `x`.

@@ -1,12 +1,13 @@
 //! Embedding lookup and its deterministic backward, and the deferred index check shared with
 //! cross-entropy.
 
-use fsdp_alloc::{Buffer, BufferRef, Stream};
+use fsdp_alloc::{Buffer, BufferRef, DType, Stream};
 
 use super::context::{expect_len, grid_for, grid_rows, mul, rows_of, Call, CudaKernels, Elem};
 use super::error::{CudaKernelError, Result};
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
+use super::typed::{type_code, types_word, TBuf};
 use crate::kernels::KernelError;
 
 /// The outcome of the device-side validation of ids (embedding) or targets (cross-entropy).
@@ -159,7 +160,22 @@ pub(crate) unsafe fn exec_checked(
 }
 
 /// The embedding gather, with the id check; returns the plan and its status slot.
+#[cfg(test)]
 pub(crate) fn plan_embedding(
+    n: u64,
+    dim: u64,
+    rows: u64,
+    ids: Ptr,
+    table: Ptr,
+    out: Ptr,
+) -> (Plan, Option<usize>) {
+    plan_embedding_t([0, 0], n, dim, rows, ids, table, out)
+}
+
+/// [`plan_embedding`] with `codes = [table, out]` element codes (see `typed.rs`): the typed
+/// kernel `embedding_fwd_t`, or `embedding_fwd` when both are f32.
+pub(crate) fn plan_embedding_t(
+    codes: [u64; 2],
     n: u64,
     dim: u64,
     rows: u64,
@@ -171,25 +187,43 @@ pub(crate) fn plan_embedding(
     let status = plan_check(&mut plan, n, ids, rows);
     let total = n * dim;
     if total > 0 {
-        plan.launch(
-            Kernel::EmbeddingFwd,
-            grid_for(total),
-            vec![
-                PArg::U64(total),
-                PArg::U64(dim),
-                PArg::U64(rows),
-                PArg::Ptr(ids),
-                PArg::Ptr(table),
-                PArg::Ptr(out),
-            ],
-        );
+        let mut args = vec![
+            PArg::U64(total),
+            PArg::U64(dim),
+            PArg::U64(rows),
+            PArg::Ptr(ids),
+            PArg::Ptr(table),
+            PArg::Ptr(out),
+        ];
+        let kernel = if codes == [0, 0] {
+            Kernel::EmbeddingFwd
+        } else {
+            args.insert(0, PArg::U64(types_word(&[0, codes[0], codes[1]])));
+            Kernel::EmbeddingFwdT
+        };
+        plan.launch(kernel, grid_for(total), args);
     }
     (plan, status)
 }
 
 /// The embedding backward (counting sort, then per-row accumulation), with the id check;
 /// returns the plan and its status slot.
+#[cfg(test)]
 pub(crate) fn plan_embedding_backward(
+    n: u64,
+    dim: u64,
+    rows: u64,
+    ids: Ptr,
+    dy: Ptr,
+    dtable: Ptr,
+) -> (Plan, Option<usize>) {
+    plan_embedding_backward_t([0, 0], n, dim, rows, ids, dy, dtable)
+}
+
+/// [`plan_embedding_backward`] with `codes = [dy, dtable]` element codes (see `typed.rs`): the
+/// accumulation by `emb_accum_t`, or `emb_accum` when both are f32.
+pub(crate) fn plan_embedding_backward_t(
+    codes: [u64; 2],
     n: u64,
     dim: u64,
     rows: u64,
@@ -203,7 +237,9 @@ pub(crate) fn plan_embedding_backward(
         return (plan, status);
     }
     if n == 0 {
-        plan.memset(dtable, 0, (rows * dim * 4) as usize);
+        // Zero bits are +0.0 in f32, f16 and bf16.
+        let size = if codes[1] == 0 { 4 } else { 2 };
+        plan.memset(dtable, 0, (rows * dim * size) as usize);
         return (plan, status);
     }
     let count = Ptr::scratch(plan.scratch(rows as usize, Elem::U32));
@@ -239,20 +275,40 @@ pub(crate) fn plan_embedding_backward(
             PArg::Ptr(order),
         ],
     );
-    plan.launch(
-        Kernel::EmbAccum,
-        grid_rows(rows),
-        vec![
-            PArg::U64(rows),
-            PArg::U64(dim),
-            PArg::Ptr(start),
-            PArg::Ptr(count),
-            PArg::Ptr(order),
-            PArg::Ptr(dy),
-            PArg::Ptr(dtable),
-        ],
-    );
+    let mut args = vec![
+        PArg::U64(rows),
+        PArg::U64(dim),
+        PArg::Ptr(start),
+        PArg::Ptr(count),
+        PArg::Ptr(order),
+        PArg::Ptr(dy),
+        PArg::Ptr(dtable),
+    ];
+    let kernel = if codes == [0, 0] {
+        Kernel::EmbAccum
+    } else {
+        args.insert(0, PArg::U64(types_word(&[0, 0, 0, codes[0], codes[1]])));
+        Kernel::EmbAccumT
+    };
+    plan.launch(kernel, grid_rows(rows), args);
     (plan, status)
+}
+
+/// A float operand's element type for the buffer checks, and its code (see `typed.rs`).
+pub(crate) fn float_operand(
+    op: &'static str,
+    arg: &'static str,
+    dtype: DType,
+) -> Result<(Elem, u64)> {
+    match type_code(dtype) {
+        Some(0) => Ok((Elem::F32, 0)),
+        Some(code) => Ok((Elem::U16, code)),
+        None => Err(KernelError::InvalidShape {
+            op,
+            reason: format!("`{arg}` is {dtype}; this kernel takes f32, f16 or bf16"),
+        }
+        .into()),
+    }
 }
 
 /// `u32` positions are used by the backward's sort.
@@ -287,18 +343,35 @@ impl CudaKernels {
         out: &BufferRef,
         dim: usize,
     ) -> Result<IndexCheck> {
+        let f = DType::F32;
+        self.embedding_t(stream, ids, (table, f), (out, f), dim)
+    }
+
+    /// [`CudaKernels::embedding`] with `table` and `out` each f32, f16 or bf16 (typed kernels:
+    /// the bits of the cast-around path, see `typed.rs`).
+    pub(crate) fn embedding_t(
+        &self,
+        stream: &Stream,
+        ids: &BufferRef,
+        (table, table_dt): TBuf<'_>,
+        (out, out_dt): TBuf<'_>,
+        dim: usize,
+    ) -> Result<IndexCheck> {
         let op = "embedding";
         let c = self.call(op, stream)?;
+        let (te, tc) = float_operand(op, "table", table_dt)?;
+        let (oe, oc) = float_operand(op, "out", out_dt)?;
         let dids = c.buf("ids", ids, Elem::I64)?;
-        let dt = c.buf("table", table, Elem::F32)?;
+        let dt = c.buf("table", table, te)?;
         let rows = rows_of(op, "table", dt.len, dim)?;
-        let dout = c.buf("out", out, Elem::F32)?;
+        let dout = c.buf("out", out, oe)?;
         let total = mul(op, dids.len, dim)?;
         expect_len(op, "out", dout.len, total, || {
             format!("ids={}, dim={dim}, table rows={rows}", dids.len)
         })?;
         c.disjoint(&[("out", out)], &[("ids", ids), ("table", table)])?;
-        let (plan, status) = plan_embedding(
+        let (plan, status) = plan_embedding_t(
+            [tc, oc],
             dids.len as u64,
             dim as u64,
             rows as u64,
@@ -306,7 +379,8 @@ impl CudaKernels {
             dt.as_ptr(),
             dout.as_ptr(),
         );
-        // SAFETY: ids holds total/dim i64, table rows·dim f32 and out total f32 on this device;
+        // SAFETY: ids holds total/dim i64, table rows·dim and out total elements of their dtypes
+        // on this device;
         // out overlaps neither input; the kernels read table only at in-range ids.
         unsafe { exec_checked(&c, &plan, status, "id", ids, rows) }
     }
@@ -334,19 +408,36 @@ impl CudaKernels {
         dtable: &BufferRef,
         dim: usize,
     ) -> Result<IndexCheck> {
+        let f = DType::F32;
+        self.embedding_backward_t(stream, ids, (dy, f), (dtable, f), dim)
+    }
+
+    /// [`CudaKernels::embedding_backward`] with `dy` and `dtable` each f32, f16 or bf16 (typed
+    /// kernels: the bits of the cast-around path, see `typed.rs`).
+    pub(crate) fn embedding_backward_t(
+        &self,
+        stream: &Stream,
+        ids: &BufferRef,
+        (dy, dy_dt): TBuf<'_>,
+        (dtable, dtable_dt): TBuf<'_>,
+        dim: usize,
+    ) -> Result<IndexCheck> {
         let op = "embedding_backward";
         let c = self.call(op, stream)?;
+        let (ge, gc) = float_operand(op, "dy", dy_dt)?;
+        let (de, dc) = float_operand(op, "dtable", dtable_dt)?;
         let dids = c.buf("ids", ids, Elem::I64)?;
-        let ddt = c.buf("dtable", dtable, Elem::F32)?;
+        let ddt = c.buf("dtable", dtable, de)?;
         let rows = rows_of(op, "dtable", ddt.len, dim)?;
-        let ddy = c.buf("dy", dy, Elem::F32)?;
+        let ddy = c.buf("dy", dy, ge)?;
         let n = dids.len;
         expect_len(op, "dy", ddy.len, mul(op, n, dim)?, || {
             format!("ids={n}, dim={dim}, table rows={rows}")
         })?;
         check_u32(op, "ids", n)?;
         c.disjoint(&[("dtable", dtable)], &[("ids", ids), ("dy", dy)])?;
-        let (plan, status) = plan_embedding_backward(
+        let (plan, status) = plan_embedding_backward_t(
+            [gc, dc],
             n as u64,
             dim as u64,
             rows as u64,
@@ -354,7 +445,8 @@ impl CudaKernels {
             ddy.as_ptr(),
             ddt.as_ptr(),
         );
-        // SAFETY: ids holds n i64, dy n·dim f32 and dtable rows·dim f32 on this device; dtable
+        // SAFETY: ids holds n i64, dy n·dim and dtable rows·dim elements of their dtypes on this
+        // device; dtable
         // overlaps neither input. The sort's scratch is sized by the plan (rows and n u32
         // slots); for every valid position i, start[id] + rank[i] < n, so the scatter writes
         // `order` in bounds and the accumulation reads dy only at positions < n; block r writes

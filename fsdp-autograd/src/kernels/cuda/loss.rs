@@ -1,16 +1,31 @@
 //! Cross-entropy with integer class targets.
 
-use fsdp_alloc::{BufferRef, Stream};
+use fsdp_alloc::{BufferRef, DType, Stream};
 
 use super::context::{expect_len, grid_rows, row_args, rows_of, Call, CudaKernels, Dev, Elem};
-use super::embedding::{exec_checked, plan_check, IndexCheck};
+use super::embedding::{exec_checked, float_operand, plan_check, IndexCheck};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
+use super::typed::{types_word, TBuf};
 use crate::kernels::KernelError;
+
+/// Element codes of a cross-entropy call's float operands (see `typed.rs`): the logits, the
+/// loss (forward) or upstream gradient (backward), and the logits' gradient (backward). All zero
+/// selects the f32 kernels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct CeCodes {
+    /// Code of `logits`.
+    pub(crate) logits: u64,
+    /// Code of `loss` (forward) or `dloss` (backward).
+    pub(crate) scalar: u64,
+    /// Code of `dlogits` (backward only).
+    pub(crate) dlogits: u64,
+}
 
 /// Cross-entropy forward (`rows > 0`): target check, per-row lse and f64 loss into scratch, then
 /// the mean into `loss`. Returns the plan and its status slot.
+#[cfg(test)]
 pub(crate) fn plan_cross_entropy(
     rows: u64,
     cols: u64,
@@ -19,28 +34,48 @@ pub(crate) fn plan_cross_entropy(
     lse: Ptr,
     loss: Ptr,
 ) -> (Plan, Option<usize>) {
+    plan_cross_entropy_t(CeCodes::default(), rows, cols, logits, targets, lse, loss)
+}
+
+/// [`plan_cross_entropy`] with half `logits` and/or `loss` (the typed kernels `ce_fwd_t`,
+/// `sum_final_t`; the f32 kernels when every code is f32).
+pub(crate) fn plan_cross_entropy_t(
+    codes: CeCodes,
+    rows: u64,
+    cols: u64,
+    logits: Ptr,
+    targets: Ptr,
+    lse: Ptr,
+    loss: Ptr,
+) -> (Plan, Option<usize>) {
+    let f32 = codes == CeCodes::default();
     let mut plan = Plan::new();
     let status = plan_check(&mut plan, rows, targets, cols);
     let row_loss = Ptr::scratch(plan.scratch(rows as usize, Elem::F64));
-    plan.launch(
-        Kernel::CeFwd,
-        grid_rows(rows),
-        row_args(rows, cols, &[logits, targets, lse, row_loss]),
-    );
-    plan.launch(
-        Kernel::SumFinal,
-        1,
-        vec![
-            PArg::U64(rows),
-            PArg::Ptr(row_loss),
-            PArg::F64(rows as f64),
-            PArg::Ptr(loss),
-        ],
-    );
+    let (mut fwd, mut fin) = (Vec::new(), Vec::new());
+    if !f32 {
+        fwd.push(PArg::U64(types_word(&[codes.logits])));
+        fin.push(PArg::U64(types_word(&[0, codes.scalar])));
+    }
+    fwd.extend(row_args(rows, cols, &[logits, targets, lse, row_loss]));
+    fin.extend([
+        PArg::U64(rows),
+        PArg::Ptr(row_loss),
+        PArg::F64(rows as f64),
+        PArg::Ptr(loss),
+    ]);
+    let (k_fwd, k_fin) = if f32 {
+        (Kernel::CeFwd, Kernel::SumFinal)
+    } else {
+        (Kernel::CeFwdT, Kernel::SumFinalT)
+    };
+    plan.launch(k_fwd, grid_rows(rows), fwd);
+    plan.launch(k_fin, 1, fin);
     (plan, status)
 }
 
 /// Cross-entropy backward (`rows > 0`), with the target check.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn plan_cross_entropy_backward(
     rows: u64,
@@ -51,13 +86,28 @@ pub(crate) fn plan_cross_entropy_backward(
     dloss: Ptr,
     dlogits: Ptr,
 ) -> (Plan, Option<usize>) {
+    let p = [logits, targets, lse, dloss, dlogits];
+    plan_cross_entropy_backward_t(CeCodes::default(), rows, cols, p)
+}
+
+/// [`plan_cross_entropy_backward`] with half operands (`ce_bwd_t`; `ce_bwd` when every code is
+/// f32); `p = [logits, targets, lse, dloss, dlogits]`.
+pub(crate) fn plan_cross_entropy_backward_t(
+    codes: CeCodes,
+    rows: u64,
+    cols: u64,
+    p: [Ptr; 5],
+) -> (Plan, Option<usize>) {
     let mut plan = Plan::new();
-    let status = plan_check(&mut plan, rows, targets, cols);
-    plan.launch(
-        Kernel::CeBwd,
-        grid_rows(rows),
-        row_args(rows, cols, &[logits, targets, lse, dloss, dlogits]),
-    );
+    let status = plan_check(&mut plan, rows, p[1], cols);
+    if codes == CeCodes::default() {
+        plan.launch(Kernel::CeBwd, grid_rows(rows), row_args(rows, cols, &p));
+    } else {
+        let types = types_word(&[codes.logits, 0, 0, codes.scalar, codes.dlogits]);
+        let mut args = vec![PArg::U64(types)];
+        args.extend(row_args(rows, cols, &p));
+        plan.launch(Kernel::CeBwdT, grid_rows(rows), args);
+    }
     (plan, status)
 }
 
@@ -65,12 +115,13 @@ pub(crate) fn plan_cross_entropy_backward(
 fn shapes(
     c: &Call<'_>,
     logits: &BufferRef,
+    logits_elem: Elem,
     targets: &BufferRef,
     lse: &BufferRef,
     cols: usize,
 ) -> Result<(Dev, Dev, Dev, usize)> {
     let op = c.op;
-    let dl = c.buf("logits", logits, Elem::F32)?;
+    let dl = c.buf("logits", logits, logits_elem)?;
     let rows = rows_of(op, "logits", dl.len, cols)?;
     let shape = || format!("rows={rows}, cols={cols}");
     let dt = c.buf("targets", targets, Elem::I64)?;
@@ -111,16 +162,39 @@ impl CudaKernels {
         lse: &BufferRef,
         loss: &BufferRef,
     ) -> Result<IndexCheck> {
+        let (l, o) = ((logits, DType::F32), (loss, DType::F32));
+        self.cross_entropy_t(stream, l, targets, cols, lse, o)
+    }
+
+    /// [`CudaKernels::cross_entropy`] with `logits` and `loss` each f32, f16 or bf16 (typed
+    /// kernels: the bits of the cast-around path, see `typed.rs`).
+    pub(crate) fn cross_entropy_t(
+        &self,
+        stream: &Stream,
+        (logits, logits_dt): TBuf<'_>,
+        targets: &BufferRef,
+        cols: usize,
+        lse: &BufferRef,
+        (loss, loss_dt): TBuf<'_>,
+    ) -> Result<IndexCheck> {
         let op = "cross_entropy";
         let c = self.call(op, stream)?;
-        let (dl, dt, dlse, rows) = shapes(&c, logits, targets, lse, cols)?;
-        let dloss = c.buf("loss", loss, Elem::F32)?;
+        let (le, lc) = float_operand(op, "logits", logits_dt)?;
+        let (oe, oc) = float_operand(op, "loss", loss_dt)?;
+        let (dl, dt, dlse, rows) = shapes(&c, logits, le, targets, lse, cols)?;
+        let dloss = c.buf("loss", loss, oe)?;
         expect_len(op, "loss", dloss.len, 1, || "a scalar output".into())?;
         c.disjoint(
             &[("lse", lse), ("loss", loss)],
             &[("logits", logits), ("targets", targets)],
         )?;
-        let (plan, status) = plan_cross_entropy(
+        let codes = CeCodes {
+            logits: lc,
+            scalar: oc,
+            dlogits: 0,
+        };
+        let (plan, status) = plan_cross_entropy_t(
+            codes,
             rows as u64,
             cols as u64,
             dl.as_ptr(),
@@ -128,8 +202,8 @@ impl CudaKernels {
             dlse.as_ptr(),
             dloss.as_ptr(),
         );
-        // SAFETY: logits holds rows·cols f32, targets rows i64, lse rows f32 and loss one f32 on
-        // this device; the outputs overlap nothing else; the row losses live in the plan's
+        // SAFETY: logits holds rows·cols elements of its dtype, targets rows i64, lse rows f32
+        // and loss one element of its dtype on this device; the outputs overlap nothing else; the row losses live in the plan's
         // scratch (rows f64); block r writes lse[r] and row r's loss and reads logits only at
         // in-range targets.
         unsafe { exec_checked(&c, &plan, status, "target", targets, cols) }
@@ -156,14 +230,35 @@ impl CudaKernels {
         dlogits: &BufferRef,
         cols: usize,
     ) -> Result<IndexCheck> {
+        let f = DType::F32;
+        let (l, g, d) = ((logits, f), (dloss, f), (dlogits, f));
+        self.cross_entropy_backward_t(stream, l, targets, lse, g, d, cols)
+    }
+
+    /// [`CudaKernels::cross_entropy_backward`] with `logits`, `dloss` and `dlogits` each f32,
+    /// f16 or bf16 (typed kernels: the bits of the cast-around path, see `typed.rs`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn cross_entropy_backward_t(
+        &self,
+        stream: &Stream,
+        (logits, logits_dt): TBuf<'_>,
+        targets: &BufferRef,
+        lse: &BufferRef,
+        (dloss, dloss_dt): TBuf<'_>,
+        (dlogits, dlogits_dt): TBuf<'_>,
+        cols: usize,
+    ) -> Result<IndexCheck> {
         let op = "cross_entropy_backward";
         let c = self.call(op, stream)?;
-        let (dl, dt, dlse, rows) = shapes(&c, logits, targets, lse, cols)?;
-        let dd = c.buf("dloss", dloss, Elem::F32)?;
+        let (le, lc) = float_operand(op, "logits", logits_dt)?;
+        let (se, sc) = float_operand(op, "dloss", dloss_dt)?;
+        let (ge, gc) = float_operand(op, "dlogits", dlogits_dt)?;
+        let (dl, dt, dlse, rows) = shapes(&c, logits, le, targets, lse, cols)?;
+        let dd = c.buf("dloss", dloss, se)?;
         expect_len(op, "dloss", dd.len, 1, || {
             "a scalar upstream gradient".into()
         })?;
-        let dg = c.buf("dlogits", dlogits, Elem::F32)?;
+        let dg = c.buf("dlogits", dlogits, ge)?;
         expect_len(op, "dlogits", dg.len, dl.len, || {
             format!("len(logits)={}", dl.len)
         })?;
@@ -176,17 +271,19 @@ impl CudaKernels {
                 ("dloss", dloss),
             ],
         )?;
-        let (plan, status) = plan_cross_entropy_backward(
+        let codes = CeCodes {
+            logits: lc,
+            scalar: sc,
+            dlogits: gc,
+        };
+        let (plan, status) = plan_cross_entropy_backward_t(
+            codes,
             rows as u64,
             cols as u64,
-            dl.as_ptr(),
-            dt.as_ptr(),
-            dlse.as_ptr(),
-            dd.as_ptr(),
-            dg.as_ptr(),
+            [dl, dt, dlse, dd, dg].map(|d| d.as_ptr()),
         );
-        // SAFETY: logits and dlogits hold rows·cols f32, targets rows i64, lse rows f32, dloss
-        // one f32, all on this device; dlogits overlaps nothing else; block r writes row r.
+        // SAFETY: logits and dlogits hold rows·cols elements of their dtypes, targets rows i64,
+        // lse rows f32, dloss one element of its dtype, all on this device; dlogits overlaps nothing else; block r writes row r.
         unsafe { exec_checked(&c, &plan, status, "target", targets, cols) }
     }
 }

@@ -127,10 +127,15 @@
 //!   (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`): keep NVRTC no newer than the driver.
 //! - The first [`CudaKernels::new`] per process compiles the program (typically a fraction of
 //!   a second); compile errors are cached for the process.
-//! - f32 compute except matrix products and the fused attention: the other kernels take f32,
-//!   and the seam casts half-precision tensors to f32 temporaries around them (as on the CPU).
+//! - f32 compute except matrix products, the fused attention and the typed kernels (add, mul,
+//!   scale, axpy, row-bias add, sum/mean, column sums, GELU, layer norm, cross-entropy,
+//!   embedding and their backwards, which take f16/bf16 operands directly with the cast-around
+//!   path's bits): for the other kernels (softmax and the unfused attention, strided copies)
+//!   the seam casts half-precision tensors to f32 temporaries around them (as on the CPU).
 //! - Speed was not a goal beyond avoiding pathologies: [`col_sums`](CudaKernels::col_sums) and
-//!   the layer-norm parameter gradients use one thread per column; the embedding backward ranks
+//!   the layer-norm parameter gradients keep the CPU's serial row order per column (one block
+//!   per 8 columns stages row tiles through shared memory, so the loads are coalesced and in
+//!   flight, but each column is still one chain of additions); the embedding backward ranks
 //!   positions in a single block; [`sum`](CudaKernels::sum) uses at most 1024 partial blocks.
 //!   The fused attention keeps its tiles in shared memory but multiplies with plain f32 FMA-free
 //!   arithmetic on the CUDA cores (no tensor-core `mma`), and its speed has never been measured;
@@ -141,9 +146,9 @@
 //!   to `u32::MAX` entries.
 //! - Reached from `Tensor` operations through [`CudaBackend`] (the
 //!   backend seam), which casts half-precision operands to `f32` temporaries around these
-//!   kernels except for matrix products with one half type (and f32 or that type for C) and
-//!   the fused attention with one dtype throughout, which read and write the half tensors
-//!   directly; that glue is compile-checked only.
+//!   kernels except for matrix products with one half type (and f32 or that type for C), the
+//!   fused attention with one dtype throughout, and the typed kernels (any mix of f32, f16 and
+//!   bf16), which read and write the half tensors directly; that glue is compile-checked only.
 
 // Without the `cuda` feature only `CudaBackend` (whose constructor says CUDA was not built) is
 // compiled here, so the links above to the kernels cannot resolve in that build's docs.
@@ -190,6 +195,8 @@ mod program;
 mod rows;
 #[cfg(feature = "cuda")]
 mod transfer;
+#[cfg(feature = "cuda")]
+mod typed;
 
 #[cfg(feature = "cuda")]
 pub use context::CudaKernels;

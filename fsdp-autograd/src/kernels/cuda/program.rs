@@ -108,6 +108,28 @@ kernels! {
     StridedCopyB4 => "strided_copy_b4" [U64, View, Ptr, Ptr];
     StridedCopyB8 => "strided_copy_b8" [U64, View, Ptr, Ptr];
     StridedAddF32 => "strided_add_f32" [U64, View, Ptr, Ptr];
+    // Typed (f32 / f16 / bf16 operands; kernels/cuda/typed.rs).
+    AddT => "ew_add_t" [U64, U64, Ptr, Ptr, Ptr];
+    AxpyT => "ew_axpy_t" [U64, U64, Ptr, F32, Ptr];
+    AddRowBiasT => "add_row_bias_t" [U64, U64, U64, Ptr, Ptr, Ptr];
+    AddRowBiasInplaceT => "add_row_bias_inplace_t" [U64, U64, U64, Ptr, Ptr];
+    ColSumsT => "col_sums_t" [U64, U64, U64, Ptr, Ptr];
+    GeluFwdT => "gelu_fwd_t" [U64, U64, Ptr, Ptr];
+    GeluBwdT => "gelu_bwd_t" [U64, U64, Ptr, Ptr, Ptr];
+    GeluExactFwdT => "gelu_exact_fwd_t" [U64, U64, Ptr, Ptr];
+    GeluExactBwdT => "gelu_exact_bwd_t" [U64, U64, Ptr, Ptr, Ptr];
+    LayerNormFwdT => "layer_norm_fwd_t" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    LayerNormBwdDxT => "layer_norm_bwd_dx_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    LayerNormBwdParamsT => "layer_norm_bwd_params_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    SumFinalT => "sum_final_t" [U64, U64, Ptr, F64, Ptr];
+    CeFwdT => "ce_fwd_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr];
+    CeBwdT => "ce_bwd_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
+    EmbeddingFwdT => "embedding_fwd_t" [U64, U64, U64, U64, Ptr, Ptr, Ptr];
+    EmbAccumT => "emb_accum_t" [U64, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr];
+    MulT => "ew_mul_t" [U64, U64, Ptr, Ptr, Ptr];
+    ScaleT => "ew_scale_t" [U64, U64, Ptr, F32, Ptr];
+    ScaleInplaceT => "ew_scale_inplace_t" [U64, U64, Ptr, F32];
+    SumPartialT => "sum_partial_t" [U64, U64, Ptr, Ptr];
     // flash.cu: fused causal attention.
     FlashFwdF32Le64 => "flash_fwd_f32_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FlashFwdBf16Le64 => "flash_fwd_bf16_le64" [U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];

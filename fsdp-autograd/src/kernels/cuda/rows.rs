@@ -3,7 +3,8 @@
 
 use fsdp_alloc::{BufferRef, Stream};
 
-use super::context::{expect_len, grid_for, grid_rows, row_args, rows_of, CudaKernels, Elem};
+use super::context::{expect_len, grid_rows, row_args, rows_of, CudaKernels, Elem};
+use super::elementwise::grid_col_groups;
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
@@ -45,7 +46,7 @@ pub(crate) fn plan_layer_norm_backward(rows: u64, cols: u64, p: [Ptr; 8]) -> Pla
     // With zero rows the parameter gradients are empty sums: the kernel writes zeros.
     plan.launch(
         Kernel::LayerNormBwdParams,
-        grid_for(cols),
+        grid_col_groups(cols),
         row_args(rows, cols, &[x, mean, rstd, dy, dgamma, dbeta]),
     );
     plan
@@ -164,9 +165,10 @@ impl CudaKernels {
 
     /// Gradient of [`CudaKernels::layer_norm`] (CPU:
     /// [`cpu::layer_norm_backward`](crate::kernels::cpu::layer_norm_backward)): `dx` per row
-    /// (one block per row, f64 row means), and `dgamma = Σ_r dy·x̂`, `dbeta = Σ_r dy` with one
-    /// thread per column adding rows in order 0, 1, … in f32 (the CPU's order). All three are
-    /// overwritten.
+    /// (one block per row, f64 row means), and `dgamma = Σ_r dy·x̂`, `dbeta = Σ_r dy`, each
+    /// column's rows added in order 0, 1, … in f32 (the CPU's order; one block per group of 8
+    /// columns staging row tiles through shared memory, as [`CudaKernels::col_sums`]). All three
+    /// are overwritten.
     ///
     /// # Errors
     /// As [`CudaKernels::layer_norm`], with `dy`/`dx` matching `x` and `dgamma`/`dbeta` of `cols`.
@@ -218,7 +220,7 @@ impl CudaKernels {
         );
         // SAFETY: x, dy and dx hold rows·cols f32, gamma, dgamma and dbeta cols f32, mean and
         // rstd rows f32, all on this device; the outputs overlap no other argument; block r
-        // writes row r of dx and thread j element j of dgamma and dbeta.
+        // writes row r of dx, and the block owning column j's group writes dgamma[j], dbeta[j].
         unsafe { c.exec(&plan) }.map(drop)
     }
 }

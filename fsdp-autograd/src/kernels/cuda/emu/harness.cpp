@@ -178,6 +178,12 @@ static const std::map<std::string, Runner> g_kernels = {
     K(emb_scan), K(emb_scatter), K(emb_accum), K(ce_fwd), K(ce_bwd), K(cast_f32_f16),
     K(cast_f16_f32), K(cast_f32_bf16), K(cast_bf16_f32), K(strided_copy_b2), K(strided_copy_b4),
     K(strided_copy_b8), K(strided_add_f32),
+    // Typed (f32 / f16 / bf16 operands).
+    K(ew_add_t), K(ew_axpy_t), K(add_row_bias_t), K(add_row_bias_inplace_t), K(col_sums_t),
+    K(gelu_fwd_t), K(gelu_bwd_t), K(gelu_exact_fwd_t), K(gelu_exact_bwd_t), K(layer_norm_fwd_t),
+    K(layer_norm_bwd_dx_t), K(layer_norm_bwd_params_t), K(sum_final_t), K(ce_fwd_t), K(ce_bwd_t),
+    K(embedding_fwd_t), K(emb_accum_t), K(ew_mul_t), K(ew_scale_t), K(ew_scale_inplace_t),
+    K(sum_partial_t),
     // flash.cu
     K(flash_fwd_f32_le64), K(flash_fwd_bf16_le64), K(flash_fwd_f16_le64), K(flash_fwd_f32_le128),
     K(flash_fwd_bf16_le128), K(flash_fwd_f16_le128), K(flash_bwd_pre_f32), K(flash_bwd_pre_bf16),

@@ -11,6 +11,7 @@ use crate::kernels::{Gelu, KernelError};
 
 use super::exec::{
     down_f32, down_u16, down_u64, nan_f32, run, up_f32, up_i64, up_u16, up_u64, CastKind, Exec, Op,
+    TypedOp, H, TH,
 };
 pub(super) use super::fused::{flash_attention_f32, flash_attention_half, gemm_half, gemm_tf32};
 
@@ -139,10 +140,21 @@ pub(super) fn elementwise(e: &mut dyn Exec) {
     }
 }
 
-/// Row bias (out of place and in place) and column sums: bit-identical.
+/// Row bias (out of place and in place) and column sums: bit-identical. The column sums stage
+/// tiles of 256 rows × 8 columns: the shapes include one row, one column, rows and columns that
+/// are not multiples of the tile (several tiles with a partial last one), and exact multiples.
 pub(super) fn row_bias_and_col_sums(e: &mut dyn Exec) {
     let mut r = Rng::new(2);
-    for (rows, cols) in [(1usize, 1usize), (37, 19), (3, 300), (0, 5)] {
+    for (rows, cols) in [
+        (1usize, 1usize),
+        (37, 19),
+        (3, 300),
+        (0, 5),
+        (1, 17),
+        (600, 1),
+        (513, 13),
+        (256, 16),
+    ] {
         let x = r.vec(rows * cols, 2.0);
         let bias = r.vec(cols, 2.0);
         let (hx, hb) = (up_f32(e, &x), up_f32(e, &bias));
@@ -293,11 +305,21 @@ pub(super) fn softmax(e: &mut dyn Exec) {
 }
 
 /// Layer norm: forward within f32 rounding of the CPU; the backward, fed the CPU's saved
-/// statistics, gives bit-identical parameter gradients.
+/// statistics, gives bit-identical parameter gradients (column reductions over tiles of 256
+/// rows × 8 columns: one row, one column, partial tiles and several tiles are covered).
 pub(super) fn layer_norm(e: &mut dyn Exec) {
     let mut r = Rng::new(6);
     let eps = 1e-5f32;
-    for (rows, cols) in [(1usize, 1usize), (5, 8), (3, 300), (64, 33), (0, 4)] {
+    for (rows, cols) in [
+        (1usize, 1usize),
+        (5, 8),
+        (3, 300),
+        (64, 33),
+        (0, 4),
+        (1, 21),
+        (300, 1),
+        (530, 11),
+    ] {
         let x: Vec<f32> = r.vec(rows * cols, 3.0).iter().map(|v| v + 10.0).collect();
         let gamma: Vec<f32> = r.vec(cols, 0.5).iter().map(|v| v + 1.0).collect();
         let beta = r.vec(cols, 1.0);
@@ -1139,5 +1161,585 @@ pub(super) fn sum_squares_and_unscale(e: &mut dyn Exec) {
         assert_bits("unscale g", &down_f32(e, hg), &g);
         assert_eq!(down_f32(e, hf)[0], if found { 1.0 } else { 0.0 }, "flag");
         assert_eq!(found, poison.is_some());
+    }
+}
+
+/// One float operand of a typed-kernel case: the buffer in its dtype, and an f32 copy for the
+/// cast-around reference (a cast of the half buffer by the cast kernels, or a second upload).
+struct TArg {
+    t: TH,
+    f: H,
+    n: usize,
+}
+
+/// The bits of `v` rounded to `dtype` (f32 unchanged), as a byte vector.
+fn half_bytes(dtype: DType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F16 => v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+fn to_f32_kind(dtype: DType) -> CastKind {
+    if dtype == DType::F16 {
+        CastKind::F16ToF32
+    } else {
+        CastKind::Bf16ToF32
+    }
+}
+
+/// An input (also used for in-place outputs): `v` rounded to `dtype`, plus its f32 copy.
+fn t_input(e: &mut dyn Exec, dtype: DType, v: &[f32]) -> TArg {
+    let h = e.upload(&half_bytes(dtype, v));
+    let f = if dtype == DType::F32 {
+        up_f32(e, v)
+    } else {
+        let f = nan_f32(e, v.len());
+        run(
+            e,
+            Op::Cast {
+                kind: to_f32_kind(dtype),
+                src: h,
+                dst: f,
+            },
+        );
+        f
+    };
+    TArg {
+        t: (h, dtype),
+        f,
+        n: v.len(),
+    }
+}
+
+/// An output of `n` elements in `dtype`, plus its f32 reference buffer.
+fn t_output(e: &mut dyn Exec, dtype: DType, n: usize) -> TArg {
+    let h = e.upload(&half_bytes(dtype, &vec![f32::NAN; n]));
+    TArg {
+        t: (h, dtype),
+        f: nan_f32(e, n),
+        n,
+    }
+}
+
+/// Asserts the typed result equals the cast-around result bit for bit: the f32 reference cast
+/// to the output's dtype by the cast kernels.
+fn t_check(e: &mut dyn Exec, what: &str, a: &TArg) {
+    let (h, dtype) = a.t;
+    let want = if dtype == DType::F32 {
+        e.download(a.f)
+    } else {
+        let r = e.upload(&vec![0u8; 2 * a.n]);
+        let kind = if dtype == DType::F16 {
+            CastKind::F32ToF16
+        } else {
+            CastKind::F32ToBf16
+        };
+        run(
+            e,
+            Op::Cast {
+                kind,
+                src: a.f,
+                dst: r,
+            },
+        );
+        e.download(r)
+    };
+    let got = e.download(h);
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let size = dtype.size();
+    for i in 0..a.n {
+        let (g, w) = (
+            &got[i * size..(i + 1) * size],
+            &want[i * size..(i + 1) * size],
+        );
+        assert_eq!(
+            g, w,
+            "{what} ({dtype}) [{i}]: typed kernel vs cast-around path"
+        );
+    }
+}
+
+/// The typed kernels (f32 / f16 / bf16 operands, `kernels/cuda/typed.rs`) against the
+/// cast-around path (half inputs cast to f32 by the cast kernels, the f32 kernel, outputs cast
+/// back): bit for bit, with every operand half, and with operands alternating between a half
+/// type and f32 (the per-operand codes). Layer norm's saved mean and rstd (f32) too.
+pub(super) fn typed_kernels(e: &mut dyn Exec) {
+    let mut r = Rng::new(31);
+    for half in [DType::BF16, DType::F16] {
+        for mixed in [false, true] {
+            // Operand i's dtype: the half type, or with `mixed` f32 for every odd i.
+            let ty = |i: usize| {
+                if mixed && i % 2 == 1 {
+                    DType::F32
+                } else {
+                    half
+                }
+            };
+            let tag = |op: &str| format!("{op} {half} mixed={mixed}");
+
+            for n in [0usize, 1, 700] {
+                let (av, bv) = (r.vec(n, 4.0), r.vec(n, 4.0));
+                let (a, b, out) = (
+                    t_input(e, ty(0), &av),
+                    t_input(e, ty(1), &bv),
+                    t_output(e, ty(2), n),
+                );
+                run(
+                    e,
+                    Op::Typed(TypedOp::Add {
+                        a: a.t,
+                        b: b.t,
+                        out: out.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::Add {
+                        a: a.f,
+                        b: b.f,
+                        out: out.f,
+                    },
+                );
+                t_check(e, &tag("add"), &out);
+
+                let (a2, b2, out) = (
+                    t_input(e, ty(0), &av),
+                    t_input(e, ty(1), &bv),
+                    t_output(e, ty(2), n),
+                );
+                run(
+                    e,
+                    Op::Typed(TypedOp::Mul {
+                        a: a2.t,
+                        b: b2.t,
+                        out: out.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::Mul {
+                        a: a2.f,
+                        b: b2.f,
+                        out: out.f,
+                    },
+                );
+                t_check(e, &tag("mul"), &out);
+
+                let out = t_output(e, ty(1), n);
+                run(
+                    e,
+                    Op::Typed(TypedOp::Scale {
+                        x: a2.t,
+                        alpha: -0.375,
+                        out: out.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::Scale {
+                        x: a2.f,
+                        alpha: -0.375,
+                        out: out.f,
+                    },
+                );
+                t_check(e, &tag("scale"), &out);
+
+                let y = t_input(e, ty(0), &av);
+                run(e, Op::Typed(TypedOp::ScaleInplace { y: y.t, alpha: 1.7 }));
+                run(e, Op::ScaleInplace { y: y.f, alpha: 1.7 });
+                t_check(e, &tag("scale_inplace"), &y);
+
+                for mean in [false, true] {
+                    if mean && n == 0 {
+                        continue;
+                    }
+                    let out = t_output(e, ty(1), 1);
+                    run(
+                        e,
+                        Op::Typed(TypedOp::Sum {
+                            x: a2.t,
+                            out: out.t,
+                            mean,
+                        }),
+                    );
+                    if mean {
+                        run(
+                            e,
+                            Op::Mean {
+                                x: a2.f,
+                                out: out.f,
+                            },
+                        );
+                    } else {
+                        run(
+                            e,
+                            Op::Sum {
+                                x: a2.f,
+                                out: out.f,
+                            },
+                        );
+                    }
+                    t_check(e, &tag(if mean { "mean" } else { "sum" }), &out);
+                }
+
+                let (y, x) = (t_input(e, ty(0), &av), t_input(e, ty(1), &bv));
+                run(
+                    e,
+                    Op::Typed(TypedOp::AddScaled {
+                        y: y.t,
+                        alpha: 0.3,
+                        x: x.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::AddScaled {
+                        y: y.f,
+                        alpha: 0.3,
+                        x: x.f,
+                    },
+                );
+                t_check(e, &tag("add_scaled"), &y);
+
+                for (kind, name) in [(Gelu::Tanh, "gelu"), (Gelu::Exact, "gelu_exact")] {
+                    let (x, y) = (t_input(e, ty(0), &av), t_output(e, ty(1), n));
+                    run(
+                        e,
+                        Op::Typed(TypedOp::Gelu {
+                            kind,
+                            x: x.t,
+                            y: y.t,
+                        }),
+                    );
+                    run(
+                        e,
+                        Op::Gelu {
+                            kind,
+                            x: x.f,
+                            y: y.f,
+                        },
+                    );
+                    t_check(e, &tag(name), &y);
+                    let (dy, dx) = (t_input(e, ty(1), &bv), t_output(e, ty(2), n));
+                    run(
+                        e,
+                        Op::Typed(TypedOp::GeluBackward {
+                            kind,
+                            x: x.t,
+                            dy: dy.t,
+                            dx: dx.t,
+                        }),
+                    );
+                    run(
+                        e,
+                        Op::GeluBackward {
+                            kind,
+                            x: x.f,
+                            dy: dy.f,
+                            dx: dx.f,
+                        },
+                    );
+                    t_check(e, &tag(&format!("{name}_backward")), &dx);
+                }
+            }
+
+            for (rows, cols) in [(1usize, 1usize), (37, 19), (300, 13), (0, 5)] {
+                let xv = r.vec(rows * cols, 3.0);
+                let bv = r.vec(cols, 2.0);
+                let (x, bias, out) = (
+                    t_input(e, ty(0), &xv),
+                    t_input(e, ty(1), &bv),
+                    t_output(e, ty(2), rows * cols),
+                );
+                run(
+                    e,
+                    Op::Typed(TypedOp::AddRowBias {
+                        x: x.t,
+                        bias: bias.t,
+                        out: out.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::AddRowBias {
+                        x: x.f,
+                        bias: bias.f,
+                        out: out.f,
+                    },
+                );
+                t_check(e, &tag("add_row_bias"), &out);
+
+                let y = t_input(e, ty(0), &xv);
+                run(
+                    e,
+                    Op::Typed(TypedOp::AddRowBiasInplace {
+                        y: y.t,
+                        bias: bias.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::AddRowBiasInplace {
+                        y: y.f,
+                        bias: bias.f,
+                    },
+                );
+                t_check(e, &tag("add_row_bias_inplace"), &y);
+
+                let sums = t_output(e, ty(1), cols);
+                run(
+                    e,
+                    Op::Typed(TypedOp::ColSums {
+                        x: x.t,
+                        out: sums.t,
+                    }),
+                );
+                run(
+                    e,
+                    Op::ColSums {
+                        x: x.f,
+                        out: sums.f,
+                    },
+                );
+                t_check(e, &tag("col_sums"), &sums);
+            }
+
+            let eps = 1e-5f32;
+            for (rows, cols) in [(1usize, 1usize), (5, 300), (20, 33), (0, 4)] {
+                let xv: Vec<f32> = r.vec(rows * cols, 3.0).iter().map(|v| v + 2.0).collect();
+                let gv: Vec<f32> = r.vec(cols, 0.5).iter().map(|v| v + 1.0).collect();
+                let bv = r.vec(cols, 1.0);
+                let (x, g, b, y) = (
+                    t_input(e, ty(0), &xv),
+                    t_input(e, ty(1), &gv),
+                    t_input(e, ty(2), &bv),
+                    t_output(e, ty(3), rows * cols),
+                );
+                let (tm, tr) = (nan_f32(e, rows), nan_f32(e, rows));
+                let (fm, fr) = (nan_f32(e, rows), nan_f32(e, rows));
+                run(
+                    e,
+                    Op::Typed(TypedOp::LayerNorm {
+                        x: x.t,
+                        gamma: g.t,
+                        beta: b.t,
+                        y: y.t,
+                        mean: tm,
+                        rstd: tr,
+                        cols,
+                        eps,
+                    }),
+                );
+                run(
+                    e,
+                    Op::LayerNorm {
+                        x: x.f,
+                        gamma: g.f,
+                        beta: b.f,
+                        y: y.f,
+                        mean: fm,
+                        rstd: fr,
+                        cols,
+                        eps,
+                    },
+                );
+                t_check(e, &tag("layer_norm y"), &y);
+                assert_bits(&tag("layer_norm mean"), &down_f32(e, tm), &down_f32(e, fm));
+                assert_bits(&tag("layer_norm rstd"), &down_f32(e, tr), &down_f32(e, fr));
+
+                let dyv = r.vec(rows * cols, 1.0);
+                let dy = t_input(e, ty(1), &dyv);
+                let (dx, dg, db) = (
+                    t_output(e, ty(0), rows * cols),
+                    t_output(e, ty(3), cols),
+                    t_output(e, ty(4), cols),
+                );
+                run(
+                    e,
+                    Op::Typed(TypedOp::LayerNormBackward {
+                        x: x.t,
+                        gamma: g.t,
+                        mean: fm,
+                        rstd: fr,
+                        dy: dy.t,
+                        dx: dx.t,
+                        dgamma: dg.t,
+                        dbeta: db.t,
+                        cols,
+                    }),
+                );
+                run(
+                    e,
+                    Op::LayerNormBackward {
+                        x: x.f,
+                        gamma: g.f,
+                        mean: fm,
+                        rstd: fr,
+                        dy: dy.f,
+                        dx: dx.f,
+                        dgamma: dg.f,
+                        dbeta: db.f,
+                        cols,
+                    },
+                );
+                t_check(e, &tag("layer_norm_backward dx"), &dx);
+                t_check(e, &tag("layer_norm_backward dgamma"), &dg);
+                t_check(e, &tag("layer_norm_backward dbeta"), &db);
+            }
+        }
+    }
+}
+
+/// Typed cross-entropy (logits, loss, dloss, dlogits in f32 / f16 / bf16) against the
+/// cast-around path, bit for bit (the saved lse, f32, too); an invalid target still reports
+/// the index error and gives NaN rows.
+pub(super) fn typed_cross_entropy(e: &mut dyn Exec) {
+    let mut r = Rng::new(32);
+    for half in [DType::BF16, DType::F16] {
+        for mixed in [false, true] {
+            let ty = |i: usize| {
+                if mixed && i % 2 == 1 {
+                    DType::F32
+                } else {
+                    half
+                }
+            };
+            let tag = |op: &str| format!("{op} {half} mixed={mixed}");
+            for (rows, cols, bad) in [(1usize, 1usize, false), (9, 300, false), (5, 7, true)] {
+                let lv = r.vec(rows * cols, 4.0);
+                let mut tv: Vec<i64> = (0..rows).map(|_| r.below(cols) as i64).collect();
+                if bad {
+                    tv[2] = cols as i64;
+                }
+                let targets = up_i64(e, &tv);
+                let logits = t_input(e, ty(0), &lv);
+                let loss = t_output(e, ty(1), 1);
+                let (tl, fl) = (nan_f32(e, rows), nan_f32(e, rows));
+                let got = e.run(&Op::Typed(TypedOp::CrossEntropy {
+                    logits: logits.t,
+                    targets,
+                    cols,
+                    lse: tl,
+                    loss: loss.t,
+                }));
+                let want = e.run(&Op::CrossEntropy {
+                    logits: logits.f,
+                    targets,
+                    cols,
+                    lse: fl,
+                    loss: loss.f,
+                });
+                assert_eq!(got.is_err(), bad, "{}", tag("cross_entropy status"));
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("cross_entropy loss"), &loss);
+                assert_bits(
+                    &tag("cross_entropy lse"),
+                    &down_f32(e, tl),
+                    &down_f32(e, fl),
+                );
+
+                let dloss = t_input(e, ty(1), &[0.75]);
+                let dlogits = t_output(e, ty(2), rows * cols);
+                let got = e.run(&Op::Typed(TypedOp::CrossEntropyBackward {
+                    logits: logits.t,
+                    targets,
+                    lse: fl,
+                    dloss: dloss.t,
+                    dlogits: dlogits.t,
+                    cols,
+                }));
+                let want = e.run(&Op::CrossEntropyBackward {
+                    logits: logits.f,
+                    targets,
+                    lse: fl,
+                    dloss: dloss.f,
+                    dlogits: dlogits.f,
+                    cols,
+                });
+                assert_eq!(
+                    got.is_err(),
+                    bad,
+                    "{}",
+                    tag("cross_entropy_backward status")
+                );
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("cross_entropy_backward dlogits"), &dlogits);
+            }
+        }
+    }
+}
+
+/// Typed embedding (table, out, dy, dtable in f32 / f16 / bf16) against the cast-around path,
+/// bit for bit; an out-of-range id is still reported (NaN row forward, skipped backward).
+pub(super) fn typed_embedding(e: &mut dyn Exec) {
+    let mut r = Rng::new(33);
+    for half in [DType::BF16, DType::F16] {
+        for mixed in [false, true] {
+            let ty = |i: usize| {
+                if mixed && i % 2 == 1 {
+                    DType::F32
+                } else {
+                    half
+                }
+            };
+            let tag = |op: &str| format!("{op} {half} mixed={mixed}");
+            for (vocab, dim, n, bad) in [
+                (37usize, 5usize, 300usize, false),
+                (4, 300, 9, false),
+                (5, 3, 0, false),
+                (6, 4, 10, true),
+            ] {
+                let mut idv: Vec<i64> = (0..n)
+                    .map(|i| if i % 3 == 0 { 1 } else { r.below(vocab) as i64 })
+                    .collect();
+                if bad {
+                    idv[4] = vocab as i64 + 2;
+                }
+                let ids = up_i64(e, &idv);
+                let table = t_input(e, ty(0), &r.vec(vocab * dim, 2.0));
+                let out = t_output(e, ty(1), n * dim);
+                let got = e.run(&Op::Typed(TypedOp::Embedding {
+                    ids,
+                    table: table.t,
+                    out: out.t,
+                    dim,
+                }));
+                let want = e.run(&Op::Embedding {
+                    ids,
+                    table: table.f,
+                    out: out.f,
+                    dim,
+                });
+                assert_eq!(got.is_err(), bad, "{}", tag("embedding status"));
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("embedding"), &out);
+
+                let dy = t_input(e, ty(1), &r.vec(n * dim, 1.0));
+                let dtable = t_output(e, ty(0), vocab * dim);
+                let got = e.run(&Op::Typed(TypedOp::EmbeddingBackward {
+                    ids,
+                    dy: dy.t,
+                    dtable: dtable.t,
+                    dim,
+                }));
+                let want = e.run(&Op::EmbeddingBackward {
+                    ids,
+                    dy: dy.f,
+                    dtable: dtable.f,
+                    dim,
+                });
+                assert_eq!(got.is_err(), bad, "{}", tag("embedding_backward status"));
+                assert_eq!(want.is_err(), bad);
+                t_check(e, &tag("embedding_backward"), &dtable);
+            }
+        }
     }
 }

@@ -19,10 +19,15 @@ use crate::kernels::cuda::elementwise::{
     plan_add_row_bias, plan_add_row_bias_inplace, plan_axpy, plan_binary, plan_col_sums, plan_gelu,
     plan_gelu_backward, plan_scale, plan_scale_inplace, plan_sum,
 };
-use crate::kernels::cuda::embedding::{plan_embedding, plan_embedding_backward};
+use crate::kernels::cuda::embedding::{
+    plan_embedding, plan_embedding_backward, plan_embedding_backward_t, plan_embedding_t,
+};
 use crate::kernels::cuda::flash::{plan_flash, plan_flash_backward, FlashType};
 use crate::kernels::cuda::layout::{plan_strided, view_desc};
-use crate::kernels::cuda::loss::{plan_cross_entropy, plan_cross_entropy_backward};
+use crate::kernels::cuda::loss::{
+    plan_cross_entropy, plan_cross_entropy_backward, plan_cross_entropy_backward_t,
+    plan_cross_entropy_t, CeCodes,
+};
 use crate::kernels::cuda::matmul::{plan_gemm, plan_gemm_typed};
 use crate::kernels::cuda::optim::{
     plan_adamw, plan_lamb_apply, plan_lamb_direction, plan_sgd, plan_sum_squares, plan_unscale,
@@ -35,7 +40,13 @@ use crate::kernels::cuda::rows::{
 use crate::kernels::cuda::CudaKernelError;
 use crate::kernels::KernelError;
 
-use super::exec::{CastKind, Exec, Op, H};
+use crate::kernels::cuda::typed::{
+    plan_add_row_bias_inplace_t, plan_add_row_bias_t, plan_add_t, plan_axpy_t, plan_binary_t,
+    plan_col_sums_t, plan_gelu_backward_t, plan_gelu_t, plan_layer_norm_backward_t,
+    plan_layer_norm_t, plan_scale_inplace_t, plan_scale_t, plan_sum_t, type_code, types_word,
+};
+
+use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
 
 /// The emulator binary, built on first use; `Err` says why it is unavailable.
 pub(super) fn harness() -> Result<&'static Path, String> {
@@ -324,6 +335,116 @@ impl EmuExec {
     fn plan(&mut self, plan: Result<Plan, CudaKernelError>) -> Result<(), CudaKernelError> {
         self.exec(&plan?);
         Ok(())
+    }
+}
+
+impl EmuExec {
+    /// The plan of a typed-kernel call (sizes from the buffers' byte lengths and dtypes).
+    fn typed_plan(&self, t: &TypedOp) -> Plan {
+        let d = Self::dev;
+        let n = |&(h, dt): &TH| (self.lens[h] / dt.size()) as u64;
+        let c = |&(_, dt): &TH| type_code(dt).expect("a float dtype");
+        match t {
+            TypedOp::Add { a, b, out } => plan_add_t(
+                types_word(&[c(a), c(b), c(out)]),
+                n(a),
+                d(a.0),
+                d(b.0),
+                d(out.0),
+            ),
+            TypedOp::Mul { a, b, out } => plan_binary_t(
+                Kernel::MulT,
+                types_word(&[c(a), c(b), c(out)]),
+                n(a),
+                d(a.0),
+                d(b.0),
+                d(out.0),
+            ),
+            TypedOp::Scale { x, alpha, out } => {
+                plan_scale_t(types_word(&[c(x), c(out)]), n(x), d(x.0), *alpha, d(out.0))
+            }
+            TypedOp::ScaleInplace { y, alpha } => {
+                plan_scale_inplace_t(types_word(&[c(y)]), n(y), d(y.0), *alpha)
+            }
+            TypedOp::Sum { x, out, mean } => {
+                let divisor = if *mean { n(x) as f64 } else { 1.0 };
+                plan_sum_t([c(x), c(out)], n(x), d(x.0), d(out.0), divisor)
+            }
+            TypedOp::AddScaled { y, alpha, x } => {
+                plan_axpy_t(types_word(&[c(y), c(x)]), n(y), d(y.0), *alpha, d(x.0))
+            }
+            TypedOp::AddRowBias { x, bias, out } => plan_add_row_bias_t(
+                types_word(&[c(x), c(bias), c(out)]),
+                n(x),
+                n(bias),
+                d(x.0),
+                d(bias.0),
+                d(out.0),
+            ),
+            TypedOp::AddRowBiasInplace { y, bias } => plan_add_row_bias_inplace_t(
+                types_word(&[c(y), c(bias)]),
+                n(y),
+                n(bias),
+                d(y.0),
+                d(bias.0),
+            ),
+            TypedOp::ColSums { x, out } => plan_col_sums_t(
+                types_word(&[c(x), c(out)]),
+                n(x) / n(out),
+                n(out),
+                d(x.0),
+                d(out.0),
+            ),
+            TypedOp::Gelu { kind, x, y } => {
+                plan_gelu_t(*kind, types_word(&[c(x), c(y)]), n(x), d(x.0), d(y.0))
+            }
+            TypedOp::GeluBackward { kind, x, dy, dx } => plan_gelu_backward_t(
+                *kind,
+                types_word(&[c(x), c(dy), c(dx)]),
+                n(x),
+                d(x.0),
+                d(dy.0),
+                d(dx.0),
+            ),
+            TypedOp::LayerNorm {
+                x,
+                gamma,
+                beta,
+                y,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => plan_layer_norm_t(
+                [c(x), c(gamma), c(beta), c(y)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                *eps,
+                [x.0, gamma.0, beta.0, y.0, *mean, *rstd].map(d),
+            ),
+            TypedOp::CrossEntropy { .. }
+            | TypedOp::CrossEntropyBackward { .. }
+            | TypedOp::Embedding { .. }
+            | TypedOp::EmbeddingBackward { .. } => {
+                unreachable!("plans with an index check are run in `run`")
+            }
+            TypedOp::LayerNormBackward {
+                x,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                dbeta,
+                cols,
+            } => plan_layer_norm_backward_t(
+                [c(x), c(gamma), c(dy), c(dx), c(dgamma), c(dbeta)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                [x.0, gamma.0, *mean, *rstd, dy.0, dx.0, dgamma.0, dbeta.0].map(d),
+            ),
+        }
     }
 }
 
@@ -751,6 +872,112 @@ impl Exec for EmuExec {
                     .collect();
                 Ok(plan_sum_squares(&pcs, self.f32s(*out) as u64, d(*out)))
             }
+            Op::Typed(TypedOp::Embedding {
+                ids,
+                table,
+                out,
+                dim,
+            }) => {
+                let (n, rows) = (
+                    self.lens[*ids] / 8,
+                    self.lens[table.0] / table.1.size() / dim,
+                );
+                let code = |t: &TH| type_code(t.1).expect("a float dtype");
+                let (plan, status) = plan_embedding_t(
+                    [code(table), code(out)],
+                    n as u64,
+                    *dim as u64,
+                    rows as u64,
+                    d(*ids),
+                    d(table.0),
+                    d(out.0),
+                );
+                return self.exec_checked("embedding", "id", &plan, status, *ids, rows);
+            }
+            Op::Typed(TypedOp::EmbeddingBackward {
+                ids,
+                dy,
+                dtable,
+                dim,
+            }) => {
+                let (n, rows) = (
+                    self.lens[*ids] / 8,
+                    self.lens[dtable.0] / dtable.1.size() / dim,
+                );
+                let code = |t: &TH| type_code(t.1).expect("a float dtype");
+                let (plan, status) = plan_embedding_backward_t(
+                    [code(dy), code(dtable)],
+                    n as u64,
+                    *dim as u64,
+                    rows as u64,
+                    d(*ids),
+                    d(dy.0),
+                    d(dtable.0),
+                );
+                return self.exec_checked("embedding_backward", "id", &plan, status, *ids, rows);
+            }
+            Op::Typed(TypedOp::CrossEntropy {
+                logits,
+                targets,
+                cols,
+                lse,
+                loss,
+            }) => {
+                let rows = self.lens[logits.0] / logits.1.size() / cols;
+                let codes = CeCodes {
+                    logits: type_code(logits.1).expect("a float dtype"),
+                    scalar: type_code(loss.1).expect("a float dtype"),
+                    dlogits: 0,
+                };
+                let (plan, status) = plan_cross_entropy_t(
+                    codes,
+                    rows as u64,
+                    *cols as u64,
+                    d(logits.0),
+                    d(*targets),
+                    d(*lse),
+                    d(loss.0),
+                );
+                return self.exec_checked(
+                    "cross_entropy",
+                    "target",
+                    &plan,
+                    status,
+                    *targets,
+                    *cols,
+                );
+            }
+            Op::Typed(TypedOp::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dloss,
+                dlogits,
+                cols,
+            }) => {
+                let rows = self.lens[logits.0] / logits.1.size() / cols;
+                let code = |t: &TH| type_code(t.1).expect("a float dtype");
+                let codes = CeCodes {
+                    logits: code(logits),
+                    scalar: code(dloss),
+                    dlogits: code(dlogits),
+                };
+                let (plan, status) = plan_cross_entropy_backward_t(
+                    codes,
+                    rows as u64,
+                    *cols as u64,
+                    [logits.0, *targets, *lse, dloss.0, dlogits.0].map(d),
+                );
+                return self.exec_checked(
+                    "cross_entropy_backward",
+                    "target",
+                    &plan,
+                    status,
+                    *targets,
+                    *cols,
+                );
+            }
+            Op::Typed(t) => Ok(self.typed_plan(t)),
             Op::Unscale { inv, g, flag } => {
                 Ok(plan_unscale(self.f32s(*g) as u64, *inv, d(*g), d(*flag)))
             }

@@ -276,6 +276,117 @@ pub(super) enum Op {
         g: H,
         flag: H,
     },
+    /// A typed kernel (`kernels/cuda/typed.rs`).
+    Typed(TypedOp),
+}
+
+/// A buffer with the float dtype it holds (f32, f16 or bf16).
+pub(super) type TH = (H, DType);
+
+/// Calls of the typed kernels: float operands of any of f32, f16, bf16.
+#[derive(Debug, Clone)]
+pub(super) enum TypedOp {
+    Add {
+        a: TH,
+        b: TH,
+        out: TH,
+    },
+    Mul {
+        a: TH,
+        b: TH,
+        out: TH,
+    },
+    Scale {
+        x: TH,
+        alpha: f32,
+        out: TH,
+    },
+    ScaleInplace {
+        y: TH,
+        alpha: f32,
+    },
+    Sum {
+        x: TH,
+        out: TH,
+        mean: bool,
+    },
+    AddScaled {
+        y: TH,
+        alpha: f32,
+        x: TH,
+    },
+    AddRowBias {
+        x: TH,
+        bias: TH,
+        out: TH,
+    },
+    AddRowBiasInplace {
+        y: TH,
+        bias: TH,
+    },
+    ColSums {
+        x: TH,
+        out: TH,
+    },
+    Gelu {
+        kind: crate::kernels::Gelu,
+        x: TH,
+        y: TH,
+    },
+    GeluBackward {
+        kind: crate::kernels::Gelu,
+        x: TH,
+        dy: TH,
+        dx: TH,
+    },
+    LayerNorm {
+        x: TH,
+        gamma: TH,
+        beta: TH,
+        y: TH,
+        mean: H,
+        rstd: H,
+        cols: usize,
+        eps: f32,
+    },
+    LayerNormBackward {
+        x: TH,
+        gamma: TH,
+        mean: H,
+        rstd: H,
+        dy: TH,
+        dx: TH,
+        dgamma: TH,
+        dbeta: TH,
+        cols: usize,
+    },
+    Embedding {
+        ids: H,
+        table: TH,
+        out: TH,
+        dim: usize,
+    },
+    EmbeddingBackward {
+        ids: H,
+        dy: TH,
+        dtable: TH,
+        dim: usize,
+    },
+    CrossEntropy {
+        logits: TH,
+        targets: H,
+        cols: usize,
+        lse: H,
+        loss: TH,
+    },
+    CrossEntropyBackward {
+        logits: TH,
+        targets: H,
+        lse: H,
+        dloss: TH,
+        dlogits: TH,
+        cols: usize,
+    },
 }
 
 /// An executor of [`Op`]s on its own buffers.

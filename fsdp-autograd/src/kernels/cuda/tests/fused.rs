@@ -153,9 +153,17 @@ pub(super) fn gemm_half(e: &mut dyn Exec) {
 /// each input rounded to 11 significant bits (relative error ≤ 2⁻¹¹ each, so ≤ 2·2⁻¹¹ + 2⁻²²
 /// per product) plus the f32 accumulation bound — and, for these random inputs, not equal to
 /// the plain f32 product everywhere (the switch reaches the product).
+///
+/// The shape is chosen for the second check. TF32 is a permission, not an order: for a tiny
+/// product (2×7×33×5, this case's old shape) cuBLAS may pick a kernel without tensor cores even
+/// under `CUBLAS_COMPUTE_32F_FAST_TF32`, and then the TF32 product equals the f32 one (seen on an
+/// H100). Batch 2 of 256×512·512×256 (all dimensions multiples of the tensor-core tiles, 67 M
+/// multiply-adds, enough work that cuBLAS's heuristics choose a tensor-core kernel) makes "differs
+/// somewhere" a valid test of the switch, while the emulator (which always rounds to TF32) still
+/// runs it in a few seconds.
 pub(super) fn gemm_tf32(e: &mut dyn Exec) {
     let mut r = Rng::new(252);
-    let (batch, m, k, n) = (2usize, 7usize, 33usize, 5usize);
+    let (batch, m, k, n) = (2usize, 256usize, 512usize, 256usize);
     let g = Gemm::new(batch, m, k, n);
     let (a, b) = (r.vec(batch * m * k, 1.0), r.vec(batch * k * n, 1.0));
     let (ha, hb) = (up_f32(e, &a), up_f32(e, &b));

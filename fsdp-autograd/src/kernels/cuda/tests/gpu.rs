@@ -6,7 +6,7 @@ use fsdp_alloc::{Buffer, Device, Stream};
 use crate::kernels::backend::Gemm;
 use crate::kernels::cuda::{CudaKernelError, CudaKernels};
 
-use super::exec::{CastKind, Exec, Op, H};
+use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
 
 /// The kernels of `cuda:0` if GPU tests are enabled: `None` (with a printed message) when
 /// `FSDP_GPU_TESTS` is not `1`; a panic when it is but no GPU or CUDA library is usable, so a
@@ -87,6 +87,111 @@ impl Exec for GpuExec {
             Op::AddRowBias { x, bias, out } => k.add_row_bias(s, b(x), b(bias), b(out)),
             Op::AddRowBiasInplace { y, bias } => k.add_row_bias_inplace(s, b(y), b(bias)),
             Op::ColSums { x, out } => k.col_sums(s, b(x), b(out)),
+            Op::Typed(t) => {
+                let tb = |(h, d): &TH| (self.bufs[*h].data(), *d);
+                match t {
+                    TypedOp::Add { a, b, out } => k.add_t(s, tb(a), tb(b), tb(out)),
+                    TypedOp::Mul { a, b, out } => k.mul_t(s, tb(a), tb(b), tb(out)),
+                    TypedOp::Scale { x, alpha, out } => k.scale_t(s, tb(x), *alpha, tb(out)),
+                    TypedOp::ScaleInplace { y, alpha } => k.scale_inplace_t(s, tb(y), *alpha),
+                    TypedOp::Sum { x, out, mean } => k.sum_t(s, tb(x), tb(out), *mean),
+                    TypedOp::AddScaled { y, alpha, x } => k.add_scaled_t(s, tb(y), *alpha, tb(x)),
+                    TypedOp::AddRowBias { x, bias, out } => {
+                        k.add_row_bias_t(s, tb(x), tb(bias), tb(out))
+                    }
+                    TypedOp::AddRowBiasInplace { y, bias } => {
+                        k.add_row_bias_inplace_t(s, tb(y), tb(bias))
+                    }
+                    TypedOp::ColSums { x, out } => k.col_sums_t(s, tb(x), tb(out)),
+                    TypedOp::Gelu { kind, x, y } => k.gelu_t(s, *kind, tb(x), tb(y)),
+                    TypedOp::GeluBackward { kind, x, dy, dx } => {
+                        k.gelu_backward_t(s, *kind, tb(x), tb(dy), tb(dx))
+                    }
+                    TypedOp::LayerNorm {
+                        x,
+                        gamma,
+                        beta,
+                        y,
+                        mean,
+                        rstd,
+                        cols,
+                        eps,
+                    } => k.layer_norm_t(
+                        s,
+                        tb(x),
+                        tb(gamma),
+                        tb(beta),
+                        tb(y),
+                        b(mean),
+                        b(rstd),
+                        *cols,
+                        *eps,
+                    ),
+                    TypedOp::Embedding {
+                        ids,
+                        table,
+                        out,
+                        dim,
+                    } => k.embedding_t(s, b(ids), tb(table), tb(out), *dim)?.wait(),
+                    TypedOp::EmbeddingBackward {
+                        ids,
+                        dy,
+                        dtable,
+                        dim,
+                    } => k
+                        .embedding_backward_t(s, b(ids), tb(dy), tb(dtable), *dim)?
+                        .wait(),
+                    TypedOp::CrossEntropy {
+                        logits,
+                        targets,
+                        cols,
+                        lse,
+                        loss,
+                    } => k
+                        .cross_entropy_t(s, tb(logits), b(targets), *cols, b(lse), tb(loss))?
+                        .wait(),
+                    TypedOp::CrossEntropyBackward {
+                        logits,
+                        targets,
+                        lse,
+                        dloss,
+                        dlogits,
+                        cols,
+                    } => k
+                        .cross_entropy_backward_t(
+                            s,
+                            tb(logits),
+                            b(targets),
+                            b(lse),
+                            tb(dloss),
+                            tb(dlogits),
+                            *cols,
+                        )?
+                        .wait(),
+                    TypedOp::LayerNormBackward {
+                        x,
+                        gamma,
+                        mean,
+                        rstd,
+                        dy,
+                        dx,
+                        dgamma,
+                        dbeta,
+                        cols,
+                    } => k.layer_norm_backward_t(
+                        s,
+                        tb(x),
+                        tb(gamma),
+                        b(mean),
+                        b(rstd),
+                        tb(dy),
+                        tb(dx),
+                        tb(dgamma),
+                        tb(dbeta),
+                        *cols,
+                    ),
+                }
+            }
             Op::Sum { x, out } => k.sum(s, b(x), b(out)),
             Op::Mean { x, out } => k.mean(s, b(x), b(out)),
             Op::Gelu { kind, x, y } => k.gelu(s, *kind, b(x), b(y)),

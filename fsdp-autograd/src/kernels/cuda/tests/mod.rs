@@ -88,6 +88,9 @@ on_both!(
     flash_attention_half,
     optimizer_steps,
     sum_squares_and_unscale,
+    typed_kernels,
+    typed_cross_entropy,
+    typed_embedding,
 );
 
 /// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.
@@ -143,6 +146,94 @@ fn kernel_table_matches_the_source() {
     }
     // NVRTC takes the source as a C string.
     assert!(!SOURCE.contains('\0'));
+}
+
+/// The column reductions' group width is one constant on both sides of the launch.
+#[test]
+fn column_group_matches_the_source() {
+    use super::elementwise::{grid_col_groups, COL_GROUP};
+    assert!(
+        SOURCE.contains(&format!("#define COL_GROUP {COL_GROUP}\n")),
+        "kernels.cu's COL_GROUP differs from elementwise::COL_GROUP"
+    );
+    assert_eq!(grid_col_groups(1), 1);
+    assert_eq!(grid_col_groups(768), 96);
+    assert_eq!(grid_col_groups(769), 97);
+    assert_eq!(grid_col_groups(u64::MAX), MAX_GRID);
+}
+
+/// Column reductions with fewer blocks than column groups (grids above 65,535 groups are capped;
+/// the blocks then loop over the groups): a plan with a small grid still sums every column in
+/// row order, bit-identical to the CPU.
+#[test]
+fn column_reductions_loop_over_groups() {
+    use super::elementwise::plan_col_sums;
+    use super::rows::plan_layer_norm_backward;
+    use cases::assert_bits;
+    use exec::{down_f32, nan_f32, up_f32};
+    let Some(bin) = emu::harness_or_skip("column_reductions_loop_over_groups") else {
+        return;
+    };
+    let mut e = emu::EmuExec::start(bin);
+    let mut r = Rng::new(40);
+    let (rows, cols) = (300usize, 45usize);
+    let x: Vec<f32> = r.vec(rows * cols, 2.0).iter().map(|v| v + 3.0).collect();
+    let dy = r.vec(rows * cols, 1.0);
+    let mean = r.vec(rows, 1.0);
+    let rstd: Vec<f32> = r.vec(rows, 0.5).iter().map(|v| v + 1.0).collect();
+    let addr = |h: usize| Ptr::Dev(((h as u64) + 1) << 40);
+    let with_grid = |mut plan: Plan, grid: u32| {
+        for step in &mut plan.steps {
+            if let Step::Launch {
+                kernel, grid: g, ..
+            } = step
+            {
+                if matches!(kernel, Kernel::ColSums | Kernel::LayerNormBwdParams) {
+                    *g = grid;
+                }
+            }
+        }
+        plan
+    };
+    let (hx, hdy, hm, hr) = (
+        up_f32(&mut e, &x),
+        up_f32(&mut e, &dy),
+        up_f32(&mut e, &mean),
+        up_f32(&mut e, &rstd),
+    );
+    let mut want = vec![0.0; cols];
+    cpu::col_sums(&x, &mut want).unwrap();
+    let gamma = vec![1.0f32; cols];
+    let (mut wdx, mut wdg, mut wdb) = (vec![0.0; x.len()], vec![0.0; cols], vec![0.0; cols]);
+    cpu::layer_norm_backward(
+        &x, &gamma, &mean, &rstd, &dy, &mut wdx, &mut wdg, &mut wdb, cols,
+    )
+    .unwrap();
+    let hg = up_f32(&mut e, &gamma);
+    for grid in [1u32, 2, 4] {
+        let out = nan_f32(&mut e, cols);
+        let plan = plan_col_sums(rows as u64, cols as u64, addr(hx), addr(out));
+        e.exec(&with_grid(plan, grid));
+        assert_bits(
+            &format!("col_sums grid {grid}"),
+            &down_f32(&mut e, out),
+            &want,
+        );
+
+        let (dx, dg, db) = (
+            nan_f32(&mut e, x.len()),
+            nan_f32(&mut e, cols),
+            nan_f32(&mut e, cols),
+        );
+        let plan = plan_layer_norm_backward(
+            rows as u64,
+            cols as u64,
+            [hx, hg, hm, hr, hdy, dx, dg, db].map(addr),
+        );
+        e.exec(&with_grid(plan, grid));
+        assert_bits(&format!("dgamma grid {grid}"), &down_f32(&mut e, dg), &wdg);
+        assert_bits(&format!("dbeta grid {grid}"), &down_f32(&mut e, db), &wdb);
+    }
 }
 
 #[test]
