@@ -556,6 +556,7 @@ mod imp {
                     stats,
                 } => {
                     let op = "attention";
+                    packed_unsupported(op, &a)?;
                     let (b, h, t, d) = (a.batch, a.heads, a.t, a.d);
                     let probs = match stats {
                         AttentionStats::Probs(p) => p,
@@ -598,6 +599,7 @@ mod imp {
                     dv,
                 } => {
                     let op = "attention_backward";
+                    packed_unsupported(op, &a)?;
                     let (b, h, t, d) = (a.batch, a.heads, a.t, a.d);
                     let probs = match saved {
                         AttentionSaved::Probs(p) => p,
@@ -741,6 +743,18 @@ mod imp {
             f(&host);
             Ok(())
         }
+    }
+
+    /// The CUDA kernels take [`AttentionLayout::Heads`] only (`attention_packed` is the default
+    /// false, so `causal_attention_qkv` splits the heads itself); a packed launch is a typed error.
+    fn packed_unsupported(op: &'static str, a: &crate::kernels::backend::Attention) -> Result<()> {
+        if a.layout == crate::kernels::backend::AttentionLayout::Packed {
+            return Err(crate::error::AutogradError::Argument {
+                op,
+                detail: "the CUDA attention kernels take the head-split layout only (AttentionLayout::Heads); split the heads first (ops::causal_attention_qkv does)".into(),
+            });
+        }
+        Ok(())
     }
 }
 
