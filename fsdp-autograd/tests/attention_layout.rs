@@ -71,6 +71,14 @@ fn copy_launches_per_block() {
         f1 - fb,
         b1 - bb
     );
+    // Before `causal_attention_qkv` a block launched 6 forward copies (the head split and merge
+    // around attention, plus the four linears' bias broadcasts) and 5 backward ones; what is
+    // left are the bias broadcasts.
+    assert_eq!(
+        (fb, bb),
+        (4, 0),
+        "copy launches per GPT block (forward, backward)"
+    );
 }
 
 #[test]
@@ -91,8 +99,21 @@ fn copy_launches_of_attention() {
     y.sum().unwrap().backward().unwrap();
     d.synchronize().unwrap();
     let bwd = copies();
+    // The same loss gradient through `sum` alone: its broadcast is the backward's only copy.
+    let z = Tensor::from_vec(r.vec(2 * 16 * 32), &[2, 16, 32], &d)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    z.sum().unwrap().backward().unwrap();
+    d.synchronize().unwrap();
+    let sum_bwd = copies();
     profile::set_enabled(false);
-    println!("{{\"attention_copies\": {{\"fwd\": {fwd}, \"bwd\": {bwd}}}}}");
+    println!(
+        "{{\"attention_copies\": {{\"fwd\": {fwd}, \"bwd\": {bwd}, \"sum_bwd\": {sum_bwd}}}}}"
+    );
+    // Forward: the qkv and proj linears' bias broadcasts only; backward: none of its own.
+    assert_eq!(fwd, 2);
+    assert_eq!(bwd, sum_bwd);
 }
 
 /// The split / attend / merge composition GPT blocks used before `causal_attention_qkv`.
