@@ -6,8 +6,10 @@
 // dot products use explicit __fmaf_rn instead), no floating-point atomics.
 //
 // Layout: q, k, v, out, dout, dq, dk, dv are [bh, t, d] row-major in the element type E (f32,
-// or the raw bits of bf16 / f16); lse and delta are [bh, t] f32. Scores are s = (q.k)*scale with
-// key j visible to query i iff j <= i.
+// or the raw bits of bf16 / f16), or (packed != 0) the layout of a GPT's qkv projection: q, k, v
+// and dq, dk, dv are slices of one [b, t, 3, heads, d] tensor and out, dout are [b, t, heads, d]
+// (fa_rows gives each head's base and row stride; no head split / merge copies); lse and delta
+// are [bh, t] f32 in both. Scores are s = (q.k)*scale with key j visible to query i iff j <= i.
 //
 // Forward (flash_fwd_*): one block per tile of BR queries of one head. The queries' tile stays
 // in shared memory; tiles of BC keys and values stream through shared memory; each query row

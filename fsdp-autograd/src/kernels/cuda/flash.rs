@@ -13,6 +13,12 @@
 //! thread a micro-tile of scores and output columns, 16-byte shared loads, fused multiply-adds
 //! in a fixed order); other head dims take generic kernels that read the head dim at run time.
 //! Both families multiply on the CUDA cores in f32, not on tensor cores.
+//!
+//! Layouts ([`FlashLayout`]): every operand `[batch, heads, t, d]`
+//! ([`flash_attention`](CudaKernels::flash_attention)), or the packed layout of a GPT's qkv
+//! projection ([`flash_attention_packed`](CudaKernels::flash_attention_packed): q, k, v slices of
+//! `[batch, t, 3, heads, d]`, out `[batch, t, heads, d]`, one dqkv gradient) that spares the head
+//! split / merge copies around attention. Same kernels, same arithmetic per element.
 
 use fsdp_alloc::{BufferRef, DType, Stream};
 
