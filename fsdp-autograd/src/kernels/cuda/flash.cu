@@ -910,6 +910,20 @@ extern "C" __global__ void flash_fwd_f16_d128(u64 bh, u64 t, u64 d, u64 heads, u
                                              const u16* k, const u16* v, u16* out, float* lse) {
     fa_fwd<EltF16, 128, 32, 16>(bh, t, heads, packed, scale, q, k, v, out, lse);
 }
+// The d = 64 dk/dv kernels with the packed-layout index math want 90 registers (2 blocks per
+// SM); bounded to 3 blocks of BLOCK threads (80 registers, 8 to 20 bytes spilled: ptxas -v,
+// sm_90, NVRTC 12.9), the occupancy every other register-tiled kernel has. The bounds are on
+// these declarations (they carry over to the definitions) so that the definitions keep the plain
+// form the kernel-table test (kernels/cuda/tests/mod.rs, source_kernels) parses.
+extern "C" __launch_bounds__(BLOCK, 3) __global__ void flash_bwd_dkdv_f32_d64(
+    u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q, const float* k,
+    const float* v, const float* dout, const float* lse, const float* delta, float* dk, float* dv);
+extern "C" __launch_bounds__(BLOCK, 3) __global__ void flash_bwd_dkdv_bf16_d64(
+    u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q, const u16* k,
+    const u16* v, const u16* dout, const float* lse, const float* delta, u16* dk, u16* dv);
+extern "C" __launch_bounds__(BLOCK, 3) __global__ void flash_bwd_dkdv_f16_d64(
+    u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q, const u16* k,
+    const u16* v, const u16* dout, const float* lse, const float* delta, u16* dk, u16* dv);
 extern "C" __global__ void flash_bwd_dkdv_f32_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                                   const float* k, const float* v, const float* dout,
                                                   const float* lse, const float* delta, float* dk,
