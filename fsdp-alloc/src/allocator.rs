@@ -354,6 +354,9 @@ enum RawBackend {
     Host,
     #[cfg(feature = "cuda")]
     Cuda(Arc<cudarc::driver::CudaContext>),
+    /// Page-locked host memory (`cuMemHostAlloc`) for a CPU device paired with a GPU.
+    #[cfg(feature = "cuda")]
+    Pinned(Arc<cudarc::driver::CudaContext>),
 }
 
 impl std::fmt::Debug for CachingAllocator {
@@ -403,6 +406,29 @@ impl CachingAllocator {
             device,
             config,
             RawBackend::Cuda(ctx),
+        ))
+    }
+
+    /// True if raw segments are page-locked host memory.
+    pub fn is_pinned(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if matches!(self.backend, RawBackend::Pinned(_)) {
+            return true;
+        }
+        false
+    }
+
+    /// A host allocator whose segments are page-locked (`cuMemHostAlloc` in `ctx`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn with_pinned(
+        device: DeviceId,
+        config: AllocatorConfig,
+        ctx: Arc<cudarc::driver::CudaContext>,
+    ) -> Arc<CachingAllocator> {
+        Arc::new(CachingAllocator::build(
+            device,
+            config,
+            RawBackend::Pinned(ctx),
         ))
     }
 
@@ -598,6 +624,10 @@ impl CachingAllocator {
             RawBackend::Host if rounded <= SMALL_SIZE => SMALL_SIZE,
             RawBackend::Host => rounded,
             #[cfg(feature = "cuda")]
+            RawBackend::Pinned(_) if rounded <= SMALL_SIZE => SMALL_SIZE,
+            #[cfg(feature = "cuda")]
+            RawBackend::Pinned(_) => rounded,
+            #[cfg(feature = "cuda")]
             RawBackend::Cuda(_) if rounded <= SMALL_SIZE => SMALL_BUFFER,
             #[cfg(feature = "cuda")]
             RawBackend::Cuda(_) => rounded.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE),
@@ -733,6 +763,10 @@ impl CachingAllocator {
             RawBackend::Cuda(ctx) => crate::cuda::DeviceMemory::alloc(ctx, size)
                 .ok()
                 .map(|m| Segment::new_cuda(self.device, m)),
+            #[cfg(feature = "cuda")]
+            RawBackend::Pinned(ctx) => crate::cuda::PinnedMemory::alloc(ctx, size)
+                .ok()
+                .map(|m| Segment::new_pinned(self.device, m)),
         }
     }
 

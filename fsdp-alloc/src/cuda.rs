@@ -11,6 +11,10 @@
 //! - Events are CUDA events (`cuEventRecord`, `cuStreamWaitEvent`, `cuEventQuery`,
 //!   `cuEventSynchronize`). Waiting a CUDA stream on a pending *CPU* event enqueues a host
 //!   function that blocks until that event completes.
+//! - Page-locked host segments (a CPU device built with `Device::cpu_pinned`) are
+//!   `cuMemHostAlloc(PORTABLE)` / `cuMemFreeHost`, zero-filled like every CPU segment: host code
+//!   reads and writes them through guards as usual, and copy engines reach them asynchronously
+//!   (`cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync`, issued by fsdp-autograd's CUDA kernels).
 //! - Raw segments are `cuMemAlloc` / `cuMemFree`. Device memory is not host-accessible:
 //!   `BufferRef::read`/`write` refuse it and `BufferRef::device_ptr` gives kernels the address.
 //!   It starts uninitialized (unlike CPU segments, which start zeroed).
@@ -19,6 +23,7 @@
 //! on a GPU here. The checked mode is CPU-only (CUDA streams keep no vector clock).
 
 use std::ffi::c_void;
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
@@ -187,5 +192,60 @@ impl Drop for DeviceMemory {
         // the last `Arc<Segment>` is gone, so no `BufferRef` can hand it out any more, and the
         // device was synchronized just above.
         let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// One `cuMemHostAlloc` allocation: page-locked host memory, portable to every context,
+/// zero-filled at allocation, freed with `cuMemFreeHost` on drop.
+pub(crate) struct PinnedMemory {
+    ptr: NonNull<u8>,
+    size: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl PinnedMemory {
+    /// `cuMemHostAlloc(size, CU_MEMHOSTALLOC_PORTABLE)`, then zero-filled; the driver's error
+    /// (typically out of memory) as a string.
+    pub(crate) fn alloc(ctx: &Arc<CudaContext>, size: usize) -> std::result::Result<Self, String> {
+        let size = size.max(1);
+        ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the context is bound to this thread; the call only writes the out pointer.
+        let raw = unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| e.to_string())?;
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| "cuMemHostAlloc returned a null pointer".to_string())?;
+        // SAFETY: `ptr` is the start of a fresh host allocation of `size` bytes that nothing
+        // else references yet; zeroing it makes every byte initialized (the CPU segments'
+        // invariant 3 in `memory.rs`).
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, size) };
+        Ok(PinnedMemory {
+            ptr,
+            size,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// The host address of the first byte.
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return; // the context is gone; the driver reclaimed the memory with it
+        }
+        // Copy engines may still use the memory (asynchronous copies hold raw addresses): wait
+        // for the device, as for device memory.
+        let _ = self.ctx.synchronize();
+        // SAFETY: `ptr` came from `malloc_host` and is freed exactly once (here); the last
+        // `Arc<Segment>` is gone, so no `BufferRef` or guard refers to it any more, and the
+        // device was synchronized just above.
+        let _ = unsafe { result::free_host(self.ptr.as_ptr().cast()) };
     }
 }

@@ -138,6 +138,56 @@ impl Device {
         }
     }
 
+    /// A CPU device whose memory is page-locked host memory of `gpu`'s driver
+    /// (`cuMemHostAlloc`, portable to every context): an offload host for `gpu`. It behaves like
+    /// [`Device::cpu_with`] (host code reads and writes it; streams are CPU streams) and, in
+    /// addition, device copy engines can read and write its buffers asynchronously
+    /// ([`crate::BufferRef::pinned_ptr`]), which is what makes host↔device copies overlap
+    /// compute. Page-locked memory is a scarce system resource: use it for what is copied
+    /// often (CPU-offloaded shards and gradients), not for everything.
+    ///
+    /// # Errors
+    /// [`crate::AllocError::CudaUnavailable`] if `gpu` is not a CUDA device (or this build has
+    /// no CUDA support).
+    pub fn cpu_pinned(index: usize, config: DeviceConfig, gpu: &Device) -> Result<Device> {
+        #[cfg(feature = "cuda")]
+        if let Some(ctx) = &gpu.inner.cuda {
+            let id = DeviceId::Cpu(index);
+            let default_stream =
+                Stream::with_checking(id, "default", config.stream_mode, config.checked);
+            return Ok(Device {
+                inner: Arc::new(DeviceInner {
+                    id,
+                    config,
+                    cuda: None,
+                    allocator: CachingAllocator::with_pinned(
+                        id,
+                        config.allocator_config(),
+                        Arc::clone(ctx),
+                    ),
+                    streams: Mutex::new(vec![default_stream.clone()]),
+                    default_stream,
+                }),
+            });
+        }
+        let _ = config;
+        Err(crate::AllocError::CudaUnavailable(format!(
+            "cpu:{index}: page-locked host memory needs a CUDA device to pin it for, got {}{}",
+            gpu.id(),
+            if cfg!(feature = "cuda") {
+                ""
+            } else {
+                " (and this build of fsdp-alloc has no CUDA support; rebuild with `--features cuda`)"
+            }
+        )))
+    }
+
+    /// True if this is a CPU device built with [`Device::cpu_pinned`] (its memory is
+    /// page-locked).
+    pub fn is_pinned(&self) -> bool {
+        self.inner.allocator.is_pinned()
+    }
+
     /// A CUDA device with the default configuration. Without the `cuda` feature, or without a
     /// CUDA driver and GPU, this is an [`crate::AllocError::CudaUnavailable`] error saying which.
     pub fn cuda(ordinal: usize) -> Result<Device> {

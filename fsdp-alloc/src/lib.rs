@@ -77,6 +77,6 @@ pub use checked::OrderPoint;
 pub use device::{Device, DeviceConfig, DeviceId};
 pub use dtype::DType;
 pub use error::{AllocError, Capacity, Result};
-pub use memory::{BufferRef, ReadGuard, WriteGuard};
+pub use memory::{AccessHold, BufferRef, ReadGuard, WriteGuard};
 pub use rate_limiter::{RateLimiter, RateLimiterStats};
 pub use stream::{Event, Stream, StreamId, StreamMode};

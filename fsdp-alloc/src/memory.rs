@@ -61,6 +61,9 @@ pub struct Segment {
     history: History,
     #[cfg(feature = "cuda")]
     cuda: Option<crate::cuda::DeviceMemory>,
+    /// Page-locked host memory (`ptr` points into it; freed by its own Drop).
+    #[cfg(feature = "cuda")]
+    pinned: Option<crate::cuda::PinnedMemory>,
 }
 
 // SAFETY: the segment owns its memory exclusively (no other code holds the raw pointer), and all
@@ -97,7 +100,34 @@ impl Segment {
             history: History::default(),
             #[cfg(feature = "cuda")]
             cuda: None,
+            #[cfg(feature = "cuda")]
+            pinned: None,
         }))
+    }
+
+    /// A segment over page-locked host memory (host-accessible like a CPU segment, and
+    /// reachable by asynchronous device copies through [`BufferRef::pinned_ptr`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn new_pinned(device: DeviceId, mem: crate::cuda::PinnedMemory) -> Arc<Segment> {
+        Arc::new(Segment {
+            ptr: Some(mem.ptr()),
+            size: mem.size(),
+            id: NEXT_SEGMENT_ID.fetch_add(1, Ordering::Relaxed),
+            device,
+            active: Mutex::new(Vec::new()),
+            history: History::default(),
+            cuda: None,
+            pinned: Some(mem),
+        })
+    }
+
+    /// True for page-locked host memory.
+    pub fn is_pinned(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.pinned.is_some() {
+            return true;
+        }
+        false
     }
 
     /// A segment over CUDA device memory (not host-accessible: guards refuse it).
@@ -111,6 +141,7 @@ impl Segment {
             active: Mutex::new(Vec::new()),
             history: History::default(),
             cuda: Some(mem),
+            pinned: None,
         })
     }
 
@@ -181,7 +212,11 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // (CUDA memory is released by `DeviceMemory`'s own Drop.)
+        // (CUDA memory is released by `DeviceMemory`'s own Drop, page-locked memory by
+        // `PinnedMemory`'s.)
+        if self.is_pinned() {
+            return;
+        }
         let Some(ptr) = self.ptr else { return };
         let Ok(layout) = Layout::from_size_align(self.size, SEGMENT_ALIGN) else {
             return; // unreachable: the same layout was valid at allocation
@@ -297,6 +332,51 @@ impl BufferRef {
         None
     }
 
+    /// True if the range is page-locked host memory (a CPU device built with
+    /// [`crate::Device::cpu_pinned`]): device copy engines can read and write it asynchronously.
+    pub fn is_pinned(&self) -> bool {
+        self.seg.is_pinned()
+    }
+
+    /// The host address of the range's first byte if it is page-locked host memory (for
+    /// asynchronous device copies, which must hold an [`AccessHold`] over the range while they
+    /// run); `None` otherwise.
+    pub fn pinned_ptr(&self) -> Option<u64> {
+        if !self.is_pinned() {
+            return None;
+        }
+        let base = self.seg.ptr?;
+        Some(base.as_ptr() as u64 + self.offset as u64)
+    }
+
+    /// Registers a read (`write == false`) or write of the whole range, held until the returned
+    /// [`AccessHold`] is dropped, without creating a slice: for accesses by something other than
+    /// host code (a copy engine's asynchronous copy of pinned memory). Like a guard, it is
+    /// refused while a conflicting guard or hold is live, and it keeps conflicting guards from
+    /// being taken while it lives; in checked mode it is checked as an access of the current
+    /// launched work.
+    ///
+    /// # Errors
+    /// [`AllocError::BadAccess`] for device memory; [`AllocError::AccessConflict`];
+    /// [`AllocError::OrderingViolation`] (checked mode).
+    pub fn hold(&self, write: bool) -> Result<AccessHold> {
+        self.host_ptr()?;
+        let (start, end) = (self.offset, self.offset + self.len);
+        checked::on_access(
+            &self.seg.history,
+            self.seg.id,
+            start,
+            end,
+            write,
+            self.block,
+        )?;
+        let token = self.seg.register(start, end, write, &|| self.describe())?;
+        Ok(AccessHold {
+            seg: Arc::clone(&self.seg),
+            token,
+        })
+    }
+
     fn host_ptr(&self) -> Result<NonNull<u8>> {
         self.seg.ptr.ok_or_else(|| {
             AllocError::BadAccess(format!(
@@ -382,6 +462,30 @@ impl BufferRef {
     }
 }
 
+/// A registered access to a [`BufferRef`]'s range without a slice ([`BufferRef::hold`]);
+/// releases the range on drop. Owns a reference to the segment, so it can be moved into work
+/// that runs later (a host function after an asynchronous copy).
+pub struct AccessHold {
+    seg: Arc<Segment>,
+    token: u64,
+}
+
+impl std::fmt::Debug for AccessHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "AccessHold(segment {}, token {})",
+            self.seg.id, self.token
+        )
+    }
+}
+
+impl Drop for AccessHold {
+    fn drop(&mut self) {
+        self.seg.unregister(self.token);
+    }
+}
+
 /// Shared access to a [`BufferRef`]'s elements; releases the range on drop.
 pub struct ReadGuard<'a, T> {
     r: &'a BufferRef,
@@ -460,6 +564,34 @@ mod tests {
         // a disjoint range may be written concurrently
         let other = b.slice(32, 8).unwrap();
         let _w2 = other.write::<f32>().unwrap();
+    }
+
+    #[test]
+    fn holds_conflict_like_guards_and_release_on_drop() {
+        let b = buf(64);
+        assert!(
+            !b.is_pinned() && b.pinned_ptr().is_none(),
+            "CPU memory is pageable"
+        );
+        let h = b.slice(0, 16).unwrap().hold(true).unwrap();
+        let e = b.read::<f32>().err().unwrap();
+        assert!(matches!(e, AllocError::AccessConflict { .. }), "{e}");
+        assert!(
+            b.slice(16, 16).unwrap().hold(false).is_ok(),
+            "disjoint ranges are free"
+        );
+        // A hold outlives the reference it was taken from.
+        let moved = std::thread::spawn(move || h).join().unwrap();
+        assert!(b.slice(8, 8).unwrap().hold(false).is_err());
+        drop(moved);
+        assert_eq!(b.seg.active_accesses(), 0);
+        let r = b.read::<f32>().unwrap();
+        assert!(b.hold(false).is_ok(), "two reads are fine");
+        assert!(
+            b.hold(true).is_err(),
+            "a write hold waits for the read guard"
+        );
+        drop(r);
     }
 
     #[test]

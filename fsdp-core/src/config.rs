@@ -221,10 +221,12 @@ pub struct FsdpConfig {
     pub mixed_precision: Option<MixedPrecision>,
     /// CPU offload: keep the sharded parameters and sharded gradients on this host device (with
     /// its own allocator and statistics) and run the optimizer step there; each unshard copies
-    /// the shard to the compute device, each reduction copies the gradient shard back.
-    /// The host must be a CPU device; the compute device a CPU device (host-memory copies) or a
-    /// CUDA device (uploads and downloads through the kernel seam, synchronous for the issuing
-    /// thread; never run on a GPU here).
+    /// the shard to the compute device, each reduction copies the gradient shard back — on a
+    /// copy stream of the compute device ([`crate::Fsdp::offload_copy_stream`]), ordered by
+    /// events, without host waits. The host must be a CPU device; the compute device a CPU
+    /// device (host-memory copies) or a CUDA device (asynchronous copies when the host is
+    /// page-locked, `fsdp_alloc::Device::cpu_pinned`, synchronous ones from pageable memory;
+    /// never run on a GPU here).
     pub cpu_offload: Option<Device>,
     /// Compare the units' forward order across ranks at the end of the first this-many backward
     /// passes (one all-gather of a number per unit and a host wait, each time); a difference is

@@ -95,7 +95,7 @@ pub fn world_size(launch: CudaLaunch, ranks: Option<u64>) -> Result<usize, Strin
 /// Rank `rank`'s compute device and its host device (ids apart from the compute devices): CPU
 /// ranks get a host device only with `--cpu-offload`; CUDA ranks always get one, to build the
 /// model on with eager init (see [`init_device`]), which is their offload device only with
-/// `--cpu-offload` (see `train.rs`).
+/// `--cpu-offload` (see `train.rs`) — and then page-locked (`Device::cpu_pinned`).
 ///
 /// # Errors
 /// The device's error (no CUDA support, no driver, a bad ordinal).
@@ -107,10 +107,17 @@ pub fn rank_devices(
     let host = || Device::cpu_with(10_000 + rank, devices);
     match cfg.cuda {
         None => Ok((Device::cpu_with(rank, devices), cfg.cpu_offload.then(host))),
-        Some(launch) => Ok((
-            Device::cuda_with(launch.ordinal(rank), devices)?,
-            Some(host()),
-        )),
+        Some(launch) => {
+            let gpu = Device::cuda_with(launch.ordinal(rank), devices)?;
+            // Offloaded shards and gradients go back and forth every step: page-locked memory,
+            // so the copies are asynchronous (fsdp-core's offload copy stream).
+            let host = if cfg.cpu_offload {
+                Device::cpu_pinned(10_000 + rank, devices, &gpu)?
+            } else {
+                host()
+            };
+            Ok((gpu, Some(host)))
+        }
     }
 }
 

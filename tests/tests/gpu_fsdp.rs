@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fsdp_alloc::{DType, Device};
+use fsdp_alloc::{DType, Device, DeviceConfig, DeviceId};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
 use fsdp_collectives::{DeviceMesh, NcclConfig, NcclGroup, ProcessGroup, TcpStore};
@@ -59,8 +59,16 @@ fn train(rank: usize, world: usize, dev: &Device, comm: Comm, config: FsdpConfig
     // fsdp-core's optimizer kernels are host code, so GPU ranks keep shards, sharded gradients
     // and optimizer state on a CPU host device (CPU offload); the CPU reference runs the same
     // way, so losses and the compute device's peak memory compare like for like.
+    // On a GPU the host is page-locked, as with `train_gpt --cpu-offload`: the shard uploads and
+    // gradient downloads are asynchronous copies on the offload copy stream.
+    let host = match dev.id() {
+        DeviceId::Cuda(_) => {
+            Device::cpu_pinned(10_000 + rank, DeviceConfig::default(), dev).unwrap()
+        }
+        _ => Device::cpu(10_000 + rank),
+    };
     let config = FsdpConfig {
-        cpu_offload: Some(Device::cpu(10_000 + rank)),
+        cpu_offload: Some(host),
         ..config
     };
     let c = cfg();

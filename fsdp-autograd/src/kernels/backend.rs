@@ -775,6 +775,24 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         let _ = a;
         false
     }
+    /// Copies `src` into `dst` (the same number of bytes, checked by [`Kernels::copy_host`]) in
+    /// the order of `s`, without the issuing thread waiting: one side is this backend's device
+    /// memory, the other host memory of a CPU device. Events recorded on `s` afterwards cover
+    /// the copy; the host side must not be touched by other work until such an event.
+    /// Default (host-accessible memory on both sides, the CPU backend): a byte copy launched on
+    /// `s`. The CUDA backend copies page-locked host memory with the copy engine.
+    fn copy_host(&self, s: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
+        let (src, dst) = (src.clone(), dst.clone());
+        s.launch_named("copy_host", move || {
+            let from = src
+                .read::<u8>()
+                .unwrap_or_else(|e| panic!("copy_host: source unreadable: {e}"));
+            dst.write::<u8>()
+                .unwrap_or_else(|e| panic!("copy_host: destination unwritable: {e}"))
+                .copy_from_slice(&from);
+        });
+        Ok(())
+    }
 }
 
 /// The seam's front: a device's [`Backend`] behind argument checks done once for every backend.
@@ -1350,6 +1368,53 @@ impl Kernels {
             return Ok(());
         }
         self.backend.write(s, bytes, dst)
+    }
+
+    /// Checked [`Backend::copy_host`]: copies `src` into `dst` in the order of `s`, a stream of
+    /// this device, without the issuing thread waiting (what CPU offload moves shards and
+    /// gradients with). One of the two lives on this device; the other on this device too (CPU
+    /// devices) or on a CPU device (host memory; page-locked for a truly asynchronous copy to or
+    /// from a GPU, see `fsdp_alloc::Device::cpu_pinned`).
+    ///
+    /// # Errors
+    /// A stream of another device; neither buffer on this device; the other buffer neither on
+    /// this device nor on a CPU device; buffers of different lengths; the backend's errors.
+    pub fn copy_host(&self, s: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
+        const OP: &str = "copy_host";
+        if s.device() != self.device {
+            return Err(AutogradError::Device {
+                op: OP,
+                a: format!("{} (the kernels' device)", self.device),
+                b: format!("{} (stream `{}`)", s.device(), s.name()),
+            });
+        }
+        let ours = |b: &BufferRef| b.device() == self.device;
+        let host = |b: &BufferRef| matches!(b.device(), DeviceId::Cpu(_));
+        if !(ours(src) && (ours(dst) || host(dst)) || ours(dst) && host(src)) {
+            return Err(AutogradError::Device {
+                op: OP,
+                a: format!("{} (`src`)", src.device()),
+                b: format!(
+                    "{} (`dst`); one side must be {} and the other {} or a CPU device",
+                    dst.device(),
+                    self.device,
+                    self.device
+                ),
+            });
+        }
+        if src.len() != dst.len() {
+            return Err(len_err(
+                OP,
+                "dst",
+                src.len(),
+                dst.len(),
+                "the source's byte length".into(),
+            ));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.backend.copy_host(s, src, dst)
     }
 
     /// Checked [`Backend::read`].

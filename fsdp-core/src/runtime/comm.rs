@@ -12,7 +12,7 @@ use fsdp_autograd::{no_grad, with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, Int8Codec, ProcessGroup, ReduceOp, Work};
 
 use crate::config::{AdaptiveLimiter, BufferLifetime};
-use crate::error::{FsdpError, Result};
+use crate::error::Result;
 pub use crate::runtime::slice::tensor_slice;
 
 /// Bytes moved by this rank's collectives since wrapping (or the last reset).
@@ -167,6 +167,10 @@ pub(crate) struct CommContext {
     pub host_stream: Stream,
     /// CPU offload is on.
     pub offload: bool,
+    /// CPU offload: the compute device's stream every host↔device copy runs on (uploads of
+    /// shards, downloads of reduced gradients), ordered by events. Without offload, the
+    /// compute stream (unused).
+    pub copy_stream: Stream,
     /// The stream all-gathers run on.
     pub unshard_stream: Stream,
     /// The stream reductions run on.
@@ -430,8 +434,9 @@ impl CommContext {
         }
     }
 
-    /// The shard as a tensor on the compute device: itself, or (CPU offload) a copy made on
-    /// `stream` after `ready` (the last optimizer update).
+    /// The shard as a tensor on the compute device for work launched on `stream`: itself, or
+    /// (CPU offload) a copy uploaded on the copy stream after `ready` (the last optimizer
+    /// update), which `stream` waits for ([`crate::runtime::offload::upload`]).
     pub fn shard_on_device(
         &self,
         shard: &Tensor,
@@ -441,12 +446,7 @@ impl CommContext {
         if !self.offload {
             return Ok(shard.clone());
         }
-        stream.wait_event(ready);
-        let dev = with_stream(stream, || {
-            Tensor::empty(&[shard.numel()], DType::F32, &self.device)
-        })?;
-        copy_tensor(shard, &dev, stream)?;
-        Ok(dev)
+        crate::runtime::offload::upload(shard, &self.device, &self.copy_stream, ready, stream)
     }
 }
 
@@ -508,32 +508,6 @@ pub(crate) fn gather_flat(
         .all_gather_into(&tensor_slice(t)?, &tensor_slice(&full)?, stream)
         .wait()?;
     Ok(full)
-}
-
-/// Copies `src` into `dst` (contiguous f32 tensors of equal length, possibly on different CPU
-/// devices) as work launched on `stream`. Between a CUDA device and a CPU host the copy goes
-/// through the kernel seam instead ([`crate::runtime::offload::copy_across`]).
-pub(crate) fn copy_tensor(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
-    if src.numel() != dst.numel() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "copy of {} elements into {}",
-            src.numel(),
-            dst.numel()
-        )));
-    }
-    if crate::runtime::offload::needs_seam_copy(src.device().id(), dst.device().id()) {
-        return crate::runtime::offload::copy_across(src, dst, stream);
-    }
-    let (s, d) = (tensor_slice(src)?, tensor_slice(dst)?);
-    let (s, d) = (s.data().clone(), d.data().clone());
-    stream.launch(move || {
-        let s = s.read::<f32>().expect("offload copy: source unreadable");
-        let mut d = d
-            .write::<f32>()
-            .expect("offload copy: destination unwritable");
-        d.copy_from_slice(&s);
-    });
-    Ok(())
 }
 
 #[cfg(test)]

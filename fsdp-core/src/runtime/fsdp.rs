@@ -252,6 +252,12 @@ impl<M: Module + 'static> Fsdp<M> {
             }
             None => (device.clone(), compute.clone(), false),
         };
+        // CPU offload: every host↔device copy runs on its own stream of the compute device.
+        let copy_stream = if offload {
+            device.new_stream("fsdp-offload-copy")
+        } else {
+            compute.clone()
+        };
 
         let mut units = Vec::with_capacity(plans.len());
         for plan in &plans {
@@ -317,6 +323,7 @@ impl<M: Module + 'static> Fsdp<M> {
             host,
             host_stream,
             offload,
+            copy_stream,
             unshard_stream,
             reduce_stream,
             group,
@@ -449,6 +456,17 @@ impl<M: Module + 'static> Fsdp<M> {
     /// host stream under CPU offload, else the compute stream.
     pub fn optimizer_stream(&self) -> &Stream {
         &self.inner.ctx.host_stream
+    }
+
+    /// Under CPU offload, the compute device's stream that every host↔device copy runs on
+    /// (shard uploads before their all-gathers, gradient downloads after their reductions),
+    /// ordered by events; `None` without offload. Work launched on it delays the copies, never
+    /// what they compute (the tests hold it up to show that).
+    pub fn offload_copy_stream(&self) -> Option<&Stream> {
+        self.inner
+            .ctx
+            .offload
+            .then_some(&self.inner.ctx.copy_stream)
     }
 
     /// The device holding the shards: the offload host device, else the compute device.
@@ -768,16 +786,21 @@ impl Inner {
         let mut st = self.lock();
         // Units whose post-backward hook did not run (no gradient) close their spans here.
         st.spans.clear();
-        for ev in std::mem::take(&mut st.iter.pending_reductions) {
-            ctx.compute.wait_event(&ev);
-            if ctx.offload {
-                ctx.host_stream.wait_event(&ev);
-            }
-        }
         if ctx.offload {
-            // The unshard copies read the host shards; the compute stream waited for all of them.
-            // The optimizer (host stream) must not overwrite a shard before that.
-            ctx.host_stream.wait_event(&ctx.compute.record_event());
+            // Every upload (which reads a host shard) and every download (after its reduction)
+            // ran on the copy stream. The compute stream waits for the copy stream on the
+            // device (not for the host-side accumulation); the host stream, where the
+            // accumulations already are in order, waits for it too, so the optimizer neither
+            // reads a gradient before it arrived nor overwrites a shard an upload still reads.
+            // No host wait: the one wait before the host optimizer is this device-side one.
+            st.iter.pending_reductions.clear();
+            let copied = ctx.copy_stream.record_event();
+            ctx.compute.wait_event(&copied);
+            ctx.host_stream.wait_event(&copied);
+        } else {
+            for ev in std::mem::take(&mut st.iter.pending_reductions) {
+                ctx.compute.wait_event(&ev);
+            }
         }
         self.reshard_all(&mut st);
         let verify = st.iter.orders_verified < self.config.verify_execution_order;

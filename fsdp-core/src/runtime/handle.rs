@@ -20,7 +20,7 @@ use fsdp_collectives::DeviceSlice;
 use fsdp_flatparam::FlatParamLayout;
 
 use crate::error::{FsdpError, Result};
-use crate::runtime::comm::{cast_on, copy_tensor, CommContext};
+use crate::runtime::comm::{cast_on, CommContext};
 
 /// One unit's runtime state.
 pub(crate) struct FlatParamHandle {
@@ -348,8 +348,8 @@ impl FlatParamHandle {
 
     /// Post-backward step 3: accumulates the reduced f32 gradient shard into the unit's sharded
     /// gradient (or makes it the sharded gradient) where the shards live: on the reduce stream,
-    /// or under CPU offload copied to the host device and added on the host stream. Returns the
-    /// event after which the sharded gradient is complete.
+    /// or under CPU offload downloaded to the host device on the copy stream and added on the
+    /// host stream. Returns the event after which the sharded gradient is complete.
     pub fn accumulate_shard_grad(&mut self, ctx: &CommContext, reduced: Tensor) -> Result<Event> {
         if !ctx.offload {
             match &self.shard_grad {
@@ -358,15 +358,15 @@ impl FlatParamHandle {
             }
             return Ok(ctx.reduce_stream.record_event());
         }
-        // Copy the reduced shard gradient to the host on the reduce stream; accumulate there.
-        // Owned by the reduce stream, which writes it first: a block freed on the host stream
-        // must not be handed to a write on another stream before the host stream's earlier
-        // work on it has run.
-        let buf = ctx.host.alloc(reduced.numel() * 4, &ctx.reduce_stream)?;
-        let host_grad = Tensor::from_buffer(buf, &[reduced.numel()], DType::F32, &ctx.host)?;
-        copy_tensor(&reduced, &host_grad, &ctx.reduce_stream)?;
-        ctx.host_stream
-            .wait_event(&ctx.reduce_stream.record_event());
+        // Download the reduced shard gradient on the copy stream (after the reduction), into
+        // host memory the host stream accumulates from once the copy's event is reached.
+        let host_grad = crate::runtime::offload::download(
+            reduced,
+            &ctx.host,
+            &ctx.copy_stream,
+            &ctx.reduce_stream,
+            &ctx.host_stream,
+        )?;
         match &self.shard_grad {
             Some(acc) => with_stream(&ctx.host_stream, || no_grad(|| acc.add_(&host_grad)))?,
             None => self.shard_grad = Some(host_grad),

@@ -1,44 +1,95 @@
-//! CPU offload copies between a compute device and the host device when their memories are of
-//! different kinds (a CUDA compute device with a CPU host): the bytes go through the kernel
-//! seam's host↔device copies ([`Kernels::write`] uploads, [`Kernels::read`] downloads).
+//! CPU offload's copies between the compute device and the host device that holds the shards,
+//! sharded gradients and optimizer state, all on one dedicated **copy stream** of the compute
+//! device (`fsdp-offload-copy`), ordered by events, never by host waits:
 //!
-//! Copies between two CPU devices never come here: [`crate::runtime::comm::copy_tensor`] keeps its
-//! asynchronous host copy for them, so CPU-only runs are bit for bit what they were.
+//! - [`upload`] (an unshard's input): the copy stream waits for the last optimizer update of
+//!   the shards (`params_ready`, an event of the host stream), copies the host shard into a new
+//!   compute-device tensor, and the consumer (the unshard stream, whose all-gather reads it)
+//!   waits for the copy's event. Issued with the unshard — for a prefetched unit while the
+//!   current unit computes — so uploads overlap compute like the prefetched all-gathers.
+//! - [`download`] (a reduced gradient shard): the copy stream waits for the reduction, copies
+//!   the gradient into a new host tensor, and the consumer (the host stream, which accumulates
+//!   it and runs the optimizer) waits for the copy's event.
 //!
-//! These copies are synchronous for the issuing thread (the seam's CUDA upload and download
-//! synchronize the stream), so under CPU offload with a GPU the shard uploads and gradient
-//! downloads do not overlap compute. Compile-checked and exercised with CPU devices only: the
-//! CUDA side has never run on a GPU.
+//! Both go through the kernel seam's [`Kernels::copy_host`], the same code path on CPU and CUDA
+//! devices: on CPU devices a byte copy launched on the copy stream (bit for bit what offload did
+//! before), on CUDA `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` from and into page-locked host
+//! memory (`fsdp_alloc::Device::cpu_pinned`; from pageable memory the seam falls back to a
+//! synchronous copy and counts the host wait). The issuing thread never blocks per unit: the
+//! only waits are device-side (a stream waiting on an event). The CUDA copy path is compiled
+//! only: it has not run on a GPU.
 
-use std::sync::mpsc;
-
-use fsdp_alloc::{DeviceId, Stream};
-use fsdp_autograd::kernels::backend::{Kernels, Operand};
-use fsdp_autograd::Tensor;
+use fsdp_alloc::{Device, DeviceId, Event, Stream};
+use fsdp_autograd::kernels::backend::Kernels;
+use fsdp_autograd::{with_stream, Tensor};
 
 use crate::error::{FsdpError, Result};
-use crate::runtime::comm::tensor_slice;
+use crate::runtime::slice::tensor_slice;
 
-/// Whether copying between these devices needs the seam (the memories are not both
-/// host-accessible CPU memory).
-pub(crate) fn needs_seam_copy(src: DeviceId, dst: DeviceId) -> bool {
-    !matches!((src, dst), (DeviceId::Cpu(_), DeviceId::Cpu(_)))
+/// Copies the host `shard` into a new tensor on `device` for `consumer`: on the copy stream
+/// `copy` (of `device`) after `ready` (the shards' last update), and `consumer` waits for the
+/// copy.
+///
+/// The new tensor belongs to `consumer` (allocated on it, so its block is recycled in the
+/// consumer's order exactly as when the consumer copied the shard itself: no more compute-device
+/// memory than before the copy stream); the copy stream first waits for the consumer's earlier
+/// work, so a recycled block's last reader has finished before the copy overwrites it.
+///
+/// # Errors
+/// The allocator's, the seam's and [`copy_across`]'s errors.
+pub(crate) fn upload(
+    shard: &Tensor,
+    device: &Device,
+    copy: &Stream,
+    ready: &Event,
+    consumer: &Stream,
+) -> Result<Tensor> {
+    let dev = with_stream(consumer, || {
+        Tensor::empty(&[shard.numel()], shard.dtype(), device)
+    })?;
+    copy.wait_event(&consumer.record_event());
+    copy.wait_event(ready);
+    copy_across(shard, &dev, copy)?;
+    consumer.wait_event(&copy.record_event());
+    Ok(dev)
 }
 
-/// Copies `src` into `dst` (contiguous, same dtype and length, one of them on the host) in the
-/// order of `stream`, which must belong to the non-host side: after the work `stream` was
-/// ordered after, and before the work launched on it afterwards.
+/// Copies `reduced` (a gradient shard on the compute device, produced on `produced_on`) into a
+/// new tensor on the `host` device for `consumer`: on the copy stream `copy` after the work
+/// launched on `produced_on` so far, and `consumer` waits for the copy. `reduced`'s memory is
+/// released in `copy`'s order.
 ///
-/// * host → device: waits for `stream` (so the source is final), reads the source on this
-///   thread and uploads it on `stream`;
-/// * device → host: downloads the source after `stream`'s work and writes the host destination
-///   as work launched on `stream` (a host function on a CUDA stream), so events recorded on
-///   `stream` afterwards cover the write.
+/// # Errors
+/// The allocator's, the seam's and [`copy_across`]'s errors.
+pub(crate) fn download(
+    reduced: Tensor,
+    host: &Device,
+    copy: &Stream,
+    produced_on: &Stream,
+    consumer: &Stream,
+) -> Result<Tensor> {
+    copy.wait_event(&produced_on.record_event());
+    // Owned by the copy stream, which writes it first; it is freed after the optimizer read it
+    // on the host stream, and the copy stream's next write of it comes after its next wait on
+    // `params_ready` (an upload of the next iteration precedes any download in it).
+    let buf = host.alloc(reduced.numel() * reduced.dtype().size(), copy)?;
+    let host_grad = Tensor::from_buffer(buf, &[reduced.numel()], reduced.dtype(), host)?;
+    copy_across(&reduced, &host_grad, copy)?;
+    reduced.storage().with_buffer(|b| b.record_stream(copy));
+    drop(reduced);
+    consumer.wait_event(&copy.record_event());
+    Ok(host_grad)
+}
+
+/// Copies `src` into `dst` (contiguous, same dtype and length) in the order of `stream`
+/// through the seam's [`Kernels::copy_host`], without the issuing thread waiting: after the
+/// work `stream` was ordered after, before the work launched on it afterwards (events recorded
+/// on `stream` afterwards cover the copy). One tensor lives on `stream`'s device, the other on
+/// that device or on a CPU device.
 ///
 /// # Errors
 /// [`FsdpError::InvalidArgument`] for different dtypes or lengths, [`FsdpError::Device`] for a
-/// stream on neither the device side, or for two devices that are both not the host; the
-/// stream's or the seam's errors.
+/// stream on neither tensor's device; the seam's errors (e.g. two non-CPU devices).
 pub(crate) fn copy_across(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
     if src.dtype() != dst.dtype() || src.numel() != dst.numel() {
         return Err(FsdpError::InvalidArgument(format!(
@@ -50,76 +101,15 @@ pub(crate) fn copy_across(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result
             dst.dtype()
         )));
     }
+    let side = if stream.device() == dst.device().id() {
+        dst
+    } else {
+        check_stream(stream, src, "the source")?;
+        src
+    };
     let (s, d) = (tensor_slice(src)?, tensor_slice(dst)?);
-    let (s_host, d_host) = (
-        s.data().device_ptr().is_none(),
-        d.data().device_ptr().is_none(),
-    );
-    let dtype = src.dtype();
-    match (s_host, d_host) {
-        (true, false) => {
-            check_stream(stream, dst, "the destination")?;
-            stream.synchronize()?;
-            let bytes = s.data().read::<u8>()?.to_vec();
-            let op = Operand {
-                buf: d.data().clone(),
-                dtype,
-            };
-            Kernels::for_device(dst.device())?.write(stream, bytes, &op)?;
-            Ok(())
-        }
-        (false, true) => {
-            check_stream(stream, src, "the source")?;
-            let (tx, rx) = mpsc::channel::<Vec<u8>>();
-            let op = Operand {
-                buf: s.data().clone(),
-                dtype,
-            };
-            Kernels::for_device(src.device())?.read(
-                stream,
-                &op,
-                Box::new(move |b: &[u8]| {
-                    let _ = tx.send(b.to_vec());
-                }),
-            )?;
-            // A host wait for the download (CUDA: the backend synchronized the stream).
-            fsdp_alloc::stream::count_host_sync();
-            let Ok(bytes) = rx.recv() else {
-                // The read never ran: the stream failed before it.
-                stream.synchronize()?;
-                return Err(FsdpError::State(format!(
-                    "offload copy: the download on stream `{}` did not run",
-                    stream.name()
-                )));
-            };
-            let d = d.data().clone();
-            stream.launch(move || {
-                d.write::<u8>()
-                    .unwrap_or_else(|e| panic!("offload copy: host destination unwritable: {e}"))
-                    .copy_from_slice(&bytes);
-            });
-            Ok(())
-        }
-        (true, true) => {
-            // Two host memories (CPU devices): a plain host copy in stream order.
-            let (s, d) = (s.data().clone(), d.data().clone());
-            stream.launch(move || {
-                let s = s
-                    .read::<u8>()
-                    .unwrap_or_else(|e| panic!("offload copy: source unreadable: {e}"));
-                d.write::<u8>()
-                    .unwrap_or_else(|e| panic!("offload copy: destination unwritable: {e}"))
-                    .copy_from_slice(&s);
-            });
-            Ok(())
-        }
-        (false, false) => Err(FsdpError::Device(format!(
-            "offload copy between {} and {}: neither is host memory; CPU offload needs a CPU \
-             host device (cpu_offload: Some(Device::cpu(..)))",
-            src.device().id(),
-            dst.device().id()
-        ))),
-    }
+    Kernels::for_device(side.device())?.copy_host(stream, s.data(), d.data())?;
+    Ok(())
 }
 
 fn check_stream(stream: &Stream, t: &Tensor, what: &str) -> Result<()> {
@@ -155,7 +145,6 @@ mod tests {
     use fsdp_alloc::{DType, Device};
 
     use super::*;
-    use crate::runtime::comm::copy_tensor;
 
     #[test]
     fn offload_pairs_need_a_cpu_host() {
@@ -174,23 +163,13 @@ mod tests {
     }
 
     #[test]
-    fn only_pairs_with_a_non_cpu_device_take_the_seam() {
-        assert!(!needs_seam_copy(DeviceId::Cpu(0), DeviceId::Cpu(7)));
-        assert!(needs_seam_copy(DeviceId::Cuda(0), DeviceId::Cpu(7)));
-        assert!(needs_seam_copy(DeviceId::Cpu(7), DeviceId::Cuda(0)));
-        assert!(needs_seam_copy(DeviceId::Cuda(0), DeviceId::Cuda(1)));
-    }
-
-    #[test]
     fn host_copies_are_bit_exact_and_arguments_are_checked() {
         let (a, b) = (Device::cpu(0), Device::cpu(1));
         let v: Vec<f32> = (0..37).map(|i| (i as f32).sin() * 1e-3).collect();
         let src = Tensor::from_vec(v.clone(), &[37], &a).unwrap();
-        let via_copy_tensor = Tensor::zeros(&[37], DType::F32, &b).unwrap();
         let via_across = Tensor::zeros(&[37], DType::F32, &b).unwrap();
         let s = fsdp_autograd::current_stream(&b);
         s.wait_event(&fsdp_autograd::current_stream(&a).record_event());
-        copy_tensor(&src, &via_copy_tensor, &s).unwrap();
         copy_across(&src, &via_across, &s).unwrap();
         let bits = |t: &Tensor| -> Vec<u32> {
             t.to_vec::<f32>()
@@ -200,7 +179,6 @@ mod tests {
                 .collect()
         };
         let want: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
-        assert_eq!(bits(&via_copy_tensor), want);
         assert_eq!(bits(&via_across), want);
         let short = Tensor::zeros(&[36], DType::F32, &b).unwrap();
         assert!(matches!(
@@ -212,5 +190,39 @@ mod tests {
             copy_across(&src, &half, &s),
             Err(FsdpError::InvalidArgument(_))
         ));
+        let elsewhere = fsdp_autograd::current_stream(&Device::cpu(2));
+        assert!(matches!(
+            copy_across(&src, &via_across, &elsewhere),
+            Err(FsdpError::Device(_))
+        ));
+    }
+
+    /// Uploads and downloads are ordered by events alone: with the copy stream held up (a
+    /// sleep launched on it first), the consumer still sees the copied values, and the issuing
+    /// thread never waits.
+    #[test]
+    fn uploads_and_downloads_wait_for_the_copy_stream_not_the_host() {
+        let (dev, host) = (Device::cpu(0), Device::cpu(1));
+        let (copy, consumer) = (dev.new_stream("copy"), dev.new_stream("consumer"));
+        let host_stream = fsdp_autograd::current_stream(&host);
+        let v: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let shard =
+            with_stream(&host_stream, || Tensor::from_vec(v.clone(), &[1000], &host)).unwrap();
+        let ready = host_stream.record_event();
+        let waits = fsdp_alloc::stream::host_syncs();
+        copy.launch(|| std::thread::sleep(std::time::Duration::from_millis(100)));
+        let up = upload(&shard, &dev, &copy, &ready, &consumer).unwrap();
+        // The consumer doubles what it received (reads it after the copy).
+        let doubled = with_stream(&consumer, || up.scale(2.0)).unwrap();
+        copy.launch(|| std::thread::sleep(std::time::Duration::from_millis(50)));
+        let back = download(doubled, &host, &copy, &consumer, &host_stream).unwrap();
+        assert_eq!(
+            fsdp_alloc::stream::host_syncs(),
+            waits,
+            "issuing the copies never waits on the host"
+        );
+        let got = with_stream(&host_stream, || back.to_vec::<f32>()).unwrap();
+        let want: Vec<f32> = v.iter().map(|x| x * 2.0).collect();
+        assert_eq!(got, want);
     }
 }

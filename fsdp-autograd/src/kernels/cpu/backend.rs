@@ -9,7 +9,7 @@ use crate::kernels::backend::{
     AttentionLayout, AttentionSaved, AttentionStats, Backend, BinaryOp, Launch, Operand, ReadFn,
     SumTo,
 };
-use crate::kernels::{cpu, Gelu};
+use crate::kernels::{cpu, Gelu, KernelError};
 use crate::launch::{launch, launch_f32, strided_copy_arg};
 use crate::tensor::fill_arg;
 
@@ -394,8 +394,45 @@ fn sum_to(st: &SumTo, x: &[f32], o: &mut [f32]) {
     }
 }
 
+/// Elements per piece when an elementwise optimizer kernel is split across rayon's pool: 64 Ki
+/// f32 (256 KiB per operand) is worth a task, and a GPT-2 unit's shard still makes dozens.
+const PIECE: usize = 1 << 16;
+
+/// One piece of [`par_pieces`]: the inputs' and outputs' slices of the same element range.
+type Piece<'a, const I: usize, const O: usize> = ([&'a [f32]; I], [&'a mut [f32]; O]);
+
+/// Runs `f` on matching pieces of `ins` and `outs` (operands of one length), on rayon's global
+/// pool when there is more than one piece. For the elementwise kernels (SGD, AdamW, the LAMB
+/// halves) a piece's update is exactly that piece of the whole update, so the result is the
+/// same bit for bit however the work is split (the first error, if any, is returned).
+fn par_pieces<const I: usize, const O: usize>(
+    ins: [&[f32]; I],
+    outs: [&mut [f32]; O],
+    f: impl Fn([&[f32]; I], [&mut [f32]; O]) -> std::result::Result<(), KernelError> + Sync,
+) -> std::result::Result<(), KernelError> {
+    use rayon::prelude::*;
+    let n = outs.first().map_or(0, |o| o.len());
+    let same = ins.iter().all(|x| x.len() == n) && outs.iter().all(|x| x.len() == n);
+    if n <= PIECE || !same {
+        // One piece, or operands the kernel itself must reject: run it whole.
+        return f(ins, outs);
+    }
+    let mut out_pieces = outs.map(|o| o.chunks_mut(PIECE));
+    let pieces: Vec<Piece<'_, I, O>> = (0..n.div_ceil(PIECE))
+        .map(|k| {
+            let r = k * PIECE..((k + 1) * PIECE).min(n);
+            let o = out_pieces
+                .each_mut()
+                .map(|it| it.next().expect("every output has n elements"));
+            (ins.map(|x| &x[r.clone()]), o)
+        })
+        .collect();
+    pieces.into_par_iter().try_for_each(|(i, o)| f(i, o))
+}
+
 /// The optimizer launches: one closure per launch running the `cpu::optim` kernel (operands are
-/// f32, checked by the seam's front).
+/// f32, checked by the seam's front); the elementwise ones split over the cores
+/// ([`par_pieces`]).
 fn launch_optim(s: &Stream, l: &Launch<'_>) {
     use cpu::optim;
     let op = l.name();
@@ -409,21 +446,29 @@ fn launch_optim(s: &Stream, l: &Launch<'_>) {
             ..
         } => match buf {
             Some(b) => launch_f32(s, op, [g], [p, b], true, move |[g], [p, b]| {
-                optim::sgd_step(&rule, p, g, Some(b), first)
+                par_pieces([g], [p, b], |[g], [p, b]| {
+                    optim::sgd_step(&rule, p, g, Some(b), first)
+                })
             }),
             None => launch_f32(s, op, [g], [p], true, move |[g], [p]| {
-                optim::sgd_step(&rule, p, g, None, first)
+                par_pieces([g], [p], |[g], [p]| {
+                    optim::sgd_step(&rule, p, g, None, first)
+                })
             }),
         },
         Launch::AdamWStep { c, p, g, m, v, .. } => {
             launch_f32(s, op, [g], [p, m, v], true, move |[g], [p, m, v]| {
-                optim::adamw_step(&c, p, g, m, v)
+                par_pieces([g], [p, m, v], |[g], [p, m, v]| {
+                    optim::adamw_step(&c, p, g, m, v)
+                })
             })
         }
         Launch::LambDirection {
             c, p, g, m, v, u, ..
         } => launch_f32(s, op, [p, g], [m, v, u], true, move |[p, g], [m, v, u]| {
-            optim::lamb_direction(&c, p, g, m, v, u)
+            par_pieces([p, g], [m, v, u], |[p, g], [m, v, u]| {
+                optim::lamb_direction(&c, p, g, m, v, u)
+            })
         }),
         Launch::LambApply {
             lr,
@@ -434,7 +479,8 @@ fn launch_optim(s: &Stream, l: &Launch<'_>) {
             p,
             ..
         } => launch_f32(s, op, [u, sums], [p], true, move |[u, sums], [p]| {
-            optim::lamb_apply(p, u, lr, sums[w_sq] as f64, sums[u_sq] as f64)
+            let (w, un) = (sums[w_sq] as f64, sums[u_sq] as f64);
+            par_pieces([u], [p], |[u], [p]| optim::lamb_apply(p, u, lr, w, un))
         }),
         Launch::SumSquares { xs, pieces, out } => {
             let (xs, pieces, out) = (xs.to_vec(), pieces.to_vec(), out.clone());
@@ -461,5 +507,108 @@ fn launch_optim(s: &Stream, l: &Launch<'_>) {
             Ok(())
         }),
         _ => unreachable!("launch_optim is called for the optimizer launches only"),
+    }
+}
+
+#[cfg(test)]
+mod par_tests {
+    use super::*;
+    use crate::kernels::cpu::optim::{self, AdamCoeffs, SgdRule};
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Split over the pool or run whole, the elementwise optimizer kernels give the same bits.
+    #[test]
+    fn pieces_on_the_pool_equal_the_whole_update() {
+        let n = 3 * PIECE + 17;
+        let val = |k: usize, i: usize| ((i * 7 + k * 13) % 101) as f32 * 0.013 - 0.6;
+        let g: Vec<f32> = (0..n).map(|i| val(1, i)).collect();
+        let (p0, m0, v0): (Vec<f32>, Vec<f32>, Vec<f32>) = (
+            (0..n).map(|i| val(2, i)).collect(),
+            (0..n).map(|i| val(3, i) * 0.1).collect(),
+            (0..n).map(|i| val(4, i).abs() * 0.01).collect(),
+        );
+        let c = AdamCoeffs::new(1e-3, (0.9, 0.95), 1e-8, 0.1, 3);
+        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+        optim::adamw_step(&c, &mut p, &g, &mut m, &mut v).unwrap();
+        let (mut pp, mut pm, mut pv) = (p0.clone(), m0.clone(), v0.clone());
+        par_pieces([&g], [&mut pp, &mut pm, &mut pv], |[g], [p, m, v]| {
+            optim::adamw_step(&c, p, g, m, v)
+        })
+        .unwrap();
+        assert_eq!(
+            (bits(&pp), bits(&pm), bits(&pv)),
+            (bits(&p), bits(&m), bits(&v))
+        );
+
+        let rule = SgdRule::new(0.1).with_momentum(0.9).with_nesterov(true);
+        let (mut p, mut b) = (p0.clone(), m0.clone());
+        optim::sgd_step(&rule, &mut p, &g, Some(&mut b), false).unwrap();
+        let (mut pp, mut pb) = (p0.clone(), m0.clone());
+        par_pieces([&g], [&mut pp, &mut pb], |[g], [p, b]| {
+            optim::sgd_step(&rule, p, g, Some(b), false)
+        })
+        .unwrap();
+        assert_eq!((bits(&pp), bits(&pb)), (bits(&p), bits(&b)));
+
+        // Operands of different lengths reach the kernel whole, which rejects them.
+        let mut short = vec![0f32; n - 1];
+        let e = par_pieces([&g], [&mut short], |[g], [p]| {
+            optim::sgd_step(&rule, p, g, None, false)
+        });
+        assert!(
+            matches!(e, Err(KernelError::LengthMismatch { .. })),
+            "{e:?}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod copy_host_tests {
+    use fsdp_alloc::Device;
+
+    use crate::kernels::backend::Kernels;
+    use crate::AutogradError;
+
+    /// The seam's host copy: in stream order, bit for bit, and refused for a stream of another
+    /// device, a buffer on a third device, or lengths that differ.
+    #[test]
+    fn copy_host_checks_its_arguments_and_copies_in_stream_order() {
+        let (dev, host, other) = (Device::cpu(0), Device::cpu(1), Device::cpu(2));
+        let s = dev.new_stream("copy");
+        let k = Kernels::for_device(&dev).unwrap();
+        let src = host.alloc(64, &s).unwrap();
+        let dst = dev.alloc(64, &s).unwrap();
+        src.data()
+            .write::<f32>()
+            .unwrap()
+            .copy_from_slice(&[-0.0f32; 16]);
+        // A held-up stream: the copy must not run before the work launched ahead of it.
+        s.launch(|| std::thread::sleep(std::time::Duration::from_millis(30)));
+        k.copy_host(&s, src.data(), dst.data()).unwrap();
+        s.synchronize().unwrap();
+        let bits: Vec<u32> = dst
+            .data()
+            .read::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(bits, vec![(-0.0f32).to_bits(); 16]);
+
+        let elsewhere = other.new_stream("x");
+        assert!(matches!(
+            k.copy_host(&elsewhere, src.data(), dst.data()),
+            Err(AutogradError::Device { .. })
+        ));
+        let third = other.alloc(64, &elsewhere).unwrap();
+        assert!(matches!(
+            k.copy_host(&s, src.data(), third.data()),
+            Err(AutogradError::Device { .. })
+        ));
+        let short = dev.alloc(32, &s).unwrap();
+        assert!(k.copy_host(&s, src.data(), short.data()).is_err());
     }
 }

@@ -744,6 +744,10 @@ mod imp {
             self.k.upload(s, &bytes, &dst.buf).map_err(err("write"))
         }
 
+        fn copy_host(&self, s: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
+            self.k.copy_host(s, src, dst).map_err(err("copy_host"))
+        }
+
         fn attention_save(&self, a: &Attention) -> AttentionSave {
             if crate::kernels::cuda::fused_attention()
                 && (1..=crate::kernels::cuda::FUSED_ATTENTION_MAX_D).contains(&a.d)

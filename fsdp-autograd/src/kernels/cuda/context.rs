@@ -650,6 +650,92 @@ impl Call<'_> {
     }
 }
 
+/// The direction of [`Call::copy_pinned`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PinnedCopy {
+    /// Page-locked host memory to device memory (`cuMemcpyHtoDAsync`).
+    HostToDevice,
+    /// Device memory to page-locked host memory (`cuMemcpyDtoHAsync`).
+    DeviceToHost,
+}
+
+impl Call<'_> {
+    /// Enqueues an asynchronous copy of `host.len()` bytes between the page-locked host range
+    /// `host` (whose first byte is at `host_ptr`) and device address `dev` on the stream, in
+    /// stream order, without waiting: a host function takes an [`fsdp_alloc::AccessHold`] on
+    /// `host` (a read for host→device, a write for device→host) right before the copy runs, and
+    /// a second one releases it — and drops the last reference this call holds to `host`'s
+    /// memory — right after. A conflicting host access live at that point fails the stream
+    /// (reported at the next synchronize).
+    ///
+    /// # Safety
+    /// `dev..dev + host.len()` must lie in a live device allocation of this context, used by
+    /// other streams only in an order established with events; `host_ptr` must be
+    /// `host.pinned_ptr()`.
+    pub(crate) unsafe fn copy_pinned(
+        &self,
+        dir: PinnedCopy,
+        host: &BufferRef,
+        host_ptr: u64,
+        dev: u64,
+    ) -> Result<()> {
+        let bytes = host.len();
+        let held: Arc<Mutex<Option<fsdp_alloc::AccessHold>>> = Arc::default();
+        let (take, range) = (Arc::clone(&held), host.clone());
+        let write = dir == PinnedCopy::DeviceToHost;
+        self.stream.launch(move || {
+            let h = range.hold(write).unwrap_or_else(|e| {
+                panic!("asynchronous copy: the page-locked host range is in use: {e}")
+            });
+            *take.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+        });
+        self.k
+            .inner
+            .ctx
+            .bind_to_thread()
+            .map_err(self.driver("cuCtxSetCurrent"))?;
+        let mark = fsdp_alloc::trace::gpu_begin(self.k.device().id(), self.cs);
+        let (call, r) = match dir {
+            // SAFETY: `host_ptr..+bytes` is live page-locked memory (the caller's contract;
+            // `host`'s clone in the releasing host function keeps the segment alive until the
+            // copy has run, and the hold keeps host code off the range meanwhile); the device
+            // range is live (the caller's contract); the copy is ordered on `self.cs`.
+            PinnedCopy::HostToDevice => ("cuMemcpyHtoDAsync", unsafe {
+                cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                    dev,
+                    host_ptr as *const std::ffi::c_void,
+                    bytes,
+                    self.cs.cu_stream(),
+                )
+                .result()
+            }),
+            // SAFETY: as above, the copy writing the host range instead of reading it.
+            PinnedCopy::DeviceToHost => ("cuMemcpyDtoHAsync", unsafe {
+                cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                    host_ptr as *mut std::ffi::c_void,
+                    dev,
+                    bytes,
+                    self.cs.cu_stream(),
+                )
+                .result()
+            }),
+        };
+        if mark.is_some() {
+            let name = match dir {
+                PinnedCopy::HostToDevice => "copy h2d",
+                PinnedCopy::DeviceToHost => "copy d2h",
+            };
+            fsdp_alloc::trace::gpu_end(mark, self.stream.name(), "copy", name.into());
+        }
+        let keep = host.clone();
+        self.stream.launch(move || {
+            drop(held.lock().unwrap_or_else(|e| e.into_inner()).take());
+            drop(keep);
+        });
+        r.map_err(self.driver(call))
+    }
+}
+
 /// The GPU timeline's category and name of a plan step (`--profile`).
 fn step_label(step: &Step) -> (&'static str, &'static str) {
     match step {

@@ -159,6 +159,16 @@ pub enum CudaKernelError {
         #[source]
         source: AllocError,
     },
+    /// The host side of a host↔device copy could not be read or written (an unordered access
+    /// to it is live, or it is not host memory).
+    #[error("kernel `{op}`: the host buffer of the copy is not accessible: {source}")]
+    Host {
+        /// The copy.
+        op: &'static str,
+        /// The host memory's error.
+        #[source]
+        source: AllocError,
+    },
     /// A launch did not match the kernel's parameter list: a bug in this module, not in the
     /// caller's arguments.
     #[error("kernel `{op}`: internal error: {detail}; please report this bug")]

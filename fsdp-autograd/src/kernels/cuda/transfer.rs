@@ -3,7 +3,8 @@
 
 use fsdp_alloc::{BufferRef, Stream};
 
-use super::context::{expect_len, Call, CudaKernels, Dev, Elem};
+use super::context::{expect_len, Call, CudaKernels, Dev, Elem, PinnedCopy};
+use super::error::CudaKernelError;
 use super::error::Result;
 use super::plan::Plan;
 
@@ -49,6 +50,79 @@ impl CudaKernels {
         let s = bytes_arg(&c, "src", src, std::mem::size_of_val(dst))?;
         // SAFETY: `s` is this device's live buffer of exactly size_of_val(dst) bytes.
         unsafe { c.read_to_host(s.ptr, dst) }
+    }
+
+    /// Copies `src` into `dst` (the same number of bytes) in the order of `stream`, one of them
+    /// this device's memory and the other host memory of a CPU device — what CPU offload moves
+    /// shards and gradients with.
+    ///
+    /// From or into **page-locked** host memory (`fsdp_alloc::Device::cpu_pinned`) the copy is
+    /// asynchronous: `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` on `stream`, bracketed by two
+    /// host functions that take and release an [`fsdp_alloc::AccessHold`] on the host range
+    /// (so host code touching it unordered is an access conflict, not a race) and keep its
+    /// memory alive; the issuing thread does not wait. From **pageable** host memory the copy
+    /// is synchronous for the issuing thread (the stream is synchronized first, counted as a
+    /// host wait by `fsdp_alloc::stream::host_syncs`), as [`CudaKernels::upload`] and
+    /// [`CudaKernels::download`] are.
+    ///
+    /// Compiled only: this has not run on a GPU.
+    ///
+    /// # Errors
+    /// Neither or both buffers device memory of this device; lengths that differ; the host
+    /// side inaccessible (pageable path); buffer/stream errors; driver errors.
+    pub fn copy_host(&self, stream: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
+        let c = self.call("copy_host", stream)?;
+        let n = src.len();
+        let host_err = |source| CudaKernelError::Host {
+            op: "copy_host",
+            source,
+        };
+        match (src.device_ptr().is_some(), dst.device_ptr().is_some()) {
+            (false, true) => {
+                let d = bytes_arg(&c, "dst", dst, n)?;
+                if let Some(h) = src.pinned_ptr() {
+                    // SAFETY: `d` is this device's live buffer of n bytes (bytes_arg) and `h`
+                    // the start of `src`, n bytes of live page-locked memory that `src` (moved
+                    // into the releasing host function) keeps alive until the copy has run.
+                    return unsafe { c.copy_pinned(PinnedCopy::HostToDevice, src, h, d.ptr) };
+                }
+                // Pageable: the host source is final once the stream's earlier work has run.
+                stream.synchronize().map_err(host_err)?;
+                let bytes = src.read::<u8>().map_err(host_err)?.to_vec();
+                // SAFETY: `d` is this device's live buffer of exactly n bytes.
+                unsafe { c.write_from_host(&bytes, d.ptr) }
+            }
+            (true, false) => {
+                let s = bytes_arg(&c, "src", src, n)?;
+                if let Some(h) = dst.pinned_ptr() {
+                    // SAFETY: as above, with the roles swapped: `s` is this device's live
+                    // buffer of n bytes, `h` n bytes of live page-locked memory kept alive by
+                    // `dst` until the copy has run.
+                    return unsafe { c.copy_pinned(PinnedCopy::DeviceToHost, dst, h, s.ptr) };
+                }
+                // Pageable: the download synchronizes the stream (a host wait).
+                fsdp_alloc::stream::count_host_sync();
+                let mut host = vec![0u8; n];
+                // SAFETY: `s` is this device's live buffer of exactly n bytes.
+                unsafe { c.read_to_host(s.ptr, &mut host) }?;
+                // Written in stream order, so events recorded on `stream` afterwards cover it.
+                let dst = dst.clone();
+                stream.launch(move || {
+                    dst.write::<u8>()
+                        .unwrap_or_else(|e| panic!("copy_host: host destination unwritable: {e}"))
+                        .copy_from_slice(&host);
+                });
+                Ok(())
+            }
+            _ => Err(CudaKernelError::NotDeviceMemory {
+                op: "copy_host",
+                arg: "src/dst",
+                buffer: format!(
+                    "{src:?} → {dst:?}: exactly one side must be device memory of {}",
+                    self.id()
+                ),
+            }),
+        }
     }
 
     /// Enqueues a zero-fill of the device buffer `buf` on `stream` (all bytes 0, i.e. `0.0` for
