@@ -66,7 +66,9 @@ pub use context::{
 };
 pub use error::{AutogradError, HookError, Result};
 pub use kernels::Gelu;
-pub use ops::{causal_attention, cross_entropy, embedding, layer_norm, linear};
+pub use ops::{
+    causal_attention, causal_attention_qkv, cross_entropy, embedding, layer_norm, linear,
+};
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;
 pub use tensor::{Element, Tensor};

@@ -6,8 +6,8 @@
 //!   (bytes handed out, host-side accounting, so no timing is involved).
 //! - `attention_kernel_times`: the fused kernels' forward and backward times at GPT-2's shape
 //!   (batch 4, 12 heads, t = 1024, d = 64) in f32 and bf16, with CUDA events around the kernel
-//!   launches only, and the generic kernels' at d = 63 as the same run's baseline; one JSON
-//!   line.
+//!   launches only, the same kernels on the packed qkv layout (`_packed`, what GPT blocks run),
+//!   and the generic kernels' at d = 63 as the same run's baseline; one JSON line.
 //!
 //! **Never run on a GPU**: written where no GPU exists. The test is `#[ignore]`d and also needs
 //! `FSDP_GPU_TESTS=1` (set by `cargo xtask gpu-test`); without it the test says so and returns.
@@ -115,6 +115,7 @@ fn time_attention(
     k: &CudaKernels,
     dtype: DType,
     (batch, heads, t, d): (usize, usize, usize, usize),
+    packed: bool,
     iters: usize,
 ) -> Timing {
     let dev = k.device().clone();
@@ -147,7 +148,19 @@ fn time_attention(
     let [q, kk, v, dout] = [0, 1, 2, 3].map(|i| inputs[i].data());
     let (out, lse) = (alloc(n * es), alloc(nl * 4));
     let (dq, dk, dv) = (alloc(n * es), alloc(n * es), alloc(n * es));
+    // The packed layout ([batch, t, 3, heads, d] qkv, one dqkv gradient).
+    let (qkv, dqkv) = (alloc(3 * n * es), alloc(3 * n * es));
+    if packed {
+        let host = bytes(r.vec(3 * n));
+        k.upload(&stream, &host, qkv.data()).expect("upload");
+    }
     let fwd = || {
+        if packed {
+            let (o, l) = (out.data(), lse.data());
+            return k
+                .flash_attention_packed(&stream, dtype, qkv.data(), o, l, batch, heads, t, d)
+                .expect("flash_attention_packed");
+        }
         k.flash_attention(
             &stream,
             dtype,
@@ -164,6 +177,24 @@ fn time_attention(
         .expect("flash_attention")
     };
     let bwd = || {
+        if packed {
+            let (o, l, g) = (out.data(), lse.data(), dqkv.data());
+            return k
+                .flash_attention_packed_backward(
+                    &stream,
+                    dtype,
+                    qkv.data(),
+                    o,
+                    l,
+                    dout,
+                    g,
+                    batch,
+                    heads,
+                    t,
+                    d,
+                )
+                .expect("flash_attention_packed_backward");
+        }
         k.flash_attention_backward(
             &stream,
             dtype,
@@ -227,14 +258,17 @@ fn attention_kernel_times() {
     let k = CudaKernels::new(&dev).expect("CUDA kernels");
     let mut parts = Vec::new();
     // d = 63 takes the generic kernels (head dim read at run time, same tiles as d = 64): the
-    // same run's baseline for the register-tiled d = 64 kernels.
-    for (name, dtype, d) in [
-        ("f32", DType::F32, D),
-        ("bf16", DType::BF16, D),
-        ("f32_generic_d63", DType::F32, 63),
-        ("bf16_generic_d63", DType::BF16, 63),
+    // same run's baseline for the register-tiled d = 64 kernels. `_packed`: the same kernels on
+    // the packed layout of a GPT's qkv projection (what GPT blocks run, no head split copies).
+    for (name, dtype, d, packed) in [
+        ("f32", DType::F32, D, false),
+        ("bf16", DType::BF16, D, false),
+        ("f32_packed", DType::F32, D, true),
+        ("bf16_packed", DType::BF16, D, true),
+        ("f32_generic_d63", DType::F32, 63, false),
+        ("bf16_generic_d63", DType::BF16, 63, false),
     ] {
-        let tm = time_attention(&k, dtype, (4, HEADS, 1024, d), 10);
+        let tm = time_attention(&k, dtype, (4, HEADS, 1024, d), packed, 10);
         assert!(
             tm.fwd_ms > 0.0 && tm.bwd_ms > 0.0,
             "{name}: no time measured"

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use fsdp_alloc::{DType, Device, Stream};
 use fsdp_autograd::kernels::backend::{
-    Attention, AttentionSave, AttentionStats, Backend, Gemm, Kernels, Launch, Operand, ReadFn, Rows,
+    Attention, AttentionLayout, AttentionSave, AttentionStats, Backend, Gemm, Kernels, Launch,
+    Operand, ReadFn, Rows,
 };
 use fsdp_autograd::kernels::CpuBackend;
 use fsdp_autograd::{AutogradError, Tensor};
@@ -169,6 +170,7 @@ fn attention_statistics_are_the_backends_choice() {
         heads: 2,
         t: 3,
         d: 4,
+        layout: AttentionLayout::Heads,
     };
     assert_eq!(k.attention_save(&a), AttentionSave::Probs);
     assert_eq!(AttentionSave::Probs.shape(&a), vec![1, 2, 3, 3]);
@@ -202,5 +204,33 @@ fn attention_statistics_are_the_backends_choice() {
     let e = launch(AttentionStats::Lse(&lse)).unwrap_err();
     assert!(matches!(e, AutogradError::Unsupported { .. }), "{e}");
     assert!(e.to_string().contains("attention_save"), "{e}");
+    // The packed layout: the CPU takes it; q, k, v must be one operand (the whole qkv tensor)
+    // of 3x the head-split length.
+    let p = Attention {
+        layout: AttentionLayout::Packed,
+        ..a
+    };
+    assert!(k.attention_packed(&p));
+    let qkv_t = Tensor::zeros(&[1, 3, 3, 2, 4], DType::F32, &dev).unwrap();
+    let qkv = qkv_t.operand().unwrap();
+    let packed = |q: &Operand, kk: &Operand| {
+        k.launch(
+            s,
+            &Launch::Attention {
+                a: p,
+                q,
+                k: kk,
+                v: q,
+                out: &out,
+                stats: AttentionStats::Probs(&probs),
+            },
+        )
+    };
+    packed(&qkv, &qkv).unwrap();
+    let e = packed(&qkv, &q).unwrap_err();
+    assert!(matches!(e, AutogradError::Argument { .. }), "{e}");
+    assert!(e.to_string().contains("same operand"), "{e}");
+    let e = packed(&q, &q).unwrap_err();
+    assert!(matches!(e, AutogradError::Kernel(_)), "{e}");
     s.synchronize().unwrap();
 }

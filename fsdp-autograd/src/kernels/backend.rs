@@ -149,7 +149,8 @@ pub struct EmbeddingShape {
     pub dim: usize,
 }
 
-/// Causal attention over `[batch, heads, t, d]` tensors.
+/// Causal attention over `[batch, heads, t, d]` tensors (or the packed layout, see
+/// [`AttentionLayout`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Attention {
     /// Batch size.
@@ -160,6 +161,24 @@ pub struct Attention {
     pub t: usize,
     /// Head dimension.
     pub d: usize,
+    /// How q, k, v, out and their gradients are laid out.
+    pub layout: AttentionLayout,
+}
+
+/// The memory layout of causal attention's operands (the statistics are always
+/// `[batch, heads, t(, t)]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionLayout {
+    /// q, k, v, out, dout, dq, dk, dv: each its own contiguous `[batch, heads, t, d]` tensor.
+    #[default]
+    Heads,
+    /// The layout of a GPT's qkv projection, without head split/merge copies: q, k and v are
+    /// each the *whole* `[batch, t, 3, heads, d]` tensor (the same operand three times; the
+    /// kernels read the query, key and value slices `[.., 0|1|2, ..]`), out and dout are
+    /// `[batch, t, heads, d]` (= `[batch, t, heads·d]`), and dq, dk, dv are each the whole
+    /// `[batch, t, 3, heads, d]` gradient (the same operand three times; each slice is written
+    /// by exactly one of them, so together they write every element).
+    Packed,
 }
 
 /// What causal attention keeps for its backward; the backend decides
@@ -750,6 +769,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         let _ = a;
         AttentionSave::Probs
     }
+    /// True if this backend's attention kernels take `a` in [`AttentionLayout::Packed`]
+    /// (`a.layout` is ignored). Default: false (callers then split the heads themselves).
+    fn attention_packed(&self, a: &Attention) -> bool {
+        let _ = a;
+        false
+    }
     /// Copies `src` into `dst` (the same number of bytes, checked by [`Kernels::copy_host`]) in
     /// the order of `s`, without the issuing thread waiting: one side is this backend's device
     /// memory, the other host memory of a CPU device. Events recorded on `s` afterwards cover
@@ -876,6 +901,12 @@ impl Kernels {
     /// keeps the probabilities, CUDA (fused kernels, the default) the log-sum-exp and output.
     pub fn attention_save(&self, a: &Attention) -> AttentionSave {
         self.backend.attention_save(a)
+    }
+
+    /// True if this device's kernels take attention of shape `a` in
+    /// [`AttentionLayout::Packed`] (see [`Backend::attention_packed`]).
+    pub fn attention_packed(&self, a: &Attention) -> bool {
+        self.backend.attention_packed(a)
     }
 
     fn dev(&self, op: &'static str, arg: &'static str, o: &Operand) -> Result<()> {
@@ -1118,10 +1149,12 @@ impl Kernels {
                     AttentionStats::Lse(l) => exact("lse", l, DType::F32, LSE, nl),
                 };
                 let stats_n = st.n;
+                Kernels::attention_packed_same(op, a, [("q", q), ("k", k), ("v", v)])?;
+                let nqkv = Kernels::attention_qkv_len(op, a, n)?;
                 let table = [
-                    float("q", q, n),
-                    float("k", k, n),
-                    float("v", v, n),
+                    float("q", q, nqkv),
+                    float("k", k, nqkv),
+                    float("v", v, nqkv),
                     float("out", out, n),
                     st,
                 ];
@@ -1147,15 +1180,18 @@ impl Kernels {
                         Some(float("out", out, n)),
                     ),
                 };
+                Kernels::attention_packed_same(op, a, [("q", q), ("k", k), ("v", v)])?;
+                Kernels::attention_packed_same(op, a, [("dq", dq), ("dk", dk), ("dv", dv)])?;
+                let nqkv = Kernels::attention_qkv_len(op, a, n)?;
                 let mut table = vec![
-                    float("q", q, n),
-                    float("k", k, n),
-                    float("v", v, n),
+                    float("q", q, nqkv),
+                    float("k", k, nqkv),
+                    float("v", v, nqkv),
                     st,
                     float("dout", dout, n),
-                    float("dq", dq, n),
-                    float("dk", dk, n),
-                    float("dv", dv, n),
+                    float("dq", dq, nqkv),
+                    float("dk", dk, nqkv),
+                    float("dv", dv, nqkv),
                 ];
                 table.extend(fwd_out);
                 self.args(op, || format!("{a:?}"), &table)?;
@@ -1228,6 +1264,40 @@ impl Kernels {
             | Launch::SumSquares { .. }
             | Launch::Unscale { .. } => self.check_optim(l),
         }
+    }
+
+    /// Elements of each q / k / v (and dq / dk / dv) operand: `n` (one head-split tensor) or,
+    /// packed, the whole qkv tensor, 3·`n`; packed, q = k = v and dq = dk = dv must be one
+    /// operand each (checked where the operands are at hand).
+    fn attention_qkv_len(op: &'static str, a: Attention, n: usize) -> Result<usize> {
+        match a.layout {
+            AttentionLayout::Heads => Ok(n),
+            AttentionLayout::Packed => mul(op, n, 3),
+        }
+    }
+
+    /// Packed layout: the three operands must be one range (the whole qkv tensor or its
+    /// gradient).
+    fn attention_packed_same(
+        op: &'static str,
+        a: Attention,
+        ops: [(&'static str, &Operand); 3],
+    ) -> Result<()> {
+        if a.layout != AttentionLayout::Packed {
+            return Ok(());
+        }
+        let [(n0, o0), (n1, o1), (n2, o2)] = ops;
+        let same =
+            |o: &Operand| o.buf.location() == o0.buf.location() && o.buf.len() == o0.buf.len();
+        if same(o1) && same(o2) {
+            return Ok(());
+        }
+        Err(AutogradError::Argument {
+            op,
+            detail: format!(
+                "packed attention layout: `{n0}`, `{n1}` and `{n2}` must be the same operand (the whole [batch, t, 3, heads, d] tensor); pass it three times"
+            ),
+        })
     }
 
     /// Elements of q-shaped operands, of the probabilities and of the log-sum-exp.

@@ -179,20 +179,8 @@ impl Module for CausalSelfAttention {
                 format!("input must be [batch, t, d], got {:?}", x.shape()),
             ));
         }
-        let (b, t, d) = (x.shape()[0], x.shape()[1], x.shape()[2]);
-        let h = self.n_heads;
-        let dh = d / h;
-        let qkv = self.qkv.call(x)?; // [b, t, 3d]
-        let qkv = qkv
-            .view(&[b, t, 3, h, dh])?
-            .permute(&[2, 0, 3, 1, 4])? // [3, b, h, t, dh]
-            .contiguous()?;
-        let parts = qkv.split(&[1, 1, 1])?;
-        let q = parts[0].view(&[b, h, t, dh])?;
-        let k = parts[1].view(&[b, h, t, dh])?;
-        let v = parts[2].view(&[b, h, t, dh])?;
-        let y = ops::causal_attention(&q, &k, &v)?; // [b, h, t, dh]
-        let y = y.permute(&[0, 2, 1, 3])?.contiguous()?.view(&[b, t, d])?;
+        let qkv = self.qkv.call(x)?; // [b, t, 3d] = [b, t, 3, h, dh]
+        let y = ops::causal_attention_qkv(&qkv, self.n_heads)?; // [b, t, d]
         self.proj.call(&y)
     }
     fn visit_params(&self, _f: &mut dyn FnMut(&str, &Parameter)) {}

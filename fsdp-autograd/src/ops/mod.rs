@@ -3,10 +3,12 @@
 //! a backward node when needed.
 //!
 //! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
-//! ([`linear`], [`layer_norm`], [`embedding`], [`causal_attention`], [`cross_entropy`]).
+//! ([`linear`], [`layer_norm`], [`embedding`], [`causal_attention`], [`causal_attention_qkv`],
+//! [`cross_entropy`]).
 //! Half-precision tensors are computed in `f32` and rounded on output; binary operations need
 //! equal dtypes.
 
+pub(crate) mod attention_qkv;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod nn;
@@ -14,6 +16,7 @@ pub(crate) mod reduce;
 pub(crate) mod shape;
 pub(crate) mod transfer;
 
+pub use attention_qkv::causal_attention_qkv;
 pub use matmul::linear;
 pub use nn::{causal_attention, cross_entropy, embedding, layer_norm};
 

@@ -6,8 +6,8 @@ use fsdp_alloc::DType;
 use crate::autograd::{needs_grad, record, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
 use crate::kernels::backend::{
-    Attention, AttentionSave, AttentionSaved, AttentionStats, EmbeddingShape, Launch,
-    LayerNormShape, Rows,
+    Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, EmbeddingShape,
+    Launch, LayerNormShape, Rows,
 };
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
@@ -306,6 +306,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         heads: h,
         t,
         d,
+        layout: AttentionLayout::Heads,
     };
     let save = ctx.k()?.attention_save(&at);
     let stats = ctx.empty(&save.shape(&at), DType::F32)?;

@@ -6,7 +6,8 @@ use fsdp_alloc::Stream;
 
 use crate::error::{AutogradError, Result};
 use crate::kernels::backend::{
-    AttentionSaved, AttentionStats, Backend, BinaryOp, Launch, Operand, ReadFn, SumTo,
+    AttentionLayout, AttentionSaved, AttentionStats, Backend, BinaryOp, Launch, Operand, ReadFn,
+    SumTo,
 };
 use crate::kernels::{cpu, Gelu, KernelError};
 use crate::launch::{launch, launch_f32, strided_copy_arg};
@@ -30,6 +31,12 @@ pub struct CpuBackend;
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    /// The CPU takes the packed layout (gathered inside the kernel, bit for bit the head-split
+    /// result).
+    fn attention_packed(&self, _a: &crate::kernels::backend::Attention) -> bool {
+        true
     }
 
     fn launch(&self, s: &Stream, l: &Launch<'_>) -> Result<()> {
@@ -212,6 +219,14 @@ impl Backend for CpuBackend {
                 let AttentionStats::Probs(probs) = stats else {
                     return Err(lse_unsupported("attention"));
                 };
+                if a.layout == AttentionLayout::Packed {
+                    // q = k = v: the whole qkv tensor (checked by the seam's front).
+                    let (ins, outs) = ([q], [out, probs]);
+                    launch_f32(s, "attention", ins, outs, false, move |[qkv], [o, p]| {
+                        cpu::causal_attention_packed(qkv, o, p, a.batch, a.heads, a.t, a.d)
+                    });
+                    return Ok(());
+                }
                 let (ins, outs) = ([q, k, v], [out, probs]);
                 launch_f32(
                     s,
@@ -238,8 +253,17 @@ impl Backend for CpuBackend {
                 let AttentionSaved::Probs(probs) = saved else {
                     return Err(lse_unsupported("attention_backward"));
                 };
-                let (ins, outs) = ([q, k, v, probs, dout], [dq, dk, dv]);
                 let op = "attention_backward";
+                if a.layout == AttentionLayout::Packed {
+                    // q = k = v and dq = dk = dv: whole tensors (checked by the seam's front).
+                    let (ins, outs) = ([q, probs, dout], [dq]);
+                    launch_f32(s, op, ins, outs, false, move |[qkv, p, g], [dqkv]| {
+                        let (b, h, t, d) = (a.batch, a.heads, a.t, a.d);
+                        cpu::causal_attention_packed_backward(qkv, p, g, dqkv, b, h, t, d)
+                    });
+                    return Ok(());
+                }
+                let (ins, outs) = ([q, k, v, probs, dout], [dq, dk, dv]);
                 launch_f32(
                     s,
                     op,

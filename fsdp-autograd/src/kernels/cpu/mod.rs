@@ -7,7 +7,7 @@
 //! | reductions / broadcasts | [`sum`], [`mean`], [`add_row_bias`], [`add_row_bias_inplace`], [`col_sums`] |
 //! | row-wise | [`softmax_rows`], [`softmax_rows_backward`], [`layer_norm`], [`layer_norm_backward`] |
 //! | lookup / loss | [`embedding`], [`embedding_backward`], [`cross_entropy`], [`cross_entropy_backward`] |
-//! | attention | [`causal_attention`], [`causal_attention_backward`] |
+//! | attention | [`causal_attention`], [`causal_attention_backward`], [`causal_attention_packed`], [`causal_attention_packed_backward`] |
 //! | layout (views) | [`strided_copy`], [`strided_add_assign`] |
 //! | optimizer, clipping, scaler ([`optim`]) | [`optim::sgd_step`], [`optim::adamw_step`], [`optim::lamb_direction`], [`optim::lamb_apply`], [`optim::sum_sq`], [`optim::unscale`] |
 //! | casts (`half`) | [`cast_f32_to_f16`], [`cast_f16_to_f32`], [`cast_f32_to_bf16`], [`cast_bf16_to_f32`] |
@@ -44,6 +44,7 @@
 //! the diagonal, 5/8 of the full square's work at t = 128.
 
 mod attention;
+mod attention_packed;
 pub(crate) mod backend;
 mod cast;
 mod elementwise;
@@ -56,6 +57,7 @@ mod norm;
 pub mod optim;
 
 pub use attention::{causal_attention, causal_attention_backward};
+pub use attention_packed::{causal_attention_packed, causal_attention_packed_backward};
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
 pub use elementwise::{
     add, add_row_bias, add_row_bias_inplace, add_scaled, col_sums, gelu, gelu_backward, gelu_exact,

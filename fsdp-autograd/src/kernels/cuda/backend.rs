@@ -45,8 +45,8 @@ mod imp {
 
     use crate::error::{AutogradError, Result};
     use crate::kernels::backend::{
-        Attention, AttentionSave, AttentionSaved, AttentionStats, Backend, BinaryOp, Launch,
-        Operand, ReadFn, View,
+        Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, Backend,
+        BinaryOp, Launch, Operand, ReadFn, View,
     };
     use crate::kernels::cuda::typed::{type_code, TBuf};
     use crate::kernels::cuda::{CudaKernelError, CudaKernels, GemmPrecision, IndexCheck};
@@ -680,6 +680,14 @@ mod imp {
                         AttentionStats::Probs(p) => p,
                         AttentionStats::Lse(lse) => {
                             let l = &lse.buf;
+                            if a.layout == AttentionLayout::Packed {
+                                // q = k = v: the whole qkv tensor (checked by the seam's front).
+                                let dt = one_dtype(&[q, out]).ok_or_else(|| packed_mixed(op))?;
+                                return self
+                                    .k
+                                    .flash_attention_packed(s, dt, &q.buf, &out.buf, l, b, h, t, d)
+                                    .map_err(err(op));
+                            }
                             if let Some(dt) = one_dtype(&[q, k, v, out]) {
                                 let [q, kk, v, o] = [q, k, v, out].map(|o| &o.buf);
                                 return self
@@ -696,6 +704,7 @@ mod imp {
                             return f.finish();
                         }
                     };
+                    packed_unsupported(op, &a)?;
                     let mut f = self.scope(op, s);
                     let [q, kk, v] = f.inputs([q, k, v])?;
                     let o = f.output(out, false)?;
@@ -722,6 +731,18 @@ mod imp {
                         AttentionSaved::Probs(p) => p,
                         AttentionSaved::Lse { lse, out } => {
                             let l = &lse.buf;
+                            if a.layout == AttentionLayout::Packed {
+                                // q = k = v and dq = dk = dv (checked by the seam's front).
+                                let dt = one_dtype(&[q, out, dout, dq])
+                                    .ok_or_else(|| packed_mixed(op))?;
+                                let [q, o, g, dqkv] = [q, out, dout, dq].map(|o| &o.buf);
+                                return self
+                                    .k
+                                    .flash_attention_packed_backward(
+                                        s, dt, q, o, l, g, dqkv, b, h, t, d,
+                                    )
+                                    .map_err(err(op));
+                            }
                             let all = [q, k, v, out, dout, dq, dk, dv];
                             if let Some(dt) = one_dtype(&all) {
                                 let [q, kk, v, o, g, dq, dk, dv] = all.map(|o| &o.buf);
@@ -757,6 +778,7 @@ mod imp {
                             return f.finish();
                         }
                     };
+                    packed_unsupported(op, &a)?;
                     let mut f = self.scope(op, s);
                     let [q, kk, v, g] = f.inputs([q, k, v, dout])?;
                     let [dq, dk, dv] = f.outputs([dq, dk, dv])?;
@@ -887,6 +909,11 @@ mod imp {
             }
         }
 
+        /// The fused kernels take the packed layout; the unfused ones (probabilities) do not.
+        fn attention_packed(&self, a: &Attention) -> bool {
+            self.attention_save(a) == AttentionSave::Lse
+        }
+
         fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
             self.drain_checks()?;
             let mut host = vec![0u8; src.buf.len()];
@@ -895,6 +922,27 @@ mod imp {
                 .map_err(err("read"))?;
             f(&host);
             Ok(())
+        }
+    }
+
+    /// The unfused CUDA kernels (probabilities saved) take [`AttentionLayout::Heads`] only
+    /// (`attention_packed` says false for them, so `causal_attention_qkv` splits the heads
+    /// itself); a packed launch there is a typed error.
+    fn packed_unsupported(op: &'static str, a: &Attention) -> Result<()> {
+        if a.layout == AttentionLayout::Packed {
+            return Err(AutogradError::Argument {
+                op,
+                detail: "the unfused CUDA attention kernels take the head-split layout only (AttentionLayout::Heads); split the heads first (ops::causal_attention_qkv does where Kernels::attention_packed is false)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The packed layout on CUDA needs one float dtype for qkv, out, dout and the gradient.
+    fn packed_mixed(op: &'static str) -> AutogradError {
+        AutogradError::Argument {
+            op,
+            detail: "packed attention layout on CUDA: qkv, out, dout and dqkv must share one float dtype (f32, bf16 or f16); cast them first".into(),
         }
     }
 }

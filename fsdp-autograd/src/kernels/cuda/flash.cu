@@ -6,8 +6,10 @@
 // dot products use explicit __fmaf_rn instead), no floating-point atomics.
 //
 // Layout: q, k, v, out, dout, dq, dk, dv are [bh, t, d] row-major in the element type E (f32,
-// or the raw bits of bf16 / f16); lse and delta are [bh, t] f32. Scores are s = (q.k)*scale with
-// key j visible to query i iff j <= i.
+// or the raw bits of bf16 / f16), or (packed != 0) the layout of a GPT's qkv projection: q, k, v
+// and dq, dk, dv are slices of one [b, t, 3, heads, d] tensor and out, dout are [b, t, heads, d]
+// (fa_rows gives each head's base and row stride; no head split / merge copies); lse and delta
+// are [bh, t] f32 in both. Scores are s = (q.k)*scale with key j visible to query i iff j <= i.
 //
 // Forward (flash_fwd_*): one block per tile of BR queries of one head. The queries' tile stays
 // in shared memory; tiles of BC keys and values stream through shared memory; each query row
@@ -54,18 +56,46 @@ struct EltF16 {
 
 __device__ u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
 
-// Loads rows [r0, r0 + n) of a [t, d] matrix at `src` into sh[0..R)[0..d), zero-filling rows
-// past n.
+// Where head bh's rows of an operand live: row 0's element offset and the row stride.
+// packed == 0: every operand is [bh, t, d] (base bh*t*d, stride d). packed != 0, the layout of a
+// GPT's qkv projection (no head split / merge copies): part 0, 1, 2 (q, k, v and dq, dk, dv,
+// each pointer the whole tensor) are slices [.., part, ..] of [b, t, 3, heads, d] (stride
+// 3*heads*d); part 3 (out, dout) is [b, t, heads, d] (stride heads*d). lse and delta are
+// [bh, t] in both.
+struct FaRows {
+    u64 base, rs;
+};
+__device__ FaRows fa_rows(u64 bh, u64 t, u64 d, u64 heads, u64 packed, u64 part) {
+    FaRows r;
+    if (!packed) {
+        r.base = bh * t * d;
+        r.rs = d;
+        return r;
+    }
+    const u64 b = bh / heads, h = bh % heads;
+    if (part == 3) {
+        r.base = (b * t * heads + h) * d;
+        r.rs = heads * d;
+    } else {
+        r.base = (b * t * 3 * heads + part * heads + h) * d;
+        r.rs = 3 * heads * d;
+    }
+    return r;
+}
+
+// Loads rows [r0, r0 + n) of a [t, d] matrix at `src` (row stride rs) into sh[0..R)[0..d),
+// zero-filling rows past n.
 template <class E, int R, int W>
-__device__ void flash_load(float (*sh)[W], const typename E::T* src, u64 r0, u64 n, u64 d) {
+__device__ void flash_load(float (*sh)[W], const typename E::T* src, u64 r0, u64 n, u64 d,
+                           u64 rs) {
     for (u64 i = threadIdx.x; i < (u64)R * d; i += BLOCK) {
         u64 r = i / d, j = i % d;
-        sh[r][j] = r < n ? E::ld(src, (r0 + r) * d + j) : 0.0f;
+        sh[r][j] = r < n ? E::ld(src, (r0 + r) * rs + j) : 0.0f;
     }
 }
 
 template <class E, int DMAX, int BR, int BC>
-__device__ void flash_fwd(u64 bh, u64 t, u64 d, float scale, const typename E::T* q,
+__device__ void flash_fwd(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const typename E::T* q,
                           const typename E::T* k, const typename E::T* v, typename E::T* out,
                           float* lse) {
     constexpr int TPR = BLOCK / BR;  // threads per query row
@@ -82,9 +112,10 @@ __device__ void flash_fwd(u64 bh, u64 t, u64 d, float scale, const typename E::T
     for (u64 blk = blockIdx.x; blk < bh * tiles; blk += gridDim.x) {
         const u64 h = blk / tiles, q0 = (blk % tiles) * BR;
         const u64 rows = min_u64(BR, t - q0);
-        const u64 base = h * t * d;
+        const FaRows rq = fa_rows(h, t, d, heads, packed, 0), rk = fa_rows(h, t, d, heads, packed, 1),
+                     rv = fa_rows(h, t, d, heads, packed, 2), ro = fa_rows(h, t, d, heads, packed, 3);
         __syncthreads();  // the previous tile's readers of qs are done
-        flash_load<E, BR, DMAX + 1>(qs, q + base, q0, rows, d);
+        flash_load<E, BR, DMAX + 1>(qs, q + rq.base, q0, rows, d, rq.rs);
         float m = neg_inf_f32(), l = 0.0f;
         float acc[CPT];
 #pragma unroll
@@ -93,8 +124,8 @@ __device__ void flash_fwd(u64 bh, u64 t, u64 d, float scale, const typename E::T
         for (u64 k0 = 0; k0 < kend; k0 += BC) {
             const u64 kn = min_u64(BC, kend - k0);
             __syncthreads();  // qs is loaded; the previous key tile's readers are done
-            flash_load<E, BC, DMAX + 1>(ks, k + base, k0, kn, d);
-            flash_load<E, BC, DMAX + 1>(vs, v + base, k0, kn, d);
+            flash_load<E, BC, DMAX + 1>(ks, k + rk.base, k0, kn, d, rk.rs);
+            flash_load<E, BC, DMAX + 1>(vs, v + rv.base, k0, kn, d, rv.rs);
             __syncthreads();
             float s[KPT];
             float mt = neg_inf_f32();
@@ -144,7 +175,7 @@ __device__ void flash_fwd(u64 bh, u64 t, u64 d, float scale, const typename E::T
 #pragma unroll
             for (int c = 0; c < CPT; ++c) {
                 const u64 j = tc + (u64)c * TPR;
-                if (j < d) E::st(out, base + row * d + j, acc[c] / l);
+                if (j < d) E::st(out, ro.base + row * ro.rs + j, acc[c] / l);
             }
             if (tc == 0) lse[h * t + row] = m + logf(l);
         }
@@ -152,13 +183,15 @@ __device__ void flash_fwd(u64 bh, u64 t, u64 d, float scale, const typename E::T
 }
 
 template <class E>
-__device__ void flash_bwd_pre(u64 rows, u64 d, const typename E::T* out,
+__device__ void flash_bwd_pre(u64 rows, u64 d, u64 t, u64 heads, u64 packed, const typename E::T* out,
                               const typename E::T* dout, float* delta) {
     GRID_STRIDE(i, rows) {
         float acc = 0.0f;
         // Fused multiply-adds in column order, as the backward kernels compute dout.v: a row
         // with one visible key (out = v) gets dS = p * (dout.v - delta) = 0 exactly.
-        for (u64 j = 0; j < d; ++j) acc = __fmaf_rn(E::ld(dout, i * d + j), E::ld(out, i * d + j), acc);
+        const FaRows ro = fa_rows(i / t, t, d, heads, packed, 3);
+        const u64 o = ro.base + (i % t) * ro.rs;
+        for (u64 j = 0; j < d; ++j) acc = __fmaf_rn(E::ld(dout, o + j), E::ld(out, o + j), acc);
         delta[i] = acc;
     }
 }
@@ -191,7 +224,7 @@ __device__ void flash_bwd_tile(u64 q0, u64 qn, u64 k0, u64 kn, u64 d, float scal
 }
 
 template <class E, int DMAX, int BQ, int BK>
-__device__ void flash_bwd_dkdv(u64 bh, u64 t, u64 d, float scale, const typename E::T* q,
+__device__ void flash_bwd_dkdv(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const typename E::T* q,
                                const typename E::T* k, const typename E::T* v,
                                const typename E::T* dout, const float* lse, const float* delta,
                                typename E::T* dk, typename E::T* dv) {
@@ -210,18 +243,19 @@ __device__ void flash_bwd_dkdv(u64 bh, u64 t, u64 d, float scale, const typename
     for (u64 blk = blockIdx.x; blk < bh * tiles; blk += gridDim.x) {
         const u64 h = blk / tiles, k0 = (blk % tiles) * BK;
         const u64 kn = min_u64(BK, t - k0);
-        const u64 base = h * t * d;
+        const FaRows rq = fa_rows(h, t, d, heads, packed, 0), rk = fa_rows(h, t, d, heads, packed, 1),
+                     rv = fa_rows(h, t, d, heads, packed, 2), ro = fa_rows(h, t, d, heads, packed, 3);
         __syncthreads();
-        flash_load<E, BK, DMAX + 1>(ks, k + base, k0, kn, d);
-        flash_load<E, BK, DMAX + 1>(vs, v + base, k0, kn, d);
+        flash_load<E, BK, DMAX + 1>(ks, k + rk.base, k0, kn, d, rk.rs);
+        flash_load<E, BK, DMAX + 1>(vs, v + rv.base, k0, kn, d, rv.rs);
         float dka[CPT], dva[CPT];
 #pragma unroll
         for (int c = 0; c < CPT; ++c) dka[c] = dva[c] = 0.0f;
         for (u64 q0 = k0 / BQ * BQ; q0 < t; q0 += BQ) {
             const u64 qn = min_u64(BQ, t - q0);
             __syncthreads();  // ks/vs loaded; the previous query tile's readers are done
-            flash_load<E, BQ, DMAX + 1>(qs, q + base, q0, qn, d);
-            flash_load<E, BQ, DMAX + 1>(gs, dout + base, q0, qn, d);
+            flash_load<E, BQ, DMAX + 1>(qs, q + rq.base, q0, qn, d, rq.rs);
+            flash_load<E, BQ, DMAX + 1>(gs, dout + ro.base, q0, qn, d, ro.rs);
             for (u64 i = threadIdx.x; i < BQ; i += BLOCK) {
                 ls[i] = i < qn ? lse[h * t + q0 + i] : 0.0f;
                 dl[i] = i < qn ? delta[h * t + q0 + i] : 0.0f;
@@ -249,8 +283,8 @@ __device__ void flash_bwd_dkdv(u64 bh, u64 t, u64 d, float scale, const typename
             for (int c = 0; c < CPT; ++c) {
                 const u64 j = tc + (u64)c * TPK;
                 if (j < d) {
-                    E::st(dk, base + (k0 + kr) * d + j, dka[c] * scale);
-                    E::st(dv, base + (k0 + kr) * d + j, dva[c]);
+                    E::st(dk, rk.base + (k0 + kr) * rk.rs + j, dka[c] * scale);
+                    E::st(dv, rv.base + (k0 + kr) * rv.rs + j, dva[c]);
                 }
             }
         }
@@ -258,7 +292,7 @@ __device__ void flash_bwd_dkdv(u64 bh, u64 t, u64 d, float scale, const typename
 }
 
 template <class E, int DMAX, int BQ, int BK>
-__device__ void flash_bwd_dq(u64 bh, u64 t, u64 d, float scale, const typename E::T* q,
+__device__ void flash_bwd_dq(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const typename E::T* q,
                              const typename E::T* k, const typename E::T* v,
                              const typename E::T* dout, const float* lse, const float* delta,
                              typename E::T* dq) {
@@ -276,10 +310,11 @@ __device__ void flash_bwd_dq(u64 bh, u64 t, u64 d, float scale, const typename E
     for (u64 blk = blockIdx.x; blk < bh * tiles; blk += gridDim.x) {
         const u64 h = blk / tiles, q0 = (blk % tiles) * BQ;
         const u64 qn = min_u64(BQ, t - q0);
-        const u64 base = h * t * d;
+        const FaRows rq = fa_rows(h, t, d, heads, packed, 0), rk = fa_rows(h, t, d, heads, packed, 1),
+                     rv = fa_rows(h, t, d, heads, packed, 2), ro = fa_rows(h, t, d, heads, packed, 3);
         __syncthreads();
-        flash_load<E, BQ, DMAX + 1>(qs, q + base, q0, qn, d);
-        flash_load<E, BQ, DMAX + 1>(gs, dout + base, q0, qn, d);
+        flash_load<E, BQ, DMAX + 1>(qs, q + rq.base, q0, qn, d, rq.rs);
+        flash_load<E, BQ, DMAX + 1>(gs, dout + ro.base, q0, qn, d, ro.rs);
         for (u64 i = threadIdx.x; i < BQ; i += BLOCK) {
             ls[i] = i < qn ? lse[h * t + q0 + i] : 0.0f;
             dl[i] = i < qn ? delta[h * t + q0 + i] : 0.0f;
@@ -291,8 +326,8 @@ __device__ void flash_bwd_dq(u64 bh, u64 t, u64 d, float scale, const typename E
         for (u64 k0 = 0; k0 < kend; k0 += BK) {
             const u64 kn = min_u64(BK, kend - k0);
             __syncthreads();  // qs/gs loaded; the previous key tile's readers are done
-            flash_load<E, BK, DMAX + 1>(ks, k + base, k0, kn, d);
-            flash_load<E, BK, DMAX + 1>(vs, v + base, k0, kn, d);
+            flash_load<E, BK, DMAX + 1>(ks, k + rk.base, k0, kn, d, rk.rs);
+            flash_load<E, BK, DMAX + 1>(vs, v + rv.base, k0, kn, d, rv.rs);
             __syncthreads();
             flash_bwd_tile<DMAX, BQ, BK>(q0, qn, k0, kn, d, scale, qs, gs, ks, vs, ls, dl,
                                          (float (*)[BK + 1])0, dss);
@@ -311,7 +346,7 @@ __device__ void flash_bwd_dq(u64 bh, u64 t, u64 d, float scale, const typename E
 #pragma unroll
             for (int c = 0; c < CPT; ++c) {
                 const u64 j = tc + (u64)c * TPQ;
-                if (j < d) E::st(dq, base + (q0 + qr) * d + j, dqa[c] * scale);
+                if (j < d) E::st(dq, rq.base + (q0 + qr) * rq.rs + j, dqa[c] * scale);
             }
         }
     }
@@ -358,13 +393,14 @@ __device__ float fma4(float4 a, float4 b, float acc) {
 
 __device__ float comp4(float4 a, int u) { return u == 0 ? a.x : u == 1 ? a.y : u == 2 ? a.z : a.w; }
 
-// Rows [r0, r0 + n) of head matrix `src` ([t, D]) into sh[0..R)[0..D), zero past n.
+// Rows [r0, r0 + n) of head matrix `src` ([t, D], row stride rs) into sh[0..R)[0..D), zero
+// past n.
 template <class E, int D, int R, int W>
-__device__ void fa_load(float (*sh)[W], const typename E::T* src, u32 r0, u32 n) {
+__device__ void fa_load(float (*sh)[W], const typename E::T* src, u32 r0, u32 n, u32 rs) {
 #pragma unroll 4
     for (u32 i = threadIdx.x; i < (u32)(R * D); i += BLOCK) {
         const u32 r = i / D, j = i % D;
-        sh[r][j] = r < n ? E::ld(src, (r0 + r) * (u32)D + j) : 0.0f;
+        sh[r][j] = r < n ? E::ld(src, (r0 + r) * rs + j) : 0.0f;
     }
 }
 
@@ -379,7 +415,7 @@ __device__ void fa_load_rows(float* ls, float* dl, const float* lse, const float
 }
 
 template <class E, int D, int BR, int BC>
-__device__ void fa_fwd(u64 bh, u64 t64, float scale, const typename E::T* q,
+__device__ void fa_fwd(u64 bh, u64 t64, u64 heads, u64 packed, float scale, const typename E::T* q,
                        const typename E::T* k, const typename E::T* v, typename E::T* out,
                        float* lse) {
     constexpr int RM = BR / 16;  // query rows per thread: ty + 16 i
@@ -399,9 +435,10 @@ __device__ void fa_fwd(u64 bh, u64 t64, float scale, const typename E::T* q,
         const u32 q0 = (tiles - 1 - (u32)(blk / bh)) * BR;
         const u64 h = blk % bh;
         const u32 rows = min_u32(BR, t - q0);
-        const u64 base = h * t64 * D;
+        const FaRows rq = fa_rows(h, t64, D, heads, packed, 0), rk = fa_rows(h, t64, D, heads, packed, 1),
+                     rv = fa_rows(h, t64, D, heads, packed, 2), ro = fa_rows(h, t64, D, heads, packed, 3);
         __syncthreads();  // the previous tile's readers of qs and red are done
-        fa_load<E, D, BR, DP>(qs, q + base, q0, rows);
+        fa_load<E, D, BR, DP>(qs, q + rq.base, q0, rows, (u32)rq.rs);
         float m[RM], l[RM], acc[RM][OC][4];
 #pragma unroll
         for (int i = 0; i < RM; ++i) {
@@ -416,8 +453,8 @@ __device__ void fa_fwd(u64 bh, u64 t64, float scale, const typename E::T* q,
         for (u32 k0 = 0; k0 < kend; k0 += BC) {
             const u32 kn = min_u32(BC, kend - k0);
             __syncthreads();  // qs is loaded; the previous key tile's readers are done
-            fa_load<E, D, BC, DP>(ks, k + base, k0, kn);
-            fa_load<E, D, BC, D>(vs, v + base, k0, kn);
+            fa_load<E, D, BC, DP>(ks, k + rk.base, k0, kn, (u32)rk.rs);
+            fa_load<E, D, BC, D>(vs, v + rv.base, k0, kn, (u32)rv.rs);
             __syncthreads();
             float s[RM][SN];
 #pragma unroll
@@ -508,12 +545,12 @@ __device__ void fa_fwd(u64 bh, u64 t64, float scale, const typename E::T* q,
             float sum = 0.0f;
             for (int x = 0; x < 16; ++x) sum = sum + red[r][x];
             if (r < rows) {
-                const u32 o = (q0 + r) * (u32)D;
+                const u32 o = (q0 + r) * (u32)ro.rs;
 #pragma unroll
                 for (int c = 0; c < OC; ++c)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        E::st(out + base, o + 4 * tx + 64 * c + e, acc[i][c][e] / sum);
+                        E::st(out + ro.base, o + 4 * tx + 64 * c + e, acc[i][c][e] / sum);
                 if (tx == 0) lse[h * t64 + q0 + r] = m[i] + logf(sum);
             }
         }
@@ -582,7 +619,7 @@ __device__ void fa_accum(const float (*w)[N], const float (*x)[D + 4], u32 ty, u
 }
 
 template <class E, int D, int BK, int BQ>
-__device__ void fa_bwd_dkdv(u64 bh, u64 t64, float scale, const typename E::T* q,
+__device__ void fa_bwd_dkdv(u64 bh, u64 t64, u64 heads, u64 packed, float scale, const typename E::T* q,
                             const typename E::T* k, const typename E::T* v,
                             const typename E::T* dout, const float* lse, const float* delta,
                             typename E::T* dk, typename E::T* dv) {
@@ -606,10 +643,11 @@ __device__ void fa_bwd_dkdv(u64 bh, u64 t64, float scale, const typename E::T* q
         const u32 k0 = (u32)(blk / bh) * BK;
         const u64 h = blk % bh;
         const u32 kn = min_u32(BK, t - k0);
-        const u64 base = h * t64 * D;
+        const FaRows rq = fa_rows(h, t64, D, heads, packed, 0), rk = fa_rows(h, t64, D, heads, packed, 1),
+                     rv = fa_rows(h, t64, D, heads, packed, 2), ro = fa_rows(h, t64, D, heads, packed, 3);
         __syncthreads();
-        fa_load<E, D, BK, DP>(ks, k + base, k0, kn);
-        fa_load<E, D, BK, DP>(vs, v + base, k0, kn);
+        fa_load<E, D, BK, DP>(ks, k + rk.base, k0, kn, (u32)rk.rs);
+        fa_load<E, D, BK, DP>(vs, v + rv.base, k0, kn, (u32)rv.rs);
         float dka[KM][OC][4], dva[KM][OC][4];
 #pragma unroll
         for (int i = 0; i < KM; ++i)
@@ -620,8 +658,8 @@ __device__ void fa_bwd_dkdv(u64 bh, u64 t64, float scale, const typename E::T* q
         for (u32 q0 = k0 / BQ * BQ; q0 < t; q0 += BQ) {
             const u32 qn = min_u32(BQ, t - q0);
             __syncthreads();  // ks/vs loaded; the previous query tile's readers are done
-            fa_load<E, D, BQ, DP>(qs, q + base, q0, qn);
-            fa_load<E, D, BQ, DP>(gs, dout + base, q0, qn);
+            fa_load<E, D, BQ, DP>(qs, q + rq.base, q0, qn, (u32)rq.rs);
+            fa_load<E, D, BQ, DP>(gs, dout + ro.base, q0, qn, (u32)ro.rs);
             fa_load_rows<BQ>(ls, dl, lse + h * t64, delta + h * t64, q0, qn);
             __syncthreads();
             float s[KM][QN], g[KM][QN];
@@ -644,14 +682,14 @@ __device__ void fa_bwd_dkdv(u64 bh, u64 t64, float scale, const typename E::T* q
         for (int i = 0; i < KM; ++i) {
             const u32 kr = ty + 16 * i;
             if (kr < kn) {
-                const u32 o = (k0 + kr) * (u32)D;
+                const u32 o = (k0 + kr) * (u32)rk.rs;  // dk and dv: the same stride
 #pragma unroll
                 for (int c = 0; c < OC; ++c)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const u32 j = o + 4 * tx + 64 * c + e;
-                        E::st(dk + base, j, dka[i][c][e] * scale);
-                        E::st(dv + base, j, dva[i][c][e]);
+                        E::st(dk + rk.base, j, dka[i][c][e] * scale);
+                        E::st(dv + rv.base, j, dva[i][c][e]);
                     }
             }
         }
@@ -659,7 +697,7 @@ __device__ void fa_bwd_dkdv(u64 bh, u64 t64, float scale, const typename E::T* q
 }
 
 template <class E, int D, int BQ, int BK>
-__device__ void fa_bwd_dq(u64 bh, u64 t64, float scale, const typename E::T* q,
+__device__ void fa_bwd_dq(u64 bh, u64 t64, u64 heads, u64 packed, float scale, const typename E::T* q,
                           const typename E::T* k, const typename E::T* v,
                           const typename E::T* dout, const float* lse, const float* delta,
                           typename E::T* dq) {
@@ -682,10 +720,11 @@ __device__ void fa_bwd_dq(u64 bh, u64 t64, float scale, const typename E::T* q,
         const u32 q0 = (tiles - 1 - (u32)(blk / bh)) * BQ;
         const u64 h = blk % bh;
         const u32 qn = min_u32(BQ, t - q0);
-        const u64 base = h * t64 * D;
+        const FaRows rq = fa_rows(h, t64, D, heads, packed, 0), rk = fa_rows(h, t64, D, heads, packed, 1),
+                     rv = fa_rows(h, t64, D, heads, packed, 2), ro = fa_rows(h, t64, D, heads, packed, 3);
         __syncthreads();
-        fa_load<E, D, BQ, DP>(qs, q + base, q0, qn);
-        fa_load<E, D, BQ, DP>(gs, dout + base, q0, qn);
+        fa_load<E, D, BQ, DP>(qs, q + rq.base, q0, qn, (u32)rq.rs);
+        fa_load<E, D, BQ, DP>(gs, dout + ro.base, q0, qn, (u32)ro.rs);
         fa_load_rows<BQ>(ls, dl, lse + h * t64, delta + h * t64, q0, qn);
         float dqa[QM][OC][4];
 #pragma unroll
@@ -698,8 +737,8 @@ __device__ void fa_bwd_dq(u64 bh, u64 t64, float scale, const typename E::T* q,
         for (u32 k0 = 0; k0 < kend; k0 += BK) {
             const u32 kn = min_u32(BK, kend - k0);
             __syncthreads();  // qs/gs loaded; the previous key tile's readers are done
-            fa_load<E, D, BK, DP>(ks, k + base, k0, kn);
-            fa_load<E, D, BK, DP>(vs, v + base, k0, kn);
+            fa_load<E, D, BK, DP>(ks, k + rk.base, k0, kn, (u32)rk.rs);
+            fa_load<E, D, BK, DP>(vs, v + rv.base, k0, kn, (u32)rv.rs);
             __syncthreads();
             float s[QM][KN], g[QM][KN];
             fa_dots2<D, QM, KN>(qs, gs, ks, vs, ty, tx, s, g);
@@ -719,12 +758,12 @@ __device__ void fa_bwd_dq(u64 bh, u64 t64, float scale, const typename E::T* q,
         for (int i = 0; i < QM; ++i) {
             const u32 qr = ty + 16 * i;
             if (qr < qn) {
-                const u32 o = (q0 + qr) * (u32)D;
+                const u32 o = (q0 + qr) * (u32)rq.rs;
 #pragma unroll
                 for (int c = 0; c < OC; ++c)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        E::st(dq + base, o + 4 * tx + 64 * c + e, dqa[i][c][e] * scale);
+                        E::st(dq + rq.base, o + 4 * tx + 64 * c + e, dqa[i][c][e] * scale);
             }
         }
     }
@@ -735,205 +774,219 @@ __device__ void fa_bwd_dq(u64 bh, u64 t64, float scale, const typename E::T* q,
 // <64, 64, 32> and <128, 32, 16> and backward tiles <64, 32, 32> and <128, 16, 16>; the
 // register-tiled ones (`_d64`, `_d128`: exactly that head dim) follow them.
 
-extern "C" __global__ void flash_fwd_f32_le64(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_fwd_f32_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                              const float* k, const float* v, float* out,
                                              float* lse) {
-    flash_fwd<EltF32, 64, 64, 32>(bh, t, d, scale, q, k, v, out, lse);
+    flash_fwd<EltF32, 64, 64, 32>(bh, t, d, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_bf16_le64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_bf16_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                               const u16* k, const u16* v, u16* out, float* lse) {
-    flash_fwd<EltBf16, 64, 64, 32>(bh, t, d, scale, q, k, v, out, lse);
+    flash_fwd<EltBf16, 64, 64, 32>(bh, t, d, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_f16_le64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_f16_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                              const u16* k, const u16* v, u16* out, float* lse) {
-    flash_fwd<EltF16, 64, 64, 32>(bh, t, d, scale, q, k, v, out, lse);
+    flash_fwd<EltF16, 64, 64, 32>(bh, t, d, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_f32_le128(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_fwd_f32_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                               const float* k, const float* v, float* out,
                                               float* lse) {
-    flash_fwd<EltF32, 128, 32, 16>(bh, t, d, scale, q, k, v, out, lse);
+    flash_fwd<EltF32, 128, 32, 16>(bh, t, d, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_bf16_le128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_bf16_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                const u16* k, const u16* v, u16* out, float* lse) {
-    flash_fwd<EltBf16, 128, 32, 16>(bh, t, d, scale, q, k, v, out, lse);
+    flash_fwd<EltBf16, 128, 32, 16>(bh, t, d, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_f16_le128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_f16_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                               const u16* k, const u16* v, u16* out, float* lse) {
-    flash_fwd<EltF16, 128, 32, 16>(bh, t, d, scale, q, k, v, out, lse);
+    flash_fwd<EltF16, 128, 32, 16>(bh, t, d, heads, packed, scale, q, k, v, out, lse);
 }
 
-extern "C" __global__ void flash_bwd_pre_f32(u64 rows, u64 d, const float* out,
+extern "C" __global__ void flash_bwd_pre_f32(u64 rows, u64 d, u64 t, u64 heads, u64 packed, const float* out,
                                              const float* dout, float* delta) {
-    flash_bwd_pre<EltF32>(rows, d, out, dout, delta);
+    flash_bwd_pre<EltF32>(rows, d, t, heads, packed, out, dout, delta);
 }
-extern "C" __global__ void flash_bwd_pre_bf16(u64 rows, u64 d, const u16* out, const u16* dout,
+extern "C" __global__ void flash_bwd_pre_bf16(u64 rows, u64 d, u64 t, u64 heads, u64 packed, const u16* out, const u16* dout,
                                               float* delta) {
-    flash_bwd_pre<EltBf16>(rows, d, out, dout, delta);
+    flash_bwd_pre<EltBf16>(rows, d, t, heads, packed, out, dout, delta);
 }
-extern "C" __global__ void flash_bwd_pre_f16(u64 rows, u64 d, const u16* out, const u16* dout,
+extern "C" __global__ void flash_bwd_pre_f16(u64 rows, u64 d, u64 t, u64 heads, u64 packed, const u16* out, const u16* dout,
                                              float* delta) {
-    flash_bwd_pre<EltF16>(rows, d, out, dout, delta);
+    flash_bwd_pre<EltF16>(rows, d, t, heads, packed, out, dout, delta);
 }
 
-extern "C" __global__ void flash_bwd_dkdv_f32_le64(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dkdv_f32_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                   const float* q, const float* k, const float* v,
                                                   const float* dout, const float* lse,
                                                   const float* delta, float* dk, float* dv) {
-    flash_bwd_dkdv<EltF32, 64, 32, 32>(bh, t, d, scale, q, k, v, dout, lse, delta, dk, dv);
+    flash_bwd_dkdv<EltF32, 64, 32, 32>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_bf16_le64(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dkdv_bf16_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                    const u16* q, const u16* k, const u16* v,
                                                    const u16* dout, const float* lse,
                                                    const float* delta, u16* dk, u16* dv) {
-    flash_bwd_dkdv<EltBf16, 64, 32, 32>(bh, t, d, scale, q, k, v, dout, lse, delta, dk, dv);
+    flash_bwd_dkdv<EltBf16, 64, 32, 32>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_f16_le64(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dkdv_f16_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                   const u16* q, const u16* k, const u16* v,
                                                   const u16* dout, const float* lse,
                                                   const float* delta, u16* dk, u16* dv) {
-    flash_bwd_dkdv<EltF16, 64, 32, 32>(bh, t, d, scale, q, k, v, dout, lse, delta, dk, dv);
+    flash_bwd_dkdv<EltF16, 64, 32, 32>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_f32_le128(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dkdv_f32_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                    const float* q, const float* k, const float* v,
                                                    const float* dout, const float* lse,
                                                    const float* delta, float* dk, float* dv) {
-    flash_bwd_dkdv<EltF32, 128, 16, 16>(bh, t, d, scale, q, k, v, dout, lse, delta, dk, dv);
+    flash_bwd_dkdv<EltF32, 128, 16, 16>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_bf16_le128(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dkdv_bf16_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                     const u16* q, const u16* k, const u16* v,
                                                     const u16* dout, const float* lse,
                                                     const float* delta, u16* dk, u16* dv) {
-    flash_bwd_dkdv<EltBf16, 128, 16, 16>(bh, t, d, scale, q, k, v, dout, lse, delta, dk, dv);
+    flash_bwd_dkdv<EltBf16, 128, 16, 16>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_f16_le128(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dkdv_f16_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                    const u16* q, const u16* k, const u16* v,
                                                    const u16* dout, const float* lse,
                                                    const float* delta, u16* dk, u16* dv) {
-    flash_bwd_dkdv<EltF16, 128, 16, 16>(bh, t, d, scale, q, k, v, dout, lse, delta, dk, dv);
+    flash_bwd_dkdv<EltF16, 128, 16, 16>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
 
-extern "C" __global__ void flash_bwd_dq_f32_le64(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_bwd_dq_f32_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                                 const float* k, const float* v,
                                                 const float* dout, const float* lse,
                                                 const float* delta, float* dq) {
-    flash_bwd_dq<EltF32, 64, 32, 32>(bh, t, d, scale, q, k, v, dout, lse, delta, dq);
+    flash_bwd_dq<EltF32, 64, 32, 32>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_bf16_le64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dq_bf16_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                  const u16* k, const u16* v, const u16* dout,
                                                  const float* lse, const float* delta, u16* dq) {
-    flash_bwd_dq<EltBf16, 64, 32, 32>(bh, t, d, scale, q, k, v, dout, lse, delta, dq);
+    flash_bwd_dq<EltBf16, 64, 32, 32>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_f16_le64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dq_f16_le64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                 const u16* k, const u16* v, const u16* dout,
                                                 const float* lse, const float* delta, u16* dq) {
-    flash_bwd_dq<EltF16, 64, 32, 32>(bh, t, d, scale, q, k, v, dout, lse, delta, dq);
+    flash_bwd_dq<EltF16, 64, 32, 32>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_f32_le128(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dq_f32_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                  const float* q, const float* k, const float* v,
                                                  const float* dout, const float* lse,
                                                  const float* delta, float* dq) {
-    flash_bwd_dq<EltF32, 128, 16, 16>(bh, t, d, scale, q, k, v, dout, lse, delta, dq);
+    flash_bwd_dq<EltF32, 128, 16, 16>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_bf16_le128(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dq_bf16_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                   const u16* q, const u16* k, const u16* v,
                                                   const u16* dout, const float* lse,
                                                   const float* delta, u16* dq) {
-    flash_bwd_dq<EltBf16, 128, 16, 16>(bh, t, d, scale, q, k, v, dout, lse, delta, dq);
+    flash_bwd_dq<EltBf16, 128, 16, 16>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_f16_le128(u64 bh, u64 t, u64 d, float scale,
+extern "C" __global__ void flash_bwd_dq_f16_le128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale,
                                                  const u16* q, const u16* k, const u16* v,
                                                  const u16* dout, const float* lse,
                                                  const float* delta, u16* dq) {
-    flash_bwd_dq<EltF16, 128, 16, 16>(bh, t, d, scale, q, k, v, dout, lse, delta, dq);
+    flash_bwd_dq<EltF16, 128, 16, 16>(bh, t, d, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
 
-extern "C" __global__ void flash_fwd_f32_d64(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_fwd_f32_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                              const float* k, const float* v, float* out, float* lse) {
-    fa_fwd<EltF32, 64, 64, 32>(bh, t, scale, q, k, v, out, lse);
+    fa_fwd<EltF32, 64, 64, 32>(bh, t, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_bf16_d64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_bf16_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                              const u16* k, const u16* v, u16* out, float* lse) {
-    fa_fwd<EltBf16, 64, 64, 32>(bh, t, scale, q, k, v, out, lse);
+    fa_fwd<EltBf16, 64, 64, 32>(bh, t, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_f16_d64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_f16_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                              const u16* k, const u16* v, u16* out, float* lse) {
-    fa_fwd<EltF16, 64, 64, 32>(bh, t, scale, q, k, v, out, lse);
+    fa_fwd<EltF16, 64, 64, 32>(bh, t, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_f32_d128(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_fwd_f32_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                              const float* k, const float* v, float* out, float* lse) {
-    fa_fwd<EltF32, 128, 32, 16>(bh, t, scale, q, k, v, out, lse);
+    fa_fwd<EltF32, 128, 32, 16>(bh, t, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_bf16_d128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_bf16_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                              const u16* k, const u16* v, u16* out, float* lse) {
-    fa_fwd<EltBf16, 128, 32, 16>(bh, t, scale, q, k, v, out, lse);
+    fa_fwd<EltBf16, 128, 32, 16>(bh, t, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_fwd_f16_d128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_fwd_f16_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                              const u16* k, const u16* v, u16* out, float* lse) {
-    fa_fwd<EltF16, 128, 32, 16>(bh, t, scale, q, k, v, out, lse);
+    fa_fwd<EltF16, 128, 32, 16>(bh, t, heads, packed, scale, q, k, v, out, lse);
 }
-extern "C" __global__ void flash_bwd_dkdv_f32_d64(u64 bh, u64 t, u64 d, float scale, const float* q,
+// The d = 64 dk/dv kernels with the packed-layout index math want 90 registers (2 blocks per
+// SM); bounded to 3 blocks of BLOCK threads (80 registers, 8 to 20 bytes spilled: ptxas -v,
+// sm_90, NVRTC 12.9), the occupancy every other register-tiled kernel has. The bounds are on
+// these declarations (they carry over to the definitions) so that the definitions keep the plain
+// form the kernel-table test (kernels/cuda/tests/mod.rs, source_kernels) parses.
+extern "C" __launch_bounds__(BLOCK, 3) __global__ void flash_bwd_dkdv_f32_d64(
+    u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q, const float* k,
+    const float* v, const float* dout, const float* lse, const float* delta, float* dk, float* dv);
+extern "C" __launch_bounds__(BLOCK, 3) __global__ void flash_bwd_dkdv_bf16_d64(
+    u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q, const u16* k,
+    const u16* v, const u16* dout, const float* lse, const float* delta, u16* dk, u16* dv);
+extern "C" __launch_bounds__(BLOCK, 3) __global__ void flash_bwd_dkdv_f16_d64(
+    u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q, const u16* k,
+    const u16* v, const u16* dout, const float* lse, const float* delta, u16* dk, u16* dv);
+extern "C" __global__ void flash_bwd_dkdv_f32_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                                   const float* k, const float* v, const float* dout,
                                                   const float* lse, const float* delta, float* dk,
                                                   float* dv) {
-    fa_bwd_dkdv<EltF32, 64, 32, 32>(bh, t, scale, q, k, v, dout, lse, delta, dk, dv);
+    fa_bwd_dkdv<EltF32, 64, 32, 32>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_bf16_d64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dkdv_bf16_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                   const u16* k, const u16* v, const u16* dout,
                                                   const float* lse, const float* delta, u16* dk,
                                                   u16* dv) {
-    fa_bwd_dkdv<EltBf16, 64, 32, 32>(bh, t, scale, q, k, v, dout, lse, delta, dk, dv);
+    fa_bwd_dkdv<EltBf16, 64, 32, 32>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_f16_d64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dkdv_f16_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                   const u16* k, const u16* v, const u16* dout,
                                                   const float* lse, const float* delta, u16* dk,
                                                   u16* dv) {
-    fa_bwd_dkdv<EltF16, 64, 32, 32>(bh, t, scale, q, k, v, dout, lse, delta, dk, dv);
+    fa_bwd_dkdv<EltF16, 64, 32, 32>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_f32_d128(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_bwd_dkdv_f32_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                                   const float* k, const float* v, const float* dout,
                                                   const float* lse, const float* delta, float* dk,
                                                   float* dv) {
-    fa_bwd_dkdv<EltF32, 128, 16, 16>(bh, t, scale, q, k, v, dout, lse, delta, dk, dv);
+    fa_bwd_dkdv<EltF32, 128, 16, 16>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_bf16_d128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dkdv_bf16_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                   const u16* k, const u16* v, const u16* dout,
                                                   const float* lse, const float* delta, u16* dk,
                                                   u16* dv) {
-    fa_bwd_dkdv<EltBf16, 128, 16, 16>(bh, t, scale, q, k, v, dout, lse, delta, dk, dv);
+    fa_bwd_dkdv<EltBf16, 128, 16, 16>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dkdv_f16_d128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dkdv_f16_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                   const u16* k, const u16* v, const u16* dout,
                                                   const float* lse, const float* delta, u16* dk,
                                                   u16* dv) {
-    fa_bwd_dkdv<EltF16, 128, 16, 16>(bh, t, scale, q, k, v, dout, lse, delta, dk, dv);
+    fa_bwd_dkdv<EltF16, 128, 16, 16>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dk, dv);
 }
-extern "C" __global__ void flash_bwd_dq_f32_d64(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_bwd_dq_f32_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                                 const float* k, const float* v, const float* dout,
                                                 const float* lse, const float* delta, float* dq) {
-    fa_bwd_dq<EltF32, 64, 32, 32>(bh, t, scale, q, k, v, dout, lse, delta, dq);
+    fa_bwd_dq<EltF32, 64, 32, 32>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_bf16_d64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dq_bf16_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                 const u16* k, const u16* v, const u16* dout,
                                                 const float* lse, const float* delta, u16* dq) {
-    fa_bwd_dq<EltBf16, 64, 32, 32>(bh, t, scale, q, k, v, dout, lse, delta, dq);
+    fa_bwd_dq<EltBf16, 64, 32, 32>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_f16_d64(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dq_f16_d64(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                 const u16* k, const u16* v, const u16* dout,
                                                 const float* lse, const float* delta, u16* dq) {
-    fa_bwd_dq<EltF16, 64, 32, 32>(bh, t, scale, q, k, v, dout, lse, delta, dq);
+    fa_bwd_dq<EltF16, 64, 32, 32>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_f32_d128(u64 bh, u64 t, u64 d, float scale, const float* q,
+extern "C" __global__ void flash_bwd_dq_f32_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const float* q,
                                                 const float* k, const float* v, const float* dout,
                                                 const float* lse, const float* delta, float* dq) {
-    fa_bwd_dq<EltF32, 128, 16, 16>(bh, t, scale, q, k, v, dout, lse, delta, dq);
+    fa_bwd_dq<EltF32, 128, 16, 16>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_bf16_d128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dq_bf16_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                 const u16* k, const u16* v, const u16* dout,
                                                 const float* lse, const float* delta, u16* dq) {
-    fa_bwd_dq<EltBf16, 128, 16, 16>(bh, t, scale, q, k, v, dout, lse, delta, dq);
+    fa_bwd_dq<EltBf16, 128, 16, 16>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }
-extern "C" __global__ void flash_bwd_dq_f16_d128(u64 bh, u64 t, u64 d, float scale, const u16* q,
+extern "C" __global__ void flash_bwd_dq_f16_d128(u64 bh, u64 t, u64 d, u64 heads, u64 packed, float scale, const u16* q,
                                                 const u16* k, const u16* v, const u16* dout,
                                                 const float* lse, const float* delta, u16* dq) {
-    fa_bwd_dq<EltF16, 128, 16, 16>(bh, t, scale, q, k, v, dout, lse, delta, dq);
+    fa_bwd_dq<EltF16, 128, 16, 16>(bh, t, heads, packed, scale, q, k, v, dout, lse, delta, dq);
 }

@@ -20,6 +20,7 @@
 #define FSDP_HOST_EMULATION 1
 #define __global__
 #define __device__
+#define __launch_bounds__(...)  // occupancy hint: nothing to do on the host
 #define __shared__ static
 
 struct dim3 {

@@ -13,7 +13,9 @@ use super::exec::{
     down_f32, down_u16, down_u64, nan_f32, run, up_f32, up_i64, up_u16, up_u64, CastKind, Exec, Op,
     TypedOp, H, TH,
 };
-pub(super) use super::fused::{flash_attention_f32, flash_attention_half, gemm_half, gemm_tf32};
+pub(super) use super::fused::{
+    flash_attention_f32, flash_attention_half, flash_attention_packed, gemm_half, gemm_tf32,
+};
 
 /// SplitMix64: a small deterministic generator.
 pub(super) struct Rng(u64);

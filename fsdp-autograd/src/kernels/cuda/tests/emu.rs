@@ -22,7 +22,7 @@ use crate::kernels::cuda::elementwise::{
 use crate::kernels::cuda::embedding::{
     plan_embedding, plan_embedding_backward, plan_embedding_backward_t, plan_embedding_t,
 };
-use crate::kernels::cuda::flash::{plan_flash, plan_flash_backward, FlashType};
+use crate::kernels::cuda::flash::{plan_flash_backward_in, plan_flash_in, FlashLayout, FlashType};
 use crate::kernels::cuda::layout::{plan_strided, view_desc};
 use crate::kernels::cuda::loss::{
     plan_cross_entropy, plan_cross_entropy_backward, plan_cross_entropy_backward_t,
@@ -732,8 +732,15 @@ impl Exec for EmuExec {
                 heads,
                 t,
                 d: dd,
+                packed,
             } => FlashType::of("flash_attention", *dtype).and_then(|ty| {
-                plan_flash(ty, batch * heads, *t, *dd, [*q, *k, *v, *out, *lse].map(d))
+                let lay = if *packed {
+                    FlashLayout::packed(*heads)
+                } else {
+                    FlashLayout::HEADS
+                };
+                let ptrs = [*q, *k, *v, *out, *lse].map(d);
+                plan_flash_in(ty, batch * heads, *t, *dd, lay, ptrs)
             }),
             Op::FlashBackward {
                 dtype,
@@ -750,12 +757,19 @@ impl Exec for EmuExec {
                 heads,
                 t,
                 d: dd,
+                packed,
             } => FlashType::of("flash_attention_backward", *dtype).and_then(|ty| {
-                plan_flash_backward(
+                let lay = if *packed {
+                    FlashLayout::packed(*heads)
+                } else {
+                    FlashLayout::HEADS
+                };
+                plan_flash_backward_in(
                     ty,
                     batch * heads,
                     *t,
                     *dd,
+                    lay,
                     [*q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv].map(d),
                 )
             }),

@@ -191,6 +191,9 @@ pub(super) enum Op {
         heads: usize,
         t: usize,
         d: usize,
+        /// The packed layout (`FlashLayout::packed(heads)`): q = k = v the whole
+        /// `[batch, t, 3, heads, d]` qkv, out / dout `[batch, t, heads, d]`, dq = dk = dv.
+        packed: bool,
     },
     FlashBackward {
         dtype: DType,
@@ -207,6 +210,9 @@ pub(super) enum Op {
         heads: usize,
         t: usize,
         d: usize,
+        /// The packed layout (`FlashLayout::packed(heads)`): q = k = v the whole
+        /// `[batch, t, 3, heads, d]` qkv, out / dout `[batch, t, heads, d]`, dq = dk = dv.
+        packed: bool,
     },
     Cast {
         kind: CastKind,

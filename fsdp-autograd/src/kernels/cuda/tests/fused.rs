@@ -277,6 +277,7 @@ pub(super) fn flash_attention_f32(e: &mut dyn Exec) {
                 heads,
                 t,
                 d,
+                packed: false,
             },
         );
         let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
@@ -344,6 +345,7 @@ pub(super) fn flash_attention_f32(e: &mut dyn Exec) {
                     heads,
                     t,
                     d,
+                    packed: false,
                 },
             );
             let grads: Vec<Vec<f32>> = [dq, dk, dv].iter().map(|&h| down_f32(e, h)).collect();
@@ -407,6 +409,7 @@ pub(super) fn flash_attention_half(e: &mut dyn Exec) {
                 heads,
                 t,
                 d,
+                packed: false,
             },
         );
         let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
@@ -439,6 +442,7 @@ pub(super) fn flash_attention_half(e: &mut dyn Exec) {
                 heads,
                 t,
                 d,
+                packed: false,
             },
         );
         let (mut wdq, mut wdk, mut wdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
@@ -487,5 +491,184 @@ pub(super) fn flash_attention_half(e: &mut dyn Exec) {
                 );
             }
         }
+    }
+}
+
+/// Part `part` of a packed `[batch, t, parts, heads, d]` tensor as `[batch·heads, t, d]`.
+fn unpack<T: Copy>(x: &[T], [b, h, t, d]: [usize; 4], parts: usize, part: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(b * h * t * d);
+    for bi in 0..b {
+        for hi in 0..h {
+            for i in 0..t {
+                let at = (((bi * t + i) * parts + part) * h + hi) * d;
+                out.extend_from_slice(&x[at..at + d]);
+            }
+        }
+    }
+    out
+}
+
+fn up<T: bytemuck::Pod>(e: &mut dyn Exec, v: &[T]) -> H {
+    e.upload(bytemuck::cast_slice(v))
+}
+
+fn down<T: bytemuck::Pod>(e: &mut dyn Exec, h: H) -> Vec<T> {
+    let bytes = e.download(h);
+    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&bytes);
+    v
+}
+
+/// One packed-layout case with element bits `T` (f32 bits or half bits): the fused kernels on
+/// the packed layout (`qkv` `[batch, t, 3, heads, d]`, `dout` `[batch, t, heads, d]`) against
+/// the same kernels on the head-split tensors gathered on the host: out, lse and every slice of
+/// dqkv equal bit for bit, and every element of the outputs written (`nan` fill gone).
+#[allow(clippy::too_many_arguments)]
+fn packed_case<T: bytemuck::Pod + PartialEq + std::fmt::Debug>(
+    e: &mut dyn Exec,
+    dtype: DType,
+    (batch, heads, t, d): (usize, usize, usize, usize),
+    qkv: &[T],
+    dout: &[T],
+    nan: T,
+) {
+    let what = format!("packed {dtype:?} batch={batch} heads={heads} t={t} d={d}");
+    let (n, bh) = (batch * heads * t * d, batch * heads);
+    let dims = [batch, heads, t, d];
+    let [q, k, v] = [0, 1, 2].map(|p| unpack(qkv, dims, 3, p));
+    let g = unpack(dout, dims, 1, 0);
+    let [hq, hk, hv, hg] = [&q, &k, &v, &g].map(|x| up(e, x));
+    let (hqkv, hgp) = (up(e, qkv), up(e, dout));
+    // Head-split layout.
+    let (out, lse) = (up(e, &vec![nan; n]), nan_f32(e, bh * t));
+    let (dq, dk, dv) = (
+        up(e, &vec![nan; n]),
+        up(e, &vec![nan; n]),
+        up(e, &vec![nan; n]),
+    );
+    run(
+        e,
+        Op::Flash {
+            dtype,
+            q: hq,
+            k: hk,
+            v: hv,
+            out,
+            lse,
+            batch,
+            heads,
+            t,
+            d,
+            packed: false,
+        },
+    );
+    run(
+        e,
+        Op::FlashBackward {
+            dtype,
+            q: hq,
+            k: hk,
+            v: hv,
+            out,
+            lse,
+            dout: hg,
+            dq,
+            dk,
+            dv,
+            batch,
+            heads,
+            t,
+            d,
+            packed: false,
+        },
+    );
+    // Packed layout.
+    let (pout, plse, dqkv) = (
+        up(e, &vec![nan; n]),
+        nan_f32(e, bh * t),
+        up(e, &vec![nan; 3 * n]),
+    );
+    run(
+        e,
+        Op::Flash {
+            dtype,
+            q: hqkv,
+            k: hqkv,
+            v: hqkv,
+            out: pout,
+            lse: plse,
+            batch,
+            heads,
+            t,
+            d,
+            packed: true,
+        },
+    );
+    run(
+        e,
+        Op::FlashBackward {
+            dtype,
+            q: hqkv,
+            k: hqkv,
+            v: hqkv,
+            out: pout,
+            lse: plse,
+            dout: hgp,
+            dq: dqkv,
+            dk: dqkv,
+            dv: dqkv,
+            batch,
+            heads,
+            t,
+            d,
+            packed: true,
+        },
+    );
+    let po: Vec<T> = down(e, pout);
+    assert!(!po.contains(&nan), "{what}: out not fully written");
+    assert_eq!(unpack(&po, dims, 1, 0), down::<T>(e, out), "{what}: out");
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(
+        bits(down_f32(e, plse)),
+        bits(down_f32(e, lse)),
+        "{what}: lse"
+    );
+    let pg: Vec<T> = down(e, dqkv);
+    assert!(!pg.contains(&nan), "{what}: dqkv not fully written");
+    for (p, (name, h)) in [("dq", dq), ("dk", dk), ("dv", dv)].into_iter().enumerate() {
+        assert_eq!(unpack(&pg, dims, 3, p), down::<T>(e, h), "{what}: {name}");
+    }
+}
+
+/// The fused kernels on the packed layout of a GPT's qkv projection (`FlashLayout::packed`: no
+/// head split / merge copies) equal, bit for bit, the same kernels on the head-split tensors,
+/// whose numerics [`flash_attention_f32`] / [`flash_attention_half`] check against the CPU:
+/// f32 on both kernel families (generic d = 4, 33; register-tiled d = 64, 128; t = 1 and t not
+/// a multiple of any tile; several batches and heads), bf16 and f16 on both families.
+pub(super) fn flash_attention_packed(e: &mut dyn Exec) {
+    let mut r = Rng::new(255);
+    for shape in [
+        (2, 3, 5, 4),
+        (1, 1, 1, 64),
+        (2, 2, 37, 64),
+        (1, 2, 21, 33),
+        (2, 1, 19, 128),
+    ] {
+        let (b, h, t, d) = shape;
+        let (qkv, dout) = (r.vec(3 * b * h * t * d, 1.0), r.vec(b * h * t * d, 1.0));
+        let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let nan = f32::NAN.to_bits();
+        packed_case(e, DType::F32, shape, &to_bits(&qkv), &to_bits(&dout), nan);
+    }
+    for (half, shape) in [
+        (BF16, (2, 3, 5, 4)),
+        (BF16, (2, 2, 37, 64)),
+        (F16, (1, 2, 21, 128)),
+    ] {
+        let (b, h, t, d) = shape;
+        let (qkv, dout) = (r.vec(3 * b * h * t * d, 1.0), r.vec(b * h * t * d, 1.0));
+        let to_bits = |v: &[f32]| v.iter().map(|&x| half.bits(x)).collect::<Vec<u16>>();
+        let nan = half.bits(f32::NAN);
+        packed_case(e, half.dtype, shape, &to_bits(&qkv), &to_bits(&dout), nan);
     }
 }

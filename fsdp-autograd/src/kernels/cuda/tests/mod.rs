@@ -86,6 +86,7 @@ on_both!(
     gemm_tf32,
     flash_attention_f32,
     flash_attention_half,
+    flash_attention_packed,
     optimizer_steps,
     sum_squares_and_unscale,
     typed_kernels,
