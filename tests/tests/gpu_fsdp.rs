@@ -245,6 +245,28 @@ fn gpu_extra_bytes_accounts_for_the_measured_excess() {
     }
 }
 
+/// One bf16 ulp at `x`'s magnitude (the spacing of bf16 values in `[2^e, 2^(e+1))`: `2^(e-7)`).
+/// Under bf16 mixed precision the loss itself is a bf16 value (the cross-entropy's output), so
+/// two runs whose exact losses straddle a rounding boundary differ by one ulp even when nothing
+/// else differs: the H100 run of this session measured exactly that (step 14: GPU 3.890625 vs
+/// CPU 3.90625, one ulp = 2^-6 there, 4.0e-3 relative, while the CPU bf16-vs-f32 difference of
+/// that run was at most 3.494e-3 relative).
+fn bf16_ulp(x: f32) -> f32 {
+    if x == 0.0 || !x.is_finite() {
+        return 0.0;
+    }
+    2f32.powi(x.abs().log2().floor() as i32 - 7)
+}
+
+#[test]
+fn bf16_ulp_is_the_spacing_of_bf16_values() {
+    assert_eq!(bf16_ulp(3.90625), 0.015625);
+    assert_eq!(bf16_ulp(3.90625), 3.90625 - 3.890625);
+    assert_eq!(bf16_ulp(1.0), 1.0 / 128.0);
+    assert_eq!(bf16_ulp(-10.5), 0.0625);
+    assert_eq!(bf16_ulp(0.0), 0.0);
+}
+
 /// The loss tolerance of one comparison, relative to the CPU loss.
 #[derive(Clone, Copy, Debug)]
 enum LossTol {
@@ -292,10 +314,14 @@ fn check(world: usize, shard: Option<usize>, config: FsdpConfig, tol: LossTol) {
     let extra = gpu_extra_bytes(world, shard, &config);
     for (rank, ((gl, gpeak), (cl, cpeak))) in got.iter().zip(&want).enumerate() {
         for (step, (g, c)) in gl.iter().zip(cl).enumerate() {
+            let allowed = match tol {
+                LossTol::Rel(_) => rel * c.abs(),
+                LossTol::FromF32Difference => (rel * c.abs()).max(bf16_ulp(*c)),
+            };
             assert!(
-                (g - c).abs() <= rel * c.abs(),
+                (g - c).abs() <= allowed,
                 "W={world} {config:?} rank {rank} step {step}: GPU loss {g} vs CPU {c} \
-                 (allowed {rel:.3e} relative)"
+                 (allowed {allowed:.3e}: {rel:.3e} relative, at least one bf16 ulp under bf16)"
             );
         }
         let ratio = *gpeak as f64 / *cpeak as f64;
