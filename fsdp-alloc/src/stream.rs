@@ -762,7 +762,8 @@ thread_local! {
 /// [`Event::synchronize`] / [`Event::synchronize_timeout`] (hence every [`Stream::synchronize`]
 /// and every collective `wait`), whether or not it actually had to block, plus the readbacks
 /// that wait by other means and report it through [`count_host_sync`] (fsdp-autograd's tensor
-/// readback). The same code path counts on CPU and CUDA devices; waits of stream workers on
+/// readback on CPU devices, and every stream synchronization of its CUDA kernels: readbacks,
+/// synchronous uploads, index checks). The same code path counts on CPU and CUDA devices; waits of stream workers on
 /// other streams' events (device-side ordering) are not host waits and are not counted.
 /// Per thread, so concurrent ranks on threads do not mix their counts.
 pub fn host_syncs() -> u64 {
