@@ -793,28 +793,9 @@ impl Event {
 
 // ============================================================================ host waits
 
-thread_local! {
-    /// Host-side waits of this thread (see [`host_syncs`]).
-    static HOST_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// How many times the calling thread has waited on the host for device work so far: every
-/// [`Event::synchronize`] / [`Event::synchronize_timeout`] (hence every [`Stream::synchronize`]
-/// and every collective `wait`), whether or not it actually had to block, plus the readbacks
-/// that wait by other means and report it through [`count_host_sync`] (fsdp-autograd's tensor
-/// readback on CPU devices, and every stream synchronization of its CUDA kernels: readbacks,
-/// synchronous uploads, index checks). The same code path counts on CPU and CUDA devices; waits of stream workers on
-/// other streams' events (device-side ordering) are not host waits and are not counted.
-/// Per thread, so concurrent ranks on threads do not mix their counts.
-pub fn host_syncs() -> u64 {
-    HOST_SYNCS.with(|c| c.get())
-}
-
-/// Counts one host-side wait of the calling thread (for waits that do not go through
-/// [`Event::synchronize`], e.g. a readback that blocks on a channel fed by a stream).
-pub fn count_host_sync() {
-    HOST_SYNCS.with(|c| c.set(c.get() + 1));
-}
+// The counter lives in its own lower file (`host_waits.rs`), so that `cuda.rs` and `trace.rs`,
+// which this file imports, can count waits without importing this file.
+pub use crate::host_waits::{count_host_sync, host_syncs};
 
 #[cfg(test)]
 mod tests {
@@ -861,7 +842,7 @@ mod tests {
                 let r = Arc::clone(&ran);
                 // Queued work still running when the last handle goes: the drop waits for it.
                 st.launch(move || {
-                    thread::sleep(Duration::from_millis(100));
+                    thread::sleep(Duration::from_millis(500));
                     r.fetch_add(1, Ordering::SeqCst);
                 });
             }
@@ -871,6 +852,13 @@ mod tests {
             2,
             "the queued work ran before the drop returned"
         );
+        // A joined thread leaves /proc a moment after the join returns (the kernel wakes the
+        // joiner before it reaps the task): poll briefly — far less than the queued work's
+        // 500 ms, which a detached worker would still be sleeping through.
+        let t = Instant::now();
+        while threads_named(PREFIX) > 0 && t.elapsed() < Duration::from_millis(250) {
+            thread::sleep(Duration::from_millis(1));
+        }
         assert_eq!(threads_named(PREFIX), 0, "no worker left behind");
     }
 

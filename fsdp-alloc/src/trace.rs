@@ -340,7 +340,7 @@ mod gpu {
             // stamped with the host time it completed. Taken outside the lock.
             let anchor = timing_event(stream)?;
             // A host wait (once per device and trace), counted like every other.
-            crate::stream::count_host_sync();
+            crate::host_waits::count_host_sync();
             anchor.synchronize().ok()?;
             let at = Instant::now();
             let mut s = STATE.lock().unwrap_or_else(|e| e.into_inner());
