@@ -186,7 +186,9 @@ impl Drop for DeviceMemory {
             return; // the context is gone; nothing can be freed
         }
         // Work on any stream may still use the block (device kernels hold raw pointers): wait
-        // for the device, as PyTorch does before returning memory to the driver.
+        // for the device, as PyTorch does before returning memory to the driver (a host wait
+        // of the dropping thread, counted like every other).
+        crate::host_waits::count_host_sync();
         let _ = self.ctx.synchronize();
         // SAFETY: `ptr` came from `malloc_sync` in this context and is freed exactly once (here);
         // the last `Arc<Segment>` is gone, so no `BufferRef` can hand it out any more, and the
@@ -241,7 +243,8 @@ impl Drop for PinnedMemory {
             return; // the context is gone; the driver reclaimed the memory with it
         }
         // Copy engines may still use the memory (asynchronous copies hold raw addresses): wait
-        // for the device, as for device memory.
+        // for the device, as for device memory (a counted host wait).
+        crate::host_waits::count_host_sync();
         let _ = self.ctx.synchronize();
         // SAFETY: `ptr` came from `malloc_host` and is freed exactly once (here); the last
         // `Arc<Segment>` is gone, so no `BufferRef` or guard refers to it any more, and the

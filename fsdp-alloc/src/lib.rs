@@ -62,6 +62,7 @@ mod device_id;
 pub mod dtype;
 pub mod error;
 mod health;
+mod host_waits;
 pub mod memory;
 pub mod rate_limiter;
 pub mod stream;

@@ -2,7 +2,10 @@
 //!
 //! A [`Stream`] is an in-order queue of work. In the default [`StreamMode::Async`] each stream
 //! owns one worker thread: [`Stream::launch`] enqueues a closure and returns at once, exactly like
-//! a CUDA kernel launch. [`Event`]s mark a point in a stream; [`Stream::wait_event`] makes later
+//! a CUDA kernel launch. When the last handle of a stream goes (e.g. with its device), the worker
+//! drains the queued work and exits, and the dropping thread joins it — for at most
+//! [`WORKER_JOIN_BOUND`], and not when the drop happens on a stream worker (inside launched
+//! work), where the worker is left to exit on its own. [`Event`]s mark a point in a stream; [`Stream::wait_event`] makes later
 //! work on another stream wait for that point, without blocking the issuing thread.
 //!
 //! A panic inside launched work does not kill the worker: the stream records the failure, skips
@@ -69,6 +72,8 @@ pub(crate) struct StreamInner {
     device: DeviceId,
     mode: StreamMode,
     tx: Option<Sender<Job>>,
+    /// The worker thread of an async CPU stream (joined on drop).
+    worker: Option<Worker>,
     health: Arc<Health>,
     /// Number of jobs launched so far (the position an event recorded now marks).
     launched: AtomicU64,
@@ -78,11 +83,41 @@ pub(crate) struct StreamInner {
     cuda: Option<crate::cuda::StreamBackend>,
 }
 
+/// How long dropping the last handle of a stream waits for its worker thread to drain the
+/// queued work and exit before leaving it detached (it then exits on its own when done).
+pub const WORKER_JOIN_BOUND: std::time::Duration = std::time::Duration::from_secs(2);
+
+thread_local! {
+    /// True on stream worker threads.
+    static ON_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A CPU stream's worker thread: its handle and a channel that disconnects when it leaves its
+/// loop (so that the join can be bounded).
+struct Worker {
+    handle: thread::JoinHandle<()>,
+    done: crossbeam::channel::Receiver<()>,
+}
+
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        // Closing the channel lets the worker drain what is queued and exit; we do not join,
-        // because the last handle may be dropped by the worker itself (inside launched work).
+        // Closing the channel lets the worker drain what is queued and exit.
         self.tx.take();
+        let Some(w) = self.worker.take() else {
+            return;
+        };
+        // Joined (bounded) so that a dropped stream — a dropped device — leaves no thread
+        // behind. Not when the last handle goes on a stream worker (inside launched work, this
+        // stream's own or another's: joining could wait for work ordered after the caller).
+        if ON_WORKER.with(std::cell::Cell::get) {
+            return;
+        }
+        match w.done.recv_timeout(WORKER_JOIN_BOUND) {
+            Err(crossbeam::channel::RecvTimeoutError::Timeout) => {} // still busy: detached
+            Ok(()) | Err(crossbeam::channel::RecvTimeoutError::Disconnected) => {
+                let _ = w.handle.join();
+            }
+        }
     }
 }
 
@@ -209,21 +244,24 @@ impl Stream {
             &format!("{device}/{name}"),
             checked,
         ));
-        let tx = match mode {
-            StreamMode::Inline => None,
+        let (tx, worker) = match mode {
+            StreamMode::Inline => (None, None),
             StreamMode::Async => {
                 let (tx, rx) = unbounded::<Job>();
+                let (done_tx, done) = crossbeam::channel::bounded::<()>(0);
                 let h = Arc::clone(&health);
                 let label = format!("{device}/{name}");
-                thread::Builder::new()
+                let handle = thread::Builder::new()
                     .name(format!("stream-{device}-{name}"))
                     .spawn(move || {
+                        ON_WORKER.with(|w| w.set(true));
                         while let Ok(job) = rx.recv() {
                             run_job(job, &h, &label);
                         }
+                        drop(done_tx); // disconnects `done`: the loop is over
                     })
                     .expect("failed to spawn a stream worker thread");
-                Some(tx)
+                (Some(tx), Some(Worker { handle, done }))
             }
         };
         Stream {
@@ -233,6 +271,7 @@ impl Stream {
                 device,
                 mode,
                 tx,
+                worker,
                 health,
                 launched: AtomicU64::new(0),
                 submit_lock: Mutex::new(()),
@@ -257,6 +296,7 @@ impl Stream {
                 device,
                 mode: StreamMode::Async,
                 tx: None,
+                worker: None,
                 health: Arc::new(Health::new(id, device, name, name, false)),
                 launched: AtomicU64::new(0),
                 submit_lock: Mutex::new(()),
@@ -753,27 +793,9 @@ impl Event {
 
 // ============================================================================ host waits
 
-thread_local! {
-    /// Host-side waits of this thread (see [`host_syncs`]).
-    static HOST_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// How many times the calling thread has waited on the host for device work so far: every
-/// [`Event::synchronize`] / [`Event::synchronize_timeout`] (hence every [`Stream::synchronize`]
-/// and every collective `wait`), whether or not it actually had to block, plus the readbacks
-/// that wait by other means and report it through [`count_host_sync`] (fsdp-autograd's tensor
-/// readback). The same code path counts on CPU and CUDA devices; waits of stream workers on
-/// other streams' events (device-side ordering) are not host waits and are not counted.
-/// Per thread, so concurrent ranks on threads do not mix their counts.
-pub fn host_syncs() -> u64 {
-    HOST_SYNCS.with(|c| c.get())
-}
-
-/// Counts one host-side wait of the calling thread (for waits that do not go through
-/// [`Event::synchronize`], e.g. a readback that blocks on a channel fed by a stream).
-pub fn count_host_sync() {
-    HOST_SYNCS.with(|c| c.set(c.get() + 1));
-}
+// The counter lives in its own lower file (`host_waits.rs`), so that `cuda.rs` and `trace.rs`,
+// which this file imports, can count waits without importing this file.
+pub use crate::host_waits::{count_host_sync, host_syncs};
 
 #[cfg(test)]
 mod tests {
@@ -783,6 +805,79 @@ mod tests {
 
     fn s(name: &str) -> Stream {
         Stream::new(DeviceId::Cpu(0), name, StreamMode::Async)
+    }
+
+    /// Live threads of this process whose name starts with `prefix` (Linux: `/proc`, names
+    /// truncated to 15 bytes).
+    #[cfg(target_os = "linux")]
+    fn threads_named(prefix: &str) -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|n| n.starts_with(prefix))
+            .count()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_dropped_device_leaves_no_worker_thread_behind() {
+        // "stream-cpu:4242" is exactly the 15 bytes Linux keeps of these workers' names, and no
+        // other test uses device cpu:4242.
+        const PREFIX: &str = "stream-cpu:4242";
+        let ran = Arc::new(AtomicUsize::new(0));
+        {
+            let dev = crate::Device::cpu(4242);
+            let extra = dev.new_stream("extra");
+            // A worker names itself when it starts: wait for both names to show.
+            let t = Instant::now();
+            while threads_named(PREFIX) < 2 && t.elapsed() < Duration::from_secs(10) {
+                thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(
+                threads_named(PREFIX),
+                2,
+                "the default and the extra stream's worker"
+            );
+            for st in [dev.default_stream().clone(), extra] {
+                let r = Arc::clone(&ran);
+                // Queued work still running when the last handle goes: the drop waits for it.
+                st.launch(move || {
+                    thread::sleep(Duration::from_millis(500));
+                    r.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        }
+        assert_eq!(
+            ran.load(Ordering::SeqCst),
+            2,
+            "the queued work ran before the drop returned"
+        );
+        // A joined thread leaves /proc a moment after the join returns (the kernel wakes the
+        // joiner before it reaps the task): poll briefly — far less than the queued work's
+        // 500 ms, which a detached worker would still be sleeping through.
+        let t = Instant::now();
+        while threads_named(PREFIX) > 0 && t.elapsed() < Duration::from_millis(250) {
+            thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(threads_named(PREFIX), 0, "no worker left behind");
+    }
+
+    #[test]
+    fn a_stream_dropped_inside_its_own_work_does_not_wait_for_itself() {
+        let st = s("self-drop");
+        let (go_tx, go) = std::sync::mpsc::channel::<()>();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mine = st.clone();
+        st.launch(move || {
+            go.recv().unwrap();
+            drop(mine); // the last handle, dropped on the stream's own worker
+            tx.send(()).unwrap();
+        });
+        drop(st); // not the last handle: the queued work holds one
+        let t = Instant::now();
+        go_tx.send(()).unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(t.elapsed() < WORKER_JOIN_BOUND, "{:?}", t.elapsed());
     }
 
     #[test]

@@ -339,6 +339,8 @@ mod gpu {
             // The anchor: recorded behind whatever the stream has queued, waited for, and
             // stamped with the host time it completed. Taken outside the lock.
             let anchor = timing_event(stream)?;
+            // A host wait (once per device and trace), counted like every other.
+            crate::host_waits::count_host_sync();
             anchor.synchronize().ok()?;
             let at = Instant::now();
             let mut s = STATE.lock().unwrap_or_else(|e| e.into_inner());

@@ -752,8 +752,7 @@ impl Tensor {
 
 fn recv<T>(rx: mpsc::Receiver<T>, stream: &Stream) -> Result<T> {
     // A readback is a host wait on the stream (CPU: the stream's worker sends the bytes; CUDA:
-    // the backend synchronized the stream and already sent them): counted once, here.
-    fsdp_alloc::stream::count_host_sync();
+    // the backend synchronized the stream and already sent them), counted by `Kernels::read`.
     match rx.recv() {
         Ok(v) => Ok(v),
         Err(_) => {

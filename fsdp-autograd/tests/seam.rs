@@ -117,6 +117,74 @@ fn a_backend_behind_kernels_is_only_called_with_checked_arguments() {
     assert_eq!(counting.0.load(Ordering::Relaxed), 1);
 }
 
+/// A backend whose readback blocks the calling thread like the CUDA backend's: it synchronizes
+/// the stream (twice: the readback's own wait and, say, an index check on it) before handing
+/// the bytes over, counting its own waits.
+#[derive(Debug, Default)]
+struct Synchronizing;
+
+impl Backend for Synchronizing {
+    fn name(&self) -> &'static str {
+        "synchronizing"
+    }
+    fn launch(&self, s: &Stream, l: &Launch<'_>) -> fsdp_autograd::Result<()> {
+        CpuBackend.launch(s, l)
+    }
+    fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> fsdp_autograd::Result<()> {
+        CpuBackend.write(s, bytes, dst)
+    }
+    fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> fsdp_autograd::Result<()> {
+        s.synchronize()?;
+        s.synchronize()?;
+        let bytes = src.buf.read::<u8>()?.to_vec();
+        f(&bytes);
+        Ok(())
+    }
+}
+
+#[test]
+fn every_readback_is_counted_once_whoever_waits() {
+    use fsdp_alloc::stream::host_syncs;
+    let dev = Device::cpu(0);
+    let s = dev.default_stream();
+    let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3], &dev).unwrap();
+    let src = x.operand().unwrap();
+    // Writes and launches are no host waits.
+    let before = host_syncs();
+    let y = Tensor::from_vec(vec![4.0f32, 5.0, 6.0], &[3], &dev).unwrap();
+    let z = x.add(&y).unwrap();
+    assert_eq!(host_syncs(), before);
+    // A tensor readback on the CPU: the stream's worker hands the bytes over; one wait.
+    let before = host_syncs();
+    assert_eq!(z.to_vec::<f32>().unwrap(), vec![5.0, 7.0, 9.0]);
+    assert_eq!(host_syncs(), before + 1);
+    // Through the seam with a backend that does not wait itself: counted once by the seam.
+    let read = |k: &Kernels| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let before = host_syncs();
+        k.read(
+            s,
+            &src,
+            Box::new(move |b: &[u8]| {
+                let _ = tx.send(b.to_vec());
+            }),
+        )
+        .unwrap();
+        let bytes = rx.recv().unwrap();
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&bytes), [1.0, 2.0, 3.0]);
+        host_syncs() - before
+    };
+    assert_eq!(
+        read(&Kernels::with_backend(dev.id(), Arc::new(CpuBackend))),
+        1
+    );
+    // A backend that synchronizes (twice) counts its own waits; the seam adds none.
+    assert_eq!(
+        read(&Kernels::with_backend(dev.id(), Arc::new(Synchronizing))),
+        2
+    );
+}
+
 #[test]
 fn to_moves_values_and_gradients_between_devices() {
     let (a, b) = (Device::cpu(0), Device::cpu(1));

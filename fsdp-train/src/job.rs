@@ -224,8 +224,9 @@ pub struct StepRecord {
     /// Rank 0's wall time of the step.
     pub secs: f64,
     /// Host-side waits of rank 0's issuing thread on streams and events
-    /// (`fsdp_alloc::stream::host_syncs`) from the first forward until the optimizer step was
-    /// launched (the end-of-step synchronize is not counted).
+    /// (`fsdp_alloc::stream::host_syncs`) while uploading the step's batches and from the first
+    /// forward until the optimizer step was launched (the end-of-step synchronize and the ranks'
+    /// agreement on the data are not counted).
     pub host_syncs: u64,
     /// Tokens of the global batch over `secs`.
     pub tokens_per_s: f64,

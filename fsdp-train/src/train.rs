@@ -571,13 +571,18 @@ impl Rank {
             self.dev.reset_peak_stats();
             let t0 = Instant::now();
             let lr = self.cfg.lr_at(s);
-            // This step's batches, read first so a data error stops every rank together.
+            // This step's batches, read first so a data error stops every rank together. Their
+            // upload (ids, targets) counts towards the step's host waits (none on CPU devices
+            // and, staged in page-locked memory, none on CUDA ones); the agreement does not.
+            let syncs_before_batches = fsdp_alloc::stream::host_syncs();
             let batches: Result<Vec<_>, _> =
                 (0..self.cfg.grad_accum).map(|m| self.batch(s, m)).collect();
+            let batch_syncs = fsdp_alloc::stream::host_syncs() - syncs_before_batches;
             let batches = self.agree(batches, "reading training data")?;
-            let (scaled, norm, host_syncs) = self
+            let (scaled, norm, step_syncs) = self
                 .step(batches, lr)
                 .map_err(self.err(format!("step {step}")))?;
+            let host_syncs = batch_syncs + step_syncs;
             if !norm.is_finite() {
                 return Err(TrainError::NonFinite {
                     step,

@@ -761,7 +761,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Copies host bytes into `dst` (exactly its length), in stream order.
     fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()>;
     /// Reads `src` to the host in stream order and hands the bytes to `f` once available
-    /// (CPU: on the stream's worker; CUDA: after synchronizing the stream).
+    /// (CPU: on the stream's worker; CUDA: after synchronizing the stream). A backend that
+    /// blocks the calling thread here counts each such wait with
+    /// `fsdp_alloc::stream::count_host_sync` (see [`Kernels::read`]).
     fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()>;
     /// What causal attention of shape `a` saves for its backward on this backend (the forward
     /// must be launched with matching [`AttentionStats`]). Default: the probabilities.
@@ -1417,13 +1419,22 @@ impl Kernels {
         self.backend.copy_host(s, src, dst)
     }
 
-    /// Checked [`Backend::read`].
+    /// Checked [`Backend::read`]. A readback is a host wait of the caller, counted by
+    /// `fsdp_alloc::stream::host_syncs`: a backend that waits inside `read` (CUDA: it
+    /// synchronizes the stream) counts its own waits; for one that did not (CPU: the bytes
+    /// arrive later from the stream's worker, and the caller waits for them) this counts one.
+    /// Either way every readback is at least one counted wait and no wait is counted twice.
     ///
     /// # Errors
     /// `src` on another device, the backend's errors.
     pub fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
         self.dev("read", "src", src)?;
-        self.backend.read(s, src, f)
+        let before = fsdp_alloc::stream::host_syncs();
+        self.backend.read(s, src, f)?;
+        if fsdp_alloc::stream::host_syncs() == before {
+            fsdp_alloc::stream::count_host_sync();
+        }
+        Ok(())
     }
 }
 

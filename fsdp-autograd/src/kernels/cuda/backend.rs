@@ -118,14 +118,19 @@ mod imp {
                 .push(check);
         }
 
-        /// Reports the first failed deferred index check (synchronizes their streams).
-        fn drain_checks(&self) -> Result<()> {
-            let checks: Vec<IndexCheck> =
-                std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        /// The deferred index checks launched so far (to drain after a readback).
+        fn take_checks(&self) -> Vec<IndexCheck> {
+            std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()))
+        }
+
+        /// Reports the first failed index check of `checks`; those of `synced` (a stream the
+        /// caller synchronized after they were launched) cost no further host wait, the others
+        /// synchronize their streams.
+        fn drain_checks(&self, checks: Vec<IndexCheck>, synced: &Stream) -> Result<()> {
             let mut first = Ok(());
             for c in checks {
                 let op = c.op();
-                if let Err(e) = c.wait() {
+                if let Err(e) = c.wait_after(Some(synced)) {
                     if first.is_ok() {
                         first = Err(err(op)(e));
                     }
@@ -143,10 +148,15 @@ mod imp {
             let one = crate::tensor::host_scalar_bytes(out.dtype, value);
             if out.dtype.size() == 1 {
                 let bytes = vec![one[0]; n];
-                return self.k.upload(s, &bytes, &out.buf).map_err(err("fill"));
+                return self
+                    .k
+                    .upload_async(s, &bytes, &out.buf)
+                    .map_err(err("fill"));
             }
             let tmp = self.k.device().alloc(one.len(), s)?;
-            self.k.upload(s, &one, tmp.data()).map_err(err("fill"))?;
+            self.k
+                .upload_async(s, &one, tmp.data())
+                .map_err(err("fill"))?;
             self.k
                 .strided_copy(s, tmp.data(), 0, &[n], &[0], &out.buf, out.dtype)
                 .map_err(err("fill"))
@@ -874,7 +884,9 @@ mod imp {
                 Launch::Fill { n, value, out } => self.fill(s, n, value, out),
                 Launch::Arange { n, out } => {
                     let host: Vec<i64> = (0..n as i64).collect();
-                    self.k.upload(s, &host, &out.buf).map_err(err("arange"))
+                    self.k
+                        .upload_async(s, bytemuck::cast_slice(&host), &out.buf)
+                        .map_err(err("arange"))
                 }
                 Launch::Copy {
                     src_view,
@@ -892,7 +904,9 @@ mod imp {
         }
 
         fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()> {
-            self.k.upload(s, &bytes, &dst.buf).map_err(err("write"))
+            self.k
+                .upload_async(s, &bytes, &dst.buf)
+                .map_err(err("write"))
         }
 
         fn copy_host(&self, s: &Stream, src: &BufferRef, dst: &BufferRef) -> Result<()> {
@@ -915,11 +929,14 @@ mod imp {
         }
 
         fn read(&self, s: &Stream, src: &Operand, f: ReadFn) -> Result<()> {
-            self.drain_checks()?;
+            // The checks launched so far; the download synchronizes `s` (one counted host
+            // wait), after which the checks of `s` are read without another one.
+            let checks = self.take_checks();
             let mut host = vec![0u8; src.buf.len()];
             self.k
                 .download(s, &src.buf, &mut host)
                 .map_err(err("read"))?;
+            self.drain_checks(checks, s)?;
             f(&host);
             Ok(())
         }

@@ -101,6 +101,10 @@ struct BlasEntry {
     blas: Arc<CudaBlas>,
 }
 
+/// The index of the CPU device that holds CUDA device `n`'s staging memory is
+/// `STAGING_CPU_INDEX + n`: far above the indices ranks give their own CPU devices.
+pub(crate) const STAGING_CPU_INDEX: usize = 1 << 16;
+
 struct Inner {
     device: Device,
     ordinal: usize,
@@ -109,6 +113,10 @@ struct Inner {
     /// One cuBLAS handle per stream: a handle bound to one stream keeps its workspace private to
     /// that stream, which cuBLAS requires for reproducible results.
     blas: Mutex<Vec<BlasEntry>>,
+    /// Page-locked host memory that small host→device writes are staged in
+    /// ([`CudaKernels::upload_async`]); created on first use, `Err` (and never retried) if the
+    /// driver refuses to pin memory.
+    staging: std::sync::OnceLock<std::result::Result<Device, String>>,
 }
 
 /// The CUDA kernels of one CUDA [`Device`]: compiled and loaded on construction, with one cuBLAS
@@ -191,8 +199,33 @@ impl CudaKernels {
                 ctx,
                 module,
                 blas: Mutex::new(Vec::new()),
+                staging: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// The page-locked host device that [`CudaKernels::upload_async`] stages small writes in
+    /// (`DeviceId::Cpu(STAGING_CPU_INDEX + ordinal)`, inline stream, PyTorch's allocator
+    /// policy), created on first use; `None` if this driver cannot pin host memory.
+    pub(crate) fn staging(&self) -> Option<&Device> {
+        self.inner
+            .staging
+            .get_or_init(|| {
+                // Inline stream: allocating needs no worker thread. Not compact: a block whose
+                // copy has not run yet is never handed out with a wait attached (on an inline
+                // stream that wait would block the issuing thread); it stays pending instead.
+                let config = fsdp_alloc::DeviceConfig::default()
+                    .with_stream_mode(fsdp_alloc::StreamMode::Inline)
+                    .with_compact(false);
+                Device::cpu_pinned(
+                    STAGING_CPU_INDEX + self.inner.ordinal,
+                    config,
+                    &self.inner.device,
+                )
+                .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .ok()
     }
 
     /// The device these kernels run on.
@@ -599,11 +632,57 @@ impl Call<'_> {
         Ok(())
     }
 
-    /// Blocks until all work enqueued on the stream so far has completed.
+    /// Blocks until all work enqueued on the stream so far has completed: a host wait of the
+    /// calling thread, counted by `fsdp_alloc::stream::host_syncs` (every host wait of these
+    /// kernels goes through here).
     pub(crate) fn synchronize(&self) -> Result<()> {
+        fsdp_alloc::stream::count_host_sync();
         self.cs
             .synchronize()
             .map_err(self.driver("cuStreamSynchronize"))
+    }
+
+    /// [`Call::read_to_host`] without the synchronization, for a caller that has just
+    /// synchronized this stream itself (the copy is part of that host wait).
+    ///
+    /// # Safety
+    /// As [`Call::read_to_host`], and the stream's work that writes `src` has completed (the
+    /// caller synchronized the stream after enqueueing it).
+    pub(crate) unsafe fn read_to_host_synced<T: bytemuck::Pod>(
+        &self,
+        src: u64,
+        dst: &mut [T],
+    ) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the source range is live (the caller's contract) and its writers have
+        // completed (the caller synchronized the stream); the copy is synchronous, so `dst` is
+        // written before the call returns and is not used by the driver afterwards; any bit
+        // pattern is a valid `T` (Pod).
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }
+            .map_err(self.driver("cuMemcpyDtoH"))
+    }
+
+    /// [`Call::write_from_host`] without the synchronization, for a caller that has just
+    /// synchronized this stream itself (the copy is part of that host wait).
+    ///
+    /// # Safety
+    /// As [`Call::write_from_host`], and no work enqueued on the stream still uses `dst` (the
+    /// caller synchronized the stream).
+    pub(crate) unsafe fn write_from_host_synced<T: bytemuck::Pod>(
+        &self,
+        src: &[T],
+        dst: u64,
+    ) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the destination range is live (the caller's contract) and no earlier work on
+        // the stream still uses it (the caller synchronized it); the copy is synchronous, so
+        // `src` is read completely before the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
+            .map_err(self.driver("cuMemcpyHtoD"))
     }
 
     /// Copies `dst.len()` elements at device address `src` to the host, after the stream's work.
@@ -616,15 +695,8 @@ impl Call<'_> {
         dst: &mut [T],
     ) -> Result<()> {
         self.synchronize()?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: the source range is live (the caller's contract) and its writers have
-        // completed (the stream was synchronized above); the copy is synchronous, so `dst` is
-        // written before the call returns and is not used by the driver afterwards; any bit
-        // pattern is a valid `T` (Pod).
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }
-            .map_err(self.driver("cuMemcpyDtoH"))
+        // SAFETY: the caller's contract, and the stream was synchronized above.
+        unsafe { self.read_to_host_synced(src, dst) }
     }
 
     /// Copies `src` from the host to device address `dst`, after the stream's work; the data is
@@ -639,14 +711,8 @@ impl Call<'_> {
     ) -> Result<()> {
         // Earlier work on the stream may still read the destination.
         self.synchronize()?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: the destination range is live (the caller's contract) and no earlier work on
-        // the stream still uses it (synchronized above); the copy is synchronous, so `src` is
-        // read completely before the call returns.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }
-            .map_err(self.driver("cuMemcpyHtoD"))
+        // SAFETY: the caller's contract, and the stream was synchronized above.
+        unsafe { self.write_from_host_synced(src, dst) }
     }
 }
 

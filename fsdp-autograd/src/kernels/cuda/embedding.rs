@@ -58,15 +58,29 @@ impl IndexCheck {
     /// [`KernelError::IndexOutOfRange`] (as [`CudaKernelError::Kernel`]) with the smallest
     /// offending position and its value; driver errors from the synchronization or the copies.
     pub fn wait(self) -> Result<()> {
+        self.wait_after(None)
+    }
+
+    /// [`IndexCheck::wait`] for a caller that has just synchronized `synced` (a readback on
+    /// it): a check of that stream reads its status word without synchronizing again, so
+    /// draining the checks costs no host wait beyond the readback's; a check of another stream
+    /// synchronizes that one (a counted host wait).
+    pub(crate) fn wait_after(self, synced: Option<&Stream>) -> Result<()> {
         let Some(p) = self.pending else {
             return Ok(());
         };
         let c = p.kernels.call(self.op, &p.stream)?;
         let status = c.buf("status", p.status.data(), Elem::U64)?;
         let mut first = [0u64];
-        // SAFETY: `status` is the live one-word scratch buffer the check kernel writes (kept
-        // alive by `p.status`); `read_to_host` synchronizes the stream first.
-        unsafe { c.read_to_host(status.ptr, &mut first)? };
+        if synced == Some(&p.stream) {
+            // SAFETY: `status` is the live one-word scratch buffer the check kernel writes
+            // (kept alive by `p.status`); the kernel was enqueued on `p.stream` before the
+            // caller synchronized it (the check was deferred when it was launched).
+            unsafe { c.read_to_host_synced(status.ptr, &mut first)? };
+        } else {
+            // SAFETY: as above; `read_to_host` synchronizes the stream first.
+            unsafe { c.read_to_host(status.ptr, &mut first)? };
+        }
         let position = first[0];
         if position == u64::MAX {
             return Ok(());
@@ -83,8 +97,9 @@ impl IndexCheck {
         }
         let mut value = [0i64];
         // SAFETY: position < ids.len, so the 8 bytes at ids.ptr + 8·position lie inside the live
-        // ids buffer (kept alive by `p.ids`).
-        unsafe { c.read_to_host(ids.ptr + 8 * position, &mut value)? };
+        // ids buffer (kept alive by `p.ids`), whose writers ran before the check kernel, which
+        // has completed (its status was read after a synchronize of `p.stream`).
+        unsafe { c.read_to_host_synced(ids.ptr + 8 * position, &mut value)? };
         Err(KernelError::IndexOutOfRange {
             op: self.op,
             what: self.what,

@@ -67,7 +67,7 @@
 //! | layout (views) | [`strided_copy`](CudaKernels::strided_copy), [`strided_add_assign`](CudaKernels::strided_add_assign) |
 //! | optimizer, clipping, scaler | [`sgd_step`](CudaKernels::sgd_step), [`adamw_step`](CudaKernels::adamw_step), [`lamb_direction`](CudaKernels::lamb_direction), [`lamb_apply`](CudaKernels::lamb_apply), [`sum_squares`](CudaKernels::sum_squares), [`unscale`](CudaKernels::unscale) |
 //! | casts | [`cast_f32_to_f16`](CudaKernels::cast_f32_to_f16), [`cast_f16_to_f32`](CudaKernels::cast_f16_to_f32), [`cast_f32_to_bf16`](CudaKernels::cast_f32_to_bf16), [`cast_bf16_to_f32`](CudaKernels::cast_bf16_to_f32) |
-//! | memory | [`upload`](CudaKernels::upload), [`download`](CudaKernels::download), [`zero`](CudaKernels::zero), [`copy`](CudaKernels::copy) |
+//! | memory | [`upload`](CudaKernels::upload), [`upload_async`](CudaKernels::upload_async), [`download`](CudaKernels::download), [`copy_host`](CudaKernels::copy_host), [`zero`](CudaKernels::zero), [`copy`](CudaKernels::copy) |
 //!
 //! # Conventions (differences from the CPU kernels in bold)
 //!
@@ -80,8 +80,11 @@
 //!   `&mut`). In-place variants say so.
 //! - Methods return once the work is **enqueued on the stream** (kernels, cuBLAS calls, memsets
 //!   are all stream-ordered); results are observed after an event or a synchronize, exactly as
-//!   with `Stream::launch`. Only [`upload`](CudaKernels::upload), [`download`](CudaKernels::download)
-//!   and [`IndexCheck::wait`] synchronize.
+//!   with `Stream::launch`. Only [`upload`](CudaKernels::upload), [`download`](CudaKernels::download),
+//!   [`IndexCheck::wait`], the pageable paths of [`copy_host`](CudaKernels::copy_host) and
+//!   writes larger than [`STAGED_WRITE_MAX`] through [`upload_async`](CudaKernels::upload_async)
+//!   synchronize; each synchronization is a host wait counted by
+//!   `fsdp_alloc::stream::host_syncs`.
 //! - **Scalar results stay on the device**: [`sum`](CudaKernels::sum),
 //!   [`mean`](CudaKernels::mean) and [`cross_entropy`](CudaKernels::cross_entropy) write a
 //!   one-element buffer, and [`cross_entropy_backward`](CudaKernels::cross_entropy_backward)
@@ -208,6 +211,8 @@ pub use embedding::IndexCheck;
 pub use error::{CudaKernelError, Result};
 #[cfg(feature = "cuda")]
 pub use matmul::GemmPrecision;
+#[cfg(feature = "cuda")]
+pub use transfer::STAGED_WRITE_MAX;
 
 #[cfg(all(test, feature = "cuda"))]
 mod tests;

@@ -8,6 +8,10 @@ use super::error::CudaKernelError;
 use super::error::Result;
 use super::plan::Plan;
 
+/// The largest write [`CudaKernels::upload_async`] stages in page-locked memory (4 MiB: a
+/// step's batch of ids and targets, fills, position ids); larger writes are synchronous.
+pub const STAGED_WRITE_MAX: usize = 4 << 20;
+
 /// Validates `b` as device memory of this device holding exactly `expected` bytes.
 fn bytes_arg(c: &Call<'_>, arg: &'static str, b: &BufferRef, expected: usize) -> Result<Dev> {
     let dev = c.buf(arg, b, Elem::U8)?;
@@ -32,6 +36,61 @@ impl CudaKernels {
         let d = bytes_arg(&c, "dst", dst, std::mem::size_of_val(src))?;
         // SAFETY: `d` is this device's live buffer of exactly size_of_val(src) bytes.
         unsafe { c.write_from_host(src, d.ptr) }
+    }
+
+    /// Copies the host bytes `src` into the device buffer `dst` (exactly `src.len()` bytes) in
+    /// the order of `stream`, **without the issuing thread waiting** — what `Tensor::from_vec`,
+    /// fills and `arange` on a CUDA device use, so that a training step's batch upload (ids,
+    /// targets), position ids and backward seed are no host waits. Up to
+    /// [`STAGED_WRITE_MAX`] bytes are copied into page-locked staging memory of this device's
+    /// staging host device first, then `cuMemcpyHtoDAsync` on `stream` (the staging block is
+    /// freed in `stream`'s order: reused only after the copy ran). Larger writes (loading
+    /// weights, not a step's hot path), or a driver that cannot pin host memory, take the
+    /// synchronous path of [`CudaKernels::upload`] (a counted host wait).
+    ///
+    /// Compiled only: this has not run on a GPU.
+    ///
+    /// # Errors
+    /// [`KernelError::LengthMismatch`](crate::kernels::KernelError::LengthMismatch) (in bytes); buffer/stream errors; driver errors.
+    pub fn upload_async(&self, stream: &Stream, src: &[u8], dst: &BufferRef) -> Result<()> {
+        let c = self.call("upload_async", stream)?;
+        let d = bytes_arg(&c, "dst", dst, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let staging = if src.len() <= STAGED_WRITE_MAX {
+            self.staging()
+                .and_then(|h| h.alloc(src.len(), h.default_stream()).ok())
+        } else {
+            None
+        };
+        let Some(mut buf) = staging else {
+            // SAFETY: `d` is this device's live buffer of exactly src.len() bytes.
+            return unsafe { c.write_from_host(src, d.ptr) };
+        };
+        let host_err = |source| CudaKernelError::Host {
+            op: "upload_async",
+            source,
+        };
+        buf.data()
+            .write::<u8>()
+            .map_err(host_err)?
+            .copy_from_slice(src);
+        let Some(h) = buf.data().pinned_ptr() else {
+            return Err(CudaKernelError::Internal {
+                op: "upload_async",
+                detail: format!("staging buffer {:?} is not page-locked", buf.data()),
+            });
+        };
+        // SAFETY: `d` is this device's live buffer of src.len() bytes (bytes_arg) and `h` the
+        // start of `buf`, src.len() bytes of live page-locked memory (written above; the write
+        // guard is gone) that the BufferRef moved into the releasing host function keeps alive
+        // until the copy has run.
+        unsafe { c.copy_pinned(PinnedCopy::HostToDevice, buf.data(), h, d.ptr) }?;
+        // The block goes back to the staging cache only once `stream` has passed this point,
+        // i.e. after the copy read it.
+        buf.record_stream(stream);
+        Ok(())
     }
 
     /// Copies the device buffer `src` (exactly `size_of_val(dst)` bytes) to the host after all
@@ -86,11 +145,13 @@ impl CudaKernels {
                     // into the releasing host function) keeps alive until the copy has run.
                     return unsafe { c.copy_pinned(PinnedCopy::HostToDevice, src, h, d.ptr) };
                 }
-                // Pageable: the host source is final once the stream's earlier work has run.
+                // Pageable: the host source is final once the stream's earlier work has run
+                // (one counted host wait; the copy below belongs to it).
                 stream.synchronize().map_err(host_err)?;
                 let bytes = src.read::<u8>().map_err(host_err)?.to_vec();
-                // SAFETY: `d` is this device's live buffer of exactly n bytes.
-                unsafe { c.write_from_host(&bytes, d.ptr) }
+                // SAFETY: `d` is this device's live buffer of exactly n bytes, and the stream
+                // was synchronized just above.
+                unsafe { c.write_from_host_synced(&bytes, d.ptr) }
             }
             (true, false) => {
                 let s = bytes_arg(&c, "src", src, n)?;
@@ -100,8 +161,7 @@ impl CudaKernels {
                     // `dst` until the copy has run.
                     return unsafe { c.copy_pinned(PinnedCopy::DeviceToHost, dst, h, s.ptr) };
                 }
-                // Pageable: the download synchronizes the stream (a host wait).
-                fsdp_alloc::stream::count_host_sync();
+                // Pageable: the download synchronizes the stream (a counted host wait).
                 let mut host = vec![0u8; n];
                 // SAFETY: `s` is this device's live buffer of exactly n bytes.
                 unsafe { c.read_to_host(s.ptr, &mut host) }?;
