@@ -184,6 +184,11 @@ pub struct ParallelArgs {
     /// accumulation; like PyTorch's allow_tf32). Needs --device cuda; off by default
     #[arg(long)]
     pub tf32: bool,
+    /// Matmul threads per rank on CPU devices [default: this machine's cores / --ranks, at
+    /// least 1]. A rank alone with 1 thread measures what each of N ranks sharing the cores
+    /// gets (the compute calibration of `cargo xtask bench nodes`)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub matmul_threads: Option<u64>,
 }
 
 /// How collectives move bytes.
