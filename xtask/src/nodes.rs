@@ -389,39 +389,61 @@ pub fn bench_nodes() -> Result<(), String> {
         "--backend",
         "mpi",
         "--steps",
-        "6",
+        STEPS,
         "--json",
         "--backward-prefetch",
         "pre",
         "--limit-all-gathers",
         "on",
     ];
-    let calib_before = compute_calibration(&cluster, &train_gpt)?;
-    let full = capture(
-        "train_gpt FullShard, 2 nodes × 2",
-        cluster
-            .mpirun(&[])
-            .arg(&train_gpt)
-            .args(common)
-            .args(["--strategy", "full-shard"]),
-    )?;
-    let hybrid = capture(
-        "train_gpt HybridShard F=2, 2 nodes × 2",
-        cluster.mpirun(&[]).arg(&train_gpt).args(common).args([
-            "--strategy",
-            "hybrid-shard",
-            "--shard-size",
-            "2",
-        ]),
-    )?;
-    let calib_after = compute_calibration(&cluster, &train_gpt)?;
-    let full_tps = field(&full, "tokens_per_s")?;
-    let hybrid_tps = field(&hybrid, "tokens_per_s")?;
-    // The compute rate per rank on the model's own kernels with 4 ranks sharing this machine's
-    // cores: the planner's FLOPs of one step (its compute time at 1 TFLOP/s) over the measured
-    // compute-only step (the mean of the calibration runs before and after the two training
-    // runs, so load drift hits both alike). A measured hardware figure, like the link's; never
-    // the measured training step.
+    // ROUNDS rounds of: compute calibration (4 one-rank processes sharing the cores),
+    // FullShard, calibration, HybridShard; a last calibration closes them. Each training run's
+    // compute-only figure is the mean of the calibrations just before and after it, so load
+    // drift on this shared machine hits the prediction and the measurement alike; each figure
+    // below is the median over the rounds.
+    let mut calib = vec![compute_calibration(&cluster, &train_gpt)?];
+    let (mut full, mut hybrid) = (Vec::new(), Vec::new());
+    let (mut full_c, mut hybrid_c) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        let line = capture(
+            &format!("train_gpt FullShard, 2 nodes × 2 (round {})", round + 1),
+            cluster
+                .mpirun(&[])
+                .arg(&train_gpt)
+                .args(common)
+                .args(["--strategy", "full-shard"]),
+        )?;
+        full.push(line);
+        calib.push(compute_calibration(&cluster, &train_gpt)?);
+        full_c.push((calib[calib.len() - 2] + calib[calib.len() - 1]) / 2.0);
+        let line = capture(
+            &format!(
+                "train_gpt HybridShard F=2, 2 nodes × 2 (round {})",
+                round + 1
+            ),
+            cluster.mpirun(&[]).arg(&train_gpt).args(common).args([
+                "--strategy",
+                "hybrid-shard",
+                "--shard-size",
+                "2",
+            ]),
+        )?;
+        hybrid.push(line);
+        calib.push(compute_calibration(&cluster, &train_gpt)?);
+        hybrid_c.push((calib[calib.len() - 2] + calib[calib.len() - 1]) / 2.0);
+    }
+    let median_of = |lines: &[String], key: &str| -> Result<f64, String> {
+        let v = lines
+            .iter()
+            .map(|l| field(l, key))
+            .collect::<Result<Vec<f64>, String>>()?;
+        Ok(median(v))
+    };
+    let full_tps = median_of(&full, "tokens_per_s")?;
+    let hybrid_tps = median_of(&hybrid, "tokens_per_s")?;
+    // The planner's compute rate per rank on the model's own kernels with 4 ranks sharing this
+    // machine's cores: its FLOPs of one step over the measured compute-only step. A measured
+    // hardware figure, like the link's; never the measured training step.
     let plan = |tflops: f64| -> Result<String, String> {
         capture_text(
             "train_gpt --plan for the emulated cluster",
@@ -441,27 +463,28 @@ pub fn bench_nodes() -> Result<(), String> {
     // At 1 GFLOP/s the compute column (ms) is the FLOPs of one step / 1e6.
     let unit = plan(1e-3)?;
     let step_flops = row(&unit, FULL)?.compute_ms * 1e6;
-    let compute_ms = (calib_before + calib_after) / 2.0;
-    let tflops = step_flops / (compute_ms * 1e-3) / 1e12;
-    let table = plan(tflops)?;
-    print!("{table}");
-    let full_pred = row(&table, FULL)?;
-    let hybrid_pred = row(&table, HYBRID)?;
-    let full_ms = field(&full, "step_ms_median")?;
-    let hybrid_ms = field(&hybrid, "step_ms_median")?;
-    for (name, p, meas) in [
-        ("full-shard F=4", &full_pred, full_ms),
-        ("hybrid-shard F=2", &hybrid_pred, hybrid_ms),
+    let rate = |compute_ms: f64| step_flops / (compute_ms * 1e-3) / 1e12;
+    let (full_compute, hybrid_compute) = (median(full_c), median(hybrid_c));
+    let (full_tflops, hybrid_tflops) = (rate(full_compute), rate(hybrid_compute));
+    let full_table = plan(full_tflops)?;
+    print!("{full_table}");
+    let full_pred = row(&full_table, FULL)?;
+    let hybrid_pred = row(&plan(hybrid_tflops)?, HYBRID)?;
+    let full_ms = median_of(&full, "step_ms_median")?;
+    let hybrid_ms = median_of(&hybrid, "step_ms_median")?;
+    for (name, p, meas, compute) in [
+        ("full-shard F=4", &full_pred, full_ms, full_compute),
+        ("hybrid-shard F=2", &hybrid_pred, hybrid_ms, hybrid_compute),
     ] {
         eprintln!(
             "xtask: bench nodes: {name}: predicted step {:.1} ms = compute {:.1} + exposed comm \
-             {:.1} (links busy {:.1}); measured step {meas:.1} ms = compute alone {compute_ms:.1} \
+             {:.1} (links busy {:.1}); measured step {meas:.1} ms = compute alone {compute:.1} \
              + the rest {:.1}",
             p.step_ms,
             p.compute_ms,
             p.step_ms - p.compute_ms,
             p.comm_ms,
-            meas - compute_ms
+            meas - compute
         );
     }
     let rel = |pred: f64, meas: f64| (pred - meas).abs() / meas;
@@ -474,9 +497,8 @@ pub fn bench_nodes() -> Result<(), String> {
         "{{\"hier_all_gather_gbps\": {hier_ag:.4}, \"flat_all_gather_gbps\": {flat_ag:.4}, \
          \"hier_over_flat_all_gather\": {:.3}, \"all_reduce_bytes_over_buffer\": {ar_bytes:.4}, \
          \"full_shard_tokens_per_s\": {full_tps:.1}, \"hybrid_tokens_per_s\": {hybrid_tps:.1}, \
-         \"hybrid_over_full_tokens\": {:.3}, \"compute_only_step_ms\": {compute_ms:.1}, \
-         \"compute_only_step_ms_before_after\": [{calib_before:.1}, {calib_after:.1}], \
-         \"calibrated_tflops_per_rank\": {tflops:.5}, \"full_step_ms\": {full_ms:.1}, \
+         \"hybrid_over_full_tokens\": {:.3}, \"compute_only_step_ms_runs\": {calib:.1?}, \"full_calibrated_tflops_per_rank\": {full_tflops:.5}, \
+         \"hybrid_calibrated_tflops_per_rank\": {hybrid_tflops:.5}, \"full_step_ms\": {full_ms:.1}, \
          \"full_predicted_step_ms\": {:.1}, \"full_predicted_compute_ms\": {:.1}, \
          \"full_predicted_comm_busy_ms\": {:.1}, \"hybrid_step_ms\": {hybrid_ms:.1}, \
          \"hybrid_predicted_step_ms\": {:.1}, \"hybrid_predicted_compute_ms\": {:.1}, \
@@ -493,6 +515,26 @@ pub fn bench_nodes() -> Result<(), String> {
         cluster.shaping
     );
     Ok(())
+}
+
+/// Steps of every train_gpt run of the bench (the first is not timed).
+const STEPS: &str = "10";
+
+/// Rounds of (calibration, FullShard, calibration, HybridShard) in `bench nodes`.
+const ROUNDS: usize = 3;
+
+/// The median of `v` (the mean of the middle two for an even count; NaN when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 /// `train_gpt --plan` arguments for the emulated cluster (the training runs' model and batch are
@@ -529,11 +571,11 @@ fn compute_calibration(cluster: &Cluster, train_gpt: &Path) -> Result<f64, Strin
             "--matmul-threads",
             "1",
             "--steps",
-            "6",
+            STEPS,
             "--json",
         ]),
     )?;
-    let mut steps: Vec<f64> = out
+    let steps: Vec<f64> = out
         .lines()
         .filter(|l| l.trim_start().starts_with('{'))
         .filter_map(|l| field(l, "step_ms_median").ok())
@@ -545,9 +587,7 @@ fn compute_calibration(cluster: &Cluster, train_gpt: &Path) -> Result<f64, Strin
             2 * PER_NODE
         ));
     }
-    steps.sort_by(f64::total_cmp);
-    let mid = steps.len() / 2;
-    Ok((steps[mid - 1] + steps[mid]) / 2.0)
+    Ok(median(steps))
 }
 
 /// One row of `train_gpt --plan`'s table: predicted step, compute and links' busy time, ms.
@@ -596,7 +636,14 @@ fn plan_row(table: &str, label: &str) -> Option<PlanRow> {
 
 #[cfg(test)]
 mod plan_table_tests {
-    use super::{plan_row, PlanRow};
+    use super::{median, plan_row, PlanRow};
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
+    }
 
     #[test]
     fn finds_merged_and_plain_rows() {
