@@ -865,6 +865,20 @@ mod tests {
     }
 
     #[test]
+    fn matmul_threads_flag_is_optional_and_positive() {
+        let cli = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
+                .map(|c| c.parallel.matmul_threads)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(cli(&[]).unwrap(), None);
+        assert_eq!(cli(&["--matmul-threads", "3"]).unwrap(), Some(3));
+        assert!(cli(&["--matmul-threads", "0"])
+            .unwrap_err()
+            .contains("matmul-threads"));
+    }
+
+    #[test]
     fn defaults_are_the_main_job() {
         let c = parse(&[]).unwrap();
         assert_eq!(c.ranks, 4);
