@@ -370,10 +370,12 @@ fn stall_test(cluster: &Cluster, bin: &Path, signal: &str) -> Result<(), String>
 /// planner's FLOPs of one step over the compute-only step of [`compute_calibration`] (4
 /// one-rank processes with 1 matmul thread each, no collectives), measured right before and
 /// after each training run. The GEMM probe's peak rate split over the ranks (train_gpt's
-/// default) predicted ~25% too little compute here: the model's kernels (attention, norms,
+/// default, `full_predicted_step_ms_gemm_probe_rate`) predicts too little compute here (189 ms
+/// against a measured 250 ms step on a quiet machine): the model's kernels (attention, norms,
 /// element-wise ops, small matmuls) run below the GEMM peak. Stderr shows each strategy's
 /// predicted compute + exposed communication (and the links' busy time) against the measured
-/// compute-only step + the rest.
+/// compute-only step + the rest. Not modelled: under other jobs' load, collectives wait for
+/// preempted peers (the rest grows with the load, FullShard more than HybridShard).
 pub fn bench_nodes() -> Result<(), String> {
     crate::mpi::check_mpirun()?;
     let Some(cluster) = Cluster::up()? else {
