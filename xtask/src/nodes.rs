@@ -587,21 +587,27 @@ const PLAN_ARGS: [&str; 11] = [
 fn compute_calibration(cluster: &Cluster, train_gpt: &Path) -> Result<f64, String> {
     let out = capture_text(
         "compute calibration: 4 one-rank train_gpt processes sharing the cores",
-        cluster.mpirun(&[]).arg(train_gpt).args([
-            "--backend",
-            "thread",
-            "--ranks",
-            "1",
-            "--matmul-threads",
-            "1",
-            "--steps",
-            STEPS,
-            "--json",
-        ]),
+        // `--tag-output`: mpirun forwards each process's lines whole, prefixed with its rank
+        // (without it, two processes' JSON lines can come out spliced into one).
+        cluster
+            .mpirun(&[])
+            .arg("--tag-output")
+            .arg(train_gpt)
+            .args([
+                "--backend",
+                "thread",
+                "--ranks",
+                "1",
+                "--matmul-threads",
+                "1",
+                "--steps",
+                STEPS,
+                "--json",
+            ]),
     )?;
     let steps: Vec<f64> = out
         .lines()
-        .filter(|l| l.trim_start().starts_with('{'))
+        .filter(|l| l.contains('{'))
         .filter_map(|l| field(l, "step_ms_median").ok())
         .collect();
     if steps.len() != 2 * PER_NODE {
