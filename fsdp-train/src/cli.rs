@@ -185,6 +185,11 @@ pub struct ParallelArgs {
     /// accumulation; like PyTorch's allow_tf32). Needs --device cuda; off by default
     #[arg(long)]
     pub tf32: bool,
+    /// Matmul threads per rank on CPU devices [default: this machine's cores / --ranks, at
+    /// least 1]. A rank alone with 1 thread measures what each of N ranks sharing the cores
+    /// gets (the compute calibration of `cargo xtask bench nodes`)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub matmul_threads: Option<u64>,
 }
 
 /// How collectives move bytes.
@@ -874,6 +879,20 @@ mod tests {
         let cli = Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
             .map_err(|e| e.to_string())?;
         cli.into_config().map_err(|e| e.0)
+    }
+
+    #[test]
+    fn matmul_threads_flag_is_optional_and_positive() {
+        let cli = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
+                .map(|c| c.parallel.matmul_threads)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(cli(&[]).unwrap(), None);
+        assert_eq!(cli(&["--matmul-threads", "3"]).unwrap(), Some(3));
+        assert!(cli(&["--matmul-threads", "0"])
+            .unwrap_err()
+            .contains("matmul-threads"));
     }
 
     #[test]

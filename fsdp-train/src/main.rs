@@ -352,8 +352,12 @@ fn run(cli: Cli, mut c: TrainConfig) -> Result<(), String> {
         }
         plan::apply(&mut c, &top).map_err(|e| e.0)?;
     }
-    // Ranks share the machine's cores: give each rank's matmuls an even share.
-    let threads = (cores / c.ranks).max(1);
+    // Ranks share the machine's cores: give each rank's matmuls an even share (unless
+    // --matmul-threads says otherwise).
+    let threads = cli
+        .parallel
+        .matmul_threads
+        .map_or((cores / c.ranks).max(1), |t| t as usize);
     fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
     let params = cli::gpt_params(&c.gpt);
     let data = train::open_data(&c).map_err(|e| e.to_string())?;
