@@ -28,9 +28,8 @@
 //!
 //! # Limitations
 //! - CUDA: with the `cuda` feature, operations on a CUDA device run the CUDA kernels through the
-//!   backend seam ([`kernels::backend`]); this has **never run on a GPU** (none exists where it
-//!   was written; the kernels run on a host emulator in tests, `cargo xtask gpu-test` runs them on
-//!   a GPU). Without the feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
+//!   backend seam ([`kernels::backend`]); CI runs the kernels on a host emulator, and `cargo
+//!   xtask gpu-test` runs them on a GPU (it has on one H100; README "GPUs"). Without the feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
 //!   CUDA, the general broadcast-undoing sum and copies into non-contiguous destinations (split
 //!   backward along an inner dimension) return [`AutogradError::Unsupported`], and so does eager
 //!   parameter init on a CUDA device (init runs on the host: create the model on a CPU device and

@@ -16,9 +16,10 @@
 //! shards. CPU offload happens only when asked (`--cpu-offload`): then the shards, sharded
 //! gradients and optimizer state live on that host device and the optimizer runs there.
 
-//! **Not run on a GPU since the device-resident optimizer**: this path is compile-checked (`cargo check -p fsdp-train --features
-//! cuda`); here, without a CUDA driver, `--device cuda` exits with a one-line
-//! error naming what is missing.
+//! CI compiles this path (`cargo check -p fsdp-train --features cuda`); without a CUDA driver
+//! `--device cuda` exits with a one-line error naming what is missing. On one H100 it trained
+//! GPT-mini to GPT-2 (f32, TF32, bf16, CPU offload; README "GPUs"); `--backend nccl` and more
+//! than one GPU have not run since the device-resident optimizer.
 
 use std::sync::Arc;
 

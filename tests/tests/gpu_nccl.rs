@@ -3,7 +3,8 @@
 //! in one process (a thread per GPU) and, through `cargo xtask gpu-launch-2`, in two processes
 //! launched with a torchrun-style environment.
 //!
-//! **Never run on a GPU** (written where none exists). `#[ignore]`d and gated on
+//! The thread test ran on one H100 (one GPU: passed); the 2-process launch needs two GPUs and
+//! has never run. `#[ignore]`d and gated on
 //! `FSDP_GPU_TESTS=1`; values are small integers, exact in bf16, so every result is asserted
 //! exactly.
 #![cfg(feature = "cuda")]

@@ -13,7 +13,8 @@
 //!   shape arguments ([`KernelError`], never a panic), through the same checks the CUDA kernels
 //!   use.
 //! - `cuda` (feature `cuda`): the CUDA kernels (NVRTC-compiled source, cuBLAS), run on a host
-//!   emulator in tests, compiled by NVRTC in `cargo xtask nvrtc`, never run on a GPU here.
+//!   emulator in tests, compiled by NVRTC in `cargo xtask nvrtc`; the GPU suite (`cargo xtask
+//!   gpu-test`) ran them on one H100 against the CPU kernels.
 //!
 //! # Determinism
 //! Every CPU kernel returns bit-identical results for bit-identical inputs, on every call and

@@ -2,9 +2,9 @@
 //! `CudaKernels` (feature `cuda`). Without the feature the type exists with the same
 //! constructor, which returns [`AutogradError::CudaNotBuilt`].
 //!
-//! **Never run on a GPU** (no GPU exists where this was written): the kernels it calls run on
-//! the host emulator in tests, and this glue is compile-checked only; `cargo xtask gpu-test` runs
-//! it on a real GPU.
+//! The kernels it calls run on the host emulator in CI and this glue is compile-checked there;
+//! `cargo xtask gpu-test` runs it on a real GPU (it has run on one H100: the ops, fsdp and
+//! kernel-time suites and GPT-2 training go through it).
 
 #[cfg(not(feature = "cuda"))]
 mod imp {
