@@ -158,20 +158,9 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
     // train_gpt and this xtask binary.
     run(
         "gpu-bundle: build train_gpt (cuda) and xtask",
-        bundle_cargo().args([
-            "build",
-            "--release",
-            "-p",
-            "fsdp-train",
-            "--features",
-            "cuda",
-            "--bin",
-            "train_gpt",
-            "-p",
-            "xtask",
-            "--bin",
-            "xtask",
-        ]),
+        bundle_cargo()
+            .args(crate::util::BUILD_TRAIN_GPT_CUDA)
+            .args(["-p", "xtask", "--bin", "xtask"]),
     )?;
     let release = target_dir().join("release");
     total += copy_stripped(&release.join("train_gpt"), &bin.join("train_gpt"))?;

@@ -109,16 +109,7 @@ fn train_gpt(given: Option<&str>) -> Result<PathBuf, String> {
     }
     crate::run(
         "gpu-peer: build train_gpt (cuda)",
-        crate::cargo().args([
-            "build",
-            "--release",
-            "-p",
-            "fsdp-train",
-            "--features",
-            "cuda",
-            "--bin",
-            "train_gpt",
-        ]),
+        crate::cargo().args(crate::util::BUILD_TRAIN_GPT_CUDA),
     )?;
     Ok(crate::root().join("target/release/train_gpt"))
 }

@@ -39,3 +39,15 @@ pub fn run(step: &str, cmd: &mut Command) -> Result<(), String> {
         Err(format!("{step} failed ({status})"))
     }
 }
+
+/// `cargo build` arguments of the release `train_gpt` with CUDA (the GPU bundle and `gpu-peer`).
+pub const BUILD_TRAIN_GPT_CUDA: &[&str] = &[
+    "build",
+    "--release",
+    "-p",
+    "fsdp-train",
+    "--features",
+    "cuda",
+    "--bin",
+    "train_gpt",
+];
