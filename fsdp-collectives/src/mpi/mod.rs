@@ -87,12 +87,11 @@
 //!   no `missing` ranks: a barrier cannot tell which ranks did not arrive) instead of a hang;
 //!   after it the parent is broken (the barrier request cannot be cancelled): a failed split
 //!   breaks the parent group, and a world group that failed this way must not be created again
-//!   in the process (end the job). **Remaining window:**
-//!   a peer that passes the handshake and then stops or dies before entering the blocking call
-//!   still blocks the others inside it (a killed peer ends the job through `mpirun`, see
-//!   below; a stopped one hangs them). `MPI_Init` itself (inside the first [`MpiGroup::world`])
-//!   is not bounded by the handshake. Freeing a
-//!   group's window (`MPI_Win_free`, on drop) is collective and blocking too.
+//!   in the process (end the job). **Remaining window:** a peer that passes the handshake and
+//!   then stops or dies before entering the blocking call still blocks the others inside it (a
+//!   killed peer ends the job through `mpirun`, see below; a stopped one hangs them).
+//!   `MPI_Init` itself (inside the first [`MpiGroup::world`]) is not bounded by the handshake.
+//!   Freeing a group's window (`MPI_Win_free`, on drop) is collective and blocking too.
 //!   `cargo xtask mpi-test` checks the handshake: of 3 ranks, one never creates a second world
 //!   group and the other two must get the typed timeout within the timeout + 5 s.
 //! - A rank that fails locally in the middle of a shared-memory collective (e.g. a buffer
