@@ -186,9 +186,10 @@ pub enum CollectiveError {
     },
     /// Some ranks did not reach the collective within the group's timeout.
     #[error(
-        "{op} (collective #{seq} of group {group}): rank {rank} waited {waited:?} for ranks \
-         {missing:?} to reach it; raise GroupConfig::timeout if they are only slow, otherwise a \
-         rank is hung or issued collectives in a different order"
+        "{op} (collective #{seq} of group {group}): rank {rank} waited {waited:?} for {} to \
+         reach it; raise GroupConfig::timeout if they are only slow, otherwise a \
+         rank is hung or issued collectives in a different order",
+        waited_for(missing)
     )]
     Timeout {
         /// The collective.
@@ -201,7 +202,8 @@ pub enum CollectiveError {
         rank: usize,
         /// How long it waited.
         waited: Duration,
-        /// The ranks it was waiting for.
+        /// The ranks it was waiting for; empty where the wait cannot tell (an MPI wait only
+        /// knows that not every rank arrived).
         missing: Vec<usize>,
     },
     /// The stream the collective was issued on had already failed, so the collective never ran.
@@ -409,3 +411,12 @@ pub enum CollectiveError {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = CollectiveError> = std::result::Result<T, E>;
+
+/// The ranks a [`CollectiveError::Timeout`] waited for, in words.
+fn waited_for(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        "every rank of the group (not every one arrived; this wait cannot tell which)".into()
+    } else {
+        format!("ranks {missing:?}")
+    }
+}

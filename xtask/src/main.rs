@@ -22,7 +22,8 @@
 //! - `house`: the import-circle checker (see `house.rs`): fails on any file-level import cycle
 //!   inside a crate and on `use super::*;` outside `#[cfg(test)]`; printed with the files on
 //!   each cycle and the import lines that close it. `ci` runs it after the format check.
-//! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4) and the kill test;
+//! - `mpi-test`: the multi-process suite under `mpirun` (W = 1..=4), the kill test and the
+//!   group-creation stall test;
 //!   `bench mpi`: MPI vs thread collectives and train_gpt tokens/s (see `mpi.rs`).
 //! - `mpi-test --nodes 2`: the MPI suite on two nodes emulated with network namespaces (root
 //!   only; skipped with a message elsewhere); `bench nodes`: hierarchical vs flat all-gather

@@ -69,6 +69,8 @@ pub fn mpi_test() -> Result<(), String> {
             "mpi_conformance",
             "--example",
             "mpi_parity",
+            "--example",
+            "mpi_group_stall",
         ]),
     )?;
     let conformance = example("debug", "mpi_conformance");
@@ -89,6 +91,7 @@ pub fn mpi_test() -> Result<(), String> {
         mpirun(3).args(["-x", "FSDP_MPI_SHM=0"]).arg(&parity),
     )?;
     kill_test(&parity)?;
+    group_stall_test(&example("debug", "mpi_group_stall"))?;
     eprintln!("xtask: mpi-test passed");
     Ok(())
 }
@@ -196,6 +199,103 @@ fn kill_test(parity: &Path) -> Result<(), String> {
         ended.as_secs_f64()
     );
     Ok(())
+}
+
+/// The per-wait timeout of the group-creation stall test, seconds.
+const GROUP_STALL_TIMEOUT_S: u64 = 3;
+
+/// Group creation with a rank that never arrives (`mpi_group_stall` on 3 processes: rank 2
+/// skips the second world group): ranks 0 and 1 must each report a typed timeout, both within
+/// the timeout + 5 s of the call (measured in the rank) and of the moment every rank was up.
+fn group_stall_test(bin: &Path) -> Result<(), String> {
+    const W: usize = 3;
+    let dir = std::env::temp_dir().join(format!("fsdp-mpi-group-stall-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    eprintln!(
+        "xtask: group-creation stall test: mpirun -n {W} {}",
+        bin.display()
+    );
+    let mut job = mpirun(W)
+        .args(["-x", &format!("FSDP_MPI_TIMEOUT_S={GROUP_STALL_TIMEOUT_S}")])
+        .arg(bin)
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("group stall test: cannot start mpirun: {e}"))?;
+    let read = |name: String| std::fs::read_to_string(dir.join(name)).ok();
+    let pids = |_: ()| -> Vec<u32> {
+        (0..W)
+            .filter_map(|r| read(format!("rank{r}.pid")))
+            .filter_map(|s| s.trim().parse().ok())
+            .collect()
+    };
+    let finish = |job: &mut std::process::Child, r: Result<(), String>| {
+        for p in pids(()) {
+            let _ = Command::new("kill").args(["-9", &p.to_string()]).status();
+        }
+        let _ = job.kill();
+        let _ = job.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        r
+    };
+    let start = Instant::now();
+    while pids(()).len() < W {
+        if start.elapsed() > Duration::from_secs(120) {
+            return finish(
+                &mut job,
+                Err("group stall test: ranks did not start".into()),
+            );
+        }
+        if let Ok(Some(s)) = job.try_wait() {
+            return finish(
+                &mut job,
+                Err(format!("group stall test: the job ended early ({s})")),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let t0 = Instant::now();
+    let limit = GROUP_STALL_TIMEOUT_S as f64 + 5.0;
+    let bound = Duration::from_secs_f64(limit);
+    let result = loop {
+        let outs: Vec<Option<String>> = (0..W - 1)
+            .map(|r| read(format!("rank{r}.result")).map(|s| s.trim().to_string()))
+            .collect();
+        if outs.iter().all(Option::is_some) {
+            let outs: Vec<String> = outs.into_iter().flatten().collect();
+            for (r, o) in outs.iter().enumerate() {
+                eprintln!("xtask: group stall test: rank {r}: {o}");
+            }
+            // "<variant> after <secs> s …": the rank's own measure of the failing call.
+            let secs = |o: &str| -> Option<f64> { o.split_whitespace().nth(2)?.parse().ok() };
+            let bad: Vec<&String> = outs
+                .iter()
+                .filter(|o| !o.starts_with("Timeout") || !secs(o).is_some_and(|s| s <= limit))
+                .collect();
+            if !bad.is_empty() {
+                break Err(format!(
+                    "group stall test: not a typed timeout within {limit} s: {bad:?}"
+                ));
+            }
+            eprintln!(
+                "xtask: group stall test passed: ranks 0..{} got a typed timeout within {:.2} s \
+                 (bound {bound:?})",
+                W - 2,
+                t0.elapsed().as_secs_f64()
+            );
+            break Ok(());
+        }
+        if t0.elapsed() > bound {
+            break Err(format!(
+                "group stall test: ranks did not return from group creation within {bound:?} \
+                 (hung in a blocking MPI call?): {outs:?}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    finish(&mut job, result)
 }
 
 /// The value of `"key": number` in a JSON line (the benches print flat objects).

@@ -77,9 +77,23 @@
 //!   cross-node step of the hierarchical path), and every shared-memory barrier has the same
 //!   bound. The group is then broken and fails every later collective at once; the timed-out
 //!   request cannot be cancelled (MPI has no cancel for collectives), so its buffers are leaked.
-//!   Group creation (communicator splits, window allocation) still uses blocking MPI calls.
 //!   `cargo xtask mpi-test --nodes 2` checks this by stopping one rank (`SIGSTOP`) in the middle
 //!   of a 64 MiB cross-node all-gather.
+//! - **Group creation** (`MPI_Comm_dup` of the world, `MPI_Comm_split`,
+//!   `MPI_Comm_split_type`, `MPI_Win_allocate_shared`) uses blocking MPI calls, but each is
+//!   preceded by an arrival handshake on its parent communicator: an `MPI_Ibarrier` polled with
+//!   `MPI_Test` against [`MpiConfig::timeout`]. A rank that never reaches group creation gives
+//!   the others [`CollectiveError::Timeout`] (op `barrier`, group `"<name> (group creation)"`,
+//!   no `missing` ranks: a barrier cannot tell which ranks did not arrive) instead of a hang;
+//!   after it the parent is broken (the barrier request cannot be cancelled): a failed split
+//!   breaks the parent group, and a world group that failed this way must not be created again
+//!   in the process (end the job). **Remaining window:** a peer that passes the handshake and
+//!   then stops or dies before entering the blocking call still blocks the others inside it (a
+//!   killed peer ends the job through `mpirun`, see below; a stopped one hangs them).
+//!   `MPI_Init` itself (inside the first [`MpiGroup::world`]) is not bounded by the handshake.
+//!   Freeing a group's window (`MPI_Win_free`, on drop) is collective and blocking too.
+//!   `cargo xtask mpi-test` checks the handshake: of 3 ranks, one never creates a second world
+//!   group and the other two must get the typed timeout within the timeout + 5 s.
 //! - A rank that fails locally in the middle of a shared-memory collective (e.g. a buffer
 //!   access error) marks itself failed in the window; its peers get
 //!   [`CollectiveError::PeerFailed`]. On the flat MPI path it calls `MPI_Abort`, ending the job
@@ -115,7 +129,7 @@ use crate::kernels;
 use crate::types::{OpKind, Work};
 
 use exec::{Exec, Pattern};
-use raw::{Comm, SharedWindow, Xfer};
+use raw::{Comm, Gate, SharedWindow, Xfer};
 use shm::Shm;
 
 /// Configuration of an [`MpiGroup`] (inherited by its splits).
@@ -227,8 +241,14 @@ impl MpiGroup {
     /// [`MpiGroup::world`] with `config`.
     pub fn world_with_config(config: MpiConfig) -> Result<MpiGroup> {
         let rt = raw::runtime()?;
-        let comm = Arc::new(Comm::world_dup(&rt)?);
-        MpiGroup::over(comm, "mpi".into(), config)
+        let name = String::from("mpi");
+        let gate = Gate {
+            timeout: config.timeout,
+            group: &name,
+            seq: 0,
+        };
+        let comm = Arc::new(Comm::world_dup(&rt, &gate)?);
+        MpiGroup::over(comm, name, config)
     }
 
     fn over(comm: Arc<Comm>, name: String, config: MpiConfig) -> Result<MpiGroup> {
@@ -242,11 +262,18 @@ impl MpiGroup {
                 ),
             });
         }
+        // Every communicator-creating call below first waits (bounded) for every rank of its
+        // parent to arrive; a new group has issued no collective yet, so its errors say #0.
+        let gate = Gate {
+            timeout: config.timeout,
+            group: &name,
+            seq: 0,
+        };
         // Collective on every rank regardless of the setting, so the calls match.
-        let local = Arc::new(comm.split_shared()?);
+        let local = Arc::new(comm.split_shared(&gate)?);
         let shm = if config.shared_memory && local.size() == comm.size() {
             let seg = shm::segment_bytes(config.slot_bytes, config.slots);
-            let win = SharedWindow::allocate(Arc::clone(&local), seg)?;
+            let win = SharedWindow::allocate(Arc::clone(&local), seg, &gate)?;
             Some(Shm::new(
                 win,
                 comm.rank(),
@@ -259,7 +286,7 @@ impl MpiGroup {
             None
         };
         let hier = if shm.is_none() {
-            Hier::build(&comm, &local, &config)?
+            Hier::build(&comm, &local, &config, &gate)?
         } else {
             None
         };
@@ -323,7 +350,12 @@ impl Hier {
     /// this node's ranks), or `None` where it does not apply: every rank wants it (config), the
     /// nodes hold the same number (≥ 2) of consecutive ranks. Collective over `comm`; every
     /// rank takes the same decision (from the same gathered words).
-    fn build(comm: &Arc<Comm>, local: &Arc<Comm>, config: &MpiConfig) -> Result<Option<Hier>> {
+    fn build(
+        comm: &Arc<Comm>,
+        local: &Arc<Comm>,
+        config: &MpiConfig,
+        gate: &Gate<'_>,
+    ) -> Result<Option<Hier>> {
         let (rank, w) = (comm.rank(), comm.size());
         if local.size() == w {
             return Ok(None);
@@ -358,7 +390,7 @@ impl Hier {
         if !usable {
             return Ok(None);
         }
-        let cross = comm.split(local.rank(), rank)?;
+        let cross = comm.split(local.rank(), rank, gate)?;
         if cross.rank() != rank / l || cross.size() != w / l {
             return Err(CollectiveError::Mpi {
                 call: "MpiGroup (node layout)",
@@ -373,7 +405,7 @@ impl Hier {
             });
         }
         let seg = shm::segment_bytes(config.slot_bytes, config.slots);
-        let win = SharedWindow::allocate(Arc::clone(local), seg)?;
+        let win = SharedWindow::allocate(Arc::clone(local), seg, gate)?;
         Ok(Some(Hier {
             local: Shm::new(
                 win,
@@ -1183,7 +1215,19 @@ impl ProcessGroup for MpiGroup {
         };
         let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
         let comm = inner
-            .run_turn(seq, desc, false, |inner, _| inner.comm.split(part, local))
+            .run_turn(seq, desc, false, |inner, ex| {
+                let gate = Gate {
+                    timeout: inner.config.timeout,
+                    group: &inner.name,
+                    seq,
+                };
+                let r = inner.comm.split(part, local, &gate);
+                if let Err(e @ CollectiveError::Timeout { .. }) = &r {
+                    // The timed-out barrier is still pending on the parent: it is broken.
+                    ex.broken.get_or_insert_with(|| e.clone());
+                }
+                r
+            })
             .map_err(|e| match e {
                 CollectiveError::InconsistentArgs { .. } => CollectiveError::InvalidGroup {
                     group: inner.name.clone(),

@@ -120,6 +120,81 @@ fn count(call: &'static str, rank: usize, bytes: usize) -> Result<c_int> {
 /// How long [`Comm::exchange`] polls with `yield`s before it sleeps 1 ms between tests.
 const IDLE_BEFORE_SLEEP: Duration = Duration::from_millis(50);
 
+/// Calls `test` until it returns true (`Ok(true)`) or `timeout` has passed since the first call
+/// (`Ok(false)`); an error from `test` ends the wait. Between calls it yields the core, and after
+/// [`IDLE_BEFORE_SLEEP`] without success it sleeps 1 ms, so a rank waiting on a stuck peer does
+/// not burn a core. `test` is called at least once, and once more after the deadline passed
+/// (a request that completed while the caller slept is not reported as a timeout).
+pub(super) fn poll_until(
+    timeout: Duration,
+    mut test: impl FnMut() -> Result<bool>,
+) -> Result<bool> {
+    let start = Instant::now();
+    loop {
+        let waited = start.elapsed();
+        if test()? {
+            return Ok(true);
+        }
+        if waited > timeout {
+            return Ok(false);
+        }
+        if waited < IDLE_BEFORE_SLEEP {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// What a communicator-creating call needs for its arrival handshake (see [`arrive`]): the
+/// bound and the names the timeout error reports.
+pub(super) struct Gate<'a> {
+    /// How long to wait for every rank of the parent communicator.
+    pub(super) timeout: Duration,
+    /// The name of the group being created or split (for the error).
+    pub(super) group: &'a str,
+    /// The position in that group's collective sequence (for the error).
+    pub(super) seq: u64,
+}
+
+/// The arrival handshake before a blocking communicator-creating collective on `comm`:
+/// `MPI_Ibarrier` polled with `MPI_Test` against `gate.timeout`. On expiry it returns
+/// [`CollectiveError::Timeout`] (op `barrier`, group `"<name> (group creation)"`, no `missing`
+/// ranks: a barrier cannot tell which ranks did not arrive) instead of letting the caller enter
+/// the blocking call. The timed-out barrier request is leaked (collectives cannot be cancelled):
+/// the parent communicator must be treated as broken.
+fn arrive(comm: ffi::MPI_Comm, rank: usize, gate: &Gate<'_>) -> Result<()> {
+    let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+    // SAFETY: `comm` is a valid communicator (the world, or one a live `Comm` owns); MPI writes
+    // the request handle into `req` on success.
+    let req = unsafe {
+        check(
+            "MPI_Ibarrier",
+            rank,
+            ffi::MPI_Ibarrier(comm, req.as_mut_ptr()),
+        )?;
+        req.assume_init()
+    };
+    // A barrier moves no data: empty buffers, nothing to leak if it never completes.
+    let pending = Pending {
+        req,
+        rank,
+        done: false,
+        bufs: Some((Vec::new(), Vec::new())),
+    };
+    match pending.wait(gate.timeout)? {
+        Some(_) => Ok(()),
+        None => Err(CollectiveError::Timeout {
+            op: crate::types::OpKind::Barrier,
+            group: format!("{} (group creation)", gate.group),
+            seq: gate.seq,
+            rank,
+            waited: gate.timeout,
+            missing: Vec::new(),
+        }),
+    }
+}
+
 /// The byte-wise non-blocking collectives of [`Comm::exchange`].
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Xfer {
@@ -154,21 +229,11 @@ impl Pending {
     /// sleeps 1 ms between tests, so a rank waiting on a stuck peer does not burn a core.
     /// `Some((send, recv))` when done; `None` on timeout (the buffers are leaked).
     pub(super) fn wait(mut self, timeout: Duration) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
-        let start = Instant::now();
-        loop {
-            if self.test()? {
-                return Ok(self.bufs.take());
-            }
-            let waited = start.elapsed();
-            if waited > timeout {
-                return Ok(None);
-            }
-            if waited < IDLE_BEFORE_SLEEP {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
+        Ok(if poll_until(timeout, || self.test())? {
+            self.bufs.take()
+        } else {
+            None
+        })
     }
 
     /// One `MPI_Test`: true once the collective completed (also drives its progress).
@@ -248,8 +313,12 @@ impl Comm {
         })
     }
 
-    /// A private duplicate of `MPI_COMM_WORLD` (collective over the world).
-    pub(super) fn world_dup(rt: &Arc<Runtime>) -> Result<Comm> {
+    /// A private duplicate of `MPI_COMM_WORLD` (collective over the world), after the arrival
+    /// handshake ([`arrive`]) on the world.
+    pub(super) fn world_dup(rt: &Arc<Runtime>, gate: &Gate<'_>) -> Result<Comm> {
+        // SAFETY: RSMPI_COMM_WORLD is a constant handle set by the MPI library, only read.
+        let world = unsafe { ffi::RSMPI_COMM_WORLD };
+        arrive(world, rt.world_rank, gate)?;
         let mut raw = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
         // SAFETY: MPI is initialized (`rt` exists); RSMPI_COMM_WORLD is the world handle and
         // MPI_Comm_dup writes the new handle into `raw` on success.
@@ -273,8 +342,9 @@ impl Comm {
     }
 
     /// `MPI_Comm_split` (collective): ranks with the same `color` form one communicator, ordered
-    /// by `key`.
-    pub(super) fn split(&self, color: usize, key: usize) -> Result<Comm> {
+    /// by `key`; after the arrival handshake ([`arrive`]) on this communicator.
+    pub(super) fn split(&self, color: usize, key: usize, gate: &Gate<'_>) -> Result<Comm> {
+        arrive(self.raw, self.rank, gate)?;
         let mut raw = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
         // SAFETY: `self.raw` is valid; color and key are non-negative ints; the new handle is
         // written into `raw` on success.
@@ -289,8 +359,10 @@ impl Comm {
         Comm::from_raw(raw, &self._rt)
     }
 
-    /// The ranks of this communicator that share memory with this one (collective).
-    pub(super) fn split_shared(&self) -> Result<Comm> {
+    /// The ranks of this communicator that share memory with this one (collective), after the
+    /// arrival handshake ([`arrive`]) on this communicator.
+    pub(super) fn split_shared(&self, gate: &Gate<'_>) -> Result<Comm> {
+        arrive(self.raw, self.rank, gate)?;
         let mut raw = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
         // SAFETY: as in `split`; RSMPI_COMM_TYPE_SHARED and RSMPI_INFO_NULL are MPI constants.
         let raw = unsafe {
@@ -461,9 +533,15 @@ unsafe impl Sync for SharedWindow {}
 
 impl SharedWindow {
     /// Allocates `seg_bytes` (a multiple of 4096) per rank, collectively over `comm` (whose
-    /// ranks must share memory), zero-filled.
-    pub(super) fn allocate(comm: Arc<Comm>, seg_bytes: usize) -> Result<SharedWindow> {
+    /// ranks must share memory), zero-filled; after the arrival handshake ([`arrive`]) on
+    /// `comm`.
+    pub(super) fn allocate(
+        comm: Arc<Comm>,
+        seg_bytes: usize,
+        gate: &Gate<'_>,
+    ) -> Result<SharedWindow> {
         let rank = comm.rank;
+        arrive(comm.raw, rank, gate)?;
         let mut base: *mut u8 = std::ptr::null_mut();
         let mut win = std::mem::MaybeUninit::<ffi::MPI_Win>::uninit();
         // SAFETY: the size is non-negative, disp_unit 1; MPI writes the segment's address into
@@ -548,5 +626,82 @@ impl Drop for SharedWindow {
         unsafe {
             ffi::MPI_Win_free(&mut self.win);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poll_until_reports_completion_without_waiting_out_the_timeout() {
+        let mut calls = 0;
+        let t0 = Instant::now();
+        let done = poll_until(Duration::from_secs(30), || {
+            calls += 1;
+            Ok(calls == 5)
+        })
+        .unwrap();
+        assert!(done);
+        assert_eq!(calls, 5);
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn poll_until_gives_up_after_the_timeout_and_tests_once_more() {
+        let timeout = Duration::from_millis(120);
+        let t0 = Instant::now();
+        let mut last = None;
+        let done = poll_until(timeout, || {
+            last = Some(t0.elapsed());
+            Ok(false)
+        })
+        .unwrap();
+        let waited = t0.elapsed();
+        assert!(!done);
+        assert!(waited >= timeout, "gave up after {waited:?}");
+        assert!(waited < timeout + Duration::from_secs(2), "{waited:?}");
+        // The last test ran after the deadline passed.
+        assert!(last.unwrap() >= timeout);
+    }
+
+    #[test]
+    fn poll_until_accepts_a_completion_seen_at_the_deadline() {
+        let timeout = Duration::from_millis(60);
+        let t0 = Instant::now();
+        // Completes only once the deadline has passed: still reported as done.
+        let done = poll_until(timeout, || Ok(t0.elapsed() > timeout)).unwrap();
+        assert!(done);
+    }
+
+    #[test]
+    fn poll_until_passes_errors_through() {
+        let mut calls = 0;
+        let r = poll_until(Duration::from_secs(30), || {
+            calls += 1;
+            Err(CollectiveError::Mpi {
+                call: "MPI_Test",
+                rank: 0,
+                message: "boom".into(),
+            })
+        });
+        assert!(matches!(r, Err(CollectiveError::Mpi { .. })));
+        assert_eq!(calls, 1);
+    }
+
+    #[test]
+    fn group_creation_timeout_message_says_not_every_rank_arrived() {
+        let e = CollectiveError::Timeout {
+            op: crate::types::OpKind::Barrier,
+            group: "mpi (group creation)".into(),
+            seq: 0,
+            rank: 1,
+            waited: Duration::from_secs(3),
+            missing: Vec::new(),
+        };
+        let text = e.to_string();
+        assert!(text.contains("group mpi (group creation)"), "{text}");
+        assert!(text.contains("not every one arrived"), "{text}");
+        assert!(!text.contains("[]"), "{text}");
     }
 }
