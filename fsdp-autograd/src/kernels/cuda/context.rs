@@ -365,9 +365,20 @@ impl Call<'_> {
         bufs: [(&'static str, &BufferRef, usize); N],
         shape: impl Fn() -> String,
     ) -> Result<[Dev; N]> {
+        self.sized(bufs.map(|(arg, b, n)| (arg, b, n, Elem::F32)), shape)
+    }
+
+    /// [`Call::buf`] of each named buffer read or written as its `Elem`, in order, each holding
+    /// exactly its element count (else the shared length error, with `shape` describing the
+    /// call).
+    pub(crate) fn sized<const N: usize>(
+        &self,
+        bufs: [(&'static str, &BufferRef, usize, Elem); N],
+        shape: impl Fn() -> String,
+    ) -> Result<[Dev; N]> {
         let mut devs = [Dev { ptr: 0, len: 0 }; N];
-        for (d, (arg, b, n)) in devs.iter_mut().zip(bufs) {
-            *d = self.buf(arg, b, Elem::F32)?;
+        for (d, (arg, b, n, elem)) in devs.iter_mut().zip(bufs) {
+            *d = self.buf(arg, b, elem)?;
             expect_len(self.op, arg, d.len, n, &shape)?;
         }
         Ok(devs)

@@ -24,7 +24,7 @@ use fsdp_alloc::{BufferRef, DType, Stream};
 
 use super::attention::softmax_scale;
 use super::config::FUSED_ATTENTION_MAX_D;
-use super::context::{expect_len, grid_for, mul, CudaKernels, Elem};
+use super::context::{grid_for, mul, CudaKernels, Elem};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::{Kernel, MAX_GRID};
@@ -369,21 +369,19 @@ impl CudaKernels {
         // q, k, v: each the whole qkv tensor when packed.
         let nqkv = if lay.packed { mul(op, n, 3)? } else { n };
         let shape = || format!("batch={batch}, heads={heads}, t={t}, d={d}, {lay:?}");
-        let mut ptrs = [Ptr::Dev(0); 5];
-        for (i, (arg, b, len, elem)) in [
-            ("q", q, nqkv, ty.elem()),
-            ("k", k, nqkv, ty.elem()),
-            ("v", v, nqkv, ty.elem()),
-            ("out", out, n, ty.elem()),
-            ("lse", lse, nl, Elem::F32),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let dev = c.buf(arg, b, elem)?;
-            expect_len(op, arg, dev.len, len, shape)?;
-            ptrs[i] = dev.as_ptr();
-        }
+        let e = ty.elem();
+        let ptrs = c
+            .sized(
+                [
+                    ("q", q, nqkv, e),
+                    ("k", k, nqkv, e),
+                    ("v", v, nqkv, e),
+                    ("out", out, n, e),
+                    ("lse", lse, nl, Elem::F32),
+                ],
+                shape,
+            )?
+            .map(|dev| dev.as_ptr());
         c.disjoint(
             &[("out", out), ("lse", lse)],
             &[("q", q), ("k", k), ("v", v)],
@@ -475,25 +473,23 @@ impl CudaKernels {
         // q, k, v and dq, dk, dv: each the whole qkv tensor / its gradient when packed.
         let nqkv = if lay.packed { mul(op, n, 3)? } else { n };
         let shape = || format!("batch={batch}, heads={heads}, t={t}, d={d}, {lay:?}");
-        let mut ptrs = [Ptr::Dev(0); 9];
-        for (i, (arg, b, len, elem)) in [
-            ("q", q, nqkv, ty.elem()),
-            ("k", k, nqkv, ty.elem()),
-            ("v", v, nqkv, ty.elem()),
-            ("out", out, n, ty.elem()),
-            ("lse", lse, nl, Elem::F32),
-            ("dout", dout, n, ty.elem()),
-            ("dq", dq, nqkv, ty.elem()),
-            ("dk", dk, nqkv, ty.elem()),
-            ("dv", dv, nqkv, ty.elem()),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let dev = c.buf(arg, b, elem)?;
-            expect_len(op, arg, dev.len, len, shape)?;
-            ptrs[i] = dev.as_ptr();
-        }
+        let e = ty.elem();
+        let ptrs = c
+            .sized(
+                [
+                    ("q", q, nqkv, e),
+                    ("k", k, nqkv, e),
+                    ("v", v, nqkv, e),
+                    ("out", out, n, e),
+                    ("lse", lse, nl, Elem::F32),
+                    ("dout", dout, n, e),
+                    ("dq", dq, nqkv, e),
+                    ("dk", dk, nqkv, e),
+                    ("dv", dv, nqkv, e),
+                ],
+                shape,
+            )?
+            .map(|dev| dev.as_ptr());
         let inputs = [
             ("q", q),
             ("k", k),
