@@ -3,13 +3,10 @@
 
 use crate::autograd::{needs_grad, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, Result};
-use crate::kernels::backend::{
-    Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, Launch,
-};
-use crate::ops::nn::causal_attention;
+use crate::kernels::backend::{Attention, AttentionLayout, AttentionSave};
+use crate::ops::nn::{attention_backward, attention_forward, causal_attention};
 use crate::ops::Ctx;
 use crate::tensor::Tensor;
-use fsdp_alloc::DType;
 
 /// Multi-head causal attention of a qkv projection: `qkv` `[batch, t, 3·d]`, read as
 /// `[batch, t, 3, heads, d/heads]` (queries, keys, values; heads inside each), → `[batch, t, d]`
@@ -49,73 +46,30 @@ pub fn causal_attention_qkv(qkv: &Tensor, heads: usize) -> Result<Tensor> {
         return split_attend_merge(qkv, b, t, heads, dh);
     }
     qkv.check_float(op)?;
-    let s = &ctx.stream;
     let qc = qkv.contig()?;
-    let out = ctx.empty(&[b, t, d], qkv.dtype())?;
-    let save = ctx.k()?.attention_save(&at);
-    let stats = ctx.empty(&save.shape(&at), DType::F32)?;
-    let op = "attention";
-    let (qa, oa, sa) = (
-        qc.operand_on(op, s)?,
-        out.operand_on(op, s)?,
-        stats.operand_on(op, s)?,
-    );
-    ctx.k()?.launch(
-        s,
-        &Launch::Attention {
-            a: at,
-            q: &qa,
-            k: &qa,
-            v: &qa,
-            out: &oa,
-            stats: match save {
-                AttentionSave::Probs => AttentionStats::Probs(&sa),
-                AttentionSave::Lse => AttentionStats::Lse(&sa),
-            },
-        },
-    )?;
+    let (out, stats, save) = attention_forward(&ctx, at, &[&qc], &[b, t, d])?;
     if !needs_grad(&[qkv]) {
         return Ok(out);
     }
     let mut saved = [SavedTensor::new(&qc), SavedTensor::new(&stats)];
     // The fused backward also reads the forward's output (saved before it joins the graph).
     let mut saved_out = (save == AttentionSave::Lse).then(|| SavedTensor::new(&out));
-    Ok(record1(op, &[qkv], out, move |g: Vec<Option<Tensor>>| {
-        let dout = single_grad("attention", g).contig()?;
-        let op = "attention_backward";
-        let [sq, sp] = &mut saved;
-        let (qkv, p) = (sq.unpack(op)?, sp.unpack(op)?);
-        let fwd_out = saved_out.as_mut().map(|o| o.unpack(op)).transpose()?;
-        let ctx = Ctx::of(&dout);
-        let s = &ctx.stream;
-        let dqkv = ctx.empty(qkv.shape(), qkv.dtype())?;
-        let (qa, pa, ga, da) = (
-            qkv.operand_on(op, s)?,
-            p.operand_on(op, s)?,
-            dout.operand_on(op, s)?,
-            dqkv.operand_on(op, s)?,
-        );
-        let oa = fwd_out.as_ref().map(|o| o.operand_on(op, s)).transpose()?;
-        let saved = match &oa {
-            Some(out) => AttentionSaved::Lse { lse: &pa, out },
-            None => AttentionSaved::Probs(&pa),
-        };
-        ctx.k()?.launch(
-            s,
-            &Launch::AttentionBackward {
-                a: at,
-                q: &qa,
-                k: &qa,
-                v: &qa,
-                saved,
-                dout: &ga,
-                dq: &da,
-                dk: &da,
-                dv: &da,
-            },
-        )?;
-        Ok(vec![Some(dqkv)])
-    }))
+    Ok(record1(
+        "attention",
+        &[qkv],
+        out,
+        move |g: Vec<Option<Tensor>>| {
+            let dout = single_grad("attention", g).contig()?;
+            let op = "attention_backward";
+            let [sq, sp] = &mut saved;
+            let (qkv, p) = (sq.unpack(op)?, sp.unpack(op)?);
+            let fwd_out = saved_out.as_mut().map(|o| o.unpack(op)).transpose()?;
+            let ctx = Ctx::of(&dout);
+            let dqkv = ctx.empty(qkv.shape(), qkv.dtype())?;
+            attention_backward(&ctx, at, &[&qkv], &p, fwd_out.as_ref(), &dout, &[&dqkv])?;
+            Ok(vec![Some(dqkv)])
+        },
+    ))
 }
 
 /// The head split / attend / merge composition (copies around [`causal_attention`]); what

@@ -298,9 +298,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     }
     let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
     let ctx = Ctx::of(q);
-    let s = &ctx.stream;
     let (qc, kc, vc) = (q.contig()?, k.contig()?, v.contig()?);
-    let out = ctx.empty(q.shape(), q.dtype())?;
     let at = Attention {
         batch: b,
         heads: h,
@@ -308,30 +306,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         d,
         layout: AttentionLayout::Heads,
     };
-    let save = ctx.k()?.attention_save(&at);
-    let stats = ctx.empty(&save.shape(&at), DType::F32)?;
-    let op = "attention";
-    let (qa, ka, va, oa, sa) = (
-        qc.operand_on(op, s)?,
-        kc.operand_on(op, s)?,
-        vc.operand_on(op, s)?,
-        out.operand_on(op, s)?,
-        stats.operand_on(op, s)?,
-    );
-    ctx.k()?.launch(
-        s,
-        &Launch::Attention {
-            a: at,
-            q: &qa,
-            k: &ka,
-            v: &va,
-            out: &oa,
-            stats: match save {
-                AttentionSave::Probs => AttentionStats::Probs(&sa),
-                AttentionSave::Lse => AttentionStats::Lse(&sa),
-            },
-        },
-    )?;
+    let (out, stats, save) = attention_forward(&ctx, at, &[&qc, &kc, &vc], q.shape())?;
     if !needs_grad(&[q, k, v]) {
         return Ok(out);
     }
@@ -345,7 +320,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     // The fused backward also reads the forward's output (saved before it joins the graph).
     let mut saved_out = (save == AttentionSave::Lse).then(|| SavedTensor::new(&out));
     Ok(record1(
-        op,
+        "attention",
         &[q, k, v],
         out,
         move |g: Vec<Option<Tensor>>| {
@@ -361,39 +336,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
             );
             let fwd_out = saved_out.as_mut().map(|o| o.unpack(op)).transpose()?;
             let ctx = Ctx::of(&dout);
-            let s = &ctx.stream;
             let dq = ctx.empty(q.shape(), q.dtype())?;
             let dk = ctx.empty(q.shape(), q.dtype())?;
             let dv = ctx.empty(q.shape(), q.dtype())?;
-            let (qa, ka, va, pa, ga, dqa, dka, dva) = (
-                q.operand_on(op, s)?,
-                k.operand_on(op, s)?,
-                v.operand_on(op, s)?,
-                p.operand_on(op, s)?,
-                dout.operand_on(op, s)?,
-                dq.operand_on(op, s)?,
-                dk.operand_on(op, s)?,
-                dv.operand_on(op, s)?,
-            );
-            let oa = fwd_out.as_ref().map(|o| o.operand_on(op, s)).transpose()?;
-            let saved = match &oa {
-                Some(out) => AttentionSaved::Lse { lse: &pa, out },
-                None => AttentionSaved::Probs(&pa),
-            };
-            ctx.k()?.launch(
-                s,
-                &Launch::AttentionBackward {
-                    a: at,
-                    q: &qa,
-                    k: &ka,
-                    v: &va,
-                    saved,
-                    dout: &ga,
-                    dq: &dqa,
-                    dk: &dka,
-                    dv: &dva,
-                },
-            )?;
+            let grads = [&dq, &dk, &dv];
+            attention_backward(&ctx, at, &[&q, &k, &v], &p, fwd_out.as_ref(), &dout, &grads)?;
             Ok(vec![
                 needs[0].then_some(dq),
                 needs[1].then_some(dk),
@@ -401,6 +348,100 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
             ])
         },
     ))
+}
+
+/// q, k and v of an attention launch: three operands, or one read as all three (the packed
+/// layout).
+fn qkv_of<T>(ops: &[T]) -> (&T, &T, &T) {
+    match ops {
+        [one] => (one, one, one),
+        [q, k, v] => (q, k, v),
+        _ => unreachable!("attention takes q, k, v or one packed qkv operand"),
+    }
+}
+
+/// The attention forward through the seam (shared by [`causal_attention`] and
+/// [`causal_attention_qkv`](crate::ops::attention_qkv::causal_attention_qkv)): `ins` is the
+/// contiguous q, k, v, or the one qkv tensor read as all three under
+/// [`AttentionLayout::Packed`]. Returns the output (`out_shape`, the inputs' dtype), the
+/// statistics the device's kernels save for backward, and which statistics they are.
+pub(crate) fn attention_forward(
+    ctx: &Ctx,
+    at: Attention,
+    ins: &[&Tensor],
+    out_shape: &[usize],
+) -> Result<(Tensor, Tensor, AttentionSave)> {
+    let s = &ctx.stream;
+    let out = ctx.empty(out_shape, ins[0].dtype())?;
+    let save = ctx.k()?.attention_save(&at);
+    let stats = ctx.empty(&save.shape(&at), DType::F32)?;
+    let op = "attention";
+    let ia = ins
+        .iter()
+        .map(|t| t.operand_on(op, s))
+        .collect::<Result<Vec<_>>>()?;
+    let (q, k, v) = qkv_of(&ia);
+    let (oa, sa) = (out.operand_on(op, s)?, stats.operand_on(op, s)?);
+    ctx.k()?.launch(
+        s,
+        &Launch::Attention {
+            a: at,
+            q,
+            k,
+            v,
+            out: &oa,
+            stats: match save {
+                AttentionSave::Probs => AttentionStats::Probs(&sa),
+                AttentionSave::Lse => AttentionStats::Lse(&sa),
+            },
+        },
+    )?;
+    Ok((out, stats, save))
+}
+
+/// The attention backward through the seam, from [`attention_forward`]'s inputs `ins`, its
+/// `stats` and (when the kernels saved the log-sum-exp) its output `fwd_out`: writes `grads`
+/// (dq, dk, dv, or the one dqkv of the packed layout).
+pub(crate) fn attention_backward(
+    ctx: &Ctx,
+    at: Attention,
+    ins: &[&Tensor],
+    stats: &Tensor,
+    fwd_out: Option<&Tensor>,
+    dout: &Tensor,
+    grads: &[&Tensor],
+) -> Result<()> {
+    let s = &ctx.stream;
+    let op = "attention_backward";
+    let ia = ins
+        .iter()
+        .map(|t| t.operand_on(op, s))
+        .collect::<Result<Vec<_>>>()?;
+    let (pa, ga) = (stats.operand_on(op, s)?, dout.operand_on(op, s)?);
+    let da = grads
+        .iter()
+        .map(|t| t.operand_on(op, s))
+        .collect::<Result<Vec<_>>>()?;
+    let oa = fwd_out.map(|o| o.operand_on(op, s)).transpose()?;
+    let saved = match &oa {
+        Some(out) => AttentionSaved::Lse { lse: &pa, out },
+        None => AttentionSaved::Probs(&pa),
+    };
+    let ((q, k, v), (dq, dk, dv)) = (qkv_of(&ia), qkv_of(&da));
+    ctx.k()?.launch(
+        s,
+        &Launch::AttentionBackward {
+            a: at,
+            q,
+            k,
+            v,
+            saved,
+            dout: &ga,
+            dq,
+            dk,
+            dv,
+        },
+    )
 }
 
 /// Mean cross-entropy of `logits` (`[.., C]`, float) against `targets` (`i64`, one per row,
