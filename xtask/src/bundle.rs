@@ -159,7 +159,8 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
     run(
         "gpu-bundle: build train_gpt (cuda) and xtask",
         bundle_cargo()
-            .args(crate::util::BUILD_TRAIN_GPT_CUDA)
+            .arg("build")
+            .args(crate::util::TRAIN_GPT_CUDA)
             .args(["-p", "xtask", "--bin", "xtask"]),
     )?;
     let release = target_dir().join("release");

@@ -259,17 +259,7 @@ fn command(exec: &Exec) -> Command {
         Exec::TrainGpt { args } => {
             let out = scratch();
             let mut c = cargo();
-            c.args([
-                "run",
-                "--release",
-                "-p",
-                "fsdp-train",
-                "--features",
-                "cuda",
-                "--bin",
-                "train_gpt",
-                "--",
-            ]);
+            c.arg("run").args(crate::util::TRAIN_GPT_CUDA).arg("--");
             for a in args {
                 c.arg(a.replace("{out}", &out.display().to_string()));
             }

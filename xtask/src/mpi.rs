@@ -51,28 +51,30 @@ fn example(profile: &str, name: &str) -> PathBuf {
     target_dir().join(profile).join("examples").join(name)
 }
 
+/// Builds the MPI test examples `names` (debug, the MPI features of fsdp-collectives and
+/// fsdp-tests), for `mpi-test` and `mpi-test --nodes 2`.
+pub(crate) fn build_test_examples(names: &[&str]) -> Result<(), String> {
+    let mut c = cargo();
+    c.args([
+        "build",
+        "-p",
+        "fsdp-collectives",
+        "-p",
+        "fsdp-tests",
+        "--features",
+        "fsdp-collectives/mpi,fsdp-tests/mpi",
+    ]);
+    for n in names {
+        c.args(["--example", n]);
+    }
+    run("build MPI test binaries", &mut c)
+}
+
 /// Builds the MPI test binaries, runs the conformance and parity suites on W = 1..=4 processes
 /// (both data paths), and the kill test.
 pub fn mpi_test() -> Result<(), String> {
     check_mpirun()?;
-    run(
-        "build MPI test binaries",
-        cargo().args([
-            "build",
-            "-p",
-            "fsdp-collectives",
-            "-p",
-            "fsdp-tests",
-            "--features",
-            "fsdp-collectives/mpi,fsdp-tests/mpi",
-            "--example",
-            "mpi_conformance",
-            "--example",
-            "mpi_parity",
-            "--example",
-            "mpi_group_stall",
-        ]),
-    )?;
+    build_test_examples(&["mpi_conformance", "mpi_parity", "mpi_group_stall"])?;
     let conformance = example("debug", "mpi_conformance");
     let parity = example("debug", "mpi_parity");
     for w in 1..=4 {

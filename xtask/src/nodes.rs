@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::mpi::{alive, capture, field, is_root};
-use crate::{cargo, root, run};
+use crate::{root, run};
 
 /// Ranks per emulated node.
 pub const PER_NODE: usize = 2;
@@ -206,24 +206,7 @@ pub fn mpi_test_nodes() -> Result<(), String> {
     let Some(cluster) = Cluster::up()? else {
         return Ok(());
     };
-    run(
-        "build MPI test binaries",
-        cargo().args([
-            "build",
-            "-p",
-            "fsdp-collectives",
-            "-p",
-            "fsdp-tests",
-            "--features",
-            "fsdp-collectives/mpi,fsdp-tests/mpi",
-            "--example",
-            "mpi_conformance",
-            "--example",
-            "mpi_parity",
-            "--example",
-            "mpi_stall",
-        ]),
-    )?;
+    crate::mpi::build_test_examples(&["mpi_conformance", "mpi_parity", "mpi_stall"])?;
     let conformance = example("debug", "mpi_conformance");
     run(
         "mpi conformance, 2 nodes × 2 (hierarchical)",

@@ -109,7 +109,9 @@ fn train_gpt(given: Option<&str>) -> Result<PathBuf, String> {
     }
     crate::run(
         "gpu-peer: build train_gpt (cuda)",
-        crate::cargo().args(crate::util::BUILD_TRAIN_GPT_CUDA),
+        crate::cargo()
+            .arg("build")
+            .args(crate::util::TRAIN_GPT_CUDA),
     )?;
     Ok(crate::root().join("target/release/train_gpt"))
 }

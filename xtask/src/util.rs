@@ -40,9 +40,9 @@ pub fn run(step: &str, cmd: &mut Command) -> Result<(), String> {
     }
 }
 
-/// `cargo build` arguments of the release `train_gpt` with CUDA (the GPU bundle and `gpu-peer`).
-pub const BUILD_TRAIN_GPT_CUDA: &[&str] = &[
-    "build",
+/// The release `train_gpt` with CUDA, as cargo arguments after `build` or `run` (the GPU
+/// bundle, `gpu-peer`, `gpu-test`'s train_gpt steps).
+pub const TRAIN_GPT_CUDA: &[&str] = &[
     "--release",
     "-p",
     "fsdp-train",
