@@ -287,8 +287,9 @@ impl Shared {
         self.cv.notify_all();
     }
 
-    /// The collective's work was dropped without running (its stream had failed).
-    fn abandon(&self, rank: usize, seq: u64, why: String) {
+    /// The collective's work was dropped without running (its stream had failed): the peers
+    /// fail at once with [`CollectiveError::PeerFailed`].
+    pub(crate) fn abandon(&self, rank: usize, seq: u64, why: String) {
         let mut st = self.lock();
         if let Some(slot) = st.slots.get_mut(&seq) {
             slot.abandoned.get_or_insert((rank, why));

@@ -288,7 +288,8 @@ fn overlapping_streams_order_by_events_without_host_waits() {
     });
 }
 
-/// Bad calls fail on every rank with the same typed error, and the group works afterwards.
+/// Bad calls fail on every rank with the same typed error, a rank whose stream had failed makes
+/// its peers fail at once, and the group works afterwards.
 #[test]
 #[ignore = "needs a CUDA GPU: run `cargo xtask gpu-test` (FSDP_GPU_TESTS=1)"]
 fn misuse_is_the_same_typed_error_on_every_rank() {
@@ -313,9 +314,27 @@ fn misuse_is_the_same_typed_error_on_every_rank() {
                     } else {
                         (dev.alloc(16, &st).unwrap(), dev.alloc(32, &st).unwrap())
                     };
-                    let s1 = if rank == 1 { host.new_stream("h2") } else { st };
+                    let s1 = if rank == 1 {
+                        host.new_stream("h2")
+                    } else {
+                        st.clone()
+                    };
                     let w = g.all_gather_into(&slice(inp.data()), &slice(out.data()), &s1);
                     errs.push(w.wait().unwrap_err());
+                    // Rank 0 issues again on its stream, failed by that collective: it does not
+                    // take part (StreamFailed), and rank 1 fails at once (PeerFailed, peer 0).
+                    let st2 = if rank == 0 { st } else { dev.new_stream("a2") };
+                    let (inp, out) = (dev.alloc(16, &st2).unwrap(), dev.alloc(32, &st2).unwrap());
+                    let w = g.all_gather_into(&slice(inp.data()), &slice(out.data()), &st2);
+                    let e = w.wait().unwrap_err();
+                    if rank == 0 {
+                        assert!(matches!(e, CollectiveError::StreamFailed { .. }), "{e}");
+                    } else {
+                        assert!(
+                            matches!(e, CollectiveError::PeerFailed { peer: 0, .. }),
+                            "{e}"
+                        );
+                    }
                     // Rank 0 passes an output one element short.
                     let st = dev.new_stream("b");
                     let inp = dev.alloc(16, &st).unwrap();

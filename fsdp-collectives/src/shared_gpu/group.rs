@@ -415,12 +415,37 @@ impl Issue for SharedGpuGroup {
         if !placed && desc.bad_buffer.is_none() {
             desc.bad_buffer = Some(BufferProblem::Placement);
         }
+        let (input, output) = call.buffers();
+        let outcome: Outcome = Arc::new(Mutex::new(None));
+        if let Err(failed) = stream.check() {
+            // As with the thread backend's rank whose stream failed before the collective: this
+            // rank does not take part, and its peers fail at once instead of waiting for it.
+            let seq = self.host.shared().post(
+                rank,
+                Posted {
+                    desc,
+                    input,
+                    output,
+                    extra: None,
+                },
+            );
+            let why = format!(
+                "its stream `{}` had failed before the collective: {failed}",
+                stream.name()
+            );
+            self.host.shared().abandon(rank, seq, why);
+            let e = CollectiveError::StreamFailed {
+                op,
+                rank,
+                message: failed.to_string(),
+            };
+            return fail_on_stream(op, rank, seq, stream, outcome, e);
+        }
         let mine = Arc::new(RankEvents {
             ready: placed.then(|| stream.record_event()),
             mid: Mutex::new(None),
             done: Mutex::new(None),
         });
-        let (input, output) = call.buffers();
         let seq = self.host.shared().post(
             rank,
             Posted {
@@ -430,7 +455,6 @@ impl Issue for SharedGpuGroup {
                 extra: Some(Arc::clone(&mine) as Arc<dyn std::any::Any + Send + Sync>),
             },
         );
-        let outcome: Outcome = Arc::new(Mutex::new(None));
         match self.run(seq, desc, stream, &mine) {
             Ok(()) => Work::new(op, rank, seq, stream.record_event(), outcome),
             Err(e) => fail_on_stream(op, rank, seq, stream, outcome, e),

@@ -47,7 +47,8 @@
 //! - **Errors** are the thread backend's, agreed on by every rank: size, dtype, root and alias
 //!   rules, mismatched calls, dropped ranks, timeouts; buffers that are not device memory of the
 //!   group's GPU, or a stream that is not a CUDA stream of it, are
-//!   [`CollectiveError::InvalidBuffer`] on every rank. Without the `cuda` feature, a CUDA
+//!   [`CollectiveError::InvalidBuffer`] on every rank. A rank whose stream had already failed
+//!   does not take part (`StreamFailed`) and its peers fail at once (`PeerFailed`). Without the `cuda` feature, a CUDA
 //!   driver, the device or NVRTC, [`SharedGpuGroup::new`] is a typed
 //!   [`CollectiveError::CudaUnavailable`], never a panic.
 //! - **`--profile`**: each collective is one GPU interval (category `"shared-gpu"`, named after
