@@ -75,9 +75,11 @@ pub use allocator::{
     SegmentInfo,
 };
 pub use checked::OrderPoint;
-pub use device::{Device, DeviceConfig, DeviceId};
+pub use device::{Device, DeviceConfig};
+pub use device_id::DeviceId;
 pub use dtype::DType;
 pub use error::{AllocError, Capacity, Result};
 pub use memory::{AccessHold, BufferRef, ReadGuard, WriteGuard};
 pub use rate_limiter::{RateLimiter, RateLimiterStats};
-pub use stream::{Event, Stream, StreamId, StreamMode};
+pub use stream::{Event, Stream, StreamMode};
+pub use stream_id::StreamId;
