@@ -4,8 +4,8 @@ use std::str::FromStr;
 
 use fsdp_alloc::{DType, Device};
 
-use crate::runtime::wrap::WrapPolicy;
 pub use crate::strategy::ShardingStrategy;
+use crate::wrap::WrapPolicy;
 
 /// When to issue the next unit's all-gather during backward (the paper's §4.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,11 +1,10 @@
-//! The crate's error type.
+//! The crate's error type, [`FsdpError`]: a leaf of the crate (it imports no other module of
+//! it). State-dict errors wrap it ([`crate::StateDictError::Fsdp`]), not the reverse.
 
 use fsdp_alloc::AllocError;
 use fsdp_autograd::AutogradError;
 use fsdp_collectives::CollectiveError;
 use fsdp_flatparam::LayoutError;
-
-use crate::state_dict::error::StateDictError;
 
 /// Everything that can go wrong in FSDP.
 #[derive(Debug, thiserror::Error)]
@@ -51,9 +50,6 @@ pub enum FsdpError {
     /// Building shards from recorded init ops or from existing parameters failed.
     #[error(transparent)]
     Init(#[from] fsdp_init::MaterializeError),
-    /// Saving or loading a state dict failed.
-    #[error(transparent)]
-    StateDict(Box<StateDictError>),
     /// A flat-parameter layout error.
     #[error(transparent)]
     Layout(#[from] LayoutError),
@@ -126,69 +122,6 @@ impl FsdpError {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = FsdpError> = std::result::Result<T, E>;
-
-impl From<StateDictError> for FsdpError {
-    fn from(e: StateDictError) -> FsdpError {
-        match e {
-            // A runtime error that passed through a state-dict call: hand back the original.
-            StateDictError::Fsdp(inner) => match inner.downcast::<FsdpError>() {
-                Ok(fsdp) => *fsdp,
-                // Only FsdpErrors are ever boxed there (see `From<FsdpError>` below); keep any
-                // other error whole rather than lose it.
-                Err(other) => FsdpError::StateDict(Box::new(StateDictError::Fsdp(other))),
-            },
-            other => FsdpError::StateDict(Box::new(other)),
-        }
-    }
-}
-
-// The state-dict error module is a leaf (it imports nothing from this module); the conversions
-// that need `FsdpError` live here.
-
-impl From<FsdpError> for StateDictError {
-    fn from(e: FsdpError) -> Self {
-        match e {
-            // A state-dict error that passed through an FSDP call: hand back the original.
-            FsdpError::StateDict(inner) => *inner,
-            other => StateDictError::Fsdp(Box::new(other)),
-        }
-    }
-}
-
-impl From<AllocError> for StateDictError {
-    fn from(e: AllocError) -> Self {
-        FsdpError::from(e).into()
-    }
-}
-
-impl From<AutogradError> for StateDictError {
-    fn from(e: AutogradError) -> Self {
-        FsdpError::from(e).into()
-    }
-}
-
-impl From<CollectiveError> for StateDictError {
-    fn from(e: CollectiveError) -> Self {
-        FsdpError::from(e).into()
-    }
-}
-
-impl From<LayoutError> for StateDictError {
-    fn from(e: LayoutError) -> Self {
-        FsdpError::from(e).into()
-    }
-}
-
-impl StateDictError {
-    /// The runtime error behind [`StateDictError::Fsdp`] (a collective, device, tensor or layout
-    /// error raised during a state-dict call), by type.
-    pub fn fsdp_error(&self) -> Option<&FsdpError> {
-        match self {
-            StateDictError::Fsdp(inner) => inner.downcast_ref::<FsdpError>(),
-            _ => None,
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -11,11 +11,11 @@ use fsdp_autograd::{current_stream, Parameter, Tensor};
 use fsdp_collectives::Work;
 
 use super::rule::{ElementwiseRule, Rule, StepArgs};
+use super::sharded::{f32_operand, kernels_for, slice_f32, trainable_ranges, ShardedParams};
 use super::state::{local_sizes, OptimizerState, Slots};
 use super::{LocalOptimizer, ShardedOptimizer};
 use crate::error::{FsdpError, Result};
 use crate::runtime::fsdp::UnitShard;
-use crate::sharded::{f32_operand, kernels_for, slice_f32, trainable_ranges, ShardedParams};
 
 /// What one update writes and reads: the parameter tensor (a unit's shard, or a local
 /// parameter), its trainable ranges, its memory and its gradient's memory.

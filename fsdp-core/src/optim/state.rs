@@ -4,8 +4,8 @@
 use fsdp_alloc::{DType, Device, Stream};
 use fsdp_autograd::{Parameter, Tensor};
 
+use super::sharded::zeros_on;
 use crate::error::{FsdpError, Result};
-use crate::sharded::zeros_on;
 
 /// Optimizer state by slot: `(slot name, one tensor per unit (sharded) or per parameter
 /// (local), `None` where no step has created it yet)`.

@@ -6,7 +6,7 @@
 use fsdp_autograd::nn::GptConfig;
 
 use crate::plan::PlanError;
-use crate::runtime::wrap::{plan_units, ModuleInfo, WrapPolicy};
+use crate::wrap::{plan_units, ModuleInfo, WrapPolicy};
 
 /// One FSDP unit: what it gathers and reduces.
 #[derive(Debug, Clone, PartialEq)]

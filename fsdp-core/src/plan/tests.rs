@@ -8,7 +8,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
-use crate::runtime::wrap::WrapPolicy;
+use crate::wrap::WrapPolicy;
 use crate::Fsdp;
 
 fn blocks() -> WrapPolicy {

@@ -46,9 +46,10 @@ use crate::config::{BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers,
 use crate::error::{FsdpError, Result};
 use crate::runtime::comm::{AutoLimit, CommContext, Ledger};
 use crate::runtime::handle::FlatParamHandle;
+use crate::runtime::offload;
 use crate::runtime::units::{describe, for_each_module};
 pub use crate::runtime::units::{Comm, FullParameter, ParamBytes, UnitInfo, UnitShard};
-use crate::runtime::wrap::plan_units;
+use crate::wrap::plan_units;
 
 #[derive(Default)]
 struct IterState {
@@ -233,7 +234,7 @@ impl<M: Module + 'static> Fsdp<M> {
         let reduce_stream = device.new_stream("fsdp-reduce");
         let (host, host_stream, offload) = match &config.cpu_offload {
             Some(h) => {
-                crate::runtime::offload::check_offload_devices(device.id(), h.id())?;
+                offload::check_offload_devices(device.id(), h.id())?;
                 if !config.strategy.is_sharded() {
                     return Err(FsdpError::Config(
                         "CPU offload needs a sharded strategy: NoShard computes on the full \
@@ -594,7 +595,7 @@ impl<M: Module + 'static> Fsdp<M> {
         for ((shard, layout), names) in shards.iter().zip(&layouts).zip(&names) {
             let flat: Vec<f32> = if inner.config.strategy.is_sharded() {
                 let ctx = &inner.ctx;
-                let shard = ctx.shard_on_device(shard, &ctx.compute, &ready)?;
+                let shard = offload::shard_on_device(ctx, shard, &ctx.compute, &ready)?;
                 gather_flat(&ctx.group, &shard, &ctx.compute, &ctx.device)?.to_vec::<f32>()?
             } else {
                 shard.to_vec::<f32>()?

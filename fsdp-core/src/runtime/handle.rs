@@ -21,6 +21,7 @@ use fsdp_flatparam::FlatParamLayout;
 
 use crate::error::{FsdpError, Result};
 use crate::runtime::comm::{cast_on, CommContext};
+use crate::runtime::offload;
 
 /// One unit's runtime state.
 pub(crate) struct FlatParamHandle {
@@ -187,7 +188,8 @@ impl FlatParamHandle {
             let bytes = self.unsharded_bytes();
             let buf = ctx.device.alloc(bytes, &ctx.unshard_stream)?;
             let out = DeviceSlice::new(buf.data().clone(), self.param_dtype)?;
-            let shard = ctx.shard_on_device(&self.shard, &ctx.unshard_stream, params_ready)?;
+            let shard =
+                offload::shard_on_device(ctx, &self.shard, &ctx.unshard_stream, params_ready)?;
             let input = cast_on(&ctx.unshard_stream, shard, self.param_dtype)?;
             let gathered = match ctx.quant {
                 // Quantized: int8 codes and scales on the wire, dequantized into f32.
@@ -360,7 +362,7 @@ impl FlatParamHandle {
         }
         // Download the reduced shard gradient on the copy stream (after the reduction), into
         // host memory the host stream accumulates from once the copy's event is reached.
-        let host_grad = crate::runtime::offload::download(
+        let host_grad = offload::download(
             reduced,
             &ctx.host,
             &ctx.copy_stream,

@@ -1,6 +1,5 @@
 //! The FSDP runtime: everything that runs while a wrapped model trains.
 //!
-//! - [`wrap`]: the auto-wrap policy that turns a module tree into FSDP units.
 //! - `units`: the public unit descriptions and the module-tree walks.
 //! - `handle`: one `FlatParamHandle` per unit (shard, unshard, reshard, gradient hooks).
 //! - `comm`: the per-model communication context (streams, groups, rate limiter, statistics).
@@ -14,6 +13,4 @@ pub(crate) mod comm;
 pub(crate) mod fsdp;
 pub(crate) mod handle;
 pub(crate) mod offload;
-pub(crate) mod slice;
 pub(crate) mod units;
-pub mod wrap;

@@ -24,7 +24,25 @@ use fsdp_autograd::kernels::backend::Kernels;
 use fsdp_autograd::{with_stream, Tensor};
 
 use crate::error::{FsdpError, Result};
-use crate::runtime::slice::tensor_slice;
+use crate::runtime::comm::{tensor_slice, CommContext};
+
+/// The shard as a tensor on `ctx`'s compute device for work launched on `stream`: itself, or
+/// (CPU offload) a copy [`upload`]ed on the copy stream after `ready` (the last optimizer
+/// update), which `stream` waits for.
+///
+/// # Errors
+/// [`upload`]'s errors.
+pub(crate) fn shard_on_device(
+    ctx: &CommContext,
+    shard: &Tensor,
+    stream: &Stream,
+    ready: &Event,
+) -> Result<Tensor> {
+    if !ctx.offload {
+        return Ok(shard.clone());
+    }
+    upload(shard, &ctx.device, &ctx.copy_stream, ready, stream)
+}
 
 /// Copies the host `shard` into a new tensor on `device` for `consumer`: on the copy stream
 /// `copy` (of `device`) after `ready` (the shards' last update), and `consumer` waits for the

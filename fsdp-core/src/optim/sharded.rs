@@ -1,9 +1,10 @@
-//! What the optimizers ([`crate::optim`]), gradient clipping ([`crate::clip`]) and the grad
-//! scalers ([`crate::scaler`]) share, below all of them: access to a wrapped model's shards
-//! ([`ShardedParams`]), f32 kernel launches on a stream ([`f32_mem`], [`launch_f32`],
+//! What the optimizers ([`crate::optim`]), gradient clipping ([`crate::optim::clip`]) and the
+//! grad scalers ([`crate::optim::scaler`]) share, below all of them: access to a wrapped model's
+//! shards ([`ShardedParams`]), f32 kernel launches on a stream ([`f32_mem`], [`launch_f32`],
 //! [`zeros_on`]), the trainable element ranges of a shard, and the sum over the shard group
-//! ([`sum_sq`], [`all_reduce_sum`], [`read_after`]). Nothing here imports from those modules, so
-//! their dependencies run one way: `optim`, `clip`, `scaler` → `sharded` → the runtime.
+//! ([`sum_sq`], [`all_reduce_sum`], [`read_after`]). Nothing here imports from the rest of
+//! `optim/`, so its dependencies run one way: the rules, drivers, `clip` and `scaler` →
+//! `sharded` → the runtime.
 
 use std::ops::Range;
 use std::sync::Arc;

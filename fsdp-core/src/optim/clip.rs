@@ -65,7 +65,7 @@ use crate::error::{FsdpError, Result};
 use fsdp_alloc::Stream;
 use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand, SqPiece};
 
-use crate::sharded::{
+use super::sharded::{
     all_reduce_sum, f32_mem, f32_operand, kernels_for, launch_f32, read_after, sum_sq, zeros_on,
     ShardedParams,
 };

@@ -61,7 +61,7 @@ use crate::optim::{LocalOptimizer, ShardedOptimizer};
 use fsdp_alloc::Stream;
 use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand};
 
-use crate::sharded::{f32_operand, kernels_for, zeros_on, ShardedParams};
+use super::sharded::{f32_operand, kernels_for, zeros_on, ShardedParams};
 
 /// Loss-scaling hyper-parameters (PyTorch's `GradScaler` defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -343,7 +343,7 @@ impl ShardedGradScaler {
         }
         let v = with_stream(&stream, || flag.to_vec::<f32>());
         for w in works {
-            crate::sharded::outcome(&w)?;
+            super::sharded::outcome(&w)?;
         }
         let found_inf = v?[0] != 0.0;
         self.sched.stage = Stage::Unscaled { found_inf };
