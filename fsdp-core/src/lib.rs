@@ -21,16 +21,15 @@
 //! - [`state_dict`], at the top: full, sharded and local state dicts (safetensors on disk),
 //!   optimizer state likewise; [`checkpoint`]: all-or-nothing training checkpoints (model,
 //!   optimizer, scaler, metadata) with keep-last-K and resume.
-//! - [`plan`]: a cost-model planner — predicted per-rank peak memory and step time of every
-//!   strategy, sharding factor, prefetch and limiter setting for a model, cluster and batch;
-//!   the feasible plans ranked.
 //! - [`plumbing`]: low-level helpers for code that issues its own collectives on tensors.
+//!
+//! The cost-model planner that chooses among strategies is the `fsdp-plan` crate, above this
+//! one.
 #![deny(missing_docs)]
 
 pub mod config;
 pub mod error;
 pub mod optim;
-pub mod plan;
 mod runtime;
 pub mod state_dict;
 pub mod strategy;

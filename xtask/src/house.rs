@@ -48,6 +48,7 @@ pub const CRATES: &[&str] = &[
     "fsdp-autograd",
     "fsdp-init",
     "fsdp-core",
+    "fsdp-plan",
     "fsdp-train",
     "xtask",
     "examples/candle-mlp",

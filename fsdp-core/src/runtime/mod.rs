@@ -6,7 +6,7 @@
 //! - `offload`: copies between a compute device and a CPU offload device.
 //! - `fsdp`: [`Fsdp`](crate::Fsdp), the wrapper that drives the units through a step.
 //!
-//! Optimizers, clipping, the grad scaler, the planner and the state dicts live outside this
+//! Optimizers, clipping, the grad scaler and the state dicts live outside this
 //! folder and depend on it, never the reverse.
 
 pub(crate) mod comm;
