@@ -26,9 +26,15 @@ impl Rule for SgdRule {
         check_finite(op, "momentum", self.momentum)?;
         check_finite(op, "weight_decay", self.weight_decay)?;
         if self.nesterov && !self.has_momentum() {
-            return Err(crate::FsdpError::InvalidArgument(format!(
-                "{op}: Nesterov momentum needs a non-zero momentum; set momentum or drop nesterov"
-            )));
+            return Err(crate::FsdpError::InvalidArgument(
+                crate::error::ArgumentError::Value {
+                    op: op.into(),
+                    name: "momentum".into(),
+                    value: self.momentum.to_string(),
+                    requirement: "non-zero with Nesterov momentum (set momentum or drop nesterov)"
+                        .into(),
+                },
+            ));
         }
         Ok(())
     }

@@ -15,7 +15,9 @@ use fsdp_autograd::nn::Module;
 use fsdp_autograd::{with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, ProcessGroup, ReduceOp, Work};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{
+    ArgumentError, DeviceError, DtypeError, ExpectedDevice, FsdpError, Result, StateError,
+};
 use crate::runtime::fsdp::{Fsdp, UnitShard};
 
 /// What sharded optimizers, gradient clipping and grad scalers need from a wrapped model.
@@ -117,27 +119,34 @@ pub(crate) fn kernels_for(device: &Device) -> Result<Kernels> {
 /// [`FsdpError::State`] for released storage.
 pub(crate) fn f32_mem(t: &Tensor, op: &str, what: &str, stream: &Stream) -> Result<BufferRef> {
     if t.dtype() != DType::F32 {
-        return Err(FsdpError::Dtype(format!(
-            "{op}: {what} is {}, but optimizer, clipping and scaler kernels work on f32 tensors \
-             (FSDP keeps shards, sharded gradients and optimizer state in f32)",
-            t.dtype()
-        )));
+        return Err(FsdpError::Dtype(DtypeError {
+            op: op.into(),
+            what: what.into(),
+            actual: t.dtype(),
+            expected: DType::F32,
+            why: "optimizer, clipping and scaler kernels work on f32 tensors (FSDP keeps shards, \
+                  sharded gradients and optimizer state in f32)",
+        }));
     }
     if !t.is_contiguous() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: {what} is not contiguous (shape {:?}, strides {:?}); pass a contiguous copy",
-            t.shape(),
-            t.strides()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::NotContiguous {
+            op: op.into(),
+            what: what.into(),
+            shape: t.shape().to_vec(),
+            strides: t.strides().to_vec(),
+        }));
     }
     if t.device().id() != stream.device() {
-        return Err(FsdpError::Device(format!(
-            "{op}: {what} lives on {} but the kernel runs on stream `{}` of {}; keep tensors \
-             and streams on one device",
-            t.device().id(),
-            stream.name(),
-            stream.device()
-        )));
+        return Err(FsdpError::Device(DeviceError {
+            op: op.into(),
+            what: what.into(),
+            actual: t.device().id(),
+            expected: ExpectedDevice::Exactly(stream.device()),
+            fix: format!(
+                "the kernel runs on stream `{}`; keep tensors and streams on one device",
+                stream.name()
+            ),
+        }));
     }
     let r = t
         .storage()
@@ -148,10 +157,10 @@ pub(crate) fn f32_mem(t: &Tensor, op: &str, what: &str, stream: &Stream) -> Resu
             b.data().clone()
         })
         .ok_or_else(|| {
-            FsdpError::State(format!(
-                "{op}: {what} has no memory attached (its storage was released); materialize \
-                 or gather it before this call"
-            ))
+            FsdpError::State(StateError::StorageReleased {
+                op: op.into(),
+                what: what.into(),
+            })
         })?;
     Ok(r.slice_elems::<f32>(t.offset(), t.numel())?)
 }
@@ -203,12 +212,13 @@ pub(crate) fn zeros_on(n: usize, device: &Device, stream: &Stream) -> Result<Ten
 /// layout error.
 pub(crate) fn trainable_ranges(s: &UnitShard) -> Result<Vec<Range<usize>>> {
     if s.requires_grad.len() != s.layout.num_params() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "unit `{}`: {} requires_grad flags for {} parameters",
-            s.path,
-            s.requires_grad.len(),
-            s.layout.num_params()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+            op: "optimizer step".into(),
+            what: format!("unit `{}`'s requires_grad list (one per parameter)", s.path),
+            counted: "flags",
+            actual: s.requires_grad.len(),
+            expected: s.layout.num_params(),
+        }));
     }
     let mut out: Vec<Range<usize>> = Vec::new();
     for p in s.layout.rank_pieces(s.rank)? {

@@ -12,7 +12,7 @@ use fsdp_autograd::{no_grad, with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, Int8Codec, ProcessGroup, ReduceOp, Work};
 
 use crate::config::{AdaptiveLimiter, BufferLifetime};
-use crate::error::{FsdpError, Result};
+use crate::error::{FsdpError, Result, StateError};
 
 /// Bytes moved by this rank's collectives since wrapping (or the last reset).
 ///
@@ -437,15 +437,14 @@ impl CommContext {
 /// The memory of `t` (its elements, in its dtype) as a [`DeviceSlice`] for collectives.
 ///
 /// # Errors
-/// [`FsdpError::State`] if the tensor's storage is released (no memory attached); an access
-/// error if the tensor does not fit its buffer.
+/// [`StateError::StorageReleased`] if the tensor's storage is released (no memory attached);
+/// an access error if the tensor does not fit its buffer.
 pub fn tensor_slice(t: &Tensor) -> Result<DeviceSlice> {
     let r = t.storage().buffer_ref().ok_or_else(|| {
-        FsdpError::State(
-            "a tensor given to a collective has no memory attached (its storage was released); \
-             pass a tensor whose storage is allocated"
-                .into(),
-        )
+        FsdpError::State(StateError::StorageReleased {
+            op: "tensor_slice".into(),
+            what: "a tensor given to a collective".into(),
+        })
     })?;
     let size = t.dtype().size();
     let r = r.slice(t.offset() * size, t.numel() * size)?;

@@ -19,7 +19,7 @@ use fsdp_autograd::{no_grad, with_stream, Parameter, Storage, Tensor};
 use fsdp_collectives::DeviceSlice;
 use fsdp_flatparam::FlatParamLayout;
 
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, FsdpError, Result};
 use crate::runtime::comm::{cast_on, CommContext};
 use crate::runtime::offload;
 
@@ -123,12 +123,13 @@ impl FlatParamHandle {
     pub fn set_shard_grad(&mut self, grad: Option<Tensor>) -> Result<()> {
         if let Some(g) = &grad {
             if g.numel() != self.shard.numel() {
-                return Err(FsdpError::InvalidArgument(format!(
-                    "a gradient of {} elements for unit `{}`, whose shard has {}",
-                    g.numel(),
-                    self.path,
-                    self.shard.numel()
-                )));
+                return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+                    op: "set_shard_grad".into(),
+                    what: format!("the gradient for unit `{}`", self.path),
+                    counted: "elements",
+                    actual: g.numel(),
+                    expected: self.shard.numel(),
+                }));
             }
         }
         self.shard_grad = grad;
