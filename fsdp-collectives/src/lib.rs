@@ -15,7 +15,7 @@
 //!   windows inside a node, rank-ordered reductions (bit-equal to the thread backend).
 //! - `NcclGroup` (`nccl`, with the `cuda` feature): the same trait over NCCL.
 //! - [`ProcessGroup::all_to_all_into`]: the personalized exchange with equal chunks (thread and
-//!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`, compile-checked only), the wire
+//!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`), the wire
 //!   of quantized reduce-scatters.
 //! - [`Int8Codec`] ([`quant`]): int8 block quantization with a per-block f32 scale
 //!   (ZeRO++-style), the codec of fsdp-core's quantized collectives.
@@ -26,7 +26,7 @@
 //! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
 //!   exactly as stated: f32 accumulation rounds f16/bf16 once at the end; own-dtype
 //!   accumulation rounds after every addition; ranks are folded in order 0..W.
-//! - NCCL backend (never run here; see `nccl`): NCCL reduces in its own order and internal
+//! - NCCL backend (see `nccl`): NCCL reduces in its own order and internal
 //!   precision, so results are deterministic only as far as NCCL makes them. With device
 //!   buffers (the FSDP case) it reduces in the buffer dtype (there is no cast kernel in this
 //!   crate: reduce f32 buffers when f32 accumulation matters); with host buffers, f32

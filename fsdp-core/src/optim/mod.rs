@@ -29,9 +29,8 @@
 //! trainable range of the shard; a unit whose parameters are all trainable has one). The CPU
 //! kernels are the rules' host updates ([`Rule::update`], the functions of
 //! `fsdp_autograd::kernels::cpu::optim`); the CUDA kernels repeat their operations in the same
-//! order without fused multiply-adds (emulated here; SGD in `train_gpt --device cuda` and AdamW in
-//! the GPU suite ran on one H100; LAMB has not run on a GPU). After all units are updated the
-//! optimizer calls [`ShardedParams::params_updated`], so the next all-gather waits for the update.
+//! order without fused multiply-adds. After all units are updated the optimizer calls
+//! [`ShardedParams::params_updated`], so the next all-gather waits for the update.
 //!
 //! Only the pieces of *trainable* parameters are updated (the layout's per-rank pieces); frozen
 //! parameters sharing a unit with trainable ones and the shard's padding are left untouched.

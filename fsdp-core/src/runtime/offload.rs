@@ -16,8 +16,7 @@
 //! before), on CUDA `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` from and into page-locked host
 //! memory (`fsdp_alloc::Device::cpu_pinned`; from pageable memory the seam falls back to a
 //! synchronous copy and counts the host wait). The issuing thread never blocks per unit: the
-//! only waits are device-side (a stream waiting on an event). The CUDA copy path ran on one
-//! H100 (`train_gpt --device cuda --cpu-offload`, GPT-2: 150 ms per step, 2 host waits).
+//! only waits are device-side (a stream waiting on an event).
 
 use fsdp_alloc::{Device, DeviceId, Event, Stream};
 use fsdp_autograd::kernels::backend::Kernels;
