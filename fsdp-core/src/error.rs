@@ -154,7 +154,7 @@ pub enum ConfigError {
     QuantizedMixedPrecision,
     /// The quantization codec refused its setting (e.g. a block of 0 values).
     #[error("quantize_collectives: {0}")]
-    Quantization(#[source] CollectiveError),
+    Quantization(#[source] Box<CollectiveError>),
     /// `cpu_offload` names the compute device.
     #[error(
         "cpu_offload names the compute device {device} itself; give it a separate host device \

@@ -204,7 +204,7 @@ impl<M: Module + 'static> Fsdp<M> {
                 }
                 Some(
                     fsdp_collectives::Int8Codec::new(block)
-                        .map_err(|e| FsdpError::Config(ConfigError::Quantization(e)))?,
+                        .map_err(|e| FsdpError::Config(ConfigError::Quantization(Box::new(e))))?,
                 )
             }
         };
