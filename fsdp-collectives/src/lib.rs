@@ -18,7 +18,7 @@
 //!   refuses): device-to-device copies and a rank-ordered reduction kernel, bit-equal to the
 //!   thread backend in f32; a typed error without the `cuda` feature or a GPU.
 //! - [`ProcessGroup::all_to_all_into`]: the personalized exchange with equal chunks (thread and
-//!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`, compile-checked only), the wire
+//!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`), the wire
 //!   of quantized reduce-scatters.
 //! - [`Int8Codec`] ([`quant`]): int8 block quantization with a per-block f32 scale
 //!   (ZeRO++-style), the codec of fsdp-core's quantized collectives.
@@ -31,7 +31,7 @@
 //!   accumulation rounds after every addition; ranks are folded in order 0..W.
 //! - Shared-GPU backend ([`shared_gpu`]): the thread backend's folds and accumulators in a
 //!   CUDA kernel, ranks in order 0..W, so the same bits (NaN payloads aside).
-//! - NCCL backend (never run here; see `nccl`): NCCL reduces in its own order and internal
+//! - NCCL backend (see `nccl`): NCCL reduces in its own order and internal
 //!   precision, so results are deterministic only as far as NCCL makes them. With device
 //!   buffers (the FSDP case) it reduces in the buffer dtype (there is no cast kernel in this
 //!   crate: reduce f32 buffers when f32 accumulation matters); with host buffers, f32

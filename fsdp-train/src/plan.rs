@@ -1,9 +1,9 @@
-//! `--plan` / `--plan --apply`: the cost-model planner ([`fsdp_core::plan`]) for the chosen
+//! `--plan` / `--plan --apply`: the cost-model planner ([`fsdp_plan`]) for the chosen
 //! model and batch on an assumed cluster — the ranked table without training, or training with
 //! the top plan.
 //!
 //! The cluster comes from `--cluster FILE` (TOML, below) or `--cluster PRESET` (a GPU
-//! preset of [`fsdp_core::plan::Hardware`]: `a100-80gb`, `h100-80gb`; a path that exists is
+//! preset of [`fsdp_plan::Hardware`]: `a100-80gb`, `h100-80gb`; a path that exists is
 //! always read as a file), then the `--cluster-*` flags override it field by field. Without
 //! either it is this machine as train_gpt emulates it: one node of `--ranks` ranks, each with an
 //! even share of the host's memory (`MemTotal` of /proc/meminfo) and of the GEMM probe's rate
@@ -25,7 +25,7 @@
 //!
 //! A `[gpu]` table (what the presets fill in) describes the GPU instead of a flat `tflops`, and
 //! switches the planner to its GPU model (per-leaf roofline compute, NCCL's ring/tree
-//! collectives over nodes; `fsdp_core::plan::Hardware`): `bf16_tflops` and `f32_tflops`
+//! collectives over nodes; `fsdp_plan::Hardware`): `bf16_tflops` and `f32_tflops`
 //! (peaks), `gemm_efficiency` (fraction of the peak a large GEMM sustains), `hbm_gb_per_s`, and
 //! optionally `base_latency_us` (NCCL's fixed cost per collective, default 8.4). Then `[intra]`
 //! is the NVLink bus bandwidth per GPU and the latency of one ring step, `[inter]` the network
@@ -51,15 +51,15 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use fsdp_core::plan::{
+use fsdp_core::{ShardOver, WrapPolicy};
+use fsdp_plan::{
     Batch, Cluster, Hardware, Link, ModelDesc, PlanError, PlanEstimate, Planner, PRESETS,
 };
-use fsdp_core::{ShardOver, WrapPolicy};
 
 use crate::job::{strategy_name, TrainConfig, UsageError};
 use crate::optim::Optimizer;
 
-/// Planning (the cost model of `fsdp_core::plan`).
+/// Planning (the cost model of `fsdp_plan`).
 #[derive(Args, Debug, Clone, Default)]
 #[command(next_help_heading = "Planning")]
 pub struct PlanArgs {
@@ -384,7 +384,7 @@ pub fn cluster(
         network: c.inter,
         base_latency_s: f
             .gpu_base_latency_us
-            .unwrap_or(fsdp_core::plan::NCCL_RING_BASE_LATENCY_US)
+            .unwrap_or(fsdp_plan::NCCL_RING_BASE_LATENCY_US)
             * 1e-6,
     };
     hw.validate().map_err(|e: PlanError| e.to_string())?;

@@ -54,8 +54,8 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("init", "fsdp-init", "fsdp-init"),
     ("fsdp", "fsdp-core", "fsdp-core"),
     ("scaling", "fsdp-core", "fsdp-core"),
-    ("planner", "fsdp-core", "fsdp-core"),
-    ("paper", "fsdp-core", "fsdp-core"),
+    ("planner", "fsdp-plan", "fsdp-plan"),
+    ("paper", "fsdp-plan", "fsdp-plan"),
     ("quantized", "fsdp-train", "fsdp-train"),
 ];
 

@@ -4,10 +4,9 @@
 //! the one GPU at hand. NCCL refuses two ranks on one device, so this backend moves the data
 //! itself.
 //!
-//! **Status:** the kernels run on a host emulator in CI (bit-equal to the thread backend's fold,
-//! `src/shared_gpu/tests.rs`) and are compiled by NVRTC (`cargo xtask nvrtc`); the group itself
-//! is compile-checked here, and its GPU tests (`tests/shared_gpu_device.rs`, the `shared-gpu`
-//! suite of `cargo xtask gpu-test`) have not run on a GPU yet.
+//! The kernels run on a host emulator in CI (bit-equal to the thread backend's fold,
+//! `src/shared_gpu/tests.rs`) and are compiled by NVRTC (`cargo xtask nvrtc`); the GPU tests are
+//! the `shared-gpu` suite of `cargo xtask gpu-test`. What has run on a GPU: `docs/GPU-STATUS.md`.
 //!
 //! ## What it does
 //! - **One device, W allocators.** Each rank computes on its own `fsdp_alloc::Device::cuda(o)`

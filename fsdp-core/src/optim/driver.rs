@@ -11,11 +11,11 @@ use fsdp_autograd::{current_stream, Parameter, Tensor};
 use fsdp_collectives::Work;
 
 use super::rule::{ElementwiseRule, Rule, StepArgs};
+use super::sharded::{f32_operand, kernels_for, slice_f32, trainable_ranges, ShardedParams};
 use super::state::{local_sizes, OptimizerState, Slots};
 use super::{LocalOptimizer, ShardedOptimizer};
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, FsdpError, Result};
 use crate::runtime::fsdp::UnitShard;
-use crate::sharded::{f32_operand, kernels_for, slice_f32, trainable_ranges, ShardedParams};
 
 /// What one update writes and reads: the parameter tensor (a unit's shard, or a local
 /// parameter), its trainable ranges, its memory and its gradient's memory.
@@ -41,12 +41,13 @@ pub(crate) fn unit_operands(
         return Ok(None);
     };
     if g.numel() != s.shard.numel() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: unit `{}` has a shard of {} elements but a gradient of {}",
-            s.path,
-            s.shard.numel(),
-            g.numel()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+            op: op.into(),
+            what: format!("the gradient of unit `{}` (like its shard)", s.path),
+            counted: "elements",
+            actual: g.numel(),
+            expected: s.shard.numel(),
+        }));
     }
     let ranges = trainable_ranges(s)?;
     if ranges.is_empty() {
@@ -82,12 +83,16 @@ fn local_operands(p: &Parameter, op: &str) -> Result<Option<(Stream, UnitOperand
         g.contiguous_copy()?
     };
     if g.numel() != t.numel() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: parameter `{}` has {} elements but its gradient {}",
-            p.name(),
-            t.numel(),
-            g.numel()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+            op: op.into(),
+            what: format!(
+                "the gradient of parameter `{}` (like the parameter)",
+                p.name()
+            ),
+            counted: "elements",
+            actual: g.numel(),
+            expected: t.numel(),
+        }));
     }
     let stream = current_stream(t.device());
     let param = f32_operand(&t, op, &format!("parameter `{}`", p.name()), &stream)?;

@@ -12,10 +12,10 @@ use fsdp_autograd::{Parameter, Tensor};
 use super::adamw::AdamParams;
 use super::driver::{state_operands, unit_operands, Local, Sharded, ShardedStep, UnitOperands};
 use super::rule::{kernel_err, missing_slices, slots, Rule, StepArgs};
-use crate::error::Result;
-use crate::sharded::{
+use super::sharded::{
     all_reduce_sum, f32_operand, kernels_for, slice_f32, zeros_on, ShardedParams,
 };
+use crate::error::Result;
 
 /// One LAMB step's scalars, as the kernels see them: the seam's type, made by
 /// [`Rule::coeffs`].

@@ -1,6 +1,8 @@
-//! Sharded optimizers: SGD (momentum, weight decay), AdamW and a LAMB-style trust-ratio
-//! optimizer that update FSDP's flat shards in place, with their state sharded exactly like the
-//! parameters — and their **local** counterparts for plain [`Parameter`]s.
+//! The optimizer step's wing: sharded optimizers — SGD (momentum, weight decay), AdamW and a
+//! LAMB-style trust-ratio optimizer that update FSDP's flat shards in place, with their state
+//! sharded exactly like the parameters — and their **local** counterparts for plain
+//! [`Parameter`]s; gradient clipping and norms across shards ([`clip`]); the sharded grad scaler
+//! ([`scaler`]).
 //!
 //! # Sharded and local, bit for bit
 //! Each rank holds, per FSDP unit, one f32 shard of `chunk_numel` elements and the reduced
@@ -13,7 +15,7 @@
 //! update rule (same operations in the same order, no fused multiply-add), so FSDP on W ranks
 //! with a sharded optimizer equals local training with W-way gradient accumulation and the local
 //! optimizer **bitwise** in f32 — the parity tests in `tests/tests/fsdp_optim.rs` check it.
-//! [`Lamb`] also needs per-parameter norms across shards (see [`crate::clip`]); those are summed
+//! [`Lamb`] also needs per-parameter norms across shards (see [`clip`]); those are summed
 //! in a different order than locally, so [`Lamb`] matches [`LocalLamb`] within a tolerance only.
 //!
 //! # Where the math runs
@@ -27,9 +29,8 @@
 //! trainable range of the shard; a unit whose parameters are all trainable has one). The CPU
 //! kernels are the rules' host updates ([`Rule::update`], the functions of
 //! `fsdp_autograd::kernels::cpu::optim`); the CUDA kernels repeat their operations in the same
-//! order without fused multiply-adds (emulated here; SGD in `train_gpt --device cuda` and AdamW in
-//! the GPU suite ran on one H100; LAMB has not run on a GPU). After all units are updated the
-//! optimizer calls [`ShardedParams::params_updated`], so the next all-gather waits for the update.
+//! order without fused multiply-adds. After all units are updated the optimizer calls
+//! [`ShardedParams::params_updated`], so the next all-gather waits for the update.
 //!
 //! Only the pieces of *trainable* parameters are updated (the layout's per-rank pieces); frozen
 //! parameters sharing a unit with trainable ones and the shard's padding are left untouched.
@@ -78,14 +79,17 @@
 //! with their rule; how [`Sharded`] steps is the rule's [`ShardedStep`]: elementwise rules run on
 //! the shards' pieces, [`LambRule`] in two halves around the all-reduce of its per-parameter
 //! norms. A new elementwise optimizer adds a rule, not a driver. `state` holds the state slots
-//! shared by all of them; [`ShardedParams`] (what they need from the model) lives in a module
-//! below `optim`, `clip` and `scaler`.
+//! shared by all of them; [`ShardedParams`] (what they, [`clip`] and [`scaler`] need from the
+//! model) lives in `sharded.rs`, below all of them.
 
 mod adamw;
+pub mod clip;
 mod driver;
 mod lamb;
 mod rule;
+pub mod scaler;
 mod sgd;
+mod sharded;
 mod state;
 
 pub use adamw::{AdamCoeffs, AdamParams, AdamW, AdamWRule, LocalAdamW};
@@ -95,7 +99,7 @@ pub use rule::{ElementwiseRule, Rule, StepArgs};
 pub use sgd::{LocalSgd, Sgd, SgdRule};
 pub use state::OptimizerState;
 
-pub use crate::sharded::ShardedParams;
+pub use sharded::ShardedParams;
 
 use fsdp_autograd::Parameter;
 

@@ -6,7 +6,7 @@
 use fsdp_alloc::{Device, Stream};
 use fsdp_autograd::kernels::backend::{Kernels, Operand};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, FsdpError, Result, StateError};
 
 /// Where and on what one update runs: the device's kernels (the seam), the stream, and the
 /// operands — all f32, `p`, `g` and every state slot of the same length.
@@ -96,9 +96,12 @@ pub(crate) fn check_finite(op: &str, what: &str, v: f32) -> Result<()> {
     if v.is_finite() {
         Ok(())
     } else {
-        Err(FsdpError::InvalidArgument(format!(
-            "{op}: {what} is {v}; it must be finite"
-        )))
+        Err(FsdpError::InvalidArgument(ArgumentError::Value {
+            op: op.into(),
+            name: what.into(),
+            value: v.to_string(),
+            requirement: "finite".into(),
+        }))
     }
 }
 
@@ -106,15 +109,21 @@ pub(crate) fn check_finite(op: &str, what: &str, v: f32) -> Result<()> {
 pub(crate) fn check_betas(op: &str, betas: (f32, f32), eps: f32) -> Result<()> {
     for (what, b) in [("beta1", betas.0), ("beta2", betas.1)] {
         if !(0.0..1.0).contains(&b) {
-            return Err(FsdpError::InvalidArgument(format!(
-                "{op}: {what} is {b}; it must lie in [0, 1)"
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+                op: op.into(),
+                name: what.into(),
+                value: b.to_string(),
+                requirement: "in [0, 1)".into(),
+            }));
         }
     }
     if !(eps.is_finite() && eps > 0.0) {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: eps is {eps}; it must be positive and finite"
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+            op: op.into(),
+            name: "eps".into(),
+            value: eps.to_string(),
+            requirement: "positive and finite".into(),
+        }));
     }
     Ok(())
 }
@@ -122,18 +131,21 @@ pub(crate) fn check_betas(op: &str, betas: (f32, f32), eps: f32) -> Result<()> {
 /// The `K` state operands of a rule that keeps `K` slots.
 pub(crate) fn slots<'a, const K: usize>(name: &str, a: &StepArgs<'a>) -> Result<&'a [Operand; K]> {
     a.state.try_into().map_err(|_| {
-        FsdpError::State(format!(
-            "{name}: {} state operands passed where the rule keeps {K}",
-            a.state.len()
-        ))
+        FsdpError::State(StateError::StateOperands {
+            op: name.into(),
+            actual: a.state.len(),
+            expected: K,
+        })
     })
 }
 
 /// The error of a rule's host update called with the wrong number of state slices.
 pub(crate) fn missing_slices(name: &str, got: usize, want: usize) -> FsdpError {
-    FsdpError::State(format!(
-        "{name}: {got} state slices passed where the rule keeps {want}"
-    ))
+    FsdpError::State(StateError::StateOperands {
+        op: name.into(),
+        actual: got,
+        expected: want,
+    })
 }
 
 /// A kernel error of a host update as an [`FsdpError`].

@@ -10,7 +10,7 @@ pub use fsdp_autograd::optim::SgdRule;
 
 use super::driver::{Local, Sharded};
 use super::rule::{check_finite, ElementwiseRule, Rule, StepArgs};
-use crate::error::Result;
+use crate::error::{ArgumentError, FsdpError, Result};
 use crate::optim::ShardedOptimizer;
 use crate::runtime::fsdp::Fsdp;
 use fsdp_alloc::trace;
@@ -26,9 +26,13 @@ impl Rule for SgdRule {
         check_finite(op, "momentum", self.momentum)?;
         check_finite(op, "weight_decay", self.weight_decay)?;
         if self.nesterov && !self.has_momentum() {
-            return Err(crate::FsdpError::InvalidArgument(format!(
-                "{op}: Nesterov momentum needs a non-zero momentum; set momentum or drop nesterov"
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+                op: op.into(),
+                name: "momentum".into(),
+                value: self.momentum.to_string(),
+                requirement: "non-zero with Nesterov momentum (set momentum or drop nesterov)"
+                    .into(),
+            }));
         }
         Ok(())
     }

@@ -1,17 +1,17 @@
 //! The model as the planner sees it: FSDP units (parameter counts) and the forward execution
 //! sequence of leaf modules (FLOPs and saved activation bytes per token), with a constructor that
 //! derives both from a [`GptConfig`] and a [`WrapPolicy`] through the same unit planning
-//! [`crate::Fsdp::wrap`] uses ([`plan_units`]).
+//! [`fsdp_core::Fsdp::wrap`] uses ([`plan_units`]).
 
 use fsdp_autograd::nn::GptConfig;
 
-use crate::plan::PlanError;
-use crate::runtime::wrap::{plan_units, ModuleInfo, WrapPolicy};
+use crate::error::PlanError;
+use fsdp_core::wrap::{plan_units, ModuleInfo, WrapPolicy};
 
 /// One FSDP unit: what it gathers and reduces.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitDesc {
-    /// Module path of the unit ("" for the root), as [`crate::UnitInfo::path`].
+    /// Module path of the unit ("" for the root), as [`fsdp_core::UnitInfo::path`].
     pub path: String,
     /// Parameter elements of the unit (no padding; shared parameters counted once).
     pub numel: usize,
@@ -38,7 +38,7 @@ pub struct Leaf {
     /// flat gradient (a temporary); 0 exactly when the leaf has no parameters.
     pub weight_grad_bytes: usize,
     /// Device-memory bytes per token the leaf's forward reads and writes (activations, not the
-    /// weights); backward is counted as twice this. Only a [`crate::plan::Hardware`] roofline
+    /// weights); backward is counted as twice this. Only a [`crate::Hardware`] roofline
     /// uses it (a memory-bound leaf — layer norm, GELU, softmax — costs `bytes / HBM
     /// bandwidth`); 0 when unknown.
     pub hbm_bytes_per_token: f64,
@@ -49,7 +49,7 @@ pub struct Leaf {
 pub struct ModelDesc {
     /// A short name for tables (e.g. `gpt d256 L4`).
     pub name: String,
-    /// Units in [`plan_units`] order (root first), as [`crate::Fsdp::units`] lists them.
+    /// Units in [`plan_units`] order (root first), as [`fsdp_core::Fsdp::units`] lists them.
     pub units: Vec<UnitDesc>,
     /// Forward execution order of the leaves; backward runs them in reverse.
     pub leaves: Vec<Leaf>,

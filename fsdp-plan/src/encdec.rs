@@ -3,8 +3,8 @@
 //! model the way [`ModelDesc::gpt`] is. Good enough for T5-11B's parameter counts, FLOPs and
 //! activation sizes; see [`EncDecConfig`] for what it leaves out.
 
-use crate::plan::model::{Leaf, ModelDesc, UnitDesc};
-use crate::plan::PlanError;
+use crate::error::PlanError;
+use crate::model::{Leaf, ModelDesc, UnitDesc};
 
 /// The shape of a T5-style encoder–decoder: pre-norm blocks with RMS norm, no biases,
 /// attention of `n_heads × d_kv` (which need not equal `d_model`), a ReLU feed-forward of width

@@ -1,5 +1,5 @@
 //! The planner against measurements: `cargo xtask bench planner`
-//! (= `cargo bench -p fsdp-core --bench planner`).
+//! (= `cargo bench -p fsdp-plan --bench planner`).
 //!
 //! W = 4 CPU thread ranks emulate 2 nodes × 2 ranks ([`LinkModel`] links: a fast intra-node
 //! link for the shard groups of HybridShard F=2, a slow inter-node link for every group that
@@ -19,7 +19,7 @@
 //! machine load; the planner's compute rate is the model's training FLOPs per step over its
 //! median step. The link figures are the emulated ones.
 //!
-//! The planner ([`fsdp_core::plan`]) predicts each grid configuration's step time and peak
+//! The planner ([`fsdp_plan`]) predicts each grid configuration's step time and peak
 //! memory; the bench prints predicted vs measured per configuration and, per scenario, the
 //! configuration the planner ranks first among the scenario's grid and the one measured fastest.
 //!
@@ -43,8 +43,8 @@ use fsdp_alloc::Device;
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, GroupConfig, LinkModel, ProcessGroup, ReduceOp, ThreadGroup};
-use fsdp_core::plan::{Batch, Cluster, Link, ModelDesc, PlanConfig, Planner};
 use fsdp_core::{BackwardPrefetch, Comm, Fsdp, FsdpConfig, ShardingStrategy, WrapPolicy};
+use fsdp_plan::{Batch, Cluster, Link, ModelDesc, PlanConfig, Planner};
 
 mod common;
 use common::{median, token_batch};

@@ -1,9 +1,10 @@
-//! What the optimizers ([`crate::optim`]), gradient clipping ([`crate::clip`]) and the grad
-//! scalers ([`crate::scaler`]) share, below all of them: access to a wrapped model's shards
-//! ([`ShardedParams`]), f32 kernel launches on a stream ([`f32_mem`], [`launch_f32`],
+//! What the optimizers ([`crate::optim`]), gradient clipping ([`crate::optim::clip`]) and the
+//! grad scalers ([`crate::optim::scaler`]) share, below all of them: access to a wrapped model's
+//! shards ([`ShardedParams`]), f32 kernel launches on a stream ([`f32_mem`], [`launch_f32`],
 //! [`zeros_on`]), the trainable element ranges of a shard, and the sum over the shard group
-//! ([`sum_sq`], [`all_reduce_sum`], [`read_after`]). Nothing here imports from those modules, so
-//! their dependencies run one way: `optim`, `clip`, `scaler` → `sharded` → the runtime.
+//! ([`sum_sq`], [`all_reduce_sum`], [`read_after`]). Nothing here imports from the rest of
+//! `optim/`, so its dependencies run one way: the rules, drivers, `clip` and `scaler` →
+//! `sharded` → the runtime.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -14,7 +15,9 @@ use fsdp_autograd::nn::Module;
 use fsdp_autograd::{with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, ProcessGroup, ReduceOp, Work};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{
+    ArgumentError, DeviceError, DtypeError, ExpectedDevice, FsdpError, Result, StateError,
+};
 use crate::runtime::fsdp::{Fsdp, UnitShard};
 
 /// What sharded optimizers, gradient clipping and grad scalers need from a wrapped model.
@@ -116,27 +119,34 @@ pub(crate) fn kernels_for(device: &Device) -> Result<Kernels> {
 /// [`FsdpError::State`] for released storage.
 pub(crate) fn f32_mem(t: &Tensor, op: &str, what: &str, stream: &Stream) -> Result<BufferRef> {
     if t.dtype() != DType::F32 {
-        return Err(FsdpError::Dtype(format!(
-            "{op}: {what} is {}, but optimizer, clipping and scaler kernels work on f32 tensors \
-             (FSDP keeps shards, sharded gradients and optimizer state in f32)",
-            t.dtype()
-        )));
+        return Err(FsdpError::Dtype(DtypeError {
+            op: op.into(),
+            what: what.into(),
+            actual: t.dtype(),
+            expected: DType::F32,
+            why: "optimizer, clipping and scaler kernels work on f32 tensors (FSDP keeps shards, \
+                  sharded gradients and optimizer state in f32)",
+        }));
     }
     if !t.is_contiguous() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: {what} is not contiguous (shape {:?}, strides {:?}); pass a contiguous copy",
-            t.shape(),
-            t.strides()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::NotContiguous {
+            op: op.into(),
+            what: what.into(),
+            shape: t.shape().to_vec(),
+            strides: t.strides().to_vec(),
+        }));
     }
     if t.device().id() != stream.device() {
-        return Err(FsdpError::Device(format!(
-            "{op}: {what} lives on {} but the kernel runs on stream `{}` of {}; keep tensors \
-             and streams on one device",
-            t.device().id(),
-            stream.name(),
-            stream.device()
-        )));
+        return Err(FsdpError::Device(DeviceError {
+            op: op.into(),
+            what: what.into(),
+            actual: t.device().id(),
+            expected: ExpectedDevice::Exactly(stream.device()),
+            fix: format!(
+                "the kernel runs on stream `{}`; keep tensors and streams on one device",
+                stream.name()
+            ),
+        }));
     }
     let r = t
         .storage()
@@ -147,10 +157,10 @@ pub(crate) fn f32_mem(t: &Tensor, op: &str, what: &str, stream: &Stream) -> Resu
             b.data().clone()
         })
         .ok_or_else(|| {
-            FsdpError::State(format!(
-                "{op}: {what} has no memory attached (its storage was released); materialize \
-                 or gather it before this call"
-            ))
+            FsdpError::State(StateError::StorageReleased {
+                op: op.into(),
+                what: what.into(),
+            })
         })?;
     Ok(r.slice_elems::<f32>(t.offset(), t.numel())?)
 }
@@ -202,12 +212,13 @@ pub(crate) fn zeros_on(n: usize, device: &Device, stream: &Stream) -> Result<Ten
 /// layout error.
 pub(crate) fn trainable_ranges(s: &UnitShard) -> Result<Vec<Range<usize>>> {
     if s.requires_grad.len() != s.layout.num_params() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "unit `{}`: {} requires_grad flags for {} parameters",
-            s.path,
-            s.requires_grad.len(),
-            s.layout.num_params()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+            op: "optimizer step".into(),
+            what: format!("unit `{}`'s requires_grad list (one per parameter)", s.path),
+            counted: "flags",
+            actual: s.requires_grad.len(),
+            expected: s.layout.num_params(),
+        }));
     }
     let mut out: Vec<Range<usize>> = Vec::new();
     for p in s.layout.rank_pieces(s.rank)? {

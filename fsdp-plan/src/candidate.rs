@@ -2,7 +2,7 @@
 //! candidate) and `search.rs` (which enumerates candidates and calls the simulator) do not import
 //! each other.
 
-use crate::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
+use fsdp_core::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
 
 /// One configuration the planner considers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{FsdpError, Result, WrapError};
 
 /// One module of the tree, as seen by the wrapping logic.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,21 +109,17 @@ fn min_params(policy: &WrapPolicy) -> Option<usize> {
 pub fn plan_units(modules: &[ModuleInfo], policy: &WrapPolicy) -> Result<Vec<UnitPlan>> {
     let root = modules
         .first()
-        .ok_or_else(|| FsdpError::Wrap("the model has no modules".into()))?;
+        .ok_or(FsdpError::Wrap(WrapError::NoModules))?;
     if !root.path.is_empty() {
-        return Err(FsdpError::Wrap(format!(
-            "the first module must be the root (path \"\"), got `{}`",
-            root.path
-        )));
+        return Err(FsdpError::Wrap(WrapError::RootNotFirst {
+            path: root.path.clone(),
+        }));
     }
     let mut explicit = Vec::new();
     explicit_paths(policy, &mut explicit);
     for p in &explicit {
         if !modules.iter().any(|m| &m.path == p) {
-            return Err(FsdpError::Wrap(format!(
-                "wrap policy names module `{p}`, but the model has no module at that path; \
-                 module paths look like `blocks.0` (see named_modules)"
-            )));
+            return Err(FsdpError::Wrap(WrapError::UnknownPath { path: p.clone() }));
         }
     }
     for (i, m) in modules.iter().enumerate().skip(1) {
@@ -132,10 +128,10 @@ pub fn plan_units(modules: &[ModuleInfo], policy: &WrapPolicy) -> Result<Vec<Uni
             None => "",
         };
         if !modules[..i].iter().any(|p| p.path == parent) {
-            return Err(FsdpError::Wrap(format!(
-                "module `{}` appears before its parent `{parent}`: modules must be in pre-order",
-                m.path
-            )));
+            return Err(FsdpError::Wrap(WrapError::NotPreOrder {
+                module: m.path.clone(),
+                parent: parent.to_string(),
+            }));
         }
     }
 

@@ -56,12 +56,12 @@ use fsdp_alloc::DType;
 use fsdp_autograd::{current_stream, with_stream, Parameter, Tensor};
 use fsdp_collectives::{DeviceSlice, ReduceOp};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, ConfigError, FsdpError, Result, ScalerMisuse, StateError};
 use crate::optim::{LocalOptimizer, ShardedOptimizer};
 use fsdp_alloc::Stream;
 use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand};
 
-use crate::sharded::{f32_operand, kernels_for, zeros_on, ShardedParams};
+use super::sharded::{f32_operand, kernels_for, zeros_on, ShardedParams};
 
 /// Loss-scaling hyper-parameters (PyTorch's `GradScaler` defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -89,10 +89,12 @@ impl Default for GradScalerConfig {
 
 impl GradScalerConfig {
     fn check(&self) -> Result<()> {
-        let bad = |what: &str, v: String, want: &str| {
-            Err(FsdpError::Config(format!(
-                "grad scaler: {what} is {v}; it must be {want}"
-            )))
+        let bad = |field: &'static str, value: String, requirement: &'static str| {
+            Err(FsdpError::Config(ConfigError::GradScaler {
+                field,
+                value,
+                requirement,
+            }))
         };
         if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
             return bad(
@@ -158,10 +160,10 @@ impl Schedule {
     fn inv_scale(&self, op: &str) -> Result<f32> {
         match self.stage {
             Stage::Ready => Ok((1.0 / self.scale as f64) as f32),
-            _ => Err(FsdpError::State(format!(
-                "{op}: the gradients were already unscaled since the last update(); call \
-                 update() once per iteration after step()"
-            ))),
+            _ => Err(FsdpError::State(StateError::GradScaler {
+                op: op.into(),
+                misuse: ScalerMisuse::AlreadyUnscaled,
+            })),
         }
     }
 
@@ -174,9 +176,10 @@ impl Schedule {
         match self.stage {
             Stage::Ready => Ok(None),
             Stage::Unscaled { found_inf } => Ok(Some(found_inf)),
-            Stage::Stepped { .. } => Err(FsdpError::State(format!(
-                "{op}: already stepped since the last update(); call update() once per iteration"
-            ))),
+            Stage::Stepped { .. } => Err(FsdpError::State(StateError::GradScaler {
+                op: op.into(),
+                misuse: ScalerMisuse::AlreadyStepped,
+            })),
         }
     }
 
@@ -190,11 +193,10 @@ impl Schedule {
         let found_inf = match self.stage {
             Stage::Stepped { found_inf } | Stage::Unscaled { found_inf } => found_inf,
             Stage::Ready => {
-                return Err(FsdpError::State(
-                    "grad scaler update(): no inf/NaN check was recorded since the last \
-                     update(); call unscale() or step() first"
-                        .into(),
-                ))
+                return Err(FsdpError::State(StateError::GradScaler {
+                    op: "grad scaler update()".into(),
+                    misuse: ScalerMisuse::NothingRecorded,
+                }))
             }
         };
         if found_inf {
@@ -216,16 +218,20 @@ impl Schedule {
 
     fn load(&mut self, scale: f32, tracker: u32) -> Result<()> {
         if !(scale.is_finite() && scale > 0.0) {
-            return Err(FsdpError::InvalidArgument(format!(
-                "grad scaler load_state: scale {scale} must be positive and finite"
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+                op: "grad scaler load_state".into(),
+                name: "scale".into(),
+                value: scale.to_string(),
+                requirement: "positive and finite".into(),
+            }));
         }
         if tracker >= self.cfg.growth_interval {
-            return Err(FsdpError::InvalidArgument(format!(
-                "grad scaler load_state: growth tracker {tracker} must be below the growth \
-                 interval {}",
-                self.cfg.growth_interval
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+                op: "grad scaler load_state".into(),
+                name: "growth tracker".into(),
+                value: tracker.to_string(),
+                requirement: format!("below the growth interval {}", self.cfg.growth_interval),
+            }));
         }
         self.scale = scale;
         self.tracker = tracker;
@@ -343,7 +349,7 @@ impl ShardedGradScaler {
         }
         let v = with_stream(&stream, || flag.to_vec::<f32>());
         for w in works {
-            crate::sharded::outcome(&w)?;
+            super::sharded::outcome(&w)?;
         }
         let found_inf = v?[0] != 0.0;
         self.sched.stage = Stage::Unscaled { found_inf };

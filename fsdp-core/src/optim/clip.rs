@@ -61,11 +61,11 @@ use std::sync::mpsc;
 
 use fsdp_autograd::{current_stream, Parameter, Tensor};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, DeviceError, ExpectedDevice, FsdpError, Result, StateError};
 use fsdp_alloc::Stream;
 use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand, SqPiece};
 
-use crate::sharded::{
+use super::sharded::{
     all_reduce_sum, f32_mem, f32_operand, kernels_for, launch_f32, read_after, sum_sq, zeros_on,
     ShardedParams,
 };
@@ -82,12 +82,16 @@ fn per_param_sq(model: &dyn ShardedParams, grads: bool, op: &str) -> Result<Vec<
     let mut base = 0;
     for s in &shards {
         if s.names.len() != s.layout.num_params() {
-            return Err(FsdpError::InvalidArgument(format!(
-                "{op}: unit `{}` names {} parameters but its layout has {}",
-                s.path,
-                s.names.len(),
-                s.layout.num_params()
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+                op: op.into(),
+                what: format!(
+                    "unit `{}`'s parameter names (one per layout parameter)",
+                    s.path
+                ),
+                counted: "names",
+                actual: s.names.len(),
+                expected: s.layout.num_params(),
+            }));
         }
         let first = base;
         base += s.layout.num_params();
@@ -100,12 +104,13 @@ fn per_param_sq(model: &dyn ShardedParams, grads: bool, op: &str) -> Result<Vec<
             &s.shard
         };
         if t.numel() != s.layout.chunk_numel() {
-            return Err(FsdpError::InvalidArgument(format!(
-                "{op}: unit `{}` has {} elements where its layout has a chunk of {}",
-                s.path,
-                t.numel(),
-                s.layout.chunk_numel()
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+                op: op.into(),
+                what: format!("unit `{}` (one layout chunk)", s.path),
+                counted: "elements",
+                actual: t.numel(),
+                expected: s.layout.chunk_numel(),
+            }));
         }
         reads.push(f32_operand(t, op, &format!("unit `{}`", s.path), &stream)?);
         jobs.push(
@@ -227,9 +232,12 @@ fn check_max_norm(op: &str, max_norm: f64) -> Result<()> {
     if max_norm.is_finite() && max_norm >= 0.0 {
         Ok(())
     } else {
-        Err(FsdpError::InvalidArgument(format!(
-            "{op}: max_norm is {max_norm}; it must be finite and non-negative"
-        )))
+        Err(FsdpError::InvalidArgument(ArgumentError::Value {
+            op: op.into(),
+            name: "max_norm".into(),
+            value: max_norm.to_string(),
+            requirement: "finite and non-negative".into(),
+        }))
     }
 }
 
@@ -301,11 +309,16 @@ fn local_sq(tensors: &[Tensor], op: &'static str) -> Result<Vec<f64>> {
         };
         let m = f32_mem(&t, op, "a local tensor", &stream)?;
         if m.device_ptr().is_some() {
-            return Err(FsdpError::Device(format!(
-                "{op}: the local norm references sum on the host (f64, one sequential sum per \
-                 tensor); move the tensors to a CPU device, or use the sharded norms \
-                 (`grad_norm`, `grad_norms_per_param`), which run on the device"
-            )));
+            return Err(FsdpError::Device(DeviceError {
+                op: op.into(),
+                what: "a local tensor".into(),
+                actual: t.device().id(),
+                expected: ExpectedDevice::Cpu,
+                fix: "the local norm references sum on the host (f64, one sequential sum per \
+                      tensor); move the tensors to a CPU device, or use the sharded norms \
+                      (`grad_norm`, `grad_norms_per_param`), which run on the device"
+                    .into(),
+            }));
         }
         reads.push(m);
         keep.push(t);
@@ -318,9 +331,10 @@ fn local_sq(tensors: &[Tensor], op: &'static str) -> Result<Vec<f64>> {
         Ok(v) => Ok(v),
         Err(_) => {
             stream.synchronize()?;
-            Err(FsdpError::State(format!(
-                "{op}: the norm kernel did not run and the stream reports no failure"
-            )))
+            Err(FsdpError::State(StateError::KernelDidNotRun {
+                op: op.into(),
+                kernel: "norm",
+            }))
         }
     }
 }

@@ -11,14 +11,14 @@
 
 use std::collections::VecDeque;
 
-use crate::config::BackwardPrefetch;
-use crate::plan::cluster::{
+use crate::candidate::PlanConfig;
+use crate::cluster::{
     ring_all_gather_bytes, ring_all_reduce_bytes, Batch, Cluster, GroupShape, Link,
 };
-use crate::plan::hardware::{Collective, Hardware};
-use crate::plan::model::ModelDesc;
-use crate::plan::PlanConfig;
-use crate::strategy::ShardOver;
+use crate::hardware::{Collective, Hardware};
+use crate::model::ModelDesc;
+use fsdp_core::config::BackwardPrefetch;
+use fsdp_core::strategy::ShardOver;
 
 /// The caching allocator rounds every request up to this many bytes.
 const ROUND: u64 = 512;

@@ -3,14 +3,14 @@
 //! named presets whose every constant cites a public vendor specification or a public
 //! GEMM/NCCL measurement. **No constant here is fitted to the FSDP paper's results.**
 //!
-//! With a [`Hardware`] attached ([`crate::plan::Planner::with_hardware`]) the planner prices
+//! With a [`Hardware`] attached ([`crate::Planner::with_hardware`]) the planner prices
 //! compute as a per-leaf roofline (`max(FLOPs / (peak × GEMM efficiency), HBM bytes / HBM
 //! bandwidth)`) and collectives as NCCL's ring (and, for all-reduce, tree) over the two-level
 //! topology: [`Hardware::collective_time`]. Without one it keeps the flat alpha-beta model of
-//! [`crate::plan::Cluster`] (the one this machine's emulated clusters are checked against).
+//! [`crate::Cluster`] (the one this machine's emulated clusters are checked against).
 
-use crate::plan::cluster::{Cluster, Link};
-use crate::plan::PlanError;
+use crate::cluster::{Cluster, Link};
+use crate::error::PlanError;
 
 /// NCCL's fixed cost per ring collective with the Simple protocol (µs), from NCCL's own cost
 /// model: `baseLat[Ring][Simple] = 8.4` in `src/graph/tuning.cc` (NVIDIA/nccl, 2.x, commit

@@ -1,13 +1,13 @@
 //! Candidates, the planner, ranking and the printed table.
 
-use crate::config::{BackwardPrefetch, ShardingStrategy};
-use crate::plan::candidate::PlanConfig;
-use crate::plan::cluster::{Batch, Cluster};
-use crate::plan::hardware::Hardware;
-use crate::plan::model::ModelDesc;
-use crate::plan::simulate::{simulate, SimOptions, StepEstimate};
-use crate::plan::PlanError;
-use crate::strategy::ShardOver;
+use crate::candidate::PlanConfig;
+use crate::cluster::{Batch, Cluster};
+use crate::error::PlanError;
+use crate::hardware::Hardware;
+use crate::model::ModelDesc;
+use crate::simulate::{simulate, SimOptions, StepEstimate};
+use fsdp_core::config::{BackwardPrefetch, ShardingStrategy};
+use fsdp_core::strategy::ShardOver;
 
 /// A candidate with its prediction.
 #[derive(Debug, Clone, Copy, PartialEq)]

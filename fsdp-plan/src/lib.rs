@@ -1,11 +1,14 @@
-//! A cost-model planner: given a model, a cluster and a batch, predict every FSDP
-//! configuration's per-rank peak memory and step time, drop the ones that do not fit, and rank
-//! the rest by predicted step time.
+#![doc = include_str!("../README.md")]
 //!
-//! - [`ModelDesc`]: units (parameter counts, as [`crate::Fsdp::wrap`] builds them) and the
+//! # How it works
+//! Given a model, a cluster and a batch, the planner predicts every FSDP configuration's
+//! per-rank peak memory and step time, drops the ones that do not fit, and ranks the rest by
+//! predicted step time.
+//!
+//! - [`ModelDesc`]: units (parameter counts, as [`fsdp_core::Fsdp::wrap`] builds them) and the
 //!   forward sequence of leaf computations (FLOPs and saved activation bytes per token);
 //!   [`ModelDesc::gpt`] derives it from a [`fsdp_autograd::nn::GptConfig`] and a
-//!   [`crate::WrapPolicy`].
+//!   [`fsdp_core::WrapPolicy`].
 //! - [`Cluster`]: nodes × ranks per node, device memory, compute rate, and intra-/inter-node
 //!   [`Link`]s under the alpha-beta model; [`Batch`]: sequences per rank and their length.
 //! - [`PlanConfig`]: one candidate (strategy, sharding factor F, backward prefetch, forward
@@ -46,10 +49,12 @@
 //! device (true for FSDP's eager hooks unless the limiter blocks it), one link per group with no
 //! contention between groups, and the memory model counts what fsdp-autograd's GPT ops save; a
 //! model described by hand must give its own activation figures.
+#![deny(missing_docs)]
 
 mod candidate;
 mod cluster;
 mod encdec;
+mod error;
 mod hardware;
 mod model;
 mod report;
@@ -64,6 +69,7 @@ pub use cluster::{
     Link,
 };
 pub use encdec::EncDecConfig;
+pub use error::PlanError;
 pub use hardware::{
     Collective, Hardware, NCCL_NET_STEP_LATENCY_US, NCCL_NVLINK_STEP_LATENCY_US,
     NCCL_RING_BASE_LATENCY_US, NCCL_TREE_BANDWIDTH_FRACTION, PRESETS,
@@ -72,35 +78,3 @@ pub use model::{gpt_modules, Leaf, ModelDesc, UnitDesc};
 pub use report::{merge_rows, Bound, MergedRow};
 pub use search::{PlanEstimate, Planner};
 pub use simulate::{MemoryBreakdown, StepEstimate};
-
-/// What can be wrong with a planning request.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum PlanError {
-    /// The model description is unusable (no units, a leaf naming a missing unit, a policy
-    /// naming a missing module).
-    #[error("planner model: {0}")]
-    Model(String),
-    /// The cluster description is unusable (zero ranks, a non-positive bandwidth or rate).
-    #[error("planner cluster: {0}; fix the cluster description")]
-    Cluster(String),
-    /// The batch is empty.
-    #[error("planner batch: {0}")]
-    Batch(String),
-    /// A configuration that cannot run on this cluster (F not dividing W, ...).
-    #[error("planner configuration: {0}")]
-    Config(String),
-    /// No configuration fits in device memory.
-    #[error(
-        "no configuration fits: the smallest predicted peak is {smallest_peak} bytes per rank \
-         (with {headroom_percent}% allocator headroom) but devices have {device_bytes}; use \
-         more ranks, a smaller batch, activation checkpointing, or a smaller model"
-    )]
-    NothingFits {
-        /// The smallest predicted per-rank peak over all candidates, bytes.
-        smallest_peak: u64,
-        /// Device memory, bytes.
-        device_bytes: u64,
-        /// The allocator headroom assumed, percent.
-        headroom_percent: u32,
-    },
-}

@@ -1,5 +1,5 @@
 //! The planner at the paper's scale: `cargo xtask bench paper`
-//! (= `cargo bench -p fsdp-core --bench paper`).
+//! (= `cargo bench -p fsdp-plan --bench paper`).
 //!
 //! Predicts, from first principles, the runs of the FSDP paper's section "Efficient Training
 //! for Large Models" and prints them beside the figures the paper states in its text:
@@ -32,10 +32,10 @@
 //! before any prediction was compared).
 
 use fsdp_autograd::nn::GptConfig;
-use fsdp_core::plan::{
+use fsdp_core::{BackwardPrefetch, ShardingStrategy, WrapPolicy};
+use fsdp_plan::{
     Batch, EncDecConfig, Hardware, Link, ModelDesc, PlanConfig, PlanEstimate, Planner,
 };
-use fsdp_core::{BackwardPrefetch, ShardingStrategy, WrapPolicy};
 use serde_json::json;
 
 /// The paper's statements (section "Efficient Training for Large Models" and the prefetch

@@ -1,9 +1,9 @@
 //! The table a person reads: candidates the model cannot tell apart merged into one row that
 //! names the settings that do not matter, and the resource that bounds the top plan.
 
-use crate::config::BackwardPrefetch;
-use crate::plan::candidate::PlanConfig;
-use crate::plan::search::{PlanEstimate, Planner};
+use crate::candidate::PlanConfig;
+use crate::search::{PlanEstimate, Planner};
+use fsdp_core::config::BackwardPrefetch;
 
 /// What limits a plan's step time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The cluster and the batch: nodes of ranks with a device memory and a compute rate, links
 //! under the alpha-beta model, and the ring traffic formulas of the collectives FSDP issues.
 
-use crate::plan::PlanError;
+use crate::error::PlanError;
 
 /// An alpha-beta link: a collective moving `n` bytes per rank takes `latency + n / bytes_per_s`.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -7,9 +7,9 @@ use fsdp_collectives::{ProcessGroup, ThreadGroup};
 use proptest::prelude::*;
 
 use super::*;
-use crate::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
-use crate::runtime::wrap::WrapPolicy;
-use crate::Fsdp;
+use fsdp_core::config::{BackwardPrefetch, FsdpConfig, ShardingStrategy};
+use fsdp_core::wrap::WrapPolicy;
+use fsdp_core::Fsdp;
 
 fn blocks() -> WrapPolicy {
     WrapPolicy::ModuleTypes(vec!["Block".into()])
@@ -401,11 +401,12 @@ fn predicted_peak_matches_the_allocator() {
                     s.spawn(move || {
                         let dev = Device::cpu(32_000 + r);
                         let gpt = Gpt::new(&InitContext::eager(&dev, 1), &cfg).unwrap();
-                        let comm: crate::Comm = if plan.strategy == ShardingStrategy::HybridShard {
-                            mesh.into()
-                        } else {
-                            Arc::clone(mesh.world()).into()
-                        };
+                        let comm: fsdp_core::Comm =
+                            if plan.strategy == ShardingStrategy::HybridShard {
+                                mesh.into()
+                            } else {
+                                Arc::clone(mesh.world()).into()
+                            };
                         let config = plan.apply(FsdpConfig {
                             wrap_policy: blocks(),
                             ..FsdpConfig::default()
