@@ -16,7 +16,7 @@
 //!   on 127.0.0.1 (rank 0 uses the hosting store, the others connect to it). Needs `cuda`.
 //! - [`CollectiveBackend::Nccl`]: one rank per process under a launcher (torchrun-style
 //!   `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, `mpirun` or `srun`; read by
-//!   [`RendezvousEnv`]), on GPU [`RendezvousEnv::device_ordinal`]. Needs `cuda`.
+//!   [`crate::RendezvousEnv`]), on GPU [`crate::RendezvousEnv::device_ordinal`]. Needs `cuda`.
 //!
 //! A backend whose feature is off is still a choice: its launch is a typed error that says how
 //! to rebuild. Adding a backend is a variant (with its [`CollectiveBackend::name`] and

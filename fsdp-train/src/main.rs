@@ -16,7 +16,7 @@
 //! `--tokenizer`, `--plan --apply`), **run** it ([`train::run_job`]: every rank of this
 //! process — a thread, an MPI process or a GPU ([`cuda`]) — builds the same GPT from the same
 //! seed, wraps it with `Fsdp::wrap`, one unit per `Block`, and trains on its own micro-batches
-//! from [`data`], checkpointing through [`ckpt`]), and **report** it ([`report`]: banner, step
+//! from [`data`], checkpointing through [`ckpt`]), and **report** it ([`report`](mod@report): banner, step
 //! lines, summary, `--json`; [`kernel_times`]).
 
 mod ckpt;
@@ -68,7 +68,7 @@ fn main() -> ExitCode {
     }
 }
 
-/// A finished run, for [`report`].
+/// A finished run, for [`report()`].
 struct Done {
     config: TrainConfig,
     report: Report,
