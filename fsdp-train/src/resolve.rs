@@ -234,3 +234,75 @@ pub fn primary_process(c: &TrainConfig) -> bool {
         .find_map(|v| std::env::var(v).ok())
         .is_none_or(|r| r.trim() == "0")
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn resolved(args: &[&str]) -> Result<Option<Resolved>, Exit> {
+        let cli =
+            Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied())).unwrap();
+        resolve(&cli)
+    }
+
+    /// Usage errors exit 2 with the old one-line messages; a run without `--plan` is the parsed
+    /// configuration itself.
+    #[test]
+    fn usage_errors_and_the_plain_run() {
+        let e = resolved(&["--apply"]).err().unwrap();
+        assert_eq!(e.code, 2);
+        assert!(e.line.starts_with("--apply needs --plan"), "{}", e.line);
+        let e = resolved(&["--tf32"]).err().unwrap();
+        assert_eq!(e.code, 2);
+        assert!(e.line.contains("--tf32") && e.line.ends_with("(see --help)"));
+        let r = resolved(&["--steps", "7", "--optimizer", "lamb"])
+            .unwrap()
+            .unwrap();
+        assert!(r.probe.is_none() && r.primary);
+        assert_eq!((r.config.steps, r.config.lr), (7, 1e-3));
+    }
+
+    /// `--plan` alone trains nothing; `--plan --apply` trains with the top plan's settings and
+    /// hands the probe on (it runs once).
+    #[test]
+    fn plan_alone_stops_and_apply_takes_the_top_plan() {
+        fn with(extra: &[&'static str]) -> Vec<&'static str> {
+            let small = [
+                "--d-model",
+                "32",
+                "--layers",
+                "2",
+                "--heads",
+                "2",
+                "--seq-len",
+                "16",
+            ];
+            [&small[..], extra].concat()
+        }
+        assert!(resolved(&with(&["--plan"])).unwrap().is_none());
+        let r = resolved(&with(&["--plan", "--apply", "--strategy", "no-shard"]))
+            .unwrap()
+            .unwrap();
+        assert!(r.probe.is_some());
+        // The top plan decides the limiter outright.
+        assert!(r.config.adaptive_limiter.is_none());
+        let e = resolved(&with(&[
+            "--plan",
+            "--apply",
+            "--cluster-nodes",
+            "2",
+            "--cluster-ranks-per-node",
+            "4",
+        ]))
+        .err()
+        .unwrap();
+        assert_eq!(e.code, 1);
+        assert!(
+            e.line.contains("plan for the ranks you train on"),
+            "{}",
+            e.line
+        );
+    }
+}

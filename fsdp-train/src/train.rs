@@ -919,6 +919,32 @@ mod tests {
         r.steps.iter().map(|s| s.loss.to_bits()).collect()
     }
 
+    /// Every backend starts through the one launch of `run_job`: a backend this build lacks
+    /// stops there with a typed error naming the rebuild (no rank thread started, no panic).
+    #[test]
+    fn a_backend_this_build_lacks_stops_at_the_launch() {
+        let mut lacking = Vec::new();
+        if !cfg!(feature = "cuda") {
+            let mut c = cfg_with(&["--steps", "1"]);
+            c.cuda = Some(crate::job::CudaLaunch::Threads);
+            lacking.push((c, "nccl-threads", "--features cuda"));
+        }
+        if !cfg!(feature = "mpi") {
+            let mut c = cfg_with(&["--steps", "1"]);
+            c.mpi = true;
+            lacking.push((c, "mpi", "--features mpi"));
+        }
+        for (c, backend, rebuild) in lacking {
+            let e = run_job(&c, Box::new(Quiet), false).err().unwrap();
+            let TrainError::Fsdp { rank, context, .. } = &e else {
+                panic!("{e}")
+            };
+            assert_eq!(*rank, 0);
+            assert_eq!(context, &format!("launching the {backend} ranks"));
+            assert!(e.to_string().contains(rebuild), "{e}");
+        }
+    }
+
     #[test]
     fn lr_schedule_warms_up_and_decays_to_min() {
         let c = cfg_with(&[
