@@ -64,7 +64,7 @@ fn main() -> ExitCode {
     });
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => e.report("train_gpt"),
+        Err(e) => e.exit("train_gpt"),
     }
 }
 
@@ -188,6 +188,6 @@ fn sample_main() -> ExitCode {
     };
     match sample::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => Exit::error(e).report("train_gpt sample"),
+        Err(e) => Exit::error(e).exit("train_gpt sample"),
     }
 }

@@ -44,7 +44,7 @@ impl Exit {
     }
 
     /// Prints the line and returns the exit code.
-    pub fn report(&self, prog: &str) -> ExitCode {
+    pub fn exit(&self, prog: &str) -> ExitCode {
         eprintln!("{prog}: {}", self.line);
         ExitCode::from(self.code)
     }
@@ -61,7 +61,7 @@ pub fn parse_failure(prog: &str, e: clap::Error) -> ExitCode {
     let msg = e.to_string();
     let line = msg.lines().find(|l| !l.trim().is_empty());
     let line = line.unwrap_or("usage error").trim_start_matches("error: ");
-    Exit::usage(format!("{line} (see --help)")).report(prog)
+    Exit::usage(format!("{line} (see --help)")).exit(prog)
 }
 
 /// A run ready to train.

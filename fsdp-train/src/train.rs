@@ -667,16 +667,7 @@ impl Rank {
             .reduce_metrics(scaled, retries_before)
             .map_err(self.err(format!("step {step}: reducing metrics")))?;
         if profiling {
-            if let Some(path) = &self.cfg.profile {
-                let trace = fsdp_alloc::trace::stop();
-                trace.write_chrome_json(path).map_err(|e| {
-                    TrainError::Profile(format!("--profile: writing {}: {e}", path.display()))
-                })?;
-                self.observer.note(&format!(
-                    "wrote a Chrome trace of step {step} to {} (open it in Perfetto or chrome://tracing)",
-                    path.display()
-                ));
-            }
+            self.write_profile(step)?;
         }
         if !loss.is_finite() {
             return Err(TrainError::NonFinite {
@@ -685,20 +676,7 @@ impl Rank {
                 value: loss as f64,
             });
         }
-        let eval_every = self.cfg.eval_every;
-        let val_loss = if eval_every > 0 && (step % eval_every == 0 || step == self.cfg.steps) {
-            let v = self.evaluate()?;
-            if !v.is_finite() {
-                return Err(TrainError::NonFinite {
-                    step,
-                    what: "validation loss",
-                    value: v as f64,
-                });
-            }
-            Some(v)
-        } else {
-            None
-        };
+        let val_loss = self.validation_at(step)?;
         let now = self.fsdp.comm_stats();
         let rec = StepRecord {
             step,
@@ -719,6 +697,40 @@ impl Rank {
         };
         *prev = now;
         Ok(rec)
+    }
+
+    /// `--profile`: stops the recorder and writes the trace of `step`.
+    fn write_profile(&mut self, step: usize) -> Result<(), TrainError> {
+        let Some(path) = &self.cfg.profile else {
+            return Ok(());
+        };
+        let trace = fsdp_alloc::trace::stop();
+        trace.write_chrome_json(path).map_err(|e| {
+            TrainError::Profile(format!("--profile: writing {}: {e}", path.display()))
+        })?;
+        self.observer.note(&format!(
+            "wrote a Chrome trace of step {step} to {} (open it in Perfetto or chrome://tracing)",
+            path.display()
+        ));
+        Ok(())
+    }
+
+    /// The validation loss at `step` when due (`--eval-every`, and at `--steps`); stops on a
+    /// non-finite one.
+    fn validation_at(&self, step: usize) -> Result<Option<f32>, TrainError> {
+        let every = self.cfg.eval_every;
+        if every == 0 || (step % every != 0 && step != self.cfg.steps) {
+            return Ok(None);
+        }
+        let v = self.evaluate()?;
+        if !v.is_finite() {
+            return Err(TrainError::NonFinite {
+                step,
+                what: "validation loss",
+                value: v as f64,
+            });
+        }
+        Ok(Some(v))
     }
 
     /// Phase 3, after the last step: `--save` (a full state dict), `--export-hf`, the final
