@@ -103,7 +103,7 @@ pub fn run_job(
     };
     let mut observer = Some(observer);
     let mut observer_of = |rank: usize| -> Box<dyn Observer> {
-        match observer.take().filter(|_| rank == 0) {
+        match observer.take_if(|_| rank == 0) {
             Some(o) => o,
             None => Box::new(Quiet),
         }
