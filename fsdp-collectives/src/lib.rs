@@ -22,8 +22,9 @@
 //!   of quantized reduce-scatters.
 //! - [`Int8Codec`] ([`quant`]): int8 block quantization with a per-block f32 scale
 //!   (ZeRO++-style), the codec of fsdp-core's quantized collectives.
-//! - [`CollectiveBackend`] and [`Launched`] ([`launch`]): one call that gives this process its group(s)
-//!   for a backend choice (`--backend thread|mpi`).
+//! - [`CollectiveBackend`], [`Launched`] and [`Seat`] ([`launch`]): one call that gives this
+//!   process its ranks for a backend choice (thread, MPI, NCCL threads, NCCL processes), each
+//!   rank joining its group on its own thread.
 //!
 //! ## Reduction precision, per backend
 //! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
@@ -61,7 +62,7 @@ pub mod types;
 
 pub use error::{CollectiveError, Result};
 pub use group::ProcessGroup;
-pub use launch::{CollectiveBackend, Launched};
+pub use launch::{CollectiveBackend, Launched, Seat};
 pub use mesh::DeviceMesh;
 #[cfg(feature = "mpi")]
 pub use mpi::{mpi_launched, MpiConfig, MpiGroup};

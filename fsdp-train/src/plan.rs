@@ -57,7 +57,6 @@ use fsdp_plan::{
 };
 
 use crate::job::{strategy_name, TrainConfig, UsageError};
-use crate::optim::Optimizer;
 
 /// Planning (the cost model of `fsdp_plan`).
 #[derive(Args, Debug, Clone, Default)]
@@ -411,10 +410,7 @@ pub fn planner(
         seqs_per_rank: c.batch,
         seq_len: c.gpt.seq_len,
     };
-    let slots = match c.optimizer {
-        Optimizer::Sgd => 0,
-        Optimizer::AdamW | Optimizer::Lamb => 2,
-    };
+    let slots = c.build_optimizer().state_slots();
     let p = Planner::new(model, cluster, batch)
         .map_err(|e| e.to_string())?
         .with_optimizer_slots(slots)
@@ -439,11 +435,7 @@ pub fn print_plan(c: &TrainConfig, p: &Planner) -> Result<Option<PlanEstimate>, 
         p.model.units.len(),
         p.batch.seqs_per_rank,
         p.batch.seq_len,
-        match c.optimizer {
-            Optimizer::Sgd => "SGD",
-            Optimizer::AdamW => "AdamW",
-            Optimizer::Lamb => "LAMB",
-        },
+        c.build_optimizer().name(),
         cl.nodes,
         cl.ranks_per_node,
         cl.device_memory_bytes as f64 / (1u64 << 30) as f64,
@@ -513,8 +505,13 @@ pub fn print_plan(c: &TrainConfig, p: &Planner) -> Result<Option<PlanEstimate>, 
     }
 }
 
-/// `--plan --apply`: the run's configuration with the top plan's settings.
-pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> {
+/// `--plan --apply`: the run's configuration with the top plan's settings (strategy, shard
+/// size, prefetch, limiter; everything else as given).
+///
+/// # Errors
+/// A top plan this run cannot take (a shard size not dividing `--ranks`; no-shard with flags
+/// that need sharding).
+pub fn apply(c: TrainConfig, top: &PlanEstimate) -> Result<TrainConfig, UsageError> {
     let p = top.config;
     if p.shard_size == 0 || c.ranks % p.shard_size.max(1) != 0 {
         return Err(UsageError(format!(
@@ -531,23 +528,27 @@ pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> 
                 .into(),
         ));
     }
-    c.strategy = p.strategy;
-    c.shard_size = (p.strategy.spec().shard_over == ShardOver::ShardGroup).then_some(p.shard_size);
-    c.backward_prefetch = p.backward_prefetch;
-    c.forward_prefetch = p.forward_prefetch;
-    c.limit_all_gathers = p.limit_all_gathers;
-    // The plan decides the limiter outright: an adaptive (`--limit-all-gathers auto`) setting
-    // would override it.
-    c.adaptive_limiter = None;
+    let shard_size =
+        (p.strategy.spec().shard_over == ShardOver::ShardGroup).then_some(p.shard_size);
     println!(
         "plan: applying the top plan: {} (--strategy {}{})",
         p.label(),
         strategy_name(p.strategy),
-        c.shard_size
+        shard_size
             .map(|f| format!(" --shard-size {f}"))
             .unwrap_or_default()
     );
-    Ok(())
+    Ok(TrainConfig {
+        strategy: p.strategy,
+        shard_size,
+        backward_prefetch: p.backward_prefetch,
+        forward_prefetch: p.forward_prefetch,
+        limit_all_gathers: p.limit_all_gathers,
+        // The plan decides the limiter outright: an adaptive (`--limit-all-gathers auto`)
+        // setting would override it.
+        adaptive_limiter: None,
+        ..c
+    })
 }
 
 #[cfg(test)]

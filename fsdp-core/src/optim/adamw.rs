@@ -58,6 +58,7 @@ pub struct AdamWRule {
 
 impl Rule for AdamWRule {
     const NAME: &'static str = "AdamW";
+    const TITLE: &'static str = "AdamW";
     const KERNEL: &'static str = "adamw";
     const SLOTS: &'static [&'static str] = &["exp_avg", "exp_avg_sq"];
     type Coeffs = AdamCoeffs;
@@ -69,6 +70,14 @@ impl Rule for AdamWRule {
     fn coeffs(&self, step: u64) -> AdamCoeffs {
         let h = self.hyper;
         AdamCoeffs::new(h.lr, h.betas, h.eps, h.weight_decay, step)
+    }
+
+    fn lr(&self) -> f32 {
+        self.hyper.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.hyper.lr = lr;
     }
 
     fn update(

@@ -316,9 +316,33 @@ impl<R: ElementwiseRule> ShardedStep for R {
 }
 
 impl<R: ShardedStep> ShardedOptimizer for Sharded<R> {
+    fn name(&self) -> &'static str {
+        R::TITLE
+    }
+
+    fn lr(&self) -> f32 {
+        self.rule.lr()
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.rule.set_lr(lr);
+    }
+
     fn step(&mut self, model: &dyn ShardedParams) -> Result<()> {
-        self.synchronize()?;
+        Sharded::synchronize(self)?;
         R::sharded_step(self, model)
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        Sharded::synchronize(self)
+    }
+
+    fn state_slots(&self) -> usize {
+        if self.rule.keeps_state() {
+            R::SLOTS.len()
+        } else {
+            0
+        }
     }
 
     slot_methods!();

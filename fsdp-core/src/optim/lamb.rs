@@ -32,6 +32,7 @@ pub struct LambRule {
 
 impl Rule for LambRule {
     const NAME: &'static str = "Lamb";
+    const TITLE: &'static str = "LAMB";
     const KERNEL: &'static str = "lamb";
     const SLOTS: &'static [&'static str] = &["exp_avg", "exp_avg_sq"];
     type Coeffs = LambCoeffs;
@@ -43,6 +44,14 @@ impl Rule for LambRule {
     fn coeffs(&self, step: u64) -> LambCoeffs {
         let h = self.hyper;
         LambCoeffs::new(h.lr, h.betas, h.eps, h.weight_decay, step)
+    }
+
+    fn lr(&self) -> f32 {
+        self.hyper.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.hyper.lr = lr;
     }
 
     fn update(

@@ -106,7 +106,20 @@ use fsdp_autograd::Parameter;
 use crate::error::Result;
 
 /// An optimizer over the flat shards of a wrapped model (see the module docs).
+///
+/// A training loop can hold any of them as one `Box<dyn ShardedOptimizer>`: the learning rate
+/// is set through the trait ([`Self::set_lr`], before each step of a schedule), and the
+/// optimizer names itself ([`Self::name`]) and the state it keeps ([`Self::state_slots`]).
 pub trait ShardedOptimizer {
+    /// The optimizer's name as the literature writes it: `"SGD"`, `"AdamW"`, `"LAMB"`.
+    fn name(&self) -> &'static str;
+
+    /// The learning rate of the next step.
+    fn lr(&self) -> f32;
+
+    /// Sets the learning rate of the next steps (a schedule calls it before every step).
+    fn set_lr(&mut self, lr: f32);
+
     /// Updates every unit's shard that has a gradient, then calls
     /// [`ShardedParams::params_updated`]. Launches kernels and returns; does not wait.
     ///
@@ -115,6 +128,16 @@ pub trait ShardedOptimizer {
     /// tensors, CUDA memory, a failed earlier collective.
     fn step(&mut self, model: &dyn ShardedParams) -> Result<()>;
 
+    /// Waits for the optimizer's own collectives of the last step (LAMB's norm all-reduce;
+    /// elementwise optimizers issue none) and reports their errors, so that a failure is
+    /// reported at this step rather than at the next. The kernels themselves are not waited for.
+    ///
+    /// # Errors
+    /// A failed collective.
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Drops the model's sharded gradients.
     fn zero_grad(&self, model: &dyn ShardedParams) {
         model.zero_grad()
@@ -122,6 +145,11 @@ pub trait ShardedOptimizer {
 
     /// Names of the state slots, e.g. `["exp_avg", "exp_avg_sq"]`.
     fn slot_names(&self) -> &'static [&'static str];
+
+    /// How many state tensors per unit this configuration keeps: the number of
+    /// [`Self::slot_names`], or 0 when it keeps none (SGD without momentum). Optimizer memory
+    /// is `state_slots × 4 × chunk_numel` bytes per unit and rank.
+    fn state_slots(&self) -> usize;
 
     /// The state: per slot, one tensor of `chunk_numel` elements per unit (`None` until the
     /// unit's first step). Handles to the live tensors: read them after the model's
@@ -181,4 +209,62 @@ pub trait LocalOptimizer {
     /// # Errors
     /// Missing or unknown slots, wrong counts, sizes, dtypes or devices.
     fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use fsdp_alloc::{DType, Device};
+    use fsdp_autograd::{nn::Linear, InitContext, Tensor};
+    use fsdp_collectives::{ProcessGroup, ThreadGroup};
+
+    use super::{AdamParams, AdamW, Lamb, Sgd, ShardedOptimizer};
+    use crate::{Fsdp, FsdpConfig};
+
+    /// Two steps of `opt` on a one-rank wrapped `Linear(4, 2)`: the final shards' bits.
+    fn two_steps(opt: &mut dyn ShardedOptimizer) -> Vec<u32> {
+        let dev = Device::cpu(0);
+        let model = Linear::new(&InitContext::eager(&dev, 0), 4, 2, true).unwrap();
+        let pg: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new(1).remove(0));
+        let fsdp = Fsdp::wrap(model, &dev, pg, FsdpConfig::default()).unwrap();
+        for _ in 0..2 {
+            let x = Tensor::ones(&[3, 4], DType::F32, &dev).unwrap();
+            fsdp.forward(&x).unwrap().sum().unwrap().backward().unwrap();
+            opt.step(&fsdp).unwrap();
+            opt.synchronize().unwrap();
+            opt.zero_grad(&fsdp);
+        }
+        let shards = fsdp.local_shards().unwrap();
+        shards.concat().into_iter().map(f32::to_bits).collect()
+    }
+
+    /// Every optimizer as a trait object: named, its state counted, and `set_lr` is the same
+    /// as building it with that learning rate (bit for bit).
+    #[test]
+    fn set_lr_name_and_state_slots_through_the_trait() {
+        fn adam(lr: f32) -> AdamParams {
+            AdamParams {
+                weight_decay: 0.1,
+                ..AdamParams::new(lr)
+            }
+        }
+        type Make = fn(f32) -> Box<dyn ShardedOptimizer>;
+        let cases: [(Make, &str, usize); 5] = [
+            (|lr| Box::new(Sgd::new(lr)), "SGD", 0),
+            (|lr| Box::new(Sgd::new(lr).with_weight_decay(0.1)), "SGD", 0),
+            (|lr| Box::new(Sgd::new(lr).with_momentum(0.9)), "SGD", 1),
+            (|lr| Box::new(AdamW::with_params(adam(lr))), "AdamW", 2),
+            (|lr| Box::new(Lamb::new(adam(lr))), "LAMB", 2),
+        ];
+        for (make, name, slots) in cases {
+            let mut moved = make(0.5);
+            assert_eq!((moved.name(), moved.state_slots()), (name, slots));
+            moved.set_lr(0.01);
+            assert_eq!(moved.lr(), 0.01);
+            let direct = two_steps(&mut *make(0.01));
+            assert_eq!(two_steps(&mut *moved), direct, "{name}");
+            assert_ne!(two_steps(&mut *make(0.5)), direct, "{name}");
+        }
+    }
 }

@@ -38,6 +38,9 @@ pub struct StepArgs<'a> {
 pub trait Rule: Clone + std::fmt::Debug {
     /// The optimizer's name in error messages, e.g. `"AdamW"` (`"AdamW::step"`).
     const NAME: &'static str;
+    /// The optimizer's name as the literature writes it (`"SGD"`, `"AdamW"`, `"LAMB"`): what
+    /// [`super::ShardedOptimizer::name`] returns for banners and plans.
+    const TITLE: &'static str;
     /// The kernel's name (what a stream failure and the profiler report).
     const KERNEL: &'static str;
     /// Names of the state slots, e.g. `["exp_avg", "exp_avg_sq"]`.
@@ -60,6 +63,12 @@ pub trait Rule: Clone + std::fmt::Debug {
 
     /// The coefficients of step `step` (1 for the tensor's first step).
     fn coeffs(&self, step: u64) -> Self::Coeffs;
+
+    /// The learning rate of the next steps.
+    fn lr(&self) -> f32;
+
+    /// Sets the learning rate of the next steps (a schedule calls it before every step).
+    fn set_lr(&mut self, lr: f32);
 
     /// Updates `p` in place on host slices: the rule's CPU kernel (the functions of
     /// `fsdp_autograd::kernels::cpu::optim`). `state` holds one slice per slot (none if not

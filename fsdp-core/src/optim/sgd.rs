@@ -17,6 +17,7 @@ use fsdp_alloc::trace;
 
 impl Rule for SgdRule {
     const NAME: &'static str = "Sgd";
+    const TITLE: &'static str = "SGD";
     const KERNEL: &'static str = "sgd";
     const SLOTS: &'static [&'static str] = &["momentum_buffer"];
     type Coeffs = SgdRule;
@@ -43,6 +44,14 @@ impl Rule for SgdRule {
 
     fn coeffs(&self, _step: u64) -> SgdRule {
         *self
+    }
+
+    fn lr(&self) -> f32 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
     }
 
     fn update(
