@@ -1,4 +1,4 @@
-//! Hugging Face GPT-2 weights in and out: `--init-from PATH` and `--export-hf DIR`.
+//! Hugging Face GPT-2 (`GPT2LMHeadModel`) in and out: `--init-from PATH` and `--export-hf DIR`.
 //!
 //! The layout is transformers' `GPT2LMHeadModel` as `save_pretrained` writes it: a
 //! `model.safetensors` and a `config.json` side by side. Tensor names (the `transformer.` prefix
@@ -36,105 +36,19 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use super::{missing, write_model_dir, HfError, HfTensor, CONFIG, WEIGHTS};
+
 use fsdp_autograd::nn::{Gelu, Gpt, GptConfig};
 use fsdp_core::state_dict::{self, FullStateDict, ShardedStateDict};
 use fsdp_core::Fsdp;
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, Metadata, TensorInfo, TensorView};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
 
-/// The tensors file inside a Hugging Face model directory.
-pub const WEIGHTS: &str = "model.safetensors";
-/// The configuration file inside a Hugging Face model directory.
-pub const CONFIG: &str = "config.json";
-
-/// A problem with a Hugging Face GPT-2 file, with what was expected.
-#[derive(Debug, thiserror::Error)]
-pub enum HfError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// Not a safetensors file, or a malformed one.
-    #[error("{path}: not a readable safetensors file ({detail})")]
-    Format {
-        /// The file.
-        path: PathBuf,
-        /// What the parser said.
-        detail: String,
-    },
-    /// `config.json` is missing a field, has a wrong one, or names another architecture.
-    #[error("{path}: {detail}")]
-    Config {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong and what was expected.
-        detail: String,
-    },
-    /// An expected tensor is not in the file.
-    #[error("{path}: no tensor `{name}`; expected a Hugging Face GPT2LMHeadModel file (transformer.wte, wpe, h.N.ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f){found}")]
-    Missing {
-        /// The file.
-        path: PathBuf,
-        /// The first missing tensor.
-        name: String,
-        /// `; it holds e.g. …` (a few of the file's names), or empty.
-        found: String,
-    },
-    /// A tensor has the wrong shape.
-    #[error(
-        "{path}: tensor `{name}` has shape {got:?}, expected {want:?} for the configured GPT-2"
-    )]
-    Shape {
-        /// The file.
-        path: PathBuf,
-        /// The tensor.
-        name: String,
-        /// Its shape.
-        got: Vec<usize>,
-        /// The shape expected.
-        want: Vec<usize>,
-    },
-    /// A tensor of a dtype that is not F32, F16 or BF16.
-    #[error("{path}: tensor `{name}` is {dtype}, expected F32, F16 or BF16")]
-    Dtype {
-        /// The file.
-        path: PathBuf,
-        /// The tensor.
-        name: String,
-        /// Its dtype.
-        dtype: String,
-    },
-    /// A tensor this layout does not have.
-    #[error("{path}: unexpected tensor `{name}` (not part of GPT2LMHeadModel's layout)")]
-    Unexpected {
-        /// The file.
-        path: PathBuf,
-        /// The tensor.
-        name: String,
-    },
-    /// The model to load into does not fit the file.
-    #[error("--init-from {path}: {detail}")]
-    Model {
-        /// The file.
-        path: PathBuf,
-        /// What differs.
-        detail: String,
-    },
-    /// A state-dict operation failed.
-    #[error("{context}: {source}")]
-    StateDict {
-        /// What was being done.
-        context: String,
-        /// The cause.
-        source: Box<fsdp_core::StateDictError>,
-    },
-}
+/// What a GPT-2 file must hold, as [`HfError::Missing`] says it.
+const EXPECTED: &str = "a Hugging Face GPT2LMHeadModel file (transformer.wte, wpe, h.N.ln_1, \
+                        attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f)";
 
 /// The shape and activation a Hugging Face GPT-2 `config.json` describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -402,7 +316,7 @@ impl HfCheckpoint {
         } else if tensors.contains_key("wte.weight") {
             ""
         } else {
-            return Err(missing(&file, &tensors, "transformer.wte.weight"));
+            return Err(missing(&file, &tensors, "transformer.wte.weight", EXPECTED));
         };
         let cfg_path = dir.join(CONFIG);
         let text = std::fs::read(&cfg_path).map_err(io(&cfg_path))?;
@@ -442,7 +356,7 @@ impl HfCheckpoint {
             let info = self
                 .tensors
                 .get(&name)
-                .ok_or_else(|| missing(&self.path, &self.tensors, &name))?;
+                .ok_or_else(|| missing(&self.path, &self.tensors, &name, EXPECTED))?;
             if info.shape != want {
                 return Err(HfError::Shape {
                     path: self.path.clone(),
@@ -470,6 +384,7 @@ impl HfCheckpoint {
             if !skip && !expected.contains(name) {
                 return Err(HfError::Unexpected {
                     path: self.path.clone(),
+                    arch: "GPT2LMHeadModel",
                     name: name.clone(),
                 });
             }
@@ -546,23 +461,6 @@ impl HfCheckpoint {
     }
 }
 
-/// [`HfError::Missing`] for `name`, listing a few of the file's names.
-fn missing(path: &Path, tensors: &HashMap<String, TensorInfo>, name: &str) -> HfError {
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
-    let found = if names.is_empty() {
-        "; the file holds no tensors".to_string()
-    } else {
-        let few: Vec<&str> = names.iter().take(3).map(|s| s.as_str()).collect();
-        format!("; it holds e.g. {}", few.join(", "))
-    };
-    HfError::Missing {
-        path: path.to_path_buf(),
-        name: name.to_string(),
-        found,
-    }
-}
-
 /// Checks that a model of config `g` can take `ck`'s weights: the same width, depth, heads,
 /// tying and GELU; `vocab ≥` the file's (extra rows start at zero); `seq_len ≤ n_positions`.
 pub fn check_model(ck: &HfCheckpoint, g: &GptConfig) -> Result<(), HfError> {
@@ -632,9 +530,6 @@ pub fn load_into(fsdp: &Fsdp<Gpt>, ck: &HfCheckpoint) -> Result<(), HfError> {
         .map_err(sd_err(&format!("loading {}", ck.path.display())))
 }
 
-/// A tensor in Hugging Face's naming: name, shape, row-major f32 values.
-type HfTensor = (String, Vec<usize>, Vec<f32>);
-
 /// Turns a full state dict of a `nn::Gpt` of config `g` into Hugging Face's tensors (name,
 /// shape, f32 values), in the file's order.
 fn to_hf(full: &FullStateDict, g: &GptConfig) -> Result<Vec<HfTensor>, String> {
@@ -672,45 +567,14 @@ fn to_hf(full: &FullStateDict, g: &GptConfig) -> Result<Vec<HfTensor>, String> {
 /// `model.safetensors` and `config.json`, each written to a temporary name and renamed.
 ///
 /// # Errors
-/// [`HfError::Io`], [`HfError::Model`].
+/// [`HfError::Io`], [`HfError::Format`], [`HfError::Model`].
 pub fn write_dir(full: &FullStateDict, g: &GptConfig, dir: &Path) -> Result<(), HfError> {
     let tensors = to_hf(full, g).map_err(|detail| HfError::Model {
         path: dir.to_path_buf(),
         detail,
     })?;
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |source| HfError::Io { path: p, source }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .into_iter()
-        .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = bytes
-        .iter()
-        .map(|(n, s, b)| {
-            TensorView::new(Dtype::F32, s.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| HfError::Format {
-                    path: dir.join(WEIGHTS),
-                    detail: e.to_string(),
-                })
-        })
-        .collect::<Result<_, _>>()?;
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let weights = dir.join(WEIGHTS);
-    let tmp = dir.join(format!(".{WEIGHTS}.tmp"));
-    safetensors::serialize_to_file(views, Some(meta), &tmp).map_err(|e| HfError::Format {
-        path: tmp.clone(),
-        detail: e.to_string(),
-    })?;
-    std::fs::rename(&tmp, &weights).map_err(io(&weights))?;
-    let cfg = dir.join(CONFIG);
-    let tmp = dir.join(format!(".{CONFIG}.tmp"));
-    let text = serde_json::to_string_pretty(&HfConfig::to_json(g)).expect("JSON of plain values");
-    std::fs::write(&tmp, text + "\n").map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &cfg).map_err(io(&cfg))
+    let config = HfConfig::to_json(g);
+    write_model_dir(dir, tensors, &config)
 }
 
 /// `--export-hf DIR`: gathers the parameters to rank 0 and writes them there (a collective:
@@ -732,6 +596,7 @@ pub fn export(fsdp: &Fsdp<Gpt>, dir: &Path) -> Result<(), HfError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::tensor::TensorView;
     use std::sync::Arc;
 
     use fsdp_alloc::Device;
