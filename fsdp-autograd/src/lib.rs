@@ -28,7 +28,7 @@
 //!
 //! # Limitations
 //! - CUDA: with the `cuda` feature, operations on a CUDA device run the CUDA kernels through the
-//!   backend seam ([`kernels::backend`]); CI runs the kernels on a host emulator, and `cargo
+//!   backend seam ([`kernels`]); CI runs the kernels on a host emulator, and `cargo
 //!   xtask gpu-test` runs them on a GPU (it has on one H100; README "GPUs"). Without the feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
 //!   CUDA, the general broadcast-undoing sum and copies into non-contiguous destinations (split
 //!   backward along an inner dimension) return [`AutogradError::Unsupported`], and so does eager
@@ -53,7 +53,6 @@ pub mod optim;
 pub mod param;
 pub mod profile;
 pub mod storage;
-mod strides;
 pub mod tensor;
 
 pub use autograd::{

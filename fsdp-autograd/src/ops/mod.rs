@@ -1,5 +1,5 @@
 //! Differentiable tensor operations. Each checks its tensors, launches its kernels through the
-//! device's backend seam ([`crate::kernels::backend::Kernels`]) on the current stream, and records
+//! device's backend seam ([`crate::kernels::Kernels`]) on the current stream, and records
 //! a backward node when needed.
 //!
 //! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
@@ -24,7 +24,7 @@ use fsdp_alloc::{Device, Stream};
 
 use crate::context::current_stream;
 use crate::error::{AutogradError, Result};
-use crate::kernels::backend::Kernels;
+use crate::kernels::Kernels;
 use crate::tensor::Tensor;
 
 /// Device and current stream of an operation.

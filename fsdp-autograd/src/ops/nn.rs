@@ -5,10 +5,16 @@ use fsdp_alloc::DType;
 
 use crate::autograd::{needs_grad, record, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::kernels::backend::{
-    Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, EmbeddingShape,
-    Launch, LayerNormShape, Rows,
+use crate::kernels::attention::{
+    Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, CausalAttention,
+    CausalAttentionBackward,
 };
+use crate::kernels::embedding::{Embedding, EmbeddingBackward, EmbeddingShape};
+use crate::kernels::loss::{CrossEntropy, CrossEntropyBackward};
+use crate::kernels::norm::{
+    LayerNorm, LayerNormBackward, LayerNormShape, Softmax, SoftmaxBackward,
+};
+use crate::kernels::Rows;
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
@@ -43,7 +49,7 @@ impl Tensor {
         );
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::Softmax {
+            &Softmax {
                 rows,
                 x: &xa,
                 y: &ya,
@@ -71,7 +77,7 @@ impl Tensor {
                 );
                 ctx.k()?.launch(
                     &ctx.stream,
-                    &Launch::SoftmaxBackward {
+                    &SoftmaxBackward {
                         rows,
                         y: &ya,
                         dy: &ga,
@@ -123,7 +129,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
     );
     ctx.k()?.launch(
         s,
-        &Launch::LayerNorm {
+        &LayerNorm {
             ln,
             x: &xa,
             gamma: &ga,
@@ -178,7 +184,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
             );
             ctx.k()?.launch(
                 s,
-                &Launch::LayerNormBackward {
+                &LayerNormBackward {
                     ln,
                     x: &xa,
                     gamma: &ga,
@@ -238,7 +244,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     );
     ctx.k()?.launch(
         s,
-        &Launch::Embedding {
+        &Embedding {
             e: es,
             ids: &ia,
             table: &ta,
@@ -265,7 +271,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         );
         ctx.k()?.launch(
             s,
-            &Launch::EmbeddingBackward {
+            &EmbeddingBackward {
                 e: es,
                 ids: &ia,
                 dy: &ga,
@@ -278,7 +284,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
 
 /// Causal scaled-dot-product attention: `q`, `k`, `v` `[batch, heads, t, d]` →
 /// `softmax(q·kᵀ/√d + causal mask) · v`, same shape. Saves for backward what the device's
-/// kernels ask for ([`Kernels::attention_save`](crate::kernels::backend::Kernels::attention_save)):
+/// kernels ask for ([`Kernels::attention_save`](crate::kernels::Kernels::attention_save)):
 /// on the CPU the probabilities (`[batch, heads, t, t]`, `f32`); on CUDA, with the fused
 /// kernels (the default), the per-query log-sum-exp (`[batch, heads, t]`, `f32`) and the output,
 /// so memory stays linear in `t`.
@@ -384,7 +390,7 @@ pub(crate) fn attention_forward(
     let (oa, sa) = (out.operand_on(op, s)?, stats.operand_on(op, s)?);
     ctx.k()?.launch(
         s,
-        &Launch::Attention {
+        &CausalAttention {
             a: at,
             q,
             k,
@@ -430,7 +436,7 @@ pub(crate) fn attention_backward(
     let ((q, k, v), (dq, dk, dv)) = (qkv_of(&ia), qkv_of(&da));
     ctx.k()?.launch(
         s,
-        &Launch::AttentionBackward {
+        &CausalAttentionBackward {
             a: at,
             q,
             k,
@@ -484,7 +490,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     );
     ctx.k()?.launch(
         s,
-        &Launch::CrossEntropy {
+        &CrossEntropy {
             rows: rs,
             logits: &la,
             targets: &ta,
@@ -523,7 +529,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             );
             ctx.k()?.launch(
                 s,
-                &Launch::CrossEntropyBackward {
+                &CrossEntropyBackward {
                     rows: rs,
                     logits: &la,
                     targets: &ta,

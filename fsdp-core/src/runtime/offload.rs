@@ -20,7 +20,7 @@
 //! H100 (`train_gpt --device cuda --cpu-offload`, GPT-2: 150 ms per step, 2 host waits).
 
 use fsdp_alloc::{Device, DeviceId, Event, Stream};
-use fsdp_autograd::kernels::backend::Kernels;
+use fsdp_autograd::kernels::Kernels;
 use fsdp_autograd::{with_stream, Tensor};
 
 use crate::error::{FsdpError, Result};

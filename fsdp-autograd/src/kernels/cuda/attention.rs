@@ -5,10 +5,10 @@ use fsdp_alloc::{BufferRef, Stream};
 
 use super::context::{expect_len, grid_rows, mul, Call, CudaKernels, Dev, Elem};
 use super::error::Result;
-use super::matmul::plan_gemm;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
-use crate::kernels::backend::Gemm;
+use crate::kernels::gemm::gpu::plan_gemm;
+use crate::kernels::gemm::Gemm;
 
 /// The validated sizes of one attention call.
 struct Dims {

@@ -58,7 +58,7 @@
 //!
 //! | group | methods |
 //! | --- | --- |
-//! | matrix products (cuBLAS) | [`gemm`](CudaKernels::gemm) (one product or a batch, per a [`Gemm`](crate::kernels::backend::Gemm)) |
+//! | matrix products (cuBLAS) | [`gemm`](CudaKernels::gemm) (one product or a batch, per a [`Gemm`](crate::kernels::gemm::Gemm)) |
 //! | elementwise | [`add`](CudaKernels::add), [`mul`](CudaKernels::mul), [`scale`](CudaKernels::scale), [`scale_inplace`](CudaKernels::scale_inplace), [`add_scaled`](CudaKernels::add_scaled), [`gelu`](CudaKernels::gelu), [`gelu_backward`](CudaKernels::gelu_backward) |
 //! | reductions / broadcasts | [`sum`](CudaKernels::sum), [`mean`](CudaKernels::mean), [`add_row_bias`](CudaKernels::add_row_bias), [`add_row_bias_inplace`](CudaKernels::add_row_bias_inplace), [`col_sums`](CudaKernels::col_sums) |
 //! | row-wise | [`softmax_rows`](CudaKernels::softmax_rows), [`softmax_rows_backward`](CudaKernels::softmax_rows_backward), [`layer_norm`](CudaKernels::layer_norm), [`layer_norm_backward`](CudaKernels::layer_norm_backward) |
@@ -163,46 +163,49 @@
 // says CUDA was not built); the kernels below it only with the feature.
 mod backend;
 mod config;
+#[cfg(not(feature = "cuda"))]
 pub use backend::CudaBackend;
 pub use config::{
     allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, FUSED_ATTENTION_MAX_D,
 };
 
 #[cfg(feature = "cuda")]
-mod attention;
+pub(crate) mod attention;
 #[cfg(feature = "cuda")]
-mod cast;
+pub(crate) mod cast;
 #[cfg(feature = "cuda")]
-mod context;
+pub(crate) mod context;
 #[cfg(feature = "cuda")]
-mod desc;
+pub(crate) mod desc;
 #[cfg(feature = "cuda")]
-mod elementwise;
+pub(crate) mod elementwise;
 #[cfg(feature = "cuda")]
-mod embedding;
+pub(crate) mod embedding;
 #[cfg(feature = "cuda")]
-mod error;
+pub(crate) mod error;
 #[cfg(feature = "cuda")]
-mod flash;
+pub(crate) mod flash;
 #[cfg(feature = "cuda")]
-mod layout;
+pub(crate) mod launcher;
 #[cfg(feature = "cuda")]
-mod loss;
+pub(crate) mod layout;
 #[cfg(feature = "cuda")]
-mod matmul;
+pub(crate) mod loss;
 #[cfg(feature = "cuda")]
-mod optim;
+pub(crate) mod optim;
 #[cfg(feature = "cuda")]
-mod plan;
+pub(crate) mod plan;
 #[cfg(feature = "cuda")]
-mod program;
+pub(crate) mod program;
 #[cfg(feature = "cuda")]
-mod rows;
+pub(crate) mod rows;
 #[cfg(feature = "cuda")]
-mod transfer;
+pub(crate) mod transfer;
 #[cfg(feature = "cuda")]
-mod typed;
+pub(crate) mod typed;
 
+#[cfg(feature = "cuda")]
+pub use crate::kernels::gemm::gpu::GemmPrecision;
 #[cfg(feature = "cuda")]
 pub use context::CudaKernels;
 #[cfg(feature = "cuda")]
@@ -212,7 +215,7 @@ pub use embedding::IndexCheck;
 #[cfg(feature = "cuda")]
 pub use error::{CudaKernelError, Result};
 #[cfg(feature = "cuda")]
-pub use matmul::GemmPrecision;
+pub use launcher::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use transfer::STAGED_WRITE_MAX;
 

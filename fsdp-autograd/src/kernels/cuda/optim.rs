@@ -1,5 +1,5 @@
 //! Optimizer, gradient-clipping and grad-scaler kernels: the launch side of the "optimizer"
-//! section of `kernels.cu` (CPU counterparts in [`cpu::optim`](crate::kernels::cpu::optim)).
+//! section of `kernels.cu` (CPU counterparts in [`kernels::optim`](crate::kernels::optim)).
 //!
 //! The elementwise updates (SGD, AdamW, LAMB's direction and apply, unscale) evaluate the CPU
 //! kernels' operations in the same order without FMA, so they are expected to be bit-identical
@@ -15,8 +15,7 @@ use super::elementwise::{plan_map, sum_parts};
 use super::error::Result;
 use super::plan::{PArg, Plan, Ptr};
 use super::program::Kernel;
-use crate::kernels::backend::SqPiece;
-use crate::kernels::cpu::optim::{AdamCoeffs, LambCoeffs, SgdRule};
+use crate::kernels::optim::{AdamCoeffs, LambCoeffs, SgdRule, SqPiece};
 use crate::kernels::KernelError;
 
 /// One SGD step over `n` elements (`buf`: the momentum buffer, with momentum only).
@@ -207,7 +206,7 @@ pub(crate) fn plan_unscale(n: u64, inv: f32, g: Ptr, flag: Ptr) -> Plan {
 }
 
 impl CudaKernels {
-    /// One SGD step (CPU: [`cpu::optim::sgd_step`](crate::kernels::cpu::optim::sgd_step)),
+    /// One SGD step (CPU: [`optim::sgd_step`](crate::kernels::optim::sgd_step)),
     /// expected bit-identical. `buf` is the momentum buffer (required with momentum, ignored
     /// without); `first`: it holds no history yet.
     ///
@@ -254,7 +253,7 @@ impl CudaKernels {
         unsafe { c.exec(&plan) }.map(drop)
     }
 
-    /// One fused AdamW step (CPU: [`cpu::optim::adamw_step`](crate::kernels::cpu::optim::adamw_step)),
+    /// One fused AdamW step (CPU: [`optim::adamw_step`](crate::kernels::optim::adamw_step)),
     /// both moments in the same launch; expected bit-identical.
     ///
     /// # Errors
@@ -289,7 +288,7 @@ impl CudaKernels {
     }
 
     /// LAMB's moments and direction (CPU:
-    /// [`cpu::optim::lamb_direction`](crate::kernels::cpu::optim::lamb_direction)).
+    /// [`optim::lamb_direction`](crate::kernels::optim::lamb_direction)).
     ///
     /// # Errors
     /// Length mismatches, buffer/stream errors, overlapping arguments.
@@ -334,7 +333,7 @@ impl CudaKernels {
     }
 
     /// LAMB's apply with the trust ratio computed on the device from `sums[w_sq]`, `sums[u_sq]`
-    /// (CPU: [`cpu::optim::lamb_apply`](crate::kernels::cpu::optim::lamb_apply)).
+    /// (CPU: [`optim::lamb_apply`](crate::kernels::optim::lamb_apply)).
     ///
     /// # Errors
     /// Length mismatches, indices outside `sums`, buffer/stream errors, `p` overlapping `u` or
@@ -422,7 +421,7 @@ impl CudaKernels {
     }
 
     /// Grad-scaler unscale: `g *= inv`, `found_inf[0] = 1` where an element was inf or NaN
-    /// (CPU: [`cpu::optim::unscale`](crate::kernels::cpu::optim::unscale)).
+    /// (CPU: [`optim::unscale`](crate::kernels::optim::unscale)).
     ///
     /// # Errors
     /// A flag of another size than one element, buffer/stream errors, overlap.

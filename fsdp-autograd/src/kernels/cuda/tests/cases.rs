@@ -986,7 +986,7 @@ pub(super) fn deterministic(e: &mut dyn Exec) {
 /// SGD (plain, momentum, Nesterov, weight decay), AdamW and LAMB's two halves over two steps:
 /// bit-identical to the CPU kernels (same operations in the same order, no FMA).
 pub(super) fn optimizer_steps(e: &mut dyn Exec) {
-    use crate::kernels::cpu::optim::{self as co, AdamCoeffs, LambCoeffs, SgdRule};
+    use crate::kernels::optim::{self as co, AdamCoeffs, LambCoeffs, SgdRule};
     let mut r = Rng::new(21);
     for n in [1usize, 257, 3000] {
         let p0 = r.vec(n, 2.0);
@@ -1101,8 +1101,8 @@ pub(super) fn optimizer_steps(e: &mut dyn Exec) {
 /// names, an empty piece) within 1 f32 ulp-scale of the CPU's sequential f64 sums and
 /// bit-identical on repetition; unscale bit-identical with the inf/NaN flag.
 pub(super) fn sum_squares_and_unscale(e: &mut dyn Exec) {
-    use crate::kernels::backend::SqPiece;
-    use crate::kernels::cpu::optim as co;
+    use crate::kernels::optim as co;
+    use crate::kernels::optim::SqPiece;
     let mut r = Rng::new(22);
     let a = r.vec(5000, 3.0);
     let b = r.vec(300, 1.0);

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
-use crate::kernels::backend::Gemm;
 use crate::kernels::cuda::attention::{plan_attention, plan_attention_backward};
 use crate::kernels::cuda::cast::plan_cast;
 use crate::kernels::cuda::elementwise::{
@@ -28,7 +27,6 @@ use crate::kernels::cuda::loss::{
     plan_cross_entropy, plan_cross_entropy_backward, plan_cross_entropy_backward_t,
     plan_cross_entropy_t, CeCodes,
 };
-use crate::kernels::cuda::matmul::{plan_gemm, plan_gemm_typed};
 use crate::kernels::cuda::optim::{
     plan_adamw, plan_lamb_apply, plan_lamb_direction, plan_sgd, plan_sum_squares, plan_unscale,
 };
@@ -38,6 +36,8 @@ use crate::kernels::cuda::rows::{
     plan_layer_norm, plan_layer_norm_backward, plan_softmax, plan_softmax_backward,
 };
 use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::gemm::gpu::{plan_gemm, plan_gemm_typed};
+use crate::kernels::gemm::Gemm;
 use crate::kernels::KernelError;
 
 use crate::kernels::cuda::typed::{

@@ -3,8 +3,8 @@
 
 use fsdp_alloc::{Buffer, Device, Stream};
 
-use crate::kernels::backend::Gemm;
 use crate::kernels::cuda::{CudaKernelError, CudaKernels};
+use crate::kernels::gemm::Gemm;
 
 use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
 

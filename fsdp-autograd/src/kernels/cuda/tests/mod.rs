@@ -24,12 +24,12 @@ use fsdp_alloc::{Device, DeviceId};
 use super::context::{grid_for, grid_rows};
 use super::desc::MAX_VIEW_RANK;
 use super::layout::{is_injective, view_desc};
-use super::matmul::col_major_gemm;
 use super::plan::{PArg, Plan, Ptr, Step};
 use super::program::{ArgKind, Kernel, MAX_GRID, SOURCE};
 use super::{CudaKernelError, CudaKernels};
-use crate::kernels::backend::Gemm;
 use crate::kernels::cpu;
+use crate::kernels::gemm::gpu::col_major_gemm;
+use crate::kernels::gemm::Gemm;
 use cases::{assert_close, Rng};
 
 macro_rules! on_both {
