@@ -11,6 +11,8 @@ use super::op::{mul, Check, Op, Spec};
 use super::operand::Operand;
 use crate::error::Result;
 use crate::launch::launch_f32;
+#[cfg(feature = "cuda")]
+pub use gpu::GemmPrecision;
 
 /// Batched matrix product `c[i] (+)= op(a[i]) · op(b[i])` for `i < batch`, row-major;
 /// `op(a)` is `m × k`, `op(b)` is `k × n` (a shared right operand is folded into `m` by the
@@ -115,9 +117,10 @@ impl Op for MatMul<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda(&self, b: &super::cuda::CudaBackend, s: &Stream) -> Result<()> {
+        use super::cuda::allow_tf32;
         use super::cuda::launcher::err;
-        use super::cuda::{allow_tf32, GemmPrecision};
         use gpu::direct_gemm;
+        use gpu::GemmPrecision;
         let (g, k) = (self.g, b.kernels());
         let tf32 = allow_tf32();
         if let Some(p) = direct_gemm(self.a.dtype, self.b.dtype, self.c.dtype, tf32) {

@@ -41,6 +41,8 @@ pub mod norm;
 pub mod op;
 pub mod operand;
 pub mod optim;
+#[cfg(feature = "cuda")]
+pub(crate) mod program;
 pub mod reduce;
 mod select;
 

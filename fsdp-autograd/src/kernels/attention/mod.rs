@@ -3,10 +3,22 @@
 //! chooses), and the ops [`CausalAttention`] and [`CausalAttentionBackward`].
 
 mod causal;
+#[cfg(feature = "cuda")]
+pub(crate) mod flash;
+#[cfg(feature = "cuda")]
+pub(crate) mod unfused;
 
 pub use causal::{CausalAttention, CausalAttentionBackward};
 
 use super::operand::Operand;
+
+/// The family's part of the CUDA program: the unfused attention's row kernels (`attention.cu`)
+/// and the fused flash kernels (`flash.cu`), with their kernel tables.
+#[cfg(feature = "cuda")]
+pub(crate) const FAMILY: super::cuda::kernel::Family = super::cuda::kernel::Family {
+    sources: &[include_str!("attention.cu"), include_str!("flash.cu")],
+    kernels: &[unfused::KERNELS, flash::KERNELS],
+};
 
 /// Causal attention over `[batch, heads, t, d]` tensors (or the packed layout, see
 /// [`AttentionLayout`]).

@@ -170,50 +170,32 @@ pub use config::{
 };
 
 #[cfg(feature = "cuda")]
-pub(crate) mod attention;
-#[cfg(feature = "cuda")]
-pub(crate) mod cast;
-#[cfg(feature = "cuda")]
 pub(crate) mod context;
 #[cfg(feature = "cuda")]
 pub(crate) mod desc;
 #[cfg(feature = "cuda")]
-pub(crate) mod elementwise;
-#[cfg(feature = "cuda")]
-pub(crate) mod embedding;
-#[cfg(feature = "cuda")]
 pub(crate) mod error;
 #[cfg(feature = "cuda")]
-pub(crate) mod flash;
+pub(crate) mod index;
+#[cfg(feature = "cuda")]
+pub(crate) mod kernel;
 #[cfg(feature = "cuda")]
 pub(crate) mod launcher;
 #[cfg(feature = "cuda")]
-pub(crate) mod layout;
-#[cfg(feature = "cuda")]
-pub(crate) mod loss;
-#[cfg(feature = "cuda")]
-pub(crate) mod optim;
-#[cfg(feature = "cuda")]
 pub(crate) mod plan;
-#[cfg(feature = "cuda")]
-pub(crate) mod program;
-#[cfg(feature = "cuda")]
-pub(crate) mod rows;
 #[cfg(feature = "cuda")]
 pub(crate) mod transfer;
 #[cfg(feature = "cuda")]
 pub(crate) mod typed;
 
 #[cfg(feature = "cuda")]
-pub use crate::kernels::gemm::gpu::GemmPrecision;
-#[cfg(feature = "cuda")]
 pub use context::CudaKernels;
 #[cfg(feature = "cuda")]
 pub use desc::MAX_VIEW_RANK;
 #[cfg(feature = "cuda")]
-pub use embedding::IndexCheck;
-#[cfg(feature = "cuda")]
 pub use error::{CudaKernelError, Result};
+#[cfg(feature = "cuda")]
+pub use index::IndexCheck;
 #[cfg(feature = "cuda")]
 pub use launcher::CudaBackend;
 #[cfg(feature = "cuda")]

@@ -1,7 +1,14 @@
 //! Row normalizations: [`Softmax`] and [`LayerNorm`], each with its backward.
 
-mod layer_norm;
-mod softmax;
+pub(crate) mod layer_norm;
+pub(crate) mod softmax;
 
 pub use layer_norm::{LayerNorm, LayerNormBackward, LayerNormShape};
 pub use softmax::{Softmax, SoftmaxBackward};
+
+/// The family's part of the CUDA program: `norm.cu` and its ops' kernel tables.
+#[cfg(feature = "cuda")]
+pub(crate) const FAMILY: super::cuda::kernel::Family = super::cuda::kernel::Family {
+    sources: &[include_str!("norm.cu")],
+    kernels: &[softmax::gpu::KERNELS, layer_norm::gpu::KERNELS],
+};

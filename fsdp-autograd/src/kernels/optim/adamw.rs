@@ -3,7 +3,7 @@
 
 use fsdp_alloc::Stream;
 
-use super::{check_optim, f32_arg, par_pieces};
+use super::common::{check_optim, f32_arg, par_pieces};
 use crate::error::Result;
 use crate::kernels::check::same_len;
 use crate::kernels::op::{Check, Op};
@@ -134,5 +134,79 @@ impl Op for AdamWStep<'_> {
         b.kernels()
             .adamw_step(s, &self.c, p, g, m, v)
             .map_err(err(self.name()))
+    }
+}
+
+/// The CUDA side of the op (feature `cuda`): its kernels' declarations, launch plans and
+/// [`CudaKernels`](crate::kernels::cuda::CudaKernels) methods.
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu {
+    use fsdp_alloc::{BufferRef, Stream};
+
+    use crate::kernels::cuda::context::CudaKernels;
+    use crate::kernels::cuda::error::Result;
+    use crate::kernels::cuda::plan::{plan_map, PArg, Plan, Ptr};
+    use crate::kernels::optim::AdamCoeffs;
+
+    crate::kernels::cuda::kernel::declare_kernels! {
+        OPT_ADAMW = "opt_adamw" [U64, F32, F32, F32, F32, F32, F32, F32, Ptr, Ptr, Ptr, Ptr];
+    }
+
+    /// One fused AdamW step over `n` elements (both moments at once).
+    pub(crate) fn plan_adamw(n: u64, c: &AdamCoeffs, p: Ptr, g: Ptr, m: Ptr, v: Ptr) -> Plan {
+        plan_map(
+            OPT_ADAMW,
+            n,
+            vec![
+                PArg::U64(n),
+                PArg::F32(c.decay),
+                PArg::F32(c.one_minus_beta1),
+                PArg::F32(c.beta2),
+                PArg::F32(c.one_minus_beta2),
+                PArg::F32(c.neg_step_size),
+                PArg::F32(c.bc2_sqrt),
+                PArg::F32(c.eps),
+                PArg::Ptr(p),
+                PArg::Ptr(g),
+                PArg::Ptr(m),
+                PArg::Ptr(v),
+            ],
+        )
+    }
+
+    impl CudaKernels {
+        /// One fused AdamW step (CPU: [`cpu::optim::adamw_step`](crate::kernels::cpu::optim::adamw_step)),
+        /// both moments in the same launch; expected bit-identical.
+        ///
+        /// # Errors
+        /// Length mismatches, buffer/stream errors, overlapping arguments.
+        pub fn adamw_step(
+            &self,
+            stream: &Stream,
+            coeffs: &AdamCoeffs,
+            p: &BufferRef,
+            g: &BufferRef,
+            m: &BufferRef,
+            v: &BufferRef,
+        ) -> Result<()> {
+            let op = "adamw_step";
+            let c = self.call(op, stream)?;
+            let n = p.len() / 4;
+            let shape = || format!("len(p)={n}");
+            let [dp, dg, dm, dv] =
+                c.f32_sized([("p", p, n), ("g", g, n), ("m", m, n), ("v", v, n)], shape)?;
+            c.disjoint(&[("p", p), ("m", m), ("v", v)], &[("g", g)])?;
+            let plan = plan_adamw(
+                n as u64,
+                coeffs,
+                dp.as_ptr(),
+                dg.as_ptr(),
+                dm.as_ptr(),
+                dv.as_ptr(),
+            );
+            // SAFETY: four disjoint (outputs) device buffers of n f32 each on this device; one
+            // thread per element.
+            unsafe { c.exec(&plan) }.map(drop)
+        }
     }
 }

@@ -6,7 +6,7 @@
 use fsdp_alloc::Stream;
 
 use super::adamw::{moments, AdamCoeffs};
-use super::{check_optim, f32_arg, par_pieces};
+use super::common::{check_optim, f32_arg, par_pieces};
 use crate::error::Result;
 use crate::kernels::check::same_len;
 use crate::kernels::op::{invalid, Check, Op};
@@ -228,5 +228,173 @@ impl Op for LambApply<'_> {
         b.kernels()
             .lamb_apply(s, self.lr, self.w_sq, self.u_sq, sums, u, p)
             .map_err(err(self.name()))
+    }
+}
+
+/// The CUDA side of the op (feature `cuda`): its kernels' declarations, launch plans and
+/// [`CudaKernels`](crate::kernels::cuda::CudaKernels) methods.
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu {
+    use fsdp_alloc::{BufferRef, Stream};
+
+    use crate::kernels::cuda::context::{expect_len, CudaKernels};
+    use crate::kernels::cuda::error::Result;
+    use crate::kernels::cuda::plan::{plan_map, PArg, Plan, Ptr};
+    use crate::kernels::optim::LambCoeffs;
+    use crate::kernels::KernelError;
+
+    crate::kernels::cuda::kernel::declare_kernels! {
+        OPT_LAMB_DIR = "opt_lamb_dir" [U64, F32, F32, F32, F32, F32, F32, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+        OPT_LAMB_APPLY = "opt_lamb_apply" [U64, F32, U64, U64, Ptr, Ptr, Ptr];
+    }
+
+    /// LAMB's moments and direction over `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn plan_lamb_direction(
+        n: u64,
+        c: &LambCoeffs,
+        p: Ptr,
+        g: Ptr,
+        m: Ptr,
+        v: Ptr,
+        u: Ptr,
+    ) -> Plan {
+        let a = &c.adam;
+        plan_map(
+            OPT_LAMB_DIR,
+            n,
+            vec![
+                PArg::U64(n),
+                PArg::F32(a.one_minus_beta1),
+                PArg::F32(a.beta2),
+                PArg::F32(a.one_minus_beta2),
+                PArg::F32(a.eps),
+                PArg::F32(c.bc1),
+                PArg::F32(c.bc2),
+                PArg::F32(c.weight_decay),
+                PArg::Ptr(p),
+                PArg::Ptr(g),
+                PArg::Ptr(m),
+                PArg::Ptr(v),
+                PArg::Ptr(u),
+            ],
+        )
+    }
+
+    /// LAMB's apply over `n` elements, the trust ratio from `sums[w_sq]`, `sums[u_sq]`.
+    pub(crate) fn plan_lamb_apply(
+        n: u64,
+        lr: f32,
+        w_sq: u64,
+        u_sq: u64,
+        sums: Ptr,
+        u: Ptr,
+        p: Ptr,
+    ) -> Plan {
+        plan_map(
+            OPT_LAMB_APPLY,
+            n,
+            vec![
+                PArg::U64(n),
+                PArg::F32(lr),
+                PArg::U64(w_sq),
+                PArg::U64(u_sq),
+                PArg::Ptr(sums),
+                PArg::Ptr(u),
+                PArg::Ptr(p),
+            ],
+        )
+    }
+
+    impl CudaKernels {
+        /// LAMB's moments and direction (CPU:
+        /// [`cpu::optim::lamb_direction`](crate::kernels::cpu::optim::lamb_direction)).
+        ///
+        /// # Errors
+        /// Length mismatches, buffer/stream errors, overlapping arguments.
+        #[allow(clippy::too_many_arguments)]
+        pub fn lamb_direction(
+            &self,
+            stream: &Stream,
+            coeffs: &LambCoeffs,
+            p: &BufferRef,
+            g: &BufferRef,
+            m: &BufferRef,
+            v: &BufferRef,
+            u: &BufferRef,
+        ) -> Result<()> {
+            let op = "lamb_direction";
+            let c = self.call(op, stream)?;
+            let n = p.len() / 4;
+            let shape = || format!("len(p)={n}");
+            let [dp, dg, dm, dv, du] = c.f32_sized(
+                [
+                    ("p", p, n),
+                    ("g", g, n),
+                    ("m", m, n),
+                    ("v", v, n),
+                    ("u", u, n),
+                ],
+                shape,
+            )?;
+            c.disjoint(&[("m", m), ("v", v), ("u", u)], &[("p", p), ("g", g)])?;
+            let plan = plan_lamb_direction(
+                n as u64,
+                coeffs,
+                dp.as_ptr(),
+                dg.as_ptr(),
+                dm.as_ptr(),
+                dv.as_ptr(),
+                du.as_ptr(),
+            );
+            // SAFETY: five device buffers of n f32 each, outputs disjoint from everything; one
+            // thread per element.
+            unsafe { c.exec(&plan) }.map(drop)
+        }
+
+        /// LAMB's apply with the trust ratio computed on the device from `sums[w_sq]`, `sums[u_sq]`
+        /// (CPU: [`cpu::optim::lamb_apply`](crate::kernels::cpu::optim::lamb_apply)).
+        ///
+        /// # Errors
+        /// Length mismatches, indices outside `sums`, buffer/stream errors, `p` overlapping `u` or
+        /// `sums`.
+        #[allow(clippy::too_many_arguments)]
+        pub fn lamb_apply(
+            &self,
+            stream: &Stream,
+            lr: f32,
+            w_sq: usize,
+            u_sq: usize,
+            sums: &BufferRef,
+            u: &BufferRef,
+            p: &BufferRef,
+        ) -> Result<()> {
+            let op = "lamb_apply";
+            let c = self.call(op, stream)?;
+            let [dp, du, ds] = c.f32_bufs([("p", p), ("u", u), ("sums", sums)])?;
+            expect_len(op, "u", du.len, dp.len, || format!("len(p)={}", dp.len))?;
+            if w_sq >= ds.len || u_sq >= ds.len {
+                return Err(KernelError::InvalidShape {
+                    op,
+                    reason: format!(
+                        "norm indices {w_sq} and {u_sq} must lie below the {} sums",
+                        ds.len
+                    ),
+                }
+                .into());
+            }
+            c.disjoint(&[("p", p)], &[("u", u), ("sums", sums)])?;
+            let plan = plan_lamb_apply(
+                dp.len as u64,
+                lr,
+                w_sq as u64,
+                u_sq as u64,
+                ds.as_ptr(),
+                du.as_ptr(),
+                dp.as_ptr(),
+            );
+            // SAFETY: p and u hold n f32, sums holds more than both indices; p overlaps neither.
+            unsafe { c.exec(&plan) }.map(drop)
+        }
     }
 }

@@ -3,7 +3,7 @@
 
 use fsdp_alloc::Stream;
 
-use super::{check_optim, f32_arg, par_pieces};
+use super::common::{check_optim, f32_arg, par_pieces};
 use crate::error::Result;
 use crate::kernels::check::same_len;
 use crate::kernels::op::{Check, Op};
@@ -203,5 +203,114 @@ mod tests {
         let p1 = p[0] + -0.1 * (1.0 + 0.9 * b1);
         rule.update(&mut p, &[1.0], Some(&mut b), false);
         assert_eq!((b[0], p[0]), (b1, p1));
+    }
+}
+
+/// The CUDA side of the op (feature `cuda`): its kernels' declarations, launch plans and
+/// [`CudaKernels`](crate::kernels::cuda::CudaKernels) methods.
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu {
+    use fsdp_alloc::{BufferRef, Stream};
+
+    use crate::kernels::cuda::context::{expect_len, CudaKernels};
+    use crate::kernels::cuda::error::Result;
+    use crate::kernels::cuda::plan::{plan_map, PArg, Plan, Ptr};
+    use crate::kernels::optim::SgdRule;
+    use crate::kernels::KernelError;
+
+    crate::kernels::cuda::kernel::declare_kernels! {
+        OPT_SGD = "opt_sgd" [U64, F32, F32, Ptr, Ptr];
+        OPT_SGD_MOMENTUM = "opt_sgd_momentum" [U64, U64, F32, F32, F32, Ptr, Ptr, Ptr];
+    }
+
+    /// One SGD step over `n` elements (`buf`: the momentum buffer, with momentum only).
+    pub(crate) fn plan_sgd(
+        n: u64,
+        rule: &SgdRule,
+        first: bool,
+        p: Ptr,
+        g: Ptr,
+        buf: Option<Ptr>,
+    ) -> Plan {
+        let neg_lr = -rule.lr;
+        match buf.filter(|_| rule.has_momentum()) {
+            Some(b) => {
+                let flags = u64::from(first) | (u64::from(rule.nesterov) << 1);
+                plan_map(
+                    OPT_SGD_MOMENTUM,
+                    n,
+                    vec![
+                        PArg::U64(n),
+                        PArg::U64(flags),
+                        PArg::F32(neg_lr),
+                        PArg::F32(rule.momentum),
+                        PArg::F32(rule.weight_decay),
+                        PArg::Ptr(p),
+                        PArg::Ptr(g),
+                        PArg::Ptr(b),
+                    ],
+                )
+            }
+            None => plan_map(
+                OPT_SGD,
+                n,
+                vec![
+                    PArg::U64(n),
+                    PArg::F32(neg_lr),
+                    PArg::F32(rule.weight_decay),
+                    PArg::Ptr(p),
+                    PArg::Ptr(g),
+                ],
+            ),
+        }
+    }
+
+    impl CudaKernels {
+        /// One SGD step (CPU: [`cpu::optim::sgd_step`](crate::kernels::cpu::optim::sgd_step)),
+        /// expected bit-identical. `buf` is the momentum buffer (required with momentum, ignored
+        /// without); `first`: it holds no history yet.
+        ///
+        /// # Errors
+        /// Length mismatches, buffer/stream errors, outputs (`p`, `buf`) overlapping other arguments,
+        /// a missing buffer with momentum.
+        pub fn sgd_step(
+            &self,
+            stream: &Stream,
+            rule: &SgdRule,
+            first: bool,
+            p: &BufferRef,
+            g: &BufferRef,
+            buf: Option<&BufferRef>,
+        ) -> Result<()> {
+            let op = "sgd_step";
+            let c = self.call(op, stream)?;
+            let [dp, dg] = c.f32_bufs([("p", p), ("g", g)])?;
+            let shape = || format!("len(p)={}", dp.len);
+            expect_len(op, "g", dg.len, dp.len, shape)?;
+            let buf = buf.filter(|_| rule.has_momentum());
+            let db = match buf {
+                Some(b) => {
+                    let [db] = c.f32_bufs([("buf", b)])?;
+                    expect_len(op, "buf", db.len, dp.len, shape)?;
+                    c.disjoint(&[("p", p), ("buf", b)], &[("g", g)])?;
+                    Some(db.as_ptr())
+                }
+                None if rule.has_momentum() => {
+                    return Err(KernelError::InvalidShape {
+                        op,
+                        reason: "SGD with momentum needs a momentum buffer".into(),
+                    }
+                    .into())
+                }
+                None => {
+                    c.disjoint(&[("p", p)], &[("g", g)])?;
+                    None
+                }
+            };
+            let plan = plan_sgd(dp.len as u64, rule, first, dp.as_ptr(), dg.as_ptr(), db);
+            // SAFETY: p, g (and buf) hold n f32 each on this device, the outputs overlap nothing;
+            // each element is read and written by one thread.
+            unsafe { c.exec(&plan) }.map(drop)
+        }
     }
 }

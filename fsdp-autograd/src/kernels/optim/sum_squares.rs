@@ -3,7 +3,7 @@
 
 use fsdp_alloc::Stream;
 
-use super::{check_optim, f32_arg};
+use super::common::{check_optim, f32_arg};
 use crate::error::Result;
 use crate::kernels::op::{invalid, Check, Op, Spec};
 use crate::kernels::operand::Operand;
@@ -106,5 +106,127 @@ impl Op for SumSquares<'_> {
         b.kernels()
             .sum_squares(s, &bufs, self.pieces, &self.out.buf)
             .map_err(err(self.name()))
+    }
+}
+
+/// The CUDA side of the op (feature `cuda`): its kernels' declarations, launch plans and
+/// [`CudaKernels`](crate::kernels::cuda::CudaKernels) methods.
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu {
+    use fsdp_alloc::{BufferRef, Stream};
+
+    use crate::kernels::cuda::context::{CudaKernels, Elem};
+    use crate::kernels::cuda::error::Result;
+    use crate::kernels::cuda::plan::{grid_for, sum_parts, PArg, Plan, Ptr};
+    use crate::kernels::optim::SqPiece;
+    use crate::kernels::KernelError;
+
+    crate::kernels::cuda::kernel::declare_kernels! {
+        OPT_SUMSQ_PARTIAL = "opt_sumsq_partial" [U64, Ptr, Ptr];
+        OPT_SUMSQ_ACCUM = "opt_sumsq_accum" [U64, Ptr, Ptr];
+        OPT_SUMSQ_FINAL = "opt_sumsq_final" [U64, Ptr, Ptr];
+    }
+
+    /// Sums of squares of `pieces` — (address of the piece's first element, its length, output
+    /// index) — into `n_out` f32 outputs at `out`: an f64 accumulator (zeroed), per non-empty piece
+    /// a partial-sum launch and an accumulate launch (in order, one stream), then the rounding.
+    pub(crate) fn plan_sum_squares(pieces: &[(u64, u64, usize)], n_out: u64, out: Ptr) -> Plan {
+        let mut plan = Plan::new();
+        if n_out == 0 {
+            return plan;
+        }
+        let acc = plan.scratch(n_out as usize, Elem::F64);
+        plan.memset(Ptr::scratch(acc), 0, n_out as usize * 8);
+        let max_parts = pieces
+            .iter()
+            .filter(|pc| pc.1 > 0)
+            .map(|pc| sum_parts(pc.1))
+            .max();
+        if let Some(max_parts) = max_parts {
+            // One partial-sum slot reused by every piece: the accumulate launch reads it before the
+            // next piece's partial launch writes it (stream order).
+            let partial = plan.scratch(max_parts as usize, Elem::F64);
+            for &(addr, len, o) in pieces.iter().filter(|pc| pc.1 > 0) {
+                let parts = sum_parts(len);
+                plan.launch(
+                    OPT_SUMSQ_PARTIAL,
+                    parts,
+                    vec![
+                        PArg::U64(len),
+                        PArg::Ptr(Ptr::Dev(addr)),
+                        PArg::Ptr(Ptr::scratch(partial)),
+                    ],
+                );
+                plan.launch(
+                    OPT_SUMSQ_ACCUM,
+                    1,
+                    vec![
+                        PArg::U64(parts as u64),
+                        PArg::Ptr(Ptr::scratch(partial)),
+                        PArg::Ptr(Ptr::Scratch {
+                            slot: acc,
+                            offset: o as u64 * 8,
+                        }),
+                    ],
+                );
+            }
+        }
+        plan.launch(
+            OPT_SUMSQ_FINAL,
+            grid_for(n_out),
+            vec![
+                PArg::U64(n_out),
+                PArg::Ptr(Ptr::scratch(acc)),
+                PArg::Ptr(out),
+            ],
+        );
+        plan
+    }
+
+    impl CudaKernels {
+        /// Deterministic sums of squares (CPU: the seam's `SumSquares` on the CPU, sequential f64):
+        /// `out[o] = Σ` over the pieces naming `o`, in order, of the piece's f64 sum of squares,
+        /// rounded to f32 once; outputs no piece names are 0.
+        ///
+        /// # Errors
+        /// Pieces outside their input or the outputs, buffer/stream errors, `out` overlapping an
+        /// input.
+        pub fn sum_squares(
+            &self,
+            stream: &Stream,
+            xs: &[BufferRef],
+            pieces: &[SqPiece],
+            out: &BufferRef,
+        ) -> Result<()> {
+            let op = "sum_squares";
+            let c = self.call(op, stream)?;
+            let [dout] = c.f32_bufs([("out", out)])?;
+            let mut devs = Vec::with_capacity(xs.len());
+            for x in xs {
+                devs.push(c.buf("xs", x, Elem::F32)?);
+                c.disjoint(&[("out", out)], &[("xs", x)])?;
+            }
+            let mut plan_pieces = Vec::with_capacity(pieces.len());
+            for (i, pc) in pieces.iter().enumerate() {
+                let bad = || {
+                    KernelError::InvalidShape {
+                        op,
+                        reason: format!(
+                            "piece {i} ({pc:?}) reaches outside its input or the outputs"
+                        ),
+                    }
+                    .into()
+                };
+                let d = devs.get(pc.input).ok_or_else(bad)?;
+                if pc.start.checked_add(pc.len).is_none_or(|e| e > d.len) || pc.out >= dout.len {
+                    return Err(bad());
+                }
+                plan_pieces.push((d.ptr + pc.start as u64 * 4, pc.len as u64, pc.out));
+            }
+            let plan = plan_sum_squares(&plan_pieces, dout.len as u64, dout.as_ptr());
+            // SAFETY: every piece lies inside its input (checked), out holds n_out f32 and overlaps
+            // no input; scratch is sized by the plan.
+            unsafe { c.exec(&plan) }.map(drop)
+        }
     }
 }

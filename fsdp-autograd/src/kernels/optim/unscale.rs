@@ -2,7 +2,7 @@
 
 use fsdp_alloc::Stream;
 
-use super::{check_optim, f32_arg};
+use super::common::{check_optim, f32_arg};
 use crate::error::Result;
 use crate::kernels::op::{Check, Op};
 use crate::kernels::operand::Operand;
@@ -67,5 +67,54 @@ impl Op for Unscale<'_> {
         b.kernels()
             .unscale(s, self.inv, &self.g.buf, &self.found_inf.buf)
             .map_err(err(self.name()))
+    }
+}
+
+/// The CUDA side of the op (feature `cuda`): its kernels' declarations, launch plans and
+/// [`CudaKernels`](crate::kernels::cuda::CudaKernels) methods.
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu {
+    use fsdp_alloc::{BufferRef, Stream};
+
+    use crate::kernels::cuda::context::{expect_len, CudaKernels};
+    use crate::kernels::cuda::error::Result;
+    use crate::kernels::cuda::plan::{plan_map, PArg, Plan, Ptr};
+
+    crate::kernels::cuda::kernel::declare_kernels! {
+        OPT_UNSCALE = "opt_unscale" [U64, F32, Ptr, Ptr];
+    }
+
+    /// Grad-scaler unscale of `n` elements.
+    pub(crate) fn plan_unscale(n: u64, inv: f32, g: Ptr, flag: Ptr) -> Plan {
+        plan_map(
+            OPT_UNSCALE,
+            n,
+            vec![PArg::U64(n), PArg::F32(inv), PArg::Ptr(g), PArg::Ptr(flag)],
+        )
+    }
+
+    impl CudaKernels {
+        /// Grad-scaler unscale: `g *= inv`, `found_inf[0] = 1` where an element was inf or NaN
+        /// (CPU: [`cpu::optim::unscale`](crate::kernels::cpu::optim::unscale)).
+        ///
+        /// # Errors
+        /// A flag of another size than one element, buffer/stream errors, overlap.
+        pub fn unscale(
+            &self,
+            stream: &Stream,
+            inv: f32,
+            g: &BufferRef,
+            found_inf: &BufferRef,
+        ) -> Result<()> {
+            let op = "unscale";
+            let c = self.call(op, stream)?;
+            let [dg, df] = c.f32_bufs([("g", g), ("found_inf", found_inf)])?;
+            expect_len(op, "found_inf", df.len, 1, || "a one-element flag".into())?;
+            c.disjoint(&[("g", g), ("found_inf", found_inf)], &[])?;
+            let plan = plan_unscale(dg.len as u64, inv, dg.as_ptr(), df.as_ptr());
+            // SAFETY: g holds n f32 and the flag one, disjoint; each g element has one thread, the
+            // flag is only ever set to 1.0.
+            unsafe { c.exec(&plan) }.map(drop)
+        }
     }
 }

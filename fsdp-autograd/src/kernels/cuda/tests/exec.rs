@@ -178,7 +178,7 @@ pub(super) enum Op {
         b: H,
         c: H,
         g: crate::kernels::gemm::Gemm,
-        p: crate::kernels::cuda::GemmPrecision,
+        p: crate::kernels::gemm::GemmPrecision,
     },
     Flash {
         dtype: DType,
