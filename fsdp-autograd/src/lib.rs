@@ -28,8 +28,9 @@
 //!
 //! # Limitations
 //! - CUDA: with the `cuda` feature, operations on a CUDA device run the CUDA kernels through the
-//!   backend seam ([`kernels`]); CI runs the kernels on a host emulator, and `cargo
-//!   xtask gpu-test` runs them on a GPU (it has on one H100; README "GPUs"). Without the feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
+//!   backend seam ([`kernels`]); CI runs the kernels on a host emulator, and `cargo xtask
+//!   gpu-test` runs them on a GPU (what has run where: `docs/GPU-STATUS.md`). Without the
+//!   feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
 //!   CUDA, the general broadcast-undoing sum and copies into non-contiguous destinations (split
 //!   backward along an inner dimension) return [`AutogradError::Unsupported`], and so does eager
 //!   parameter init on a CUDA device (init runs on the host: create the model on a CPU device and

@@ -2,7 +2,7 @@
 //!
 //! - [`Backend`] is implemented by [`CpuBackend`](super::CpuBackend) (every op's [`Op::cpu`],
 //!   launched on CPU streams) and by [`CudaBackend`](super::CudaBackend) (every op's
-//!   [`Op::cuda`](super::Op::cuda), enqueued on CUDA streams; with the `cuda` feature off it
+//!   `Op::cuda` (feature `cuda`), enqueued on CUDA streams; with the `cuda` feature off it
 //!   exists too and every constructor returns [`AutogradError::CudaNotBuilt`](crate::AutogradError::CudaNotBuilt)).
 //! - Backends never see an unchecked op: [`Kernels`](super::Kernels), the front the tensor layer
 //!   calls, checks every operand once, for all backends ([`Op::check`]).
@@ -30,7 +30,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// The backend's name (`"cpu"`, `"cuda"`).
     fn name(&self) -> &'static str;
     /// Launches the checked `op` on `s` (the CPU backend runs [`Op::cpu`], the CUDA backend
-    /// [`Op::cuda`](super::Op::cuda)).
+    /// `Op::cuda`).
     fn launch(&self, s: &Stream, op: &dyn Op) -> Result<()>;
     /// Copies host bytes into `dst` (exactly its length), in stream order.
     fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> Result<()>;

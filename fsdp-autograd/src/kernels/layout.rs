@@ -181,10 +181,10 @@ pub(crate) mod gpu {
         /// Gathers the strided view `(offset, shape, strides)` (in elements) of `src` into the
         /// contiguous row-major `dst` (CPU: [`cpu::strided_copy`](crate::kernels::cpu::strided_copy)).
         /// Works for 2-, 4- and 8-byte element types (`f16`/`bf16`, `f32`/`i32`, `i64`), given by
-        /// `dtype`; views of up to [`MAX_VIEW_RANK`](super::MAX_VIEW_RANK) dims; strides may be 0 (broadcast).
+        /// `dtype`; views of up to [`MAX_VIEW_RANK`](crate::kernels::cuda::MAX_VIEW_RANK) dims; strides may be 0 (broadcast).
         ///
         /// # Errors
-        /// The CPU kernel's view errors, a rank above [`MAX_VIEW_RANK`](super::MAX_VIEW_RANK), a 1-byte `dtype`
+        /// The CPU kernel's view errors, a rank above [`MAX_VIEW_RANK`](crate::kernels::cuda::MAX_VIEW_RANK), a 1-byte `dtype`
         /// ([`KernelError::InvalidShape`]); buffer/stream errors; `dst` overlapping `src`.
         #[allow(clippy::too_many_arguments)]
         pub fn strided_copy(
@@ -235,7 +235,7 @@ pub(crate) mod gpu {
         /// reduce them with [`CudaKernels::col_sums`]/[`CudaKernels::sum`] instead.
         ///
         /// # Errors
-        /// The CPU kernel's view errors, a rank above [`MAX_VIEW_RANK`](super::MAX_VIEW_RANK), an overlapping view
+        /// The CPU kernel's view errors, a rank above [`MAX_VIEW_RANK`](crate::kernels::cuda::MAX_VIEW_RANK), an overlapping view
         /// ([`KernelError::InvalidShape`]); buffer/stream errors; `dst` overlapping `src`.
         pub fn strided_add_assign(
             &self,

@@ -6,7 +6,7 @@
 //! operands with their element types and counts, checked by [`Check::args`]), its CPU launch
 //! and, with the `cuda` feature, its CUDA launch. [`Kernels::launch`](super::Kernels::launch)
 //! runs the check once for every backend, then hands the op to the device's
-//! [`Backend`](super::Backend), which calls [`Op::cpu`] or [`Op::cuda`]. Adding an op therefore
+//! [`Backend`](super::Backend), which calls [`Op::cpu`] or `Op::cuda` (feature `cuda`). Adding an op therefore
 //! edits no dispatch code: not the seam's front, not the backends.
 
 use fsdp_alloc::{DType, DeviceId, Stream};

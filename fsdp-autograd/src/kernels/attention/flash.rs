@@ -118,7 +118,7 @@ fn tiles(d: usize) -> (usize, usize) {
 
 /// How the fused kernels find a head's rows (their `heads`, `packed` arguments; `flash.cu`'s
 /// `fa_rows`): every operand `[batch·heads, t, d]`, or the packed layout of a GPT's qkv
-/// projection ([`AttentionLayout::Packed`](crate::kernels::backend::AttentionLayout::Packed)):
+/// projection ([`AttentionLayout::Packed`](crate::kernels::attention::AttentionLayout::Packed)):
 /// q, k, v (and dq, dk, dv) slices of one `[batch, t, 3, heads, d]` tensor, out and dout
 /// `[batch, t, heads, d]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

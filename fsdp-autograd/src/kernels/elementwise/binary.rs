@@ -246,8 +246,9 @@ pub(crate) mod gpu {
         /// to the CPU kernel (one correctly rounded f32 addition per element).
         ///
         /// # Errors
-        /// [`KernelError::LengthMismatch`] unless all three buffers hold the same number of f32;
-        /// the buffer/stream errors of [`CudaKernelError`](super::CudaKernelError); `out` must not
+        /// [`KernelError::LengthMismatch`](crate::kernels::KernelError::LengthMismatch) unless
+        /// all three buffers hold the same number of f32;
+        /// the buffer/stream errors of [`CudaKernelError`](crate::kernels::cuda::CudaKernelError); `out` must not
         /// overlap `a` or `b`.
         pub fn add(
             &self,

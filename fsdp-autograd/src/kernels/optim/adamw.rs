@@ -175,7 +175,7 @@ pub(crate) mod gpu {
     }
 
     impl CudaKernels {
-        /// One fused AdamW step (CPU: [`cpu::optim::adamw_step`](crate::kernels::cpu::optim::adamw_step)),
+        /// One fused AdamW step (CPU: [`optim::adamw_step`](crate::kernels::optim::adamw_step)),
         /// both moments in the same launch; expected bit-identical.
         ///
         /// # Errors

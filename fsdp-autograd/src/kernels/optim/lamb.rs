@@ -308,7 +308,7 @@ pub(crate) mod gpu {
 
     impl CudaKernels {
         /// LAMB's moments and direction (CPU:
-        /// [`cpu::optim::lamb_direction`](crate::kernels::cpu::optim::lamb_direction)).
+        /// [`optim::lamb_direction`](crate::kernels::optim::lamb_direction)).
         ///
         /// # Errors
         /// Length mismatches, buffer/stream errors, overlapping arguments.
@@ -353,7 +353,7 @@ pub(crate) mod gpu {
         }
 
         /// LAMB's apply with the trust ratio computed on the device from `sums[w_sq]`, `sums[u_sq]`
-        /// (CPU: [`cpu::optim::lamb_apply`](crate::kernels::cpu::optim::lamb_apply)).
+        /// (CPU: [`optim::lamb_apply`](crate::kernels::optim::lamb_apply)).
         ///
         /// # Errors
         /// Length mismatches, indices outside `sums`, buffer/stream errors, `p` overlapping `u` or

@@ -266,7 +266,7 @@ pub(crate) mod gpu {
     }
 
     impl CudaKernels {
-        /// One SGD step (CPU: [`cpu::optim::sgd_step`](crate::kernels::cpu::optim::sgd_step)),
+        /// One SGD step (CPU: [`optim::sgd_step`](crate::kernels::optim::sgd_step)),
         /// expected bit-identical. `buf` is the momentum buffer (required with momentum, ignored
         /// without); `first`: it holds no history yet.
         ///

@@ -95,7 +95,7 @@ pub(crate) mod gpu {
 
     impl CudaKernels {
         /// Grad-scaler unscale: `g *= inv`, `found_inf[0] = 1` where an element was inf or NaN
-        /// (CPU: [`cpu::optim::unscale`](crate::kernels::cpu::optim::unscale)).
+        /// (CPU: [`optim::unscale`](crate::kernels::optim::unscale)).
         ///
         /// # Errors
         /// A flag of another size than one element, buffer/stream errors, overlap.
