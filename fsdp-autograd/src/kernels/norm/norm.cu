@@ -151,3 +151,73 @@ extern "C" __global__ void layer_norm_bwd_params_t(u64 types, u64 rows, u64 cols
                   LnParamsSrc{x, mean, rstd, dy, cols, ty_of(types, 0), ty_of(types, 3)}, dgamma,
                   dbeta, ty_of(types, 4), ty_of(types, 5));
 }
+
+// ---------------------------------------------------------------------------------------------
+// RMS norm (Llama): y = x * rstd * gamma, rstd = 1 / sqrt(mean(x^2) + eps) per row, computed in
+// f32 with the row sums in f64 over block_sum's fixed tree (the CPU kernel, kernels/norm/
+// rms_norm.rs, adds in the same lane-then-tree order, so the bits match), each output rounded
+// once. One block per row; dgamma is a column reduction in row order (col_reduce), as on the CPU.
+// Typed only: all-f32 operands have the code word 0.
+
+// Operand codes in `types`: x 0, gamma 1, y 2 (rstd, 3, is f32).
+extern "C" __global__ void rms_norm_fwd(u64 types, u64 rows, u64 cols, float eps, const void* x,
+                                        const void* gamma, void* y, float* rstd) {
+    __shared__ double shd[BLOCK];
+    const unsigned tx = ty_of(types, 0), tg = ty_of(types, 1), ty = ty_of(types, 2);
+    ROW_LOOP(r, rows) {
+        const u64 o = r * cols;
+        double acc = 0.0;
+        COL_LOOP(j, cols) {
+            double v = (double)ld_t(x, o + j, tx);
+            acc = acc + v * v;
+        }
+        double ss = block_sum(acc, shd);
+        float rs = (float)(1.0 / sqrt(ss / (double)cols + (double)eps));
+        if (threadIdx.x == 0) rstd[r] = rs;
+        COL_LOOP(j, cols) st_t(y, o + j, ty, ld_t(x, o + j, tx) * rs * ld_t(gamma, j, tg));
+    }
+}
+
+// dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * gamma.
+// Operand codes in `types`: x 0, gamma 1, dy 3, dx 4 (rstd, 2, is f32).
+extern "C" __global__ void rms_norm_bwd_dx(u64 types, u64 rows, u64 cols, const void* x,
+                                           const void* gamma, const float* rstd, const void* dy,
+                                           void* dx) {
+    __shared__ double shd[BLOCK];
+    const unsigned tx = ty_of(types, 0), tg = ty_of(types, 1), tdy = ty_of(types, 3),
+                   tdx = ty_of(types, 4);
+    ROW_LOOP(r, rows) {
+        const u64 o = r * cols;
+        const float rs = rstd[r];
+        double acc = 0.0;
+        COL_LOOP(j, cols) {
+            float g = ld_t(dy, o + j, tdy) * ld_t(gamma, j, tg);
+            acc = acc + (double)g * (double)ld_t(x, o + j, tx);
+        }
+        float k = (float)(block_sum(acc, shd) / (double)cols) * rs * rs;
+        COL_LOOP(j, cols) {
+            float g = ld_t(dy, o + j, tdy) * ld_t(gamma, j, tg);
+            st_t(dx, o + j, tdx, rs * (g - ld_t(x, o + j, tx) * k));
+        }
+    }
+}
+
+// What rms_norm_bwd_dgamma adds: dy * (x * rstd[r]).
+struct RmsGammaSrc {
+    const void* x;
+    const float* rstd;
+    const void* dy;
+    u64 cols;
+    unsigned tx, tdy;
+    __device__ void load(u64 r, u64 j, float* v) const {
+        v[0] = ld_t(dy, r * cols + j, tdy) * (ld_t(x, r * cols + j, tx) * rstd[r]);
+    }
+};
+
+// dgamma[j] = sum_r dy * (x * rstd), rows in order (see col_reduce).
+// Operand codes in `types`: x 0, dy 2, dgamma 3 (rstd, 1, is f32).
+extern "C" __global__ void rms_norm_bwd_dgamma(u64 types, u64 rows, u64 cols, const void* x,
+                                               const float* rstd, const void* dy, void* dgamma) {
+    col_reduce<1>(rows, cols, RmsGammaSrc{x, rstd, dy, cols, ty_of(types, 0), ty_of(types, 2)},
+                  dgamma, dgamma, ty_of(types, 3), TY_F32);
+}

@@ -54,6 +54,7 @@ use crate::kernels::loss::gpu::{
 use crate::kernels::norm::layer_norm::gpu::{
     plan_layer_norm, plan_layer_norm_backward, plan_layer_norm_backward_t, plan_layer_norm_t,
 };
+use crate::kernels::norm::rms_norm::gpu::{plan_rms_norm, plan_rms_norm_backward};
 use crate::kernels::norm::softmax::gpu::{plan_softmax, plan_softmax_backward};
 use crate::kernels::optim::adamw::gpu::plan_adamw;
 use crate::kernels::optim::lamb::gpu::{plan_lamb_apply, plan_lamb_direction};
@@ -448,6 +449,34 @@ impl EmuExec {
                 *cols as u64,
                 *eps,
                 [x.0, gamma.0, beta.0, y.0, *mean, *rstd].map(d),
+            ),
+            TypedOp::RmsNorm {
+                x,
+                gamma,
+                y,
+                rstd,
+                cols,
+                eps,
+            } => plan_rms_norm(
+                [c(x), c(gamma), c(y)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                *eps,
+                [x.0, gamma.0, y.0, *rstd].map(d),
+            ),
+            TypedOp::RmsNormBackward {
+                x,
+                gamma,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                cols,
+            } => plan_rms_norm_backward(
+                [c(x), c(gamma), c(dy), c(dx), c(dgamma)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                [x.0, gamma.0, *rstd, dy.0, dx.0, dgamma.0].map(d),
             ),
             TypedOp::CrossEntropy { .. }
             | TypedOp::CrossEntropyBackward { .. }

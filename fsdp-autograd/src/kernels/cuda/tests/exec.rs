@@ -366,6 +366,23 @@ pub(super) enum TypedOp {
         dbeta: TH,
         cols: usize,
     },
+    RmsNorm {
+        x: TH,
+        gamma: TH,
+        y: TH,
+        rstd: H,
+        cols: usize,
+        eps: f32,
+    },
+    RmsNormBackward {
+        x: TH,
+        gamma: TH,
+        rstd: H,
+        dy: TH,
+        dx: TH,
+        dgamma: TH,
+        cols: usize,
+    },
     Embedding {
         ids: H,
         table: TH,

@@ -37,6 +37,7 @@ use crate::kernels::gemm::gpu::col_major_gemm;
 use crate::kernels::gemm::Gemm;
 use crate::kernels::layout::gpu::is_injective;
 use crate::kernels::norm::layer_norm::gpu::LAYER_NORM_BWD_PARAMS;
+use crate::kernels::norm::rms_norm::gpu::RMS_NORM_BWD_DGAMMA;
 use crate::kernels::program::{all, source};
 use crate::kernels::reduce::col_sums::gpu::COL_SUMS;
 use cases::{assert_close, Rng};
@@ -82,6 +83,7 @@ on_both!(
     gelu_exact,
     softmax,
     layer_norm,
+    rms_norm,
     embedding,
     embedding_bad_ids,
     cross_entropy,
@@ -181,6 +183,8 @@ fn column_group_matches_the_source() {
 #[test]
 fn column_reductions_loop_over_groups() {
     use crate::kernels::norm::layer_norm::gpu::plan_layer_norm_backward;
+    use crate::kernels::norm::rms_norm::gpu::plan_rms_norm_backward;
+    use crate::kernels::norm::rms_norm_backward;
     use crate::kernels::reduce::col_sums::gpu::plan_col_sums;
     use cases::assert_bits;
     use exec::{down_f32, nan_f32, up_f32};
@@ -201,7 +205,7 @@ fn column_reductions_loop_over_groups() {
                 kernel, grid: g, ..
             } = step
             {
-                if [COL_SUMS, LAYER_NORM_BWD_PARAMS].contains(kernel) {
+                if [COL_SUMS, LAYER_NORM_BWD_PARAMS, RMS_NORM_BWD_DGAMMA].contains(kernel) {
                     *g = grid;
                 }
             }
@@ -246,6 +250,22 @@ fn column_reductions_loop_over_groups() {
         e.exec(&with_grid(plan, grid));
         assert_bits(&format!("dgamma grid {grid}"), &down_f32(&mut e, dg), &wdg);
         assert_bits(&format!("dbeta grid {grid}"), &down_f32(&mut e, db), &wdb);
+
+        let (dx, dg) = (nan_f32(&mut e, x.len()), nan_f32(&mut e, cols));
+        let plan = plan_rms_norm_backward(
+            [0; 5],
+            rows as u64,
+            cols as u64,
+            [hx, hg, hr, hdy, dx, dg].map(addr),
+        );
+        e.exec(&with_grid(plan, grid));
+        let (mut rdx, mut rdg) = (vec![0.0; x.len()], vec![0.0; cols]);
+        rms_norm_backward(&x, &gamma, &rstd, &dy, &mut rdx, &mut rdg, cols).unwrap();
+        assert_bits(
+            &format!("rms dgamma grid {grid}"),
+            &down_f32(&mut e, dg),
+            &rdg,
+        );
     }
 }
 
@@ -415,6 +435,7 @@ fn plans_are_well_formed() {
     use crate::kernels::embedding::gpu::{plan_embedding, plan_embedding_backward};
     use crate::kernels::loss::gpu::{plan_cross_entropy, plan_cross_entropy_backward};
     use crate::kernels::norm::layer_norm::gpu::{plan_layer_norm, plan_layer_norm_backward};
+    use crate::kernels::norm::rms_norm::gpu::{plan_rms_norm, plan_rms_norm_backward};
     use crate::kernels::norm::softmax::gpu::plan_softmax;
     use crate::kernels::reduce::col_sums::gpu::plan_col_sums;
     use crate::kernels::reduce::sum::gpu::plan_sum;
@@ -428,6 +449,9 @@ fn plans_are_well_formed() {
         plan_softmax(100_000, 3, p(1), p(2)),
         plan_layer_norm(4, 4, 1e-5, [1, 2, 3, 4, 5, 6].map(p)),
         plan_layer_norm_backward(4, 4, [1, 2, 3, 4, 5, 6, 7, 8].map(p)),
+        plan_rms_norm([1, 2, 0], 4, 4, 1e-5, [1, 2, 3, 4].map(p)),
+        plan_rms_norm_backward([0; 5], 4, 4, [1, 2, 3, 4, 5, 6].map(p)),
+        plan_rms_norm_backward([0; 5], 0, 4, [1, 2, 3, 4, 5, 6].map(p)),
         plan_embedding(9, 4, 5, p(1), p(2), p(3)).0,
         plan_embedding_backward(9, 4, 5, p(1), p(2), p(3)).0,
         plan_embedding_backward(0, 4, 5, p(1), p(2), p(3)).0,
