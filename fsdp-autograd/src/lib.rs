@@ -4,8 +4,8 @@
 //! - [`Tensor`], [`Storage`]: layout, storage release/attach (FSDP's `resize_(0)`), version
 //!   counters, constructors and readback.
 //! - [`with_stream`], [`no_grad`]: the thread's current stream and grad mode.
-//! - tensor operations (methods on [`Tensor`] plus [`linear`], [`layer_norm`], [`embedding`],
-//!   [`causal_attention`], [`cross_entropy`]), each with its backward.
+//! - tensor operations (methods on [`Tensor`] plus [`linear`], [`layer_norm`], [`rms_norm`],
+//!   [`embedding`], [`causal_attention`], [`cross_entropy`]), each with its backward.
 //! - [`autograd`]: the engine, hooks, [`queue_callback`], [`checkpoint`], [`custom_op`].
 //! - [`Parameter`], [`InitContext`]: named parameters with recorded [`init::InitOp`]s, created
 //!   eagerly on a device or on a fake device (recorded only).
@@ -66,7 +66,7 @@ pub use context::{
 pub use error::{AutogradError, HookError, Result};
 pub use kernels::Gelu;
 pub use ops::{
-    causal_attention, causal_attention_qkv, cross_entropy, embedding, layer_norm, linear,
+    causal_attention, causal_attention_qkv, cross_entropy, embedding, layer_norm, linear, rms_norm,
 };
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

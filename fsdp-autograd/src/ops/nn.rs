@@ -209,7 +209,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
 /// RMS normalization over the last dimension (Llama's `RMSNorm`): `x · rstd · gamma` with
 /// `rstd = 1/√(mean(x²) + eps)` per row, `gamma` of shape `[D]` (same dtype as `x`). Computed in
 /// `f32` (the row sums in `f64`) and rounded once to `x`'s dtype; bit for bit the same on the CPU
-/// and CUDA kernels (the body of [`Tensor::rms_norm`]).
+/// and CUDA kernels. Also [`Tensor::rms_norm`] and the module [`crate::nn::RmsNorm`].
 pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f32) -> Result<Tensor> {
     let op = "rms_norm";
     check_pair(op, x, gamma)?;
