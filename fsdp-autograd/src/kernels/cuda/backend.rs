@@ -11,13 +11,7 @@ mod imp {
 
     use crate::error::{AutogradError, Result};
     use crate::kernels::backend::Backend;
-
-    /// The CUDA kernels behind the seam. This build has no CUDA support: no value of this type
-    /// can be created, and [`CudaBackend::for_device`] says so.
-    #[derive(Debug)]
-    pub struct CudaBackend {
-        _never: std::convert::Infallible,
-    }
+    use crate::kernels::cuda::CudaBackend;
 
     impl CudaBackend {
         /// The backend of a CUDA device.
@@ -32,9 +26,6 @@ mod imp {
         }
     }
 }
-
-#[cfg(not(feature = "cuda"))]
-pub use imp::CudaBackend;
 
 #[cfg(feature = "cuda")]
 mod imp {

@@ -169,8 +169,16 @@
 // says CUDA was not built); the kernels below it only with the feature.
 mod backend;
 mod config;
+
+/// The CUDA kernels behind the seam. This build has no CUDA support (the `cuda` feature is off):
+/// no value of this type can be created, and [`CudaBackend::for_device`] says so. (Defined here
+/// rather than in `backend.rs` so that ops naming `cuda::CudaBackend` do not import the file that
+/// implements the `Backend` trait, which imports the ops' shapes.)
 #[cfg(not(feature = "cuda"))]
-pub use backend::CudaBackend;
+#[derive(Debug)]
+pub struct CudaBackend {
+    _never: std::convert::Infallible,
+}
 pub use config::{
     allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, FUSED_ATTENTION_MAX_D,
 };
