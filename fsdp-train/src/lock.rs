@@ -141,6 +141,7 @@ impl Lock {
             lock: lock_file.to_path_buf(),
             source,
         };
+        let mut told = false;
         loop {
             let mut file = OpenOptions::new()
                 .read(true)
@@ -162,21 +163,20 @@ impl Lock {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     let pid = holder(&mut file);
-                    match on_wait.as_mut() {
-                        None => {
-                            return Err(LockError::Held {
-                                what: what.to_string(),
-                                target: target.to_path_buf(),
-                                lock: lock_file.to_path_buf(),
-                                pid,
-                            })
-                        }
-                        Some(f) => {
-                            f(pid);
-                            on_wait = None;
-                            flock(&file, libc::LOCK_EX).map_err(io)?;
-                        }
+                    let Some(f) = on_wait.as_mut() else {
+                        return Err(LockError::Held {
+                            what: what.to_string(),
+                            target: target.to_path_buf(),
+                            lock: lock_file.to_path_buf(),
+                            pid,
+                        });
+                    };
+                    // Said once, however often the holder changes while we wait.
+                    if !told {
+                        f(pid);
+                        told = true;
                     }
+                    flock(&file, libc::LOCK_EX).map_err(io)?;
                 }
                 Err(e) => return Err(io(e)),
             }
