@@ -4,6 +4,9 @@
 //!
 //! Concurrency is made deterministic by waiting for what the first process shows (its lock file
 //! holding its pid, its first metrics lines, its temporary file), never by sleeping and hoping.
+//!
+//! `TRAIN_GPT_UNDER_TEST=PATH` runs the suite against another `train_gpt` binary (an older
+//! build, to see each test fail there); by default it is this package's own.
 
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -34,7 +37,9 @@ const TINY: [&str; 12] = [
 const LIMIT: Duration = Duration::from_secs(120);
 
 fn train_gpt(dir: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_train_gpt"));
+    let bin = std::env::var_os("TRAIN_GPT_UNDER_TEST")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_train_gpt").into());
+    let mut c = Command::new(bin);
     c.current_dir(dir).stdin(Stdio::null());
     c
 }
