@@ -312,4 +312,69 @@ mod tests {
             dir.path().canonicalize().unwrap().join(DIR_LOCK)
         );
     }
+
+    /// Regression (d23a05f): a waiting taker whose holder removed the lock file, after a third
+    /// taker made and locked a new one, keeps waiting for the third (said once) instead of
+    /// answering "held". Deterministic: the test waits until the kernel shows the waiter
+    /// blocked on the new file (`/proc/locks`) before the third lets go.
+    #[test]
+    fn a_waiter_keeps_waiting_when_a_third_taker_holds_the_new_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("t.bin");
+        let lf = file_lock_path(&out);
+        let first = Lock::try_take("token cache", &out, &lf).unwrap();
+        let lf2 = lf.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            let mut calls = 0;
+            let r = Lock::wait("token cache", Path::new("t.bin"), &lf2, &mut |_| {
+                calls += 1;
+                let _ = tx.send(());
+            });
+            (r.map(|l| l.path().to_path_buf()), calls)
+        });
+        rx.recv().unwrap();
+        let old_ino = std::fs::metadata(&lf).unwrap().ino();
+        wait_blocked_on(old_ino);
+        // The first holder's exit as another process would do it: the path removed, then a
+        // third taker creates and locks a new file there before the waiter looks again.
+        std::fs::remove_file(&lf).unwrap();
+        let third = Lock::try_take("token cache", &out, &lf).unwrap();
+        let new_ino = std::fs::metadata(&lf).unwrap().ino();
+        assert_ne!(new_ino, old_ino);
+        drop(first); // releases the old file (not ours any more: the path is left alone)
+        assert!(lf.exists());
+        wait_blocked_on(new_ino);
+        assert!(
+            !waiter.is_finished(),
+            "the waiter still waits for the third"
+        );
+        drop(third);
+        let (r, calls) = waiter.join().unwrap();
+        assert_eq!(r.unwrap(), lf, "the waiter gets the lock");
+        assert_eq!(calls, 1, "the wait is announced once");
+    }
+
+    /// Polls `/proc/locks` until some taker is blocked (`->`) on an flock of inode `ino`.
+    fn wait_blocked_on(ino: u64) {
+        let t0 = std::time::Instant::now();
+        let suffix = format!(":{ino}");
+        loop {
+            let locks = std::fs::read_to_string("/proc/locks").unwrap();
+            let blocked = locks.lines().any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.get(1) == Some(&"->")
+                    && f.get(2) == Some(&"FLOCK")
+                    && f.get(6).is_some_and(|dev_ino| dev_ino.ends_with(&suffix))
+            });
+            if blocked {
+                return;
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "no taker blocked on inode {ino}:\n{locks}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
 }
