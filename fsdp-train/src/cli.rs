@@ -81,8 +81,9 @@ pub struct ModelArgs {
     #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1_048_576))]
     pub vocab: Option<u64>,
     /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
-    #[arg(long, value_enum, default_value_t = GeluArg::Exact)]
-    pub gelu: GeluArg,
+    /// [default: exact; with --init-from: the model's, and a --gelu that differs is refused]
+    #[arg(long, value_enum)]
+    pub gelu: Option<GeluArg>,
     /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
     #[arg(long)]
     pub tied: bool,
@@ -318,6 +319,10 @@ pub struct LoggingArgs {
     /// text)
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
+    /// Replace an existing --metrics file or --export-hf model (both are refused otherwise;
+    /// with --resume, --metrics lines are appended)
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print a step line every N steps (default: about 12 lines per run)
     #[arg(long, value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
@@ -558,21 +563,19 @@ impl Cli {
         if m.tied {
             gpt = gpt.with_tied(true);
         }
-        apply_gelu(&mut gpt, m.gelu);
+        apply_gelu(&mut gpt, m.gelu.unwrap_or(GeluArg::Exact));
         if m.activation_checkpointing {
             gpt = gpt.with_checkpoint(true);
         }
         // `--plan` without `--apply` builds nothing: any model size and rank count may be planned.
         let plan_only = self.planning.plan && !self.planning.apply;
-        let shaped = m.d_model.is_some()
-            || m.layers.is_some()
-            || m.heads.is_some()
-            || m.tied
-            || m.gelu != GeluArg::Exact;
-        let interop = self
+        let shaped = m.d_model.is_some() || m.layers.is_some() || m.heads.is_some() || m.tied;
+        let mut interop = self
             .interop
             .resolve(&mut gpt, m.vocab, m.seq_len, shaped)
             .map_err(UsageError)?;
+        // With --init-from the model's own GELU is used; a --gelu given is checked against it.
+        interop.gelu = m.gelu.map(|_| gpt.gelu);
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
                 "--d-model {} is not divisible by --heads {}",

@@ -80,7 +80,7 @@ impl InteropArgs {
         if self.init_from.is_some() && shape_overridden {
             return Err(
                 "--init-from takes the model's shape from its config.json; drop --d-model, \
-                 --layers, --heads, --tied and --gelu"
+                 --layers, --heads and --tied"
                     .into(),
             );
         }
@@ -91,8 +91,33 @@ impl InteropArgs {
             seq_len: explicit_seq.map(|t| t as usize),
             export_hf: self.export_hf.clone(),
             sample_every: self.sample_every as usize,
+            gelu: None,
         })
     }
+}
+
+/// With `--init-from` and `--gelu`: refuses a `--gelu` that is not the model's
+/// (`activation_function` of its config.json), either way round. `Err` is a usage message;
+/// a model that cannot be opened is left to [`prepare`] to report.
+pub fn check_gelu(c: &TrainConfig) -> Result<(), String> {
+    let (Some(p), Some(want)) = (&c.interop.init_from, c.interop.gelu) else {
+        return Ok(());
+    };
+    let Ok(ck) = HfCheckpoint::open(p) else {
+        return Ok(());
+    };
+    let has = ck.config.gelu;
+    if has != want {
+        return Err(format!(
+            "--gelu {} but the --init-from model {} uses the {} GELU (config.json); drop \
+             --gelu (the model's own is used) or give --gelu {}",
+            want.name(),
+            ck.path().display(),
+            has.name(),
+            has.name()
+        ));
+    }
+    Ok(())
 }
 
 /// Before training (exit 1 on error): with `--init-from`, opens and checks the checkpoint and
@@ -137,12 +162,14 @@ pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
             format: DataFormat::Text,
             val_fraction,
         } if i.tokenizer == Tokenizer::Gpt2 => {
-            let (bin, reused) = crate::tokenizer::gpt2_bin(path)?;
-            notes.push(format!(
-                "tokenizer: gpt2; {} {}",
-                if reused { "reusing" } else { "wrote" },
-                bin.display()
-            ));
+            let (bin, how) = crate::tokenizer::gpt2_bin(path, &mut |pid| {
+                let who = pid.map_or("another process".into(), |p| format!("process {p}"));
+                println!(
+                    "tokenizer: waiting for {who}, which is writing the token cache of {}",
+                    path.display()
+                );
+            })?;
+            notes.push(format!("tokenizer: gpt2; {how} {}", bin.display()));
             DataSpec::File {
                 path: bin,
                 format: DataFormat::U16,

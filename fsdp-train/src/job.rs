@@ -353,6 +353,8 @@ pub struct Interop {
     pub export_hf: Option<PathBuf>,
     /// `--sample-every` (0: never).
     pub sample_every: usize,
+    /// `--gelu` when given (with `--init-from`: it must be the model's).
+    pub gelu: Option<fsdp_autograd::nn::Gelu>,
 }
 
 /// A command line that parses but does not make sense (exit 2, like clap's own errors).

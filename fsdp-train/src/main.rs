@@ -19,14 +19,22 @@
 //! from [`data`], checkpointing through [`ckpt`]), and **report** it ([`report`](mod@report): banner, step
 //! lines, summary, `--json`; [`kernel_times`]).
 
+// First, so that its never-panicking `print!`/`println!`/`eprintln!` shadow the standard ones in
+// every module below (issue #37, 9: a closed stdout must not stop training).
+#[macro_use]
+mod out;
+
 mod ckpt;
+mod cleanup;
 mod cli;
 mod cuda;
 mod data;
 mod hf;
+mod input;
 mod interop;
 mod job;
 mod kernel_times;
+mod lock;
 mod optim;
 mod paths;
 mod plan;
@@ -51,7 +59,8 @@ use crate::resolve::{Exit, Resolved};
 
 fn main() -> ExitCode {
     // `train_gpt sample …`: generation (module `sample`), its own flags.
-    if std::env::args().nth(1).as_deref() == Some("sample") {
+    // OS strings: a non-UTF-8 argument is clap's to report (one line, exit 2), never a panic.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "sample") {
         return sample_main();
     }
     let cli = match Cli::try_parse() {
@@ -77,6 +86,8 @@ struct Done {
     probe: Option<Probe>,
     /// The model's own parameter count.
     params: u64,
+    /// The outputs' locks, held until the last output (`--plot`) is written.
+    _locks: paths::Locks,
 }
 
 /// Prints the banner and trains: the GEMM probe first on CPU ranks, each rank's matmul threads,
@@ -87,12 +98,14 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         config: c,
         probe,
         primary,
+        locks,
     } = job;
     let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
+        // Appended to with --resume, replaced with --overwrite (`paths::check_existing` refused
+        // anything else that holds earlier lines).
         Some(p) => Some((
             p.clone(),
-            std::fs::File::create(p)
-                .map_err(|e| Exit::error(format!("--metrics {}: {e}", p.display())))?,
+            report::open_metrics(p, c.resume && !cli.logging.overwrite).map_err(Exit::error)?,
         )),
         None => None,
     };
@@ -135,6 +148,7 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         wall,
         probe,
         params,
+        _locks: locks,
     }))
 }
 
@@ -146,6 +160,7 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
         wall,
         probe,
         params,
+        _locks,
     }) = done
     else {
         return Ok(());
@@ -182,7 +197,7 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
 
 /// `train_gpt sample …` (module [`sample`]).
 fn sample_main() -> ExitCode {
-    let cli = match sample::SampleCli::try_parse_from(std::env::args().skip(1)) {
+    let cli = match sample::SampleCli::try_parse_from(std::env::args_os().skip(1)) {
         Ok(c) => c,
         Err(e) => return resolve::parse_failure("train_gpt sample", e),
     };

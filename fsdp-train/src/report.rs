@@ -48,7 +48,7 @@
 //! (`gemm_probe_device`: `"cpu"` or `"cuda:0"`) and dtype (`gemm_probe_dtype`).
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{LineWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -101,13 +101,32 @@ pub fn step_line(r: &StepRecord) -> String {
     line
 }
 
+/// Opens the `--metrics` file: appending to it (`--resume`: the resumed run's lines follow the
+/// earlier ones) or replacing it. Whether an existing file may be replaced was decided before
+/// (`paths::check_existing`).
+///
+/// # Errors
+/// The path and the OS error.
+pub fn open_metrics(path: &Path, append: bool) -> Result<File, String> {
+    let mut o = std::fs::OpenOptions::new();
+    o.create(true);
+    if append {
+        o.append(true);
+    } else {
+        o.write(true).truncate(true);
+    }
+    o.open(path)
+        .map_err(|e| format!("--metrics {}: {e}", path.display()))
+}
+
 /// Rank 0's observer of the real program: progress bar on a terminal (else plain lines every
-/// `every` steps, on the first and on the last) and the metrics file.
+/// `every` steps, on the first and on the last) and the metrics file, each line written through
+/// to the file as the step ends (an interrupted run leaves every completed step's line).
 pub struct Console {
     bar: Option<ProgressBar>,
     every: usize,
     total: usize,
-    metrics: Option<(PathBuf, BufWriter<File>)>,
+    metrics: Option<(PathBuf, LineWriter<File>)>,
     /// First error writing the metrics file (reported at the end; training goes on).
     metrics_error: Option<String>,
 }
@@ -130,7 +149,7 @@ impl Console {
             bar,
             every: every.max(1),
             total: 0,
-            metrics: metrics.map(|(p, f)| (p, BufWriter::new(f))),
+            metrics: metrics.map(|(p, f)| (p, LineWriter::new(f))),
             metrics_error: None,
         }
     }

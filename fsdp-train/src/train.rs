@@ -38,13 +38,13 @@ use crate::job::{DataSpec, Observer, Quiet, Report, StepRecord, TrainConfig, Tra
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
     let g = &cfg.gpt;
     json!({
-        "lr": cfg.lr,
+        "lr": ckpt::f32_value(cfg.lr),
         "warmup_steps": cfg.warmup_steps,
-        "min_lr": cfg.min_lr,
+        "min_lr": cfg.min_lr.map(ckpt::f32_value),
         "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
         "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
                          g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
-        "optimizer": format!("{:?} {:?}", cfg.optimizer, cfg.optim_hyper),
+        "optimizer": ckpt::optimizer_value(cfg.optimizer, &cfg.optim_hyper),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
             DataSpec::Synthetic => "synthetic".to_string(),
@@ -159,14 +159,24 @@ pub fn run_job(
     }
     if !errors.is_empty() {
         // Every rank stops on the same non-finite value: report it once. Otherwise the first
-        // error that is not a peer's echo is the cause.
-        let pos = errors
-            .iter()
-            .position(|e| !matches!(e, TrainError::PeerFailed { .. }))
-            .unwrap_or(0);
+        // error that is not a peer's echo is the cause (a rank's full disk, say, rather than
+        // rank 0's "rank 1 failed to write its part: …").
+        let pos = errors.iter().position(|e| !is_echo(e)).unwrap_or(0);
         return Err(errors.swap_remove(pos));
     }
     report.ok_or_else(|| TrainError::Thread("no rank of this process returned a report".into()))
+}
+
+/// Whether `e` only passes on another rank's failure (that rank's own error is the cause).
+fn is_echo(e: &TrainError) -> bool {
+    use fsdp_core::StateDictError as S;
+    match e {
+        TrainError::PeerFailed { .. } => true,
+        TrainError::StateDict { source, .. } => {
+            matches!(**source, S::PeerFailed { .. } | S::PeerRejected { .. })
+        }
+        _ => false,
+    }
 }
 
 /// One rank's state.
@@ -459,58 +469,67 @@ impl Rank {
         Ok(())
     }
 
-    /// Loads the newest complete checkpoint, if any: returns (steps done, history).
-    fn resume(&mut self) -> Result<(usize, Vec<Value>), TrainError> {
-        let Some(dir) = self.cfg.checkpoint_dir.clone() else {
-            return Ok((0, Vec::new()));
-        };
-        let found = if self.cfg.resume_latest_valid {
-            checkpoint::latest_valid(&dir).map(|(found, skipped)| {
-                if self.rank == 0 {
-                    for s in &skipped {
-                        self.observer.note(&format!(
-                            "resume latest-valid: skipped {}: {}",
-                            s.dir.display(),
-                            s.error
-                        ));
+    /// `--resume latest-valid`: loads the newest checkpoint that loads (fsdp-core's
+    /// `load_latest_valid`: past missing, stale and damaged files, tensors whose CRC-32 does not
+    /// match included), refusing one of another run (the fingerprint) before loading it. Rank 0
+    /// notes every checkpoint skipped and why. Returns the checkpoint and what it restored.
+    fn load_latest_valid(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> Result<Option<(std::path::PathBuf, checkpoint::LoadedCheckpoint)>, TrainError> {
+        let now = fingerprint(&self.cfg);
+        // This rank's own refusal, kept typed for the message (the others get its text).
+        let mut refusal = None;
+        let mut accept = |p: &std::path::Path| {
+            ckpt::peek(p)
+                .and_then(|meta| ckpt::check_fingerprint(p, &meta, &now))
+                .map_err(|e| {
+                    let reason = e.to_string();
+                    refusal = Some(e);
+                    fsdp_core::StateDictError::Refused {
+                        path: p.to_path_buf(),
+                        reason,
                     }
-                }
-                found
-            })
-        } else {
-            checkpoint::newest(&dir)
-        };
-        let found = found
-            .map_err(self.sd_err(format!(
-                "--resume: the newest checkpoint in {} is damaged or unreadable; nothing was \
-                 loaded (`--resume latest-valid` falls back to the newest undamaged one)",
-                dir.display()
-            )))
-            .and_then(|l| match l {
-                None => Ok(None),
-                Some(path) => {
-                    let meta = ckpt::peek(&path)?;
-                    ckpt::check_fingerprint(&path, &meta, &fingerprint(&self.cfg))?;
-                    Ok(Some(path))
-                }
-            });
-        let found = self.agree(found, "finding the checkpoint")?;
-        let Some(path) = found else {
-            if self.rank == 0 {
-                self.observer.note(&format!(
-                    "resume: no checkpoint in {}, starting at step 1",
-                    dir.display()
-                ));
-            }
-            return Ok((0, Vec::new()));
+                })
         };
         let opt: Option<&mut dyn ShardedOptimizer> = if self.opt.state_slots() > 0 {
             Some(&mut *self.opt)
         } else {
             None
         };
-        let loaded = checkpoint::load(&self.fsdp, &path, opt, None)
-            .map_err(self.sd_err(format!("loading {}", path.display())))?;
+        let r = checkpoint::load_latest_valid(&self.fsdp, dir, opt, None, &mut accept);
+        let r = match (r, refusal) {
+            (Err(_), Some(mine)) => return Err(mine.into()),
+            (r, _) => r.map_err(self.sd_err(format!(
+                "--resume latest-valid: {}: nothing was loaded",
+                dir.display()
+            )))?,
+        };
+        if self.rank == 0 {
+            for s in &r.skipped {
+                self.observer.note(&format!(
+                    "resume latest-valid: skipped {}: {}",
+                    s.dir.display(),
+                    s.error
+                ));
+            }
+        }
+        Ok(r.loaded)
+    }
+
+    /// Loads the newest complete checkpoint, if any: returns (steps done, history).
+    fn resume(&mut self) -> Result<(usize, Vec<Value>), TrainError> {
+        let Some(dir) = self.cfg.checkpoint_dir.clone() else {
+            return Ok((0, Vec::new()));
+        };
+        let found = if self.cfg.resume_latest_valid {
+            self.load_latest_valid(&dir)?
+        } else {
+            self.load_newest(&dir)?
+        };
+        let Some((path, loaded)) = found else {
+            return Ok(self.fresh_start(&dir));
+        };
         self.lineage = loaded.lineage.clone();
         let meta = ckpt::parse(
             &path,
@@ -534,6 +553,53 @@ impl Rank {
             ));
         }
         Ok((step, history))
+    }
+
+    /// No checkpoint to resume from: rank 0 says so; training starts at step 1.
+    fn fresh_start(&mut self, dir: &std::path::Path) -> (usize, Vec<Value>) {
+        if self.rank == 0 {
+            self.observer.note(&format!(
+                "resume: no checkpoint in {}, starting at step 1",
+                dir.display()
+            ));
+        }
+        (0, Vec::new())
+    }
+
+    /// `--resume` (newest): loads the newest checkpoint, refused when it is damaged or of
+    /// another run; `None` when there is none.
+    fn load_newest(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> Result<Option<(std::path::PathBuf, checkpoint::LoadedCheckpoint)>, TrainError> {
+        let dir = dir.to_path_buf();
+        let found = checkpoint::newest(&dir);
+        let found = found
+            .map_err(self.sd_err(format!(
+                "--resume: the newest checkpoint in {} is damaged or unreadable; nothing was \
+                 loaded (`--resume latest-valid` falls back to the newest undamaged one)",
+                dir.display()
+            )))
+            .and_then(|l| match l {
+                None => Ok(None),
+                Some(path) => {
+                    let meta = ckpt::peek(&path)?;
+                    ckpt::check_fingerprint(&path, &meta, &fingerprint(&self.cfg))?;
+                    Ok(Some(path))
+                }
+            });
+        let found = self.agree(found, "finding the checkpoint")?;
+        let Some(path) = found else {
+            return Ok(None);
+        };
+        let opt: Option<&mut dyn ShardedOptimizer> = if self.opt.state_slots() > 0 {
+            Some(&mut *self.opt)
+        } else {
+            None
+        };
+        let loaded = checkpoint::load(&self.fsdp, &path, opt, None)
+            .map_err(self.sd_err(format!("loading {}", path.display())))?;
+        Ok(Some((path, loaded)))
     }
 
     /// The optimizer as checkpoints save and load it: only when it keeps state (plain SGD
@@ -955,6 +1021,35 @@ mod tests {
             assert_eq!(context, &format!("launching the {backend} ranks"));
             assert!(e.to_string().contains(rebuild), "{e}");
         }
+    }
+
+    /// Issue #37 (10): the error reported is the failing rank's own, not another rank's echo
+    /// of it (rank 0's "rank 1 failed to write its part" comes after rank 1's full disk).
+    #[test]
+    fn the_cause_is_reported_not_the_echo() {
+        use fsdp_core::StateDictError as S;
+        let echo = TrainError::StateDict {
+            rank: 0,
+            context: "saving".into(),
+            source: Box::new(S::PeerFailed {
+                op: "checkpoint save",
+                rank: 1,
+                reason: "No space left on device".into(),
+            }),
+        };
+        let cause = TrainError::StateDict {
+            rank: 1,
+            context: "saving".into(),
+            source: Box::new(S::Io {
+                op: "write",
+                path: "ck/x".into(),
+                source: std::io::Error::from_raw_os_error(28),
+            }),
+        };
+        assert!(is_echo(&echo) && !is_echo(&cause));
+        assert!(echo
+            .to_string()
+            .contains("rank 1 failed to write its part: No space"));
     }
 
     #[test]

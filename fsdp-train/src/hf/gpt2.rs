@@ -33,7 +33,6 @@
 //! exact one; `tie_word_embeddings` as the model has it).
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::{missing, write_model_dir, HfError, HfTensor, CONFIG, WEIGHTS};
@@ -296,7 +295,8 @@ impl HfCheckpoint {
             let p = p.to_path_buf();
             move |source| HfError::Io { path: p, source }
         };
-        let f = File::open(&file).map_err(io(&file))?;
+        // A regular file, checked on the opened file: a FIFO would block the open forever.
+        let f = crate::input::open_regular(&file).map_err(io(&file))?;
         // SAFETY: the map is read-only and private to this process; as every reader of a mapped
         // file, we rely on no other process truncating or rewriting the checkpoint while it is
         // read (a truncation would fault).
@@ -319,7 +319,7 @@ impl HfCheckpoint {
             return Err(missing(&file, &tensors, "transformer.wte.weight", EXPECTED));
         };
         let cfg_path = dir.join(CONFIG);
-        let text = std::fs::read(&cfg_path).map_err(io(&cfg_path))?;
+        let text = crate::input::read_regular(&cfg_path).map_err(io(&cfg_path))?;
         let v: Value = serde_json::from_slice(&text).map_err(|e| HfError::Config {
             path: cfg_path.clone(),
             detail: format!("not JSON: {e}"),
