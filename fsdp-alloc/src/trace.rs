@@ -437,7 +437,7 @@ pub struct TraceEvent {
     /// What ran: the op or span name.
     pub name: Label,
     /// `"work"` (stream work), `"wait"` (a stream blocked on an event), `"host"` (a span), or
-    /// on a `"gpu …"` track `"kernel"`, `"copy"`, `"nccl"` (GPU intervals).
+    /// on a `"gpu …"` track `"kernel"`, `"copy"`, `"nccl"`, `"shared-gpu"` (GPU intervals).
     pub cat: &'static str,
     /// The timeline: the recording thread's [`lane`], else the device index (the rank).
     pub pid: usize,

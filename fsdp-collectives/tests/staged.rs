@@ -7,7 +7,7 @@
 //! keeps working afterwards; splits stage too. `cargo xtask mpi-test` runs the same checks over
 //! MPI (`examples/mpi_conformance.rs`) and FSDP through it (`tests/examples/mpi_parity.rs`);
 //! the GPU form (device buffers, page-locked staging) is the `mpi-gpu` suite of `cargo xtask
-//! gpu-test` (`gpu_staged_thread_ranks_on_one_gpu_equal_the_thread_backend` below).
+//! gpu-test` (`staged::gpu_tests` in the crate's unit tests).
 
 mod common;
 
@@ -358,67 +358,4 @@ fn the_staging_device_must_be_a_cpu_device() {
     assert_eq!(s.inner().size(), 1);
     assert!(!s.staging_device().is_pinned());
     assert!(s.name().ends_with("(host-staged)"), "{}", s.name());
-}
-
-/// The `mpi-gpu` suite's staged collectives without MPI: 2 thread ranks on `cuda:0`, each with
-/// its own device and a page-locked staging device, over the thread backend, against the thread
-/// backend on CPU ranks from the same bytes: every case of [`CASES`], bit for bit. Written
-/// without a GPU; not run yet.
-#[cfg(feature = "cuda")]
-#[test]
-#[ignore = "needs a CUDA GPU: run `cargo xtask gpu-test` (FSDP_GPU_TESTS=1)"]
-fn gpu_staged_thread_ranks_on_one_gpu_equal_the_thread_backend() {
-    if std::env::var("FSDP_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set FSDP_GPU_TESTS=1 on a machine with a GPU (cargo xtask gpu-test)");
-        return;
-    }
-    let w = 2;
-    for &(op, dtype) in CASES {
-        for n in [1, 37, 3000] {
-            let want = outputs(ThreadGroup::new(w), op, dtype, n);
-            let got: Vec<Vec<u8>> = std::thread::scope(|s| {
-                let hs: Vec<_> = ThreadGroup::new(w)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(rank, g)| s.spawn(move || on_gpu(rank, g, op, dtype, n)))
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            assert_eq!(got, want, "{op:?} {dtype} W={w} n={n} on cuda:0");
-        }
-    }
-}
-
-/// Rank `rank` of the GPU test: its own `cuda:0` device, page-locked staging, `op` issued on a
-/// CUDA stream with device buffers; the output's bytes.
-#[cfg(feature = "cuda")]
-fn on_gpu(rank: usize, g: ThreadGroup, op: Op, dtype: DType, n: usize) -> Vec<u8> {
-    let gpu = Device::cuda(0).expect("FSDP_GPU_TESTS=1 but no cuda:0");
-    let pinned = Device::cpu_pinned(20_000 + rank, DeviceConfig::default(), &gpu).unwrap();
-    let pg = HostStaged::new(Arc::new(g), pinned).unwrap();
-    let st = gpu.new_stream("comm");
-    let ctx = Arc::clone(st.cuda_stream().expect("a CUDA stream").context());
-    let make = |bytes: Vec<u8>| {
-        let b = gpu.alloc(bytes.len(), &st).unwrap();
-        ctx.bind_to_thread().unwrap();
-        let ptr = b.data().device_ptr().expect("device memory");
-        // SAFETY: `ptr` is the first of `bytes.len()` bytes of a new device allocation of this
-        // context that no work uses yet (the copy is synchronous).
-        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, &bytes) }.unwrap();
-        let s = DeviceSlice::from_buffer(&b, dtype).unwrap();
-        (b, s)
-    };
-    let (work, out, _keep) = issue(&pg, op, dtype, n, &st, &make);
-    work.wait()
-        .unwrap_or_else(|e| panic!("{op:?} {dtype} rank {rank}: {e}"));
-    st.synchronize().unwrap();
-    let mut host = vec![0u8; out.nbytes()];
-    ctx.bind_to_thread().unwrap();
-    // SAFETY: `out` is `host.len()` bytes of device memory of this context, and its stream has
-    // been synchronized.
-    unsafe {
-        cudarc::driver::result::memcpy_dtoh_sync(&mut host, out.data().device_ptr().unwrap())
-    }
-    .unwrap();
-    host
 }

@@ -46,6 +46,9 @@
 //! function differs by device kind. `FSDP_HOST_STAGING=1` makes
 //! [`Seat::join_for`](crate::Seat::join_for) stage CPU ranks too, for exactly that test.
 
+#[cfg(all(test, feature = "cuda"))]
+mod gpu_tests;
+
 use std::sync::{Arc, Mutex};
 
 use fsdp_alloc::{Buffer, BufferRef, Device, DeviceId, Event, Stream};
