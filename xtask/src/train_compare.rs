@@ -435,7 +435,9 @@ fn mpi_gpu(bin: &Path, out: &Path) -> Result<(), String> {
                 "mpi-gpu {}: mpirun -n {MPI_RANKS} on one GPU (CUDA_VISIBLE_DEVICES={gpu})",
                 case.name
             ),
+            // In the scratch directory: the bundle runs where the source tree does not exist.
             mpirun(MPI_RANKS)
+                .current_dir(out)
                 .args(["-x", &format!("CUDA_VISIBLE_DEVICES={gpu}")])
                 .arg(bin)
                 .args(["--backend", "mpi", "--device", "cuda"])
