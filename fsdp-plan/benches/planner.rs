@@ -287,7 +287,7 @@ fn cluster(links: Links, flops: f64) -> Cluster {
 
 fn main() {
     // Four ranks share the machine's cores: one matmul thread each.
-    fsdp_autograd::kernels::cpu::set_matmul_threads(1);
+    fsdp_autograd::kernels::gemm::set_matmul_threads(1);
     let rounds: usize = std::env::var("PLANNER_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -63,7 +63,9 @@ use fsdp_autograd::{current_stream, Parameter, Tensor};
 
 use crate::error::{ArgumentError, DeviceError, ExpectedDevice, FsdpError, Result, StateError};
 use fsdp_alloc::Stream;
-use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand, SqPiece};
+use fsdp_autograd::kernels::elementwise::ScaleInplace;
+use fsdp_autograd::kernels::optim::{SqPiece, SumSquares};
+use fsdp_autograd::kernels::{Kernels, Operand};
 
 use super::sharded::{
     all_reduce_sum, f32_mem, f32_operand, kernels_for, launch_f32, read_after, sum_sq, zeros_on,
@@ -135,7 +137,7 @@ fn per_param_sq(model: &dyn ShardedParams, grads: bool, op: &str) -> Result<Vec<
             })
         })
         .collect();
-    let l = Launch::SumSquares {
+    let l = SumSquares {
         xs: &reads,
         pieces: &pieces,
         out: &out,
@@ -207,7 +209,7 @@ pub fn grad_norm(model: &dyn ShardedParams) -> Result<f64> {
         .collect();
     let acc = zeros_on(1, model.shard_device(), &stream)?;
     let out = f32_operand(&acc, OP, "the norm sum", &stream)?;
-    let l = Launch::SumSquares {
+    let l = SumSquares {
         xs: &reads,
         pieces: &pieces,
         out: &out,
@@ -243,7 +245,7 @@ fn check_max_norm(op: &str, max_norm: f64) -> Result<()> {
 
 /// `g ← c·g` in place through the seam (`ScaleInplace`: one f32 product per element).
 fn scale_inplace(k: &Kernels, stream: &Stream, g: &Operand, c: f32) -> Result<()> {
-    let l = Launch::ScaleInplace {
+    let l = ScaleInplace {
         n: g.numel(),
         alpha: c,
         y: g,

@@ -6,7 +6,7 @@
 use std::ops::{Deref, DerefMut, Range};
 
 use fsdp_alloc::{Device, Stream};
-use fsdp_autograd::kernels::backend::Operand;
+use fsdp_autograd::kernels::Operand;
 use fsdp_autograd::{current_stream, Parameter, Tensor};
 use fsdp_collectives::Work;
 

@@ -20,7 +20,7 @@
 //!
 //! # Where the math runs
 //! Every update is a kernel *launched through the kernel seam*
-//! (`fsdp_autograd::kernels::backend::Launch::{SgdStep, AdamWStep, LambDirection, LambApply,
+//! (the ops `fsdp_autograd::kernels::optim::{SgdStep, AdamWStep, LambDirection, LambApply,
 //! SumSquares}`) on the device holding the shards — CPU or CUDA — on the model's optimizer
 //! stream ([`ShardedParams::optimizer_stream`]: the compute stream, or the host stream under CPU
 //! offload) or, for local optimizers, on the parameter device's current stream: the issuing
@@ -28,7 +28,7 @@
 //! launch per unit shard updates the parameters and every state slot (one per contiguous
 //! trainable range of the shard; a unit whose parameters are all trainable has one). The CPU
 //! kernels are the rules' host updates ([`Rule::update`], the functions of
-//! `fsdp_autograd::kernels::cpu::optim`); the CUDA kernels repeat their operations in the same
+//! `fsdp_autograd::kernels::optim`); the CUDA kernels repeat their operations in the same
 //! order without fused multiply-adds. After all units are updated the optimizer calls
 //! [`ShardedParams::params_updated`], so the next all-gather waits for the update.
 //!

@@ -4,7 +4,7 @@
 //! parameter ([`super::Local`]); a new optimizer adds a rule, not a driver.
 
 use fsdp_alloc::{Device, Stream};
-use fsdp_autograd::kernels::backend::{Kernels, Operand};
+use fsdp_autograd::kernels::{Kernels, Operand};
 
 use crate::error::{ArgumentError, FsdpError, Result, StateError};
 
@@ -71,7 +71,7 @@ pub trait Rule: Clone + std::fmt::Debug {
     fn set_lr(&mut self, lr: f32);
 
     /// Updates `p` in place on host slices: the rule's CPU kernel (the functions of
-    /// `fsdp_autograd::kernels::cpu::optim`). `state` holds one slice per slot (none if not
+    /// `fsdp_autograd::kernels::optim`). `state` holds one slice per slot (none if not
     /// [`Self::keeps_state`]), `fresh` is true when the state was just created as zeros.
     ///
     /// # Errors

@@ -59,7 +59,8 @@ use fsdp_collectives::{DeviceSlice, ReduceOp};
 use crate::error::{ArgumentError, ConfigError, FsdpError, Result, ScalerMisuse, StateError};
 use crate::optim::{LocalOptimizer, ShardedOptimizer};
 use fsdp_alloc::Stream;
-use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand};
+use fsdp_autograd::kernels::optim::Unscale;
+use fsdp_autograd::kernels::{Kernels, Operand};
 
 use super::sharded::{f32_operand, kernels_for, zeros_on, ShardedParams};
 
@@ -243,7 +244,7 @@ impl Schedule {
 /// `g ← g·inv` in place through the seam (`Unscale`); sets `flag[0] = 1` if any element was
 /// inf or NaN before scaling.
 fn unscale_on(k: &Kernels, stream: &Stream, g: &Operand, inv: f32, flag: &Operand) -> Result<()> {
-    let l = Launch::Unscale {
+    let l = Unscale {
         n: g.numel(),
         inv,
         g,
@@ -562,7 +563,7 @@ mod tests {
 
     #[test]
     fn unscale_kernel_flags_inf_and_nan() {
-        use fsdp_autograd::kernels::cpu::optim::unscale as unscale_kernel;
+        use fsdp_autograd::kernels::optim::unscale as unscale_kernel;
         let mut g = [2.0f32, 4.0];
         assert!(!unscale_kernel(&mut g, 0.5));
         assert_eq!(g, [1.0, 2.0]);

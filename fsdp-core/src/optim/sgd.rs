@@ -1,8 +1,7 @@
 //! SGD with momentum and weight decay: fsdp-autograd's [`SgdRule`] (the workspace's one SGD
 //! rule) as a [`Rule`], and the sharded and local optimizers running it.
 
-use fsdp_autograd::kernels::backend::Launch;
-use fsdp_autograd::kernels::cpu::optim::sgd_step;
+use fsdp_autograd::kernels::optim::{sgd_step, SgdStep};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::Parameter;
 
@@ -74,7 +73,7 @@ impl Rule for SgdRule {
         } else {
             None
         };
-        let l = Launch::SgdStep {
+        let l = SgdStep {
             n: a.p.numel(),
             rule: *c,
             first: a.fresh,

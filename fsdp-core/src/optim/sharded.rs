@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use fsdp_alloc::{BufferRef, DType, Device, Stream};
-use fsdp_autograd::kernels::backend::{Kernels, Operand};
+use fsdp_autograd::kernels::{Kernels, Operand};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::{with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, ProcessGroup, ReduceOp, Work};
@@ -236,7 +236,7 @@ pub(crate) fn trainable_ranges(s: &UnitShard) -> Result<Vec<Range<usize>>> {
 
 // ============================================================================ sums across ranks
 
-pub(crate) use fsdp_autograd::kernels::cpu::optim::sum_sq;
+pub(crate) use fsdp_autograd::kernels::optim::sum_sq;
 
 /// All-reduces (sum) the f32 tensor `t` over the model's shard group on `stream` and returns
 /// the collective; `None` when there is nothing to reduce (`NoShard`: every rank holds whole

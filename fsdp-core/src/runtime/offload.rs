@@ -19,7 +19,7 @@
 //! only waits are device-side (a stream waiting on an event).
 
 use fsdp_alloc::{Device, DeviceId, Event, Stream};
-use fsdp_autograd::kernels::backend::Kernels;
+use fsdp_autograd::kernels::Kernels;
 use fsdp_autograd::{with_stream, Tensor};
 
 use crate::error::{ArgumentError, DeviceError, DtypeError, ExpectedDevice, FsdpError, Result};

@@ -3,12 +3,16 @@
 
 use fsdp_alloc::{BufferRef, Stream};
 
-use super::context::{expect_len, grid_rows, mul, Call, CudaKernels, Dev, Elem};
-use super::error::Result;
-use super::matmul::plan_gemm;
-use super::plan::{PArg, Plan, Ptr};
-use super::program::Kernel;
-use crate::kernels::backend::Gemm;
+use crate::kernels::cuda::context::{expect_len, mul, Call, CudaKernels, Dev, Elem};
+use crate::kernels::cuda::error::Result;
+use crate::kernels::cuda::plan::{grid_rows, PArg, Plan, Ptr};
+use crate::kernels::gemm::gpu::plan_gemm;
+use crate::kernels::gemm::Gemm;
+
+crate::kernels::cuda::kernel::declare_kernels! {
+    CAUSAL_SOFTMAX = "causal_softmax" [U64, U64, Ptr];
+    CAUSAL_SOFTMAX_BWD = "causal_softmax_bwd" [U64, U64, Ptr, Ptr];
+}
 
 /// The validated sizes of one attention call.
 struct Dims {
@@ -71,7 +75,7 @@ pub(crate) fn plan_attention(
     plan_gemm(&mut plan, op, (q, k, probs), &scores, scale)?;
     let rows = (bh * t) as u64;
     plan.launch(
-        Kernel::CausalSoftmax,
+        CAUSAL_SOFTMAX,
         grid_rows(rows),
         vec![PArg::U64(rows), PArg::U64(t as u64), PArg::Ptr(probs)],
     );
@@ -104,7 +108,7 @@ pub(crate) fn plan_attention_backward(
     plan_gemm(&mut plan, op, (dout, v, ds), &scores, 1.0)?;
     let rows = (bh * t) as u64;
     plan.launch(
-        Kernel::CausalSoftmaxBwd,
+        CAUSAL_SOFTMAX_BWD,
         grid_rows(rows),
         vec![
             PArg::U64(rows),

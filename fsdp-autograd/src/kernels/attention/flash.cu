@@ -1,7 +1,7 @@
 // ---------------------------------------------------------------------------------------------
 // Fused causal attention, FlashAttention-2 style (helper "kern", issue #25). Compiled as part of
-// the same NVRTC program as kernels.cu (program.rs appends this file to it), so it shares its
-// conventions: BLOCK threads per block, a one-dimensional grid that the kernels loop over, u64
+// the one NVRTC program (kernels/program.rs joins common.cu and every family's .cu), so it
+// uses common.cu's helpers and shares its conventions: BLOCK threads per block, a one-dimensional grid that the kernels loop over, u64
 // sizes, --fmad=false (the register-tiled kernels' products, delta and the generic backward's
 // dot products use explicit __fmaf_rn instead), no floating-point atomics.
 //

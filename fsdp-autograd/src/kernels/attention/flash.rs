@@ -22,13 +22,55 @@
 
 use fsdp_alloc::{BufferRef, DType, Stream};
 
-use super::attention::softmax_scale;
-use super::config::FUSED_ATTENTION_MAX_D;
-use super::context::{grid_for, mul, CudaKernels, Elem};
-use super::error::Result;
-use super::plan::{PArg, Plan, Ptr};
-use super::program::{Kernel, MAX_GRID};
+use super::unfused::softmax_scale;
+use crate::kernels::cuda::context::{mul, CudaKernels, Elem};
+use crate::kernels::cuda::error::Result;
+use crate::kernels::cuda::kernel::{Kernel, MAX_GRID};
+use crate::kernels::cuda::plan::{grid_for, PArg, Plan, Ptr};
+use crate::kernels::cuda::FUSED_ATTENTION_MAX_D;
 use crate::kernels::KernelError;
+
+crate::kernels::cuda::kernel::declare_kernels! {
+    FLASH_FWD_F32_LE64 = "flash_fwd_f32_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_LE64 = "flash_fwd_bf16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_LE64 = "flash_fwd_f16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F32_LE128 = "flash_fwd_f32_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_LE128 = "flash_fwd_bf16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_LE128 = "flash_fwd_f16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_PRE_F32 = "flash_bwd_pre_f32" [U64, U64, U64, U64, U64, Ptr, Ptr, Ptr];
+    FLASH_BWD_PRE_BF16 = "flash_bwd_pre_bf16" [U64, U64, U64, U64, U64, Ptr, Ptr, Ptr];
+    FLASH_BWD_PRE_F16 = "flash_bwd_pre_f16" [U64, U64, U64, U64, U64, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_LE64 = "flash_bwd_dkdv_f32_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_LE64 = "flash_bwd_dkdv_bf16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_LE64 = "flash_bwd_dkdv_f16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_LE128 = "flash_bwd_dkdv_f32_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_LE128 = "flash_bwd_dkdv_bf16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_LE128 = "flash_bwd_dkdv_f16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_LE64 = "flash_bwd_dq_f32_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_LE64 = "flash_bwd_dq_bf16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_LE64 = "flash_bwd_dq_f16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_LE128 = "flash_bwd_dq_f32_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_LE128 = "flash_bwd_dq_bf16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_LE128 = "flash_bwd_dq_f16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F32_D64 = "flash_fwd_f32_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_D64 = "flash_fwd_bf16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_D64 = "flash_fwd_f16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F32_D128 = "flash_fwd_f32_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_D128 = "flash_fwd_bf16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_D128 = "flash_fwd_f16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_D64 = "flash_bwd_dkdv_f32_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_D64 = "flash_bwd_dkdv_bf16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_D64 = "flash_bwd_dkdv_f16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_D128 = "flash_bwd_dkdv_f32_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_D128 = "flash_bwd_dkdv_bf16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_D128 = "flash_bwd_dkdv_f16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_D64 = "flash_bwd_dq_f32_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_D64 = "flash_bwd_dq_bf16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_D64 = "flash_bwd_dq_f16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_D128 = "flash_bwd_dq_f32_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_D128 = "flash_bwd_dq_bf16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_D128 = "flash_bwd_dq_f16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+}
 
 /// The element type of the fused kernels' tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +118,7 @@ fn tiles(d: usize) -> (usize, usize) {
 
 /// How the fused kernels find a head's rows (their `heads`, `packed` arguments; `flash.cu`'s
 /// `fa_rows`): every operand `[batch·heads, t, d]`, or the packed layout of a GPT's qkv
-/// projection ([`AttentionLayout::Packed`](crate::kernels::backend::AttentionLayout::Packed)):
+/// projection ([`AttentionLayout::Packed`](crate::kernels::attention::AttentionLayout::Packed)):
 /// q, k, v (and dq, dk, dv) slices of one `[batch, t, 3, heads, d]` tensor, out and dout
 /// `[batch, t, heads, d]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,37 +168,72 @@ fn register_tiled(t: usize, d: usize, rs: Option<usize>) -> bool {
 /// The kernels for `ty`, `t` and `d` (row strides up to `rs`): forward, backward preprocessing,
 /// dk/dv pass, dq pass. Both kernel families use the tiles of [`tiles`].
 fn kernels(ty: FlashType, t: usize, d: usize, rs: Option<usize>) -> [Kernel; 4] {
-    use Kernel::*;
     let pre = match ty {
-        FlashType::F32 => FlashBwdPreF32,
-        FlashType::Bf16 => FlashBwdPreBf16,
-        FlashType::F16 => FlashBwdPreF16,
+        FlashType::F32 => FLASH_BWD_PRE_F32,
+        FlashType::Bf16 => FLASH_BWD_PRE_BF16,
+        FlashType::F16 => FLASH_BWD_PRE_F16,
     };
     let [fwd, dkdv, dq] = match (ty, register_tiled(t, d, rs), d <= 64) {
-        (FlashType::F32, true, true) => [FlashFwdF32D64, FlashBwdDkdvF32D64, FlashBwdDqF32D64],
-        (FlashType::Bf16, true, true) => [FlashFwdBf16D64, FlashBwdDkdvBf16D64, FlashBwdDqBf16D64],
-        (FlashType::F16, true, true) => [FlashFwdF16D64, FlashBwdDkdvF16D64, FlashBwdDqF16D64],
-        (FlashType::F32, true, false) => [FlashFwdF32D128, FlashBwdDkdvF32D128, FlashBwdDqF32D128],
-        (FlashType::Bf16, true, false) => {
-            [FlashFwdBf16D128, FlashBwdDkdvBf16D128, FlashBwdDqBf16D128]
-        }
-        (FlashType::F16, true, false) => [FlashFwdF16D128, FlashBwdDkdvF16D128, FlashBwdDqF16D128],
-        (FlashType::F32, false, true) => [FlashFwdF32Le64, FlashBwdDkdvF32Le64, FlashBwdDqF32Le64],
-        (FlashType::Bf16, false, true) => {
-            [FlashFwdBf16Le64, FlashBwdDkdvBf16Le64, FlashBwdDqBf16Le64]
-        }
-        (FlashType::F16, false, true) => [FlashFwdF16Le64, FlashBwdDkdvF16Le64, FlashBwdDqF16Le64],
-        (FlashType::F32, false, false) => {
-            [FlashFwdF32Le128, FlashBwdDkdvF32Le128, FlashBwdDqF32Le128]
-        }
-        (FlashType::Bf16, false, false) => [
-            FlashFwdBf16Le128,
-            FlashBwdDkdvBf16Le128,
-            FlashBwdDqBf16Le128,
+        (FlashType::F32, true, true) => [
+            FLASH_FWD_F32_D64,
+            FLASH_BWD_DKDV_F32_D64,
+            FLASH_BWD_DQ_F32_D64,
         ],
-        (FlashType::F16, false, false) => {
-            [FlashFwdF16Le128, FlashBwdDkdvF16Le128, FlashBwdDqF16Le128]
-        }
+        (FlashType::Bf16, true, true) => [
+            FLASH_FWD_BF16_D64,
+            FLASH_BWD_DKDV_BF16_D64,
+            FLASH_BWD_DQ_BF16_D64,
+        ],
+        (FlashType::F16, true, true) => [
+            FLASH_FWD_F16_D64,
+            FLASH_BWD_DKDV_F16_D64,
+            FLASH_BWD_DQ_F16_D64,
+        ],
+        (FlashType::F32, true, false) => [
+            FLASH_FWD_F32_D128,
+            FLASH_BWD_DKDV_F32_D128,
+            FLASH_BWD_DQ_F32_D128,
+        ],
+        (FlashType::Bf16, true, false) => [
+            FLASH_FWD_BF16_D128,
+            FLASH_BWD_DKDV_BF16_D128,
+            FLASH_BWD_DQ_BF16_D128,
+        ],
+        (FlashType::F16, true, false) => [
+            FLASH_FWD_F16_D128,
+            FLASH_BWD_DKDV_F16_D128,
+            FLASH_BWD_DQ_F16_D128,
+        ],
+        (FlashType::F32, false, true) => [
+            FLASH_FWD_F32_LE64,
+            FLASH_BWD_DKDV_F32_LE64,
+            FLASH_BWD_DQ_F32_LE64,
+        ],
+        (FlashType::Bf16, false, true) => [
+            FLASH_FWD_BF16_LE64,
+            FLASH_BWD_DKDV_BF16_LE64,
+            FLASH_BWD_DQ_BF16_LE64,
+        ],
+        (FlashType::F16, false, true) => [
+            FLASH_FWD_F16_LE64,
+            FLASH_BWD_DKDV_F16_LE64,
+            FLASH_BWD_DQ_F16_LE64,
+        ],
+        (FlashType::F32, false, false) => [
+            FLASH_FWD_F32_LE128,
+            FLASH_BWD_DKDV_F32_LE128,
+            FLASH_BWD_DQ_F32_LE128,
+        ],
+        (FlashType::Bf16, false, false) => [
+            FLASH_FWD_BF16_LE128,
+            FLASH_BWD_DKDV_BF16_LE128,
+            FLASH_BWD_DQ_BF16_LE128,
+        ],
+        (FlashType::F16, false, false) => [
+            FLASH_FWD_F16_LE128,
+            FLASH_BWD_DKDV_F16_LE128,
+            FLASH_BWD_DQ_F16_LE128,
+        ],
     };
     [fwd, pre, dkdv, dq]
 }
