@@ -129,20 +129,22 @@ pub struct DataArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
-    /// Number of thread ranks [default: 4; with --device cuda: every visible GPU] (with
-    /// --backend mpi or nccl: the launcher's process count instead); at most 64 to train, up to
-    /// 65,536 with --plan alone
+    /// Number of thread ranks [default: 4; with --device cuda: every visible GPU; more ranks than
+    /// GPUs share cuda:0] (with --backend mpi or nccl: the launcher's process count instead); at
+    /// most 64 to train, up to 65,536 with --plan alone
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub ranks: Option<u64>,
-    /// Collectives backend: thread (W thread ranks in this process; NCCL between them with
-    /// --device cuda), mpi (one process per CPU rank under mpirun/srun; needs a build with
-    /// --features fsdp-core/mpi) or nccl (one process per GPU under torchrun/mpirun/srun; needs
-    /// --device cuda)
+    /// Collectives backend: thread (W thread ranks in this process; with --device cuda NCCL
+    /// between them, a GPU each, or with more ranks than GPUs all sharing cuda:0 through GPU
+    /// memory), mpi (one process per rank under mpirun/srun; with --device cuda each on its
+    /// local rank's GPU modulo the visible ones, collectives staged through host memory; needs a
+    /// build with --features fsdp-core/mpi) or nccl (one process per GPU under
+    /// torchrun/mpirun/srun; needs --device cuda)
     #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
     pub backend: BackendArg,
-    /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (one GPU per
-    /// rank, NCCL collectives; shards, sharded gradients and optimizer state stay on the GPU and
-    /// the optimizer runs there unless --cpu-offload; needs a build with --features
+    /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (GPU ranks, see
+    /// --backend; shards, sharded gradients and optimizer state stay on the GPU and the
+    /// optimizer runs there unless --cpu-offload; needs a build with --features
     /// fsdp-train/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
@@ -368,7 +370,7 @@ pub enum DataFormatArg {
 pub enum BackendArg {
     /// in-process thread ranks
     Thread,
-    /// one MPI process per rank
+    /// one MPI process per rank (GPU ranks staged through host memory)
     Mpi,
     /// one process per GPU over NCCL (with --device cuda)
     Nccl,
@@ -484,8 +486,7 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 /// The layout `--device` and `--backend` ask for; `None` for CPU ranks.
 ///
 /// # Errors
-/// A usage message for `--backend nccl` without `--device cuda` and for `--device cuda
-/// --backend mpi`.
+/// A usage message for `--backend nccl` without `--device cuda`.
 pub fn cuda_launch(device: DeviceArg, backend: BackendArg) -> Result<Option<CudaLaunch>, String> {
     match (device, backend) {
         (DeviceArg::Cpu, BackendArg::Thread | BackendArg::Mpi) => Ok(None),
@@ -496,11 +497,7 @@ pub fn cuda_launch(device: DeviceArg, backend: BackendArg) -> Result<Option<Cuda
         ),
         (DeviceArg::Cuda, BackendArg::Thread) => Ok(Some(CudaLaunch::Threads)),
         (DeviceArg::Cuda, BackendArg::Nccl) => Ok(Some(CudaLaunch::Processes)),
-        (DeviceArg::Cuda, BackendArg::Mpi) => Err(
-            "--backend mpi runs CPU ranks; for one process per GPU use --device cuda \
-             --backend nccl under torchrun, mpirun or srun"
-                .into(),
-        ),
+        (DeviceArg::Cuda, BackendArg::Mpi) => Ok(Some(CudaLaunch::Mpi)),
     }
 }
 
@@ -628,7 +625,7 @@ impl Cli {
                  CPU products are always full f32)",
             );
         }
-        let cuda = cuda_launch(p.device, p.backend).map_err(UsageError)?;
+        let mut cuda = cuda_launch(p.device, p.backend).map_err(UsageError)?;
         let mpi = p.backend == BackendArg::Mpi;
         if mpi && !cfg!(feature = "mpi") {
             return usage(
@@ -639,7 +636,10 @@ impl Cli {
         let ranks = if mpi {
             mpi_world_size()?
         } else if let Some(launch) = cuda {
-            crate::cuda::world_size(launch, p.ranks).map_err(UsageError)?
+            // More thread ranks than GPUs: the layout becomes shared-GPU ranks on cuda:0.
+            let (launch, ranks) = crate::cuda::world_size(launch, p.ranks).map_err(UsageError)?;
+            cuda = Some(launch);
+            ranks
         } else {
             p.ranks.unwrap_or(4) as usize
         };
@@ -853,10 +853,8 @@ mod tests {
         assert!(cuda_launch(Cpu, Nccl)
             .unwrap_err()
             .contains("--device cuda"));
-        assert!(cuda_launch(Cuda, Mpi)
-            .unwrap_err()
-            .contains("--backend nccl"));
-        assert_eq!(CudaLaunch::Threads.ordinal(3), 3);
+        assert_eq!(cuda_launch(Cuda, Mpi), Ok(Some(CudaLaunch::Mpi)));
+        assert_eq!(CudaLaunch::Threads.ordinal(3, 4), 3);
     }
 
     fn parse(args: &[&str]) -> Result<TrainConfig, String> {

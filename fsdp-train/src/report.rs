@@ -15,6 +15,9 @@
 //! - `ag` / `rs` (`ar` where all-reduces run): bytes rank 0's FSDP collectives moved in the step.
 //! - `val loss` (with `--eval-every`): mean cross-entropy over the fixed validation set.
 //!
+//! `--json`'s `backend` names the collective backend the ranks ran on (`thread`, `mpi`,
+//! `nccl-threads`, `nccl`, `shared-gpu`: fsdp-collectives' `CollectiveBackend::name`).
+//!
 //! The summary and the `--json` line use the median step time of all steps but the first
 //! (warm-up); with one step, that step. `all_gather_bytes` / `reduce_scatter_bytes` are rank 0's
 //! totals over the run, in the dtype communicated (bf16/f16 under mixed precision). `params` is
@@ -61,7 +64,7 @@ use serde_json::{json, Value};
 use fsdp_core::{BackwardPrefetch, Quantization, ShardOver};
 
 use crate::job::TrainConfig;
-use crate::job::{prefetch_name, strategy_name, CudaLaunch, Observer, Report, StepRecord};
+use crate::job::{prefetch_name, strategy_name, Observer, Report, StepRecord};
 
 /// `1234567` → `1,234,567`.
 pub fn thousands(n: u64) -> String {
@@ -419,10 +422,7 @@ pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params:
         extras.push_str(" | tied embedding/head");
     }
     if let Some(launch) = c.cuda {
-        extras.push_str(match launch {
-            CudaLaunch::Threads => " | CUDA: a thread per GPU, NCCL",
-            CudaLaunch::Processes => " | CUDA: a process per GPU, NCCL",
-        });
+        extras.push_str(&format!(" | {}", launch.describe(c.ranks)));
     }
     if c.cpu_offload {
         extras.push_str(" | CPU offload");
@@ -645,6 +645,7 @@ pub fn summary(
         let val = vals.last().map(|v| v.1 as f64).unwrap_or(f64::NAN);
         let j = json!({
             "ranks": c.ranks,
+            "backend": c.backend().name(),
             "strategy": strategy_name(c.strategy),
             "tokens_per_s": json_num((tokens_per_s * 10.0).round() / 10.0),
             "step_ms_median": json_num(step_s * 1e3),
@@ -733,6 +734,44 @@ mod tests {
         assert!(svg.contains("tokens/s"));
         // Three line series (train, validation, tokens/s) plus the three legend samples.
         assert!(svg.matches("<polyline").count() >= 3, "{}", svg.len());
+    }
+
+    #[test]
+    fn the_banner_and_json_name_the_backend_of_gpu_ranks() {
+        use crate::job::CudaLaunch;
+        use clap::Parser;
+        let mut c = crate::cli::Cli::try_parse_from(["train_gpt", "--ranks", "4"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        let cases = [
+            (
+                CudaLaunch::SharedGpu,
+                false,
+                "shared-gpu",
+                " | backend: shared-gpu (4 thread ranks on cuda:0; collectives through GPU \
+                 memory, link speeds not shown)",
+            ),
+            (CudaLaunch::Mpi, true, "mpi", "MPI with host staging"),
+            (
+                CudaLaunch::Threads,
+                false,
+                "nccl-threads",
+                " | CUDA: a thread per GPU, NCCL",
+            ),
+            (
+                CudaLaunch::Processes,
+                false,
+                "nccl",
+                " | CUDA: a process per GPU, NCCL",
+            ),
+        ];
+        for (launch, mpi, name, phrase) in cases {
+            (c.cuda, c.mpi) = (Some(launch), mpi);
+            let b = banner(&c, "synthetic", 2, 1, 1000);
+            assert!(b.contains(phrase), "{launch:?}: {b}");
+            assert_eq!(c.backend().name(), name, "{launch:?}");
+        }
     }
 
     #[test]

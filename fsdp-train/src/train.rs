@@ -18,7 +18,7 @@ use fsdp_alloc::trace;
 use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::nn::Gpt;
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
-use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
+use fsdp_collectives::{CollectiveBackend, DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
 use fsdp_core::checkpoint::{self, CheckpointManager};
 use fsdp_core::plumbing::tensor_slice;
 use fsdp_core::state_dict;
@@ -95,11 +95,10 @@ pub fn run_job(
         .launch(cfg.ranks)
         .map_err(coll_err(0, format!("launching the {backend} ranks")))?;
     let run = |seat: Seat, observer: Box<dyn Observer>| -> Result<Report, TrainError> {
-        let rank = seat.rank();
-        let pg = seat
-            .join()
-            .map_err(coll_err(rank, format!("joining the {backend} group")))?;
-        Rank::new(rank, pg, cfg, data.clone(), observer)?.train(gather_final)
+        // Ranks sharing one GPU all compute on `cuda:0`: a timeline each in `--profile`.
+        let _lane = matches!(backend, CollectiveBackend::SharedGpu { .. })
+            .then(|| trace::lane(seat.rank()));
+        Rank::new(seat, cfg, data.clone(), observer)?.train(gather_final)
     };
     let mut observer = Some(observer);
     let mut observer_of = |rank: usize| -> Box<dyn Observer> {
@@ -200,13 +199,16 @@ fn slice_of(t: &Tensor) -> Result<DeviceSlice, FsdpError> {
 }
 
 impl Rank {
+    /// Opens the rank's devices, joins its group for them (`Seat::join_for`: GPU ranks on a
+    /// host backend, `--backend mpi --device cuda`, get host staging), builds and wraps the
+    /// model.
     fn new(
-        rank: usize,
-        pg: Arc<dyn ProcessGroup>,
+        seat: Seat,
         cfg: &TrainConfig,
         data: Dataset,
         observer: Box<dyn Observer>,
     ) -> Result<Rank, TrainError> {
+        let rank = seat.rank();
         let fsdp_err = |context: &str| {
             let context = context.to_string();
             move |source: FsdpError| TrainError::Fsdp {
@@ -220,6 +222,10 @@ impl Rank {
         // Rank `rank`'s compute device (CPU, or its GPU with --device cuda) and offload host.
         let (dev, host) = crate::cuda::rank_devices(rank, cfg, devices)
             .map_err(|e| fsdp_err("opening the device")(FsdpError::from(e)))?;
+        let backend = seat.backend();
+        let pg = seat
+            .join_for(&dev)
+            .map_err(|e| fsdp_err(&format!("joining the {backend} group"))(FsdpError::from(e)))?;
         let init = if cfg.deferred_init {
             InitContext::fake(cfg.seed)
         } else {
