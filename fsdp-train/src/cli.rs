@@ -516,13 +516,14 @@ impl ModelPreset {
 
 /// Parameters of a GPT of this shape (token + position embeddings, blocks, final norm, head).
 pub fn gpt_params(c: &GptConfig) -> u64 {
-    let (v, d, l, t) = (
+    let (v, d, l, t, m) = (
         c.vocab as u64,
         c.d_model as u64,
         c.n_layers as u64,
-        c.seq_len as u64,
+        c.positions() as u64,
+        c.inner() as u64,
     );
-    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (m * d + m) + (m * d + d);
     let head = if c.tied { 0 } else { v * d };
     v * d + t * d + l * block + 2 * d + head
 }
