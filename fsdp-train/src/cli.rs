@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::{Gelu, GptConfig};
+use fsdp_autograd::nn::{Gelu, GptConfig, GptDropout};
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
 use fsdp_core::{ShardOver, STRATEGIES};
 
@@ -90,6 +90,11 @@ pub struct ModelArgs {
     /// planner models it too)
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// Dropout probability P in training, at GPT-2's three places (embeddings, attention
+    /// probabilities, residual branches); off in evaluation and sampling. With --init-from it
+    /// replaces config.json's resid_pdrop/embd_pdrop/attn_pdrop (used otherwise) [default: 0]
+    #[arg(long, value_name = "P", value_parser = parse_dropout)]
+    pub dropout: Option<f32>,
 }
 
 /// Training data.
@@ -219,9 +224,11 @@ pub enum QuantArg {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Optimizer")]
 pub struct OptimArgs {
-    /// Optimizer steps: the total of the run (with --resume, training continues up to it)
+    /// Optimizer steps: the total of the run (with --resume, training continues up to it).
+    /// 0 converts without training: with --init-from, --resume or --load, and --export-hf or
+    /// --save, it writes the model and exits
     #[arg(long, value_name = "N", default_value_t = 60,
-          value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+          value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub steps: u64,
     /// Sharded optimizer (state sharded like the parameters)
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
@@ -399,6 +406,14 @@ fn parse_unit(s: &str) -> Result<f32, String> {
     }
 }
 
+/// A dropout probability in `[0, 1)`.
+fn parse_dropout(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a probability in [0, 1)")),
+    }
+}
+
 /// A positive, finite ε up to 1.
 fn parse_eps(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
@@ -563,6 +578,9 @@ impl Cli {
         if m.activation_checkpointing {
             gpt = gpt.with_checkpoint(true);
         }
+        if let Some(p) = m.dropout {
+            gpt = gpt.with_dropout(GptDropout::all(p));
+        }
         // `--plan` without `--apply` builds nothing: any model size and rank count may be planned.
         let plan_only = self.planning.plan && !self.planning.apply;
         let shaped = m.d_model.is_some()
@@ -570,10 +588,11 @@ impl Cli {
             || m.heads.is_some()
             || m.tied
             || m.gelu != GeluArg::Exact;
-        let interop = self
+        let mut interop = self
             .interop
             .resolve(&mut gpt, m.vocab, m.seq_len, shaped)
             .map_err(UsageError)?;
+        interop.dropout = m.dropout;
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
                 "--d-model {} is not divisible by --heads {}",
@@ -756,6 +775,16 @@ impl Cli {
         }
         if c.load.is_some() && self.interop.init_from.is_some() {
             return usage("--load and --init-from both set the starting state; pick one");
+        }
+        if o.steps == 0 {
+            let start = self.interop.init_from.is_some() || c.resume.is_some() || c.load.is_some();
+            let out = self.interop.export_hf.is_some() || c.save.is_some();
+            if !(start && out) {
+                return usage(
+                    "--steps 0 converts without training: it needs a starting state (--init-from, \
+                     --resume or --load) and an output (--export-hf or --save)",
+                );
+            }
         }
         let l = &self.logging;
         if let Some(plot) = &l.plot {

@@ -353,6 +353,8 @@ pub struct Interop {
     pub export_hf: Option<PathBuf>,
     /// `--sample-every` (0: never).
     pub sample_every: usize,
+    /// An explicit `--dropout` (with `--init-from`: replaces config.json's probabilities).
+    pub dropout: Option<f32>,
 }
 
 /// A command line that parses but does not make sense (exit 2, like clap's own errors).

@@ -100,7 +100,8 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
     // On CUDA the probe runs after training: the CUDA kernel backend is cached per device id,
     // and its first user's device would otherwise be the probe's.
     let probe = match (probe, c.cuda) {
-        (None, None) => Some(resolve::gemm_probe(&c)?),
+        // `--steps 0` converts: nothing to measure.
+        (None, None) if c.steps > 0 => Some(resolve::gemm_probe(&c)?),
         (probe, _) => probe,
     };
     // Ranks share the machine's cores: give each rank's matmuls an even share (unless
@@ -153,6 +154,10 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
     if let Some(p) = &cli.logging.plot {
         report::plot(p, &rep.history).map_err(Exit::error)?;
         println!("plot: {}", p.display());
+    }
+    if c.steps == 0 {
+        println!("--steps 0: converted without training");
+        return Ok(());
     }
     if rep.steps.is_empty() {
         let done = rep.first_step - 1;

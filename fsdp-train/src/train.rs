@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use fsdp_alloc::trace;
 use fsdp_alloc::{DType, Device, DeviceConfig};
+use fsdp_autograd::kernels::dropout::DropoutKey;
 use fsdp_autograd::nn::Gpt;
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
@@ -42,8 +43,7 @@ pub fn fingerprint(cfg: &TrainConfig) -> Value {
         "warmup_steps": cfg.warmup_steps,
         "min_lr": cfg.min_lr,
         "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
-        "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
-                         g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
+        "model": crate::sample::model_string(g),
         "optimizer": format!("{:?} {:?}", cfg.optimizer, cfg.optim_hyper),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
@@ -349,11 +349,19 @@ impl Rank {
         Ok((peer as usize, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
+    /// The global index of the first sequence of this rank's micro-batch `micro` of step `s`
+    /// (the data stream's index; also what dropout masks are keyed by, so a sequence gets the
+    /// same masks at every rank count and accumulation).
+    fn first_sample(&self, s: usize, micro: usize) -> u64 {
+        let c = &self.cfg;
+        let g = (c.ranks * c.batch) as u64;
+        (s * c.grad_accum + micro) as u64 * g + (self.rank * c.batch) as u64
+    }
+
     /// This rank's micro-batch `micro` of step `s` (0-based).
     fn batch(&self, s: usize, micro: usize) -> Result<(Tensor, Tensor), TrainError> {
         let c = &self.cfg;
-        let g = (c.ranks * c.batch) as u64;
-        let first = (s * c.grad_accum + micro) as u64 * g + (self.rank * c.batch) as u64;
+        let first = self.first_sample(s, micro);
         let mut ids = Vec::with_capacity(c.batch * c.gpt.seq_len);
         let mut tg = Vec::with_capacity(c.batch * c.gpt.seq_len);
         for b in 0..c.batch as u64 {
@@ -652,7 +660,7 @@ impl Rank {
         let batch_syncs = fsdp_alloc::stream::host_syncs() - syncs_before_batches;
         let batches = self.agree(batches, "reading training data")?;
         let (scaled, norm, step_syncs) = self
-            .step(batches, lr)
+            .step(s, batches, lr)
             .map_err(self.err(format!("step {step}")))?;
         let host_syncs = batch_syncs + step_syncs;
         if !norm.is_finite() {
@@ -797,6 +805,7 @@ impl Rank {
     /// global gradient norm, this thread's host waits until the optimizer step was launched).
     fn step(
         &mut self,
+        s: usize,
         batches: Vec<(Tensor, Tensor)>,
         lr: f32,
     ) -> Result<(f32, f64, u64), FsdpError> {
@@ -806,6 +815,15 @@ impl Rank {
         let vocab = self.cfg.gpt.vocab;
         let mut scaled = 0.0f32;
         for (micro, (x, y)) in batches.into_iter().enumerate() {
+            // Dropout (if the model has any) in this micro-batch's forward, keyed by its first
+            // sequence's global index; evaluation and sampling run without a key.
+            let sample = self.first_sample(s, micro);
+            let key = DropoutKey {
+                seed: self.cfg.seed,
+                step: s as u64,
+                sample,
+            };
+            self.fsdp.module().set_dropout_key(Some(key));
             let fsdp = &self.fsdp;
             let mut fwd_bwd = || -> Result<(), FsdpError> {
                 let logits = fsdp.forward(&x)?;
@@ -818,11 +836,13 @@ impl Rank {
                 scaled += loss.item()?;
                 Ok(())
             };
-            if self.cfg.no_sync && micro + 1 < accum {
-                self.fsdp.no_sync(fwd_bwd)?;
+            let done = if self.cfg.no_sync && micro + 1 < accum {
+                self.fsdp.no_sync(fwd_bwd)
             } else {
-                fwd_bwd()?;
-            }
+                fwd_bwd()
+            };
+            self.fsdp.module().set_dropout_key(None);
+            done?;
         }
         let norm = match self.cfg.clip_grad_norm {
             Some(max) => clip_grad_norm(&self.fsdp, max)?,
@@ -1397,7 +1417,7 @@ mod tests {
         let trained = r.final_params.unwrap();
         for e in &trained.entries {
             let x = exported.get(&e.name).unwrap();
-            // Positional rows past --seq-len 16 are not exported (config n_positions 16).
+            // The whole table: the export has the fixture's 64 positions.
             assert_eq!(x.values, e.values, "{}", e.name);
         }
         let orig = crate::hf::HfCheckpoint::open(std::path::Path::new(fixture))
