@@ -332,6 +332,12 @@ pub struct LoggingArgs {
     /// No progress bar even on a terminal (plain step lines)
     #[arg(long)]
     pub no_progress: bool,
+    /// Write TensorBoard event files into DIR (created if missing; open with `tensorboard
+    /// --logdir DIR`): per step train/loss, train/lr, train/grad_norm, perf/tokens_per_s,
+    /// perf/mfu (when the GEMM rate is known before training: CPU ranks), the peak memory, and
+    /// val/loss at evaluations
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// `--model`.
@@ -890,6 +896,41 @@ mod tests {
         let cli = Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
             .map_err(|e| e.to_string())?;
         cli.into_config().map_err(|e| e.0)
+    }
+
+    /// `--dropout P` sets GPT-2's three dropouts (P in [0, 1)) and is remembered for
+    /// `--init-from`; `--steps 0` needs a starting state and an output.
+    #[test]
+    fn dropout_and_steps_zero_flags() {
+        let c = parse(&["--dropout", "0.1"]).unwrap();
+        assert_eq!(c.gpt.dropout, GptDropout::all(0.1));
+        assert_eq!(c.interop.dropout, Some(0.1));
+        assert!(parse(&[]).unwrap().gpt.dropout.is_off());
+        for bad in ["1", "1.5", "-0.1", "x", "NaN"] {
+            let e = parse(&[&format!("--dropout={bad}")]).unwrap_err();
+            assert!(e.contains("--dropout"), "{e}");
+        }
+        for args in [
+            &["--steps", "0"][..],
+            &["--steps", "0", "--save", "x.safetensors"],
+            &["--steps", "0", "--init-from", "m"],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert!(e.contains("--steps 0 converts without training"), "{e}");
+        }
+        let c = parse(&["--steps", "0", "--init-from", "m", "--export-hf", "out"]).unwrap();
+        assert_eq!(c.steps, 0);
+        let c = parse(&[
+            "--steps",
+            "0",
+            "--checkpoint-dir",
+            "ck",
+            "--resume",
+            "--save",
+            "s.safetensors",
+        ])
+        .unwrap();
+        assert!(c.resume);
     }
 
     #[test]

@@ -34,6 +34,7 @@ mod probe;
 mod report;
 mod resolve;
 mod sample;
+mod tensorboard;
 mod tokenizer;
 mod train;
 
@@ -123,12 +124,29 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         .map_or((c.steps / 12).max(1), |n| n as usize);
     let progress = primary && std::io::stdout().is_terminal() && !cli.logging.no_progress;
     let console = Console::new(progress, every, metrics);
+    let observer: Box<dyn job::Observer> =
+        match cli.logging.tensorboard.as_ref().filter(|_| primary) {
+            Some(dir) => {
+                let w = tensorboard::EventWriter::create(dir)
+                    .map_err(|e| Exit::error(format!("--tensorboard: {e}")))?;
+                println!("tensorboard: {}", w.path().display());
+                let mfu = probe
+                    .as_ref()
+                    .map(|p| tensorboard::MfuBasis::new(&c.gpt, params, p.flops_per_s));
+                Box::new(tensorboard::TensorBoard::new(Box::new(console), w, mfu))
+            }
+            None => Box::new(console),
+        };
     let start = Instant::now();
-    let mut rep = train::run_job(&c, Box::new(console), false).map_err(Exit::error)?;
+    let mut rep = train::run_job(&c, observer, false).map_err(Exit::error)?;
     let wall = start.elapsed().as_secs_f64();
-    rep.observer
-        .finish()
-        .map_err(|e| Exit::error(format!("--metrics: {e}")))?;
+    rep.observer.finish().map_err(|e| {
+        Exit::error(if e.starts_with("--tensorboard") {
+            e
+        } else {
+            format!("--metrics: {e}")
+        })
+    })?;
     // Another process of a multi-process job: rank 0 reports.
     Ok((rep.rank == 0).then_some(Done {
         config: c,
