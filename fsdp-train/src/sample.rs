@@ -24,7 +24,6 @@ use fsdp_autograd::{no_grad, InitContext, Tensor};
 use fsdp_core::checkpoint;
 use fsdp_core::state_dict::{FullStateDict, ShardedStateDict, TensorEntry};
 
-use crate::cli::DeviceArg;
 use crate::job::CudaLaunch;
 use crate::tokenizer::{Tokenizer, GPT2_EOT};
 
@@ -494,8 +493,8 @@ pub struct SampleCli {
     pub tokenizer: Option<String>,
     /// Where the model runs: cpu, or cuda (the first GPU; needs a build with --features
     /// fsdp-train/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
+    #[arg(long, value_name = "DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
 }
 
 /// The device `--device` names: `cpu:0`, or `cuda:0` after the same preflight as training's
@@ -503,14 +502,14 @@ pub struct SampleCli {
 ///
 /// # Errors
 /// One line naming what is missing.
-pub fn sample_device(arg: DeviceArg) -> Res<Device> {
+pub fn sample_device(arg: &str) -> Res<Device> {
     match arg {
-        DeviceArg::Cpu => Ok(Device::cpu(0)),
-        DeviceArg::Cuda => {
+        "cuda" => {
             crate::cuda::preflight(CudaLaunch::Threads)
                 .map_err(|err| format!("--device cuda: {err}"))?;
             Device::cuda(0).map_err(|err| format!("--device cuda: {err}"))
         }
+        _ => Ok(Device::cpu(0)),
     }
 }
 
@@ -555,7 +554,7 @@ pub fn run(cli: SampleCli) -> Res<()> {
             tok.vocab()
         ));
     }
-    let dev = sample_device(cli.device)?;
+    let dev = sample_device(&cli.device)?;
     let model = model_from(&g, &full, &dev)?;
     let prompt = prompt_ids(tok, &cli.prompt)?;
     let o = SampleOpts {
@@ -730,7 +729,7 @@ mod tests {
             .unwrap_err()
             .contains("spare.weight"));
         if Device::cuda(0).is_err() {
-            let err = sample_device(DeviceArg::Cuda).unwrap_err();
+            let err = sample_device("cuda").unwrap_err();
             assert!(
                 err.starts_with("--device cuda: ") && !err.contains('\n'),
                 "{err}"

@@ -69,7 +69,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 /// TFRecord's masked CRC-32C of `data`.
 pub fn masked_crc32c(data: &[u8]) -> u32 {
     let c = crc32c(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 /// `payload` framed as one TFRecord record.
@@ -315,9 +315,12 @@ mod tests {
     use crate::job::Quiet;
     use serde_json::Value;
 
+    /// A decoded event: wall time, step, and `Ok(file_version)` or `Err((tag, value))`.
+    type Decoded = (f64, i64, Result<String, (String, f32)>);
+
     /// Reads an event file back with the record format's checks: every length and payload
     /// checksum verified, each event decoded (`wall_time`, `step`, `file_version` or one scalar).
-    fn read_records(path: &Path) -> Vec<(f64, i64, Result<String, (String, f32)>)> {
+    fn read_records(path: &Path) -> Vec<Decoded> {
         let data = std::fs::read(path).unwrap();
         let mut at = 0;
         let mut out = Vec::new();
@@ -378,7 +381,7 @@ mod tests {
         out
     }
 
-    fn decode_event(b: &[u8]) -> (f64, i64, Result<String, (String, f32)>) {
+    fn decode_event(b: &[u8]) -> Decoded {
         let (mut wall, mut step, mut what) = (0.0, 0, None);
         for (f, _, v) in fields(b) {
             match f {
