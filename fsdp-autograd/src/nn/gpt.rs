@@ -80,7 +80,7 @@ fn biased(
 }
 
 /// GPT-2's dropout probabilities (`embd_pdrop`, `attn_pdrop`, `resid_pdrop`), each in `[0, 1)`;
-/// applied only in training forwards (see the [module docs](self)). All zero by default.
+/// applied only in training forwards (see [`Gpt::set_dropout_key`]). All zero by default.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct GptDropout {
     /// After the token + position embedding sum.
