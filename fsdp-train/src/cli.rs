@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::{Gelu, GptConfig};
+use fsdp_autograd::nn::{Gelu, GptConfig, GptDropout};
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
 use fsdp_core::{ShardOver, STRATEGIES};
 
@@ -91,6 +91,11 @@ pub struct ModelArgs {
     /// planner models it too)
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// Dropout probability P in training, at GPT-2's three places (embeddings, attention
+    /// probabilities, residual branches); off in evaluation and sampling. With --init-from it
+    /// replaces config.json's resid_pdrop/embd_pdrop/attn_pdrop (used otherwise) [default: 0]
+    #[arg(long, value_name = "P", value_parser = parse_dropout)]
+    pub dropout: Option<f32>,
 }
 
 /// Training data.
@@ -222,9 +227,11 @@ pub enum QuantArg {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Optimizer")]
 pub struct OptimArgs {
-    /// Optimizer steps: the total of the run (with --resume, training continues up to it)
+    /// Optimizer steps: the total of the run (with --resume, training continues up to it).
+    /// 0 converts without training: with --init-from, --resume or --load, and --export-hf or
+    /// --save, it writes the model and exits
     #[arg(long, value_name = "N", default_value_t = 60,
-          value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+          value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub steps: u64,
     /// Sharded optimizer (state sharded like the parameters)
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
@@ -332,6 +339,12 @@ pub struct LoggingArgs {
     /// No progress bar even on a terminal (plain step lines)
     #[arg(long)]
     pub no_progress: bool,
+    /// Write TensorBoard event files into DIR (created if missing; open with `tensorboard
+    /// --logdir DIR`): per step train/loss, train/lr, train/grad_norm, perf/tokens_per_s,
+    /// perf/mfu (when the GEMM rate is known before training: CPU ranks), the peak memory, and
+    /// val/loss at evaluations
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// `--model`.
@@ -403,6 +416,14 @@ fn parse_unit(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
         _ => Err(format!("`{s}` is not a number in [0, 1)")),
+    }
+}
+
+/// A dropout probability in `[0, 1)`.
+fn parse_dropout(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a probability in [0, 1)")),
     }
 }
 
@@ -518,13 +539,14 @@ impl ModelPreset {
 
 /// Parameters of a GPT of this shape (token + position embeddings, blocks, final norm, head).
 pub fn gpt_params(c: &GptConfig) -> u64 {
-    let (v, d, l, t) = (
+    let (v, d, l, t, m) = (
         c.vocab as u64,
         c.d_model as u64,
         c.n_layers as u64,
-        c.seq_len as u64,
+        c.positions() as u64,
+        c.inner() as u64,
     );
-    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (m * d + m) + (m * d + d);
     let head = if c.tied { 0 } else { v * d };
     v * d + t * d + l * block + 2 * d + head
 }
@@ -564,6 +586,9 @@ impl Cli {
         if m.activation_checkpointing {
             gpt = gpt.with_checkpoint(true);
         }
+        if let Some(p) = m.dropout {
+            gpt = gpt.with_dropout(GptDropout::all(p));
+        }
         // `--plan` without `--apply` builds nothing: any model size and rank count may be planned.
         let plan_only = self.planning.plan && !self.planning.apply;
         let shaped = m.d_model.is_some() || m.layers.is_some() || m.heads.is_some() || m.tied;
@@ -573,6 +598,7 @@ impl Cli {
             .map_err(UsageError)?;
         // With --init-from the model's own GELU is used; a --gelu given is checked against it.
         interop.gelu = m.gelu.map(|_| gpt.gelu);
+        interop.dropout = m.dropout;
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
                 "--d-model {} is not divisible by --heads {}",
@@ -759,6 +785,16 @@ impl Cli {
         if c.load.is_some() && self.interop.init_from.is_some() {
             return usage("--load and --init-from both set the starting state; pick one");
         }
+        if o.steps == 0 {
+            let start = self.interop.init_from.is_some() || c.resume.is_some() || c.load.is_some();
+            let out = self.interop.export_hf.is_some() || c.save.is_some();
+            if !(start && out) {
+                return usage(
+                    "--steps 0 converts without training: it needs a starting state (--init-from, \
+                     --resume or --load) and an output (--export-hf or --save)",
+                );
+            }
+        }
         let l = &self.logging;
         if let Some(plot) = &l.plot {
             crate::report::plot_kind(plot).map_err(UsageError)?;
@@ -861,6 +897,41 @@ mod tests {
         let cli = Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
             .map_err(|e| e.to_string())?;
         cli.into_config().map_err(|e| e.0)
+    }
+
+    /// `--dropout P` sets GPT-2's three dropouts (P in [0, 1)) and is remembered for
+    /// `--init-from`; `--steps 0` needs a starting state and an output.
+    #[test]
+    fn dropout_and_steps_zero_flags() {
+        let c = parse(&["--dropout", "0.1"]).unwrap();
+        assert_eq!(c.gpt.dropout, GptDropout::all(0.1));
+        assert_eq!(c.interop.dropout, Some(0.1));
+        assert!(parse(&[]).unwrap().gpt.dropout.is_off());
+        for bad in ["1", "1.5", "-0.1", "x", "NaN"] {
+            let e = parse(&[&format!("--dropout={bad}")]).unwrap_err();
+            assert!(e.contains("--dropout"), "{e}");
+        }
+        for args in [
+            &["--steps", "0"][..],
+            &["--steps", "0", "--save", "x.safetensors"],
+            &["--steps", "0", "--init-from", "m"],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert!(e.contains("--steps 0 converts without training"), "{e}");
+        }
+        let c = parse(&["--steps", "0", "--init-from", "m", "--export-hf", "out"]).unwrap();
+        assert_eq!(c.steps, 0);
+        let c = parse(&[
+            "--steps",
+            "0",
+            "--checkpoint-dir",
+            "ck",
+            "--resume",
+            "--save",
+            "s.safetensors",
+        ])
+        .unwrap();
+        assert!(c.resume);
     }
 
     #[test]

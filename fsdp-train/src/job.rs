@@ -400,6 +400,8 @@ pub struct Interop {
     pub sample_every: usize,
     /// `--gelu` when given (with `--init-from`: it must be the model's).
     pub gelu: Option<fsdp_autograd::nn::Gelu>,
+    /// An explicit `--dropout` (with `--init-from`: replaces config.json's probabilities).
+    pub dropout: Option<f32>,
 }
 
 /// A command line that parses but does not make sense (exit 2, like clap's own errors).

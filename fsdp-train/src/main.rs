@@ -42,6 +42,7 @@ mod probe;
 mod report;
 mod resolve;
 mod sample;
+mod tensorboard;
 mod tokenizer;
 mod train;
 
@@ -113,7 +114,8 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
     // On CUDA the probe runs after training: the CUDA kernel backend is cached per device id,
     // and its first user's device would otherwise be the probe's.
     let probe = match (probe, c.cuda) {
-        (None, None) => Some(resolve::gemm_probe(&c)?),
+        // `--steps 0` converts: nothing to measure.
+        (None, None) if c.steps > 0 => Some(resolve::gemm_probe(&c)?),
         (probe, _) => probe,
     };
     // Ranks share the machine's cores: give each rank's matmuls an even share (unless
@@ -135,12 +137,29 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         .map_or((c.steps / 12).max(1), |n| n as usize);
     let progress = primary && std::io::stdout().is_terminal() && !cli.logging.no_progress;
     let console = Console::new(progress, every, metrics);
+    let observer: Box<dyn job::Observer> =
+        match cli.logging.tensorboard.as_ref().filter(|_| primary) {
+            Some(dir) => {
+                let w = tensorboard::EventWriter::create(dir)
+                    .map_err(|e| Exit::error(format!("--tensorboard: {e}")))?;
+                println!("tensorboard: {}", w.path().display());
+                let mfu = probe
+                    .as_ref()
+                    .map(|p| tensorboard::MfuBasis::new(&c.gpt, params, p.flops_per_s));
+                Box::new(tensorboard::TensorBoard::new(Box::new(console), w, mfu))
+            }
+            None => Box::new(console),
+        };
     let start = Instant::now();
-    let mut rep = train::run_job(&c, Box::new(console), false).map_err(Exit::error)?;
+    let mut rep = train::run_job(&c, observer, false).map_err(Exit::error)?;
     let wall = start.elapsed().as_secs_f64();
-    rep.observer
-        .finish()
-        .map_err(|e| Exit::error(format!("--metrics: {e}")))?;
+    rep.observer.finish().map_err(|e| {
+        Exit::error(if e.starts_with("--tensorboard") {
+            e
+        } else {
+            format!("--metrics: {e}")
+        })
+    })?;
     // Another process of a multi-process job: rank 0 reports.
     Ok((rep.rank == 0).then_some(Done {
         config: c,
@@ -168,6 +187,10 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
     if let Some(p) = &cli.logging.plot {
         report::plot(p, &rep.history).map_err(Exit::error)?;
         println!("plot: {}", p.display());
+    }
+    if c.steps == 0 {
+        println!("--steps 0: converted without training");
+        return Ok(());
     }
     if rep.steps.is_empty() {
         let done = rep.first_step - 1;

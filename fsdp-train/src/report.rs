@@ -249,6 +249,12 @@ pub fn metrics_json(r: &StepRecord) -> Value {
     o
 }
 
+/// Model FLOPs per trained token (see "Model FLOP/s" above): `6·Ψ` for a model of `params`
+/// parameters plus `12·L·d·T` for the attention products.
+pub fn flops_per_token(g: &fsdp_autograd::nn::GptConfig, params: u64) -> f64 {
+    6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64
+}
+
 /// Which backend `--plot PATH` uses, from its extension.
 pub fn plot_kind(path: &Path) -> Result<&'static str, String> {
     match path.extension().and_then(|e| e.to_str()) {
@@ -600,9 +606,7 @@ pub fn summary(
         thousands(tokens_per_s.round() as u64),
         wall
     );
-    let g = &c.gpt;
-    let flops_per_token = 6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64;
-    let model_flops = flops_per_token * tokens_per_s;
+    let model_flops = flops_per_token(&c.gpt, params) * tokens_per_s;
     println!(
         "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s {} \
          GEMM probe on {} ({:.0}%)",

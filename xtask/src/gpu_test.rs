@@ -79,6 +79,78 @@ pub const STEPS: &[Step] = &[
         },
     },
     Step {
+        suite: "ops",
+        what: "train_gpt --device cuda with --dropout 0.1 (the dropout kernel at GPT-2's three \
+               places, the composite attention with probability dropout, issue #38) for 3 steps \
+               with --tensorboard, a checkpoint and --export-hf (resumes the previous run's \
+               checkpoint if there is one)",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "--device",
+                "cuda",
+                "--d-model",
+                "64",
+                "--layers",
+                "2",
+                "--heads",
+                "4",
+                "--seq-len",
+                "64",
+                "--steps",
+                "3",
+                "--dropout",
+                "0.1",
+                "--eval-every",
+                "3",
+                "--tensorboard",
+                "{out}/ecosystem-tb",
+                "--checkpoint-dir",
+                "{out}/ecosystem-ck",
+                "--resume",
+                "--export-hf",
+                "{out}/ecosystem-hf",
+            ],
+        },
+    },
+    Step {
+        suite: "ops",
+        what: "train_gpt sample --device cuda from that checkpoint, greedy (the model's layers on \
+               the GPU, the KV-cache attention on the host)",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "sample",
+                "--checkpoint-dir",
+                "{out}/ecosystem-ck",
+                "--device",
+                "cuda",
+                "--max-new-tokens",
+                "32",
+                "--temperature",
+                "0",
+            ],
+        },
+    },
+    Step {
+        suite: "ops",
+        what: "train_gpt sample --device cuda from that run's Hugging Face export (--init-from)",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "sample",
+                "--init-from",
+                "{out}/ecosystem-hf",
+                "--device",
+                "cuda",
+                "--max-new-tokens",
+                "32",
+                "--temperature",
+                "0",
+            ],
+        },
+    },
+    Step {
         suite: "attention",
         what: "attention memory scaling: peak memory of attention forward+backward at t = \
                1024, 2048, 4096 grows linearly in t (fsdp-autograd/tests/gpu_attention.rs, \

@@ -4,11 +4,14 @@
 //! `model.safetensors` and a `config.json` side by side. This module holds what every
 //! architecture shares (the error type, the file names, the directory writer); each architecture
 //! is a file beside it with its configuration, its tensor-name map, loading and export:
-//! `gpt2.rs` (`GPT2LMHeadModel`, `nn::Gpt`).
+//! `gpt2.rs` (`GPT2LMHeadModel`, `nn::Gpt`) with its `config.json` allow-list in
+//! `gpt2_config.rs`.
 
 mod gpt2;
+mod gpt2_config;
 
 pub use gpt2::{check_model, export, load_into, HfCheckpoint};
+pub use gpt2_config::HfConfig;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -19,6 +19,7 @@ use crate::kernels::cuda::kernel::ArgKind;
 use crate::kernels::cuda::plan::{GemmType, PArg, Plan, Ptr, Step};
 use crate::kernels::cuda::typed::{type_code, types_word};
 use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::dropout::gpu::plan_dropout_t;
 use crate::kernels::elementwise::axpy::gpu::{
     plan_add_row_bias_inplace, plan_add_row_bias_inplace_t, plan_axpy, plan_axpy_t,
 };
@@ -461,6 +462,14 @@ impl EmuExec {
                 *cols as u64,
                 *eps,
                 [x.0, gamma.0, y.0, *rstd].map(d),
+            ),
+            TypedOp::Dropout { x, y, cols, mask } => plan_dropout_t(
+                types_word(&[c(x), c(y)]),
+                n(x) / *cols as u64,
+                *cols as u64,
+                mask,
+                d(x.0),
+                d(y.0),
             ),
             TypedOp::RmsNormBackward {
                 x,

@@ -361,6 +361,12 @@ pub(super) enum TypedOp {
         cols: usize,
         eps: f32,
     },
+    Dropout {
+        x: TH,
+        y: TH,
+        cols: usize,
+        mask: crate::kernels::dropout::DropoutMask,
+    },
     RmsNormBackward {
         x: TH,
         gamma: TH,

@@ -136,6 +136,9 @@ impl Exec for GpuExec {
                         cols,
                         eps,
                     } => k.rms_norm_t(s, tb(x), tb(gamma), tb(y), b(rstd), *cols, *eps),
+                    TypedOp::Dropout { x, y, cols, mask } => {
+                        k.dropout_t(s, tb(x), tb(y), *cols, mask)
+                    }
                     TypedOp::RmsNormBackward {
                         x,
                         gamma,

@@ -84,6 +84,7 @@ on_both!(
     softmax,
     layer_norm,
     rms_norm,
+    dropout,
     embedding,
     embedding_bad_ids,
     cross_entropy,
