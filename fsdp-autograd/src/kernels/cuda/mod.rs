@@ -180,7 +180,8 @@ pub struct CudaBackend {
     _never: std::convert::Infallible,
 }
 pub use config::{
-    allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, FUSED_ATTENTION_MAX_D,
+    allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, set_tensor_core_attention,
+    tensor_core_attention, FUSED_ATTENTION_MAX_D,
 };
 
 #[cfg(feature = "cuda")]
