@@ -177,7 +177,7 @@ impl FlashLayout {
     }
 }
 
-/// Whether the register-tiled kernels (`flash.cu`'s `_d64` / `_d128`: head dim a compile-time
+/// Whether the register-tiled kernels (`flash_tiled.cu`'s `_d64` / `_d128`: head dim a compile-time
 /// constant, u32 index math inside a head) take `t` rows of head dimension `d` with row stride
 /// up to `rs`; other shapes go to the generic kernels (`_le64` / `_le128`, head dim read at run
 /// time, u64 index math).

@@ -47,9 +47,12 @@ fn max_abs(v: &[f32]) -> f32 {
     v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
 }
 
-/// `(batch, heads, kv_heads, t, d, scale, dtype)`: partial query tiles (t not a multiple of
-/// 128), several key tiles of 64, one key, grouped-query heads, explicit scales, both head dims.
-const SHAPES: [(usize, usize, usize, usize, usize, Option<f32>, DType); 5] = [
+/// `(batch, heads, kv_heads, t, d, scale, dtype)`.
+type Shape = (usize, usize, usize, usize, usize, Option<f32>, DType);
+
+/// Partial query tiles (t not a multiple of 128), several key tiles of 64, one key,
+/// grouped-query heads, explicit scales, both head dims.
+const SHAPES: [Shape; 5] = [
     (1, 2, 2, 37, 64, None, DType::BF16),
     (2, 4, 2, 130, 64, Some(0.3), DType::BF16),
     (1, 1, 1, 1, 64, None, DType::F16),

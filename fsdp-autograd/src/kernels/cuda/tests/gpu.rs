@@ -369,7 +369,7 @@ impl Exec for GpuExec {
                 a,
             } => {
                 // The CUDA-core kernels (the tensor-core forward is Op::FlashMma).
-                let qkv = [q, kk, v, out, lse].map(|h| b(h));
+                let qkv = [q, kk, v, out, lse].map(&b);
                 k.flash_forward_on(s, *dtype, qkv, a, FlashPath::CudaCores)
             }
             Op::FlashMma {
@@ -381,7 +381,7 @@ impl Exec for GpuExec {
                 lse,
                 a,
             } => {
-                let qkv = [q, kk, v, out, lse].map(|h| b(h));
+                let qkv = [q, kk, v, out, lse].map(&b);
                 k.flash_forward_on(s, *dtype, qkv, a, FlashPath::TensorCores)
             }
             Op::FlashBackward {
