@@ -491,7 +491,7 @@ impl CudaKernels {
             FlashPath::Auto => {
                 self.tensor_cores()
                     && crate::kernels::cuda::tensor_core_attention()
-                    && super::flash_mma::applies(ty, a.d)
+                    && super::flash_mma::applies(dtype, a.d)
             }
             FlashPath::CudaCores => false,
             FlashPath::TensorCores if self.tensor_cores() => true,
@@ -506,7 +506,7 @@ impl CudaKernels {
             }
         };
         let plan = if mma {
-            super::flash_mma::plan_flash_mma(ty, a, ptrs)?
+            super::flash_mma::plan_flash_mma(dtype, a, ptrs)?
         } else {
             plan_flash(ty, a, ptrs)?
         };

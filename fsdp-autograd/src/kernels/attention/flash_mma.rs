@@ -17,7 +17,8 @@
 //! operand's mantissa bits: 8 for bf16, 11 for f16) plus f32 rounding. The tests derive their
 //! tolerances from that bound.
 
-use super::flash::FlashType;
+use fsdp_alloc::DType;
+
 use super::shape::Attention;
 use crate::kernels::cuda::context::mul;
 use crate::kernels::cuda::error::Result;
@@ -35,20 +36,20 @@ crate::kernels::cuda::kernel::declare_kernels! {
 const QUERY_TILE: usize = (BLOCK as usize / 32) * 16;
 
 /// The tensor-core forward kernel for operands of type `ty` and head dimension `d`, `None` where
-/// it does not apply (f32 operands, other head dimensions).
-fn kernel(ty: FlashType, d: usize) -> Option<Kernel> {
+/// it does not apply (other types, other head dimensions).
+fn kernel(ty: DType, d: usize) -> Option<Kernel> {
     match (ty, d) {
-        (FlashType::Bf16, 64) => Some(FLASH_FWD_MMA_BF16_D64),
-        (FlashType::F16, 64) => Some(FLASH_FWD_MMA_F16_D64),
-        (FlashType::Bf16, 128) => Some(FLASH_FWD_MMA_BF16_D128),
-        (FlashType::F16, 128) => Some(FLASH_FWD_MMA_F16_D128),
+        (DType::BF16, 64) => Some(FLASH_FWD_MMA_BF16_D64),
+        (DType::F16, 64) => Some(FLASH_FWD_MMA_F16_D64),
+        (DType::BF16, 128) => Some(FLASH_FWD_MMA_BF16_D128),
+        (DType::F16, 128) => Some(FLASH_FWD_MMA_F16_D128),
         _ => None,
     }
 }
 
 /// Whether the tensor-core forward takes operands of type `ty` with head dimension `d` (bf16 or
 /// f16, `d` 64 or 128; any `t`, heads, `kv_heads`, layout).
-pub(crate) fn applies(ty: FlashType, d: usize) -> bool {
+pub(crate) fn applies(ty: DType, d: usize) -> bool {
     kernel(ty, d).is_some()
 }
 
@@ -60,7 +61,7 @@ pub(crate) fn applies(ty: FlashType, d: usize) -> bool {
 /// [`KernelError::InvalidShape`](crate::kernels::KernelError::InvalidShape) for a shape
 /// [`Attention::check`] rejects or where [`applies`] does not hold (when there is work).
 pub(crate) fn plan_flash_mma(
-    ty: FlashType,
+    ty: DType,
     a: &Attention,
     [q, k, v, out, lse]: [Ptr; 5],
 ) -> Result<Plan> {
@@ -76,7 +77,7 @@ pub(crate) fn plan_flash_mma(
             op,
             reason: format!(
                 "the tensor-core attention forward takes bf16 or f16 operands with head \
-                 dimension 64 or 128, got {ty:?} with d={}",
+                 dimension 64 or 128, got {ty} with d={}",
                 a.d
             ),
         }

@@ -795,8 +795,7 @@ impl Exec for EmuExec {
                 out,
                 lse,
                 a,
-            } => FlashType::of("flash_attention", *dtype)
-                .and_then(|ty| plan_flash_mma(ty, a, [*q, *k, *v, *out, *lse].map(d))),
+            } => plan_flash_mma(*dtype, a, [*q, *k, *v, *out, *lse].map(d)),
             Op::FlashBackward {
                 dtype,
                 q,
