@@ -49,12 +49,14 @@ pub(crate) mod backend;
 mod cast;
 mod elementwise;
 mod embedding;
+mod isa;
 mod layout;
 mod loss;
 mod math;
 mod matmul;
 mod norm;
 pub mod optim;
+mod reference;
 
 pub use attention::{causal_attention, causal_attention_backward};
 pub use attention_packed::{causal_attention_packed, causal_attention_packed_backward};
@@ -64,10 +66,14 @@ pub use elementwise::{
     gelu_exact_backward, mean, mul, scale, scale_inplace, sum,
 };
 pub use embedding::{embedding, embedding_backward};
+pub use isa::{cpu_isa, cpu_isa_cap, detected_cpu_isa, CpuIsa, CpuIsaError, CPU_ISA_ENV};
 pub use layout::{strided_add_assign, strided_copy};
 pub use loss::{cross_entropy, cross_entropy_backward};
 pub use matmul::{bmm, matmul, matmul_parallelism, matmul_threads, set_matmul_threads};
 pub use norm::{layer_norm, layer_norm_backward, softmax_rows, softmax_rows_backward};
+pub use reference::{
+    ReferenceGemm, ReferenceGemmError, REFERENCE_BLAS_ENV, REFERENCE_CORETYPE_ENV,
+};
 
 #[cfg(test)]
 mod proptests;
