@@ -251,10 +251,43 @@ pub fn aggregate(rows: &[&ShapeRate]) -> (f64, Option<f64>) {
     (flops / ours, theirs.map(|t| flops / t))
 }
 
-/// The machine's f32 GEMM rate through `imp` on 1024³ (GFLOP/s): the best of three repetitions
-/// of one call on all `cores` threads and of `cores` concurrent 1-thread calls; returns
-/// `(one call on all cores, concurrent 1-thread calls)`.
-pub fn peak(imp: Impl, cores: usize) -> (f64, f64) {
+/// The machine's f32 GEMM rates through one implementation on 1024³ products, GFLOP/s.
+#[derive(Clone, Copy, Debug)]
+pub struct Peak {
+    /// One call on all cores (best of three).
+    pub all_cores: f64,
+    /// One concurrent 1-thread call per core (best of three).
+    pub concurrent: f64,
+    /// One 1-thread call on the calling thread's CPU time (best of three): what one core does,
+    /// whatever else the machine runs.
+    pub one_core: f64,
+}
+
+impl Peak {
+    /// The element-wise best of two measurements.
+    pub fn best(self, o: Peak) -> Peak {
+        Peak {
+            all_cores: self.all_cores.max(o.all_cores),
+            concurrent: self.concurrent.max(o.concurrent),
+            one_core: self.one_core.max(o.one_core),
+        }
+    }
+
+    /// The best measured multi-core rate (`gemm_peak_gflops` for ours).
+    pub fn measured(self) -> f64 {
+        self.all_cores.max(self.concurrent)
+    }
+
+    /// The machine's limit through this implementation: the best measured multi-core rate, or
+    /// every core at the one-core rate, whichever is higher (a library whose threads scale
+    /// badly, or a shared machine, does not lower it).
+    pub fn limit(self, cores: usize) -> f64 {
+        self.measured().max(self.one_core * cores as f64)
+    }
+}
+
+/// [`Peak`] through `imp` on `cores` cores.
+pub fn peak(imp: Impl, cores: usize) -> Peak {
     const N: usize = 1024;
     let s = Shape {
         model: "peak",
@@ -270,12 +303,22 @@ pub fn peak(imp: Impl, cores: usize) -> (f64, f64) {
     let mut cs: Vec<Vec<f32>> = (0..cores.max(1)).map(|_| vec![0f32; N * N]).collect();
     imp.threads(1);
     imp.mul(&s, &a, &b, &mut cs[0]); // warm-up (packing buffers, thread pools)
-    let (mut all, mut split) = (0.0f64, 0.0f64);
+    let mut p = Peak {
+        all_cores: 0.0,
+        concurrent: 0.0,
+        one_core: 0.0,
+    };
+    let cpu = Clock::for_threads(1);
     for _ in 0..3 {
+        imp.threads(1);
+        let t0 = Instant::now();
+        let t = cpu.now(t0);
+        imp.mul(&s, &a, &b, &mut cs[0]);
+        p.one_core = p.one_core.max(s.flops() / (cpu.now(t0) - t) / 1e9);
         imp.threads(cores.max(1));
         let t = Instant::now();
         imp.mul(&s, &a, &b, &mut cs[0]);
-        all = all.max(s.flops() / t.elapsed().as_secs_f64() / 1e9);
+        p.all_cores = p.all_cores.max(s.flops() / t.elapsed().as_secs_f64() / 1e9);
         imp.threads(1);
         let t = Instant::now();
         std::thread::scope(|sc| {
@@ -284,7 +327,9 @@ pub fn peak(imp: Impl, cores: usize) -> (f64, f64) {
                 sc.spawn(move || imp.mul(s, a, b, c));
             }
         });
-        split = split.max(cores as f64 * s.flops() / t.elapsed().as_secs_f64() / 1e9);
+        p.concurrent = p
+            .concurrent
+            .max(cores as f64 * s.flops() / t.elapsed().as_secs_f64() / 1e9);
     }
-    (all, split)
+    p
 }
