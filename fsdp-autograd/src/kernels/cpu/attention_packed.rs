@@ -25,10 +25,11 @@ fn sizes(
     Ok((n, check::mul(op, n, 3)?))
 }
 
-/// Calls `f(packed_index, head_index)` for every element of part `part` (0 = q, 1 = k, 2 = v;
-/// `parts` = 3 for qkv-like tensors, `parts` = 1 and `part` = 0 for out-like ones): its index in
-/// the packed `[batch, t, parts, heads, d]` tensor and in the `[batch, heads, t, d]` one.
-fn each(
+/// Calls `f(packed_start, head_start)` for every row of `d` elements of part `part` (0 = q,
+/// 1 = k, 2 = v; `parts` = 3 for qkv-like tensors, `parts` = 1 and `part` = 0 for out-like
+/// ones): where it starts in the packed `[batch, t, parts, heads, d]` tensor and in the
+/// `[batch, heads, t, d]` one.
+fn each_row(
     [batch, heads, t, d]: [usize; 4],
     parts: usize,
     part: usize,
@@ -39,22 +40,26 @@ fn each(
             for h in 0..heads {
                 let p = (((b * t + i) * parts + part) * heads + h) * d;
                 let s = ((b * heads + h) * t + i) * d;
-                for j in 0..d {
-                    f(p + j, s + j);
-                }
+                f(p, s);
             }
         }
     }
 }
 
 fn gather(src: &[f32], dims: [usize; 4], parts: usize, part: usize, n: usize) -> Vec<f32> {
+    let d = dims[3];
     let mut dst = vec![0.0f32; n];
-    each(dims, parts, part, |p, s| dst[s] = src[p]);
+    each_row(dims, parts, part, |p, s| {
+        dst[s..s + d].copy_from_slice(&src[p..p + d])
+    });
     dst
 }
 
 fn scatter(src: &[f32], dst: &mut [f32], dims: [usize; 4], parts: usize, part: usize) {
-    each(dims, parts, part, |p, s| dst[p] = src[s]);
+    let d = dims[3];
+    each_row(dims, parts, part, |p, s| {
+        dst[p..p + d].copy_from_slice(&src[s..s + d])
+    });
 }
 
 /// Causal attention forward on the packed layout: `qkv` `[batch, t, 3, heads, d]` → `out`
