@@ -19,8 +19,7 @@
 //!   `BufferRef::read`/`write` refuse it and `BufferRef::device_ptr` gives kernels the address.
 //!   It starts uninitialized (unlike CPU segments, which start zeroed).
 //!
-//! Status: compile-checked (`cargo clippy -p fsdp-alloc --features cuda`); it has not been run
-//! on a GPU here. The checked mode is CPU-only (CUDA streams keep no vector clock).
+//! The checked mode is CPU-only (CUDA streams keep no vector clock).
 
 use std::ffi::c_void;
 use std::ptr::NonNull;

@@ -1,5 +1,7 @@
-//! [`DeviceId`]: which device. A leaf file (`device.rs` re-exports it) so that `error.rs` and
-//! `trace.rs`, which name devices, do not import `device.rs`, which imports them.
+//! [`DeviceId`]: which device — a plain value that every layer of the crate names (errors,
+//! memory segments, streams, the trace, the allocator). It sits below all of them, while
+//! `device.rs` (the [`crate::Device`] that owns an allocator and streams) sits above them, so it
+//! is a file of its own; the crate root and `device.rs` re-export it.
 
 /// Which device: a CPU device (one per rank thread) or a CUDA device (with the `cuda` feature).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

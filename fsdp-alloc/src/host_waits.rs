@@ -1,5 +1,7 @@
 //! The per-thread count of host waits (re-exported as `fsdp_alloc::stream::{host_syncs,
-//! count_host_sync}`). Its own file, below `stream.rs`, `cuda.rs` and `trace.rs`, which all count.
+//! count_host_sync}`): one counter that `stream.rs` (event and stream synchronization), `cuda.rs`
+//! (device synchronization before freeing driver memory) and `trace.rs` (reading GPU intervals)
+//! all add to. `stream.rs` imports `cuda.rs` and `trace.rs`, so the counter sits below the three.
 
 thread_local! {
     /// Host-side waits of this thread (see [`host_syncs`]).

@@ -23,7 +23,7 @@
 //!   clock, shared with what runs its work), `work` (running one launched job, used by CPU
 //!   workers and the CUDA host-function trampoline).
 //! - `cuda` (private, feature `cuda`): cudarc contexts, streams, events, host functions and
-//!   `cuMemAlloc`/`cuMemFree`. Compile-checked only on machines without a GPU.
+//!   `cuMemAlloc`/`cuMemFree`.
 //!
 //! ## Checked mode
 //!
@@ -46,10 +46,14 @@
 //! ## CUDA
 //!
 //! With the `cuda` feature, [`Device::cuda`] opens a GPU through cudarc (and returns
-//! [`AllocError::CudaUnavailable`] when the driver library is absent); the public API is the
-//! same with and without the feature. See the `cuda` module notes in the source for what
-//! `launch` means there (a host function) and what is not available (checked mode, host access
-//! to device memory).
+//! [`AllocError::CudaUnavailable`] when the driver library is absent) and
+//! [`Device::cpu_pinned`] makes a CPU device whose segments are page-locked. Without the feature
+//! both exist and return [`AllocError::CudaUnavailable`] (saying this build has no CUDA support),
+//! so code that only names devices compiles either way. Three items exist only with the feature,
+//! because their signatures name cudarc types: `Stream::cuda_stream` (the `CudaStream` under a
+//! CUDA stream) and `trace::{gpu_begin, gpu_end, GpuMark}` (GPU intervals on the timeline). See the
+//! `cuda` module notes in the source for what `launch` means there (a host function) and what is
+//! not available (checked mode, host access to device memory).
 #![deny(missing_docs)]
 
 pub mod allocator;
@@ -75,9 +79,11 @@ pub use allocator::{
     SegmentInfo,
 };
 pub use checked::OrderPoint;
-pub use device::{Device, DeviceConfig, DeviceId};
+pub use device::{Device, DeviceConfig};
+pub use device_id::DeviceId;
 pub use dtype::DType;
 pub use error::{AllocError, Capacity, Result};
 pub use memory::{AccessHold, BufferRef, ReadGuard, WriteGuard};
 pub use rate_limiter::{RateLimiter, RateLimiterStats};
-pub use stream::{Event, Stream, StreamId, StreamMode};
+pub use stream::{Event, Stream, StreamMode};
+pub use stream_id::StreamId;

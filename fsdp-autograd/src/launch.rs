@@ -17,7 +17,6 @@ use half::{bf16, f16};
 
 use crate::kernels::{cpu, KernelError};
 use crate::profile;
-pub(crate) use crate::strides::contiguous_strides;
 
 /// Launches `work` on `stream`, timed under `op` when the profiler is on.
 pub(crate) fn launch(stream: &Stream, op: &'static str, work: impl FnOnce() + Send + 'static) {
@@ -65,7 +64,7 @@ pub(crate) fn fail(op: &'static str, msg: impl std::fmt::Display) -> ! {
 }
 
 /// A kernel argument: a tensor's elements as a memory range, captured at launch time.
-pub(crate) type Arg = crate::kernels::backend::Operand;
+pub(crate) type Arg = crate::kernels::operand::Operand;
 
 /// A float range read as `f32` inside stream work: the memory itself (`f32`), or a converted
 /// copy of a half range (whose guard is already released).
@@ -287,6 +286,7 @@ pub(crate) fn strided_copy_arg(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::operand::contiguous_strides;
 
     #[test]
     fn strided_copy_transposes_and_permutes() {

@@ -4,8 +4,8 @@
 //! - [`Tensor`], [`Storage`]: layout, storage release/attach (FSDP's `resize_(0)`), version
 //!   counters, constructors and readback.
 //! - [`with_stream`], [`no_grad`]: the thread's current stream and grad mode.
-//! - tensor operations (methods on [`Tensor`] plus [`linear`], [`layer_norm`], [`embedding`],
-//!   [`causal_attention`], [`cross_entropy`]), each with its backward.
+//! - tensor operations (methods on [`Tensor`] plus [`linear`], [`layer_norm`], [`rms_norm`],
+//!   [`embedding`], [`causal_attention`], [`cross_entropy`]), each with its backward.
 //! - [`autograd`]: the engine, hooks, [`queue_callback`], [`checkpoint`], [`custom_op`].
 //! - [`Parameter`], [`InitContext`]: named parameters with recorded [`init::InitOp`]s, created
 //!   eagerly on a device or on a fake device (recorded only).
@@ -28,8 +28,9 @@
 //!
 //! # Limitations
 //! - CUDA: with the `cuda` feature, operations on a CUDA device run the CUDA kernels through the
-//!   backend seam ([`kernels::backend`]); CI runs the kernels on a host emulator, and `cargo
-//!   xtask gpu-test` runs them on a GPU (it has on one H100; README "GPUs"). Without the feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
+//!   backend seam ([`kernels`]); CI runs the kernels on a host emulator, and `cargo xtask
+//!   gpu-test` runs them on a GPU (what has run where: `docs/GPU-STATUS.md`). Without the
+//!   feature a CUDA device is an [`AutogradError::CudaNotBuilt`] error. On
 //!   CUDA, the general broadcast-undoing sum and copies into non-contiguous destinations (split
 //!   backward along an inner dimension) return [`AutogradError::Unsupported`], and so does eager
 //!   parameter init on a CUDA device (init runs on the host: create the model on a CPU device and
@@ -53,7 +54,6 @@ pub mod optim;
 pub mod param;
 pub mod profile;
 pub mod storage;
-mod strides;
 pub mod tensor;
 
 pub use autograd::{
@@ -66,7 +66,7 @@ pub use context::{
 pub use error::{AutogradError, HookError, Result};
 pub use kernels::Gelu;
 pub use ops::{
-    causal_attention, causal_attention_qkv, cross_entropy, embedding, layer_norm, linear,
+    causal_attention, causal_attention_qkv, cross_entropy, embedding, layer_norm, linear, rms_norm,
 };
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

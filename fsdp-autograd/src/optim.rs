@@ -14,7 +14,7 @@ use crate::ops::{check_pair, Ctx};
 use crate::param::Parameter;
 use crate::tensor::Tensor;
 
-pub use crate::kernels::cpu::optim::SgdRule;
+pub use crate::kernels::optim::SgdRule;
 
 /// Stochastic gradient descent over plain parameters: [`SgdRule`] as one kernel per parameter on
 /// the current stream. Half-precision parameters are updated in f32 and rounded once per step

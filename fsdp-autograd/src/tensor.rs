@@ -11,8 +11,10 @@ use half::{bf16, f16};
 
 use crate::context::{current_stream, is_grad_enabled};
 use crate::error::{arg_err, shape_err, AutogradError, Result};
-use crate::kernels::backend::{Kernels, Launch, Operand, View};
-use crate::launch::{contiguous_strides, strided_copy, Arg};
+use crate::kernels::elementwise::{Arange, Fill};
+use crate::kernels::operand::contiguous_strides;
+use crate::kernels::{Kernels, Operand, View};
+use crate::launch::{strided_copy, Arg};
 use crate::storage::Storage;
 use graph::{Edge, Node, PostHookFn, TensorHookFn};
 
@@ -248,7 +250,7 @@ impl Tensor {
         let a = t.operand_on("full", &stream)?;
         Kernels::for_device(device)?.launch(
             &stream,
-            &Launch::Fill {
+            &Fill {
                 n: t.numel(),
                 value,
                 out: &a,
@@ -277,7 +279,7 @@ impl Tensor {
         let stream = current_stream(device);
         let t = Tensor::empty_on(&[n], DType::I64, device, &stream)?;
         let a = t.operand_on("arange", &stream)?;
-        Kernels::for_device(device)?.launch(&stream, &Launch::Arange { n, out: &a })?;
+        Kernels::for_device(device)?.launch(&stream, &Arange { n, out: &a })?;
         Ok(t)
     }
 
@@ -785,31 +787,6 @@ pub(crate) fn span_of(shape: &[usize], strides: &[usize]) -> usize {
         .zip(strides)
         .map(|(&n, &s)| (n - 1) * s)
         .sum::<usize>()
-}
-
-/// `value` converted to `dtype`, as the bytes of one element.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn host_scalar_bytes(dtype: DType, value: f64) -> Vec<u8> {
-    match dtype {
-        DType::F32 => (value as f32).to_ne_bytes().to_vec(),
-        DType::F16 => f16::from_f64(value).to_bits().to_ne_bytes().to_vec(),
-        DType::BF16 => bf16::from_f64(value).to_bits().to_ne_bytes().to_vec(),
-        DType::I64 => (value as i64).to_ne_bytes().to_vec(),
-        DType::I32 => (value as i32).to_ne_bytes().to_vec(),
-        DType::U8 => vec![value as u8],
-    }
-}
-
-/// Fills a kernel argument with `value` converted to its dtype.
-pub(crate) fn fill_arg(op: &'static str, a: &Arg, value: f64) {
-    match a.dtype {
-        DType::F32 => a.typed_mut::<f32, _>(op, |d| d.fill(value as f32)),
-        DType::F16 => a.typed_mut::<f16, _>(op, |d| d.fill(f16::from_f64(value))),
-        DType::BF16 => a.typed_mut::<bf16, _>(op, |d| d.fill(bf16::from_f64(value))),
-        DType::I64 => a.typed_mut::<i64, _>(op, |d| d.fill(value as i64)),
-        DType::I32 => a.typed_mut::<i32, _>(op, |d| d.fill(value as i32)),
-        DType::U8 => a.typed_mut::<u8, _>(op, |d| d.fill(value as u8)),
-    }
 }
 
 #[allow(dead_code)]

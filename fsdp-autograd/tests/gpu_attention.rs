@@ -9,7 +9,7 @@
 //!   launches only, the same kernels on the packed qkv layout (`_packed`, what GPT blocks run),
 //!   and the generic kernels' at d = 63 as the same run's baseline; one JSON line.
 //!
-//! Ran on one H100 (passed). The test is `#[ignore]`d and also needs
+//! The test is `#[ignore]`d and also needs
 //! `FSDP_GPU_TESTS=1` (set by `cargo xtask gpu-test`); without it the test says so and returns.
 //! With it but without a usable GPU it fails with the device's typed error.
 #![cfg(feature = "cuda")]

@@ -1,7 +1,7 @@
 //! `cargo xtask gpu-test` suite 1 of 4 (**ops**): every tensor operation the GPT uses on a CUDA
 //! device against the CPU backend — forward values and input gradients, in f32, bf16 and f16.
 //!
-//! Ran on one H100 (passed). Each test is `#[ignore]`d and also needs
+//! Each test is `#[ignore]`d and also needs
 //! `FSDP_GPU_TESTS=1` (set by `cargo xtask gpu-test`); without it the test says so and returns.
 //! With it but without a usable GPU it fails with the device's typed error.
 //!

@@ -137,12 +137,21 @@ fn linear_variants() {
 }
 
 #[test]
-fn layer_norm_embedding_attention_cross_entropy() {
+fn layer_norm_rms_norm_embedding_attention_cross_entropy() {
     let mut r = Rng::new(5);
     gradcheck_opts(
         "layer_norm",
         &[inp(&mut r, &[3, 6]), inp(&mut r, &[6]), inp(&mut r, &[6])],
         &|x| layer_norm(&x[0], &x[1], &x[2], 1e-5),
+        3e-3,
+        3e-3,
+        3e-2,
+        None,
+    );
+    gradcheck_opts(
+        "rms_norm",
+        &[inp(&mut r, &[3, 6]), inp(&mut r, &[6])],
+        &|x| x[0].rms_norm(&x[1], 1e-5),
         3e-3,
         3e-3,
         3e-2,

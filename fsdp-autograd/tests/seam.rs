@@ -5,11 +5,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use fsdp_alloc::{DType, Device, Stream};
-use fsdp_autograd::kernels::backend::{
-    Attention, AttentionLayout, AttentionSave, AttentionStats, Backend, Gemm, Kernels, Launch,
-    Operand, ReadFn, Rows,
+use fsdp_autograd::kernels::attention::{
+    Attention, AttentionLayout, AttentionSave, AttentionStats, CausalAttention,
 };
-use fsdp_autograd::kernels::CpuBackend;
+use fsdp_autograd::kernels::gemm::{Gemm, MatMul};
+use fsdp_autograd::kernels::norm::Softmax;
+use fsdp_autograd::kernels::{Backend, CpuBackend, Kernels, Op, Operand, ReadFn, Rows};
 use fsdp_autograd::{AutogradError, Tensor};
 
 #[test]
@@ -36,8 +37,7 @@ fn the_seam_checks_operands_before_any_backend_runs() {
     };
     // b has 6 elements: fine; c has 4: fine. With n = 3 the same operands are rejected.
     let bad = Gemm { n: 3, ..g };
-    let gemm =
-        |g: Gemm, a: &Operand, b: &Operand, c: &Operand| k.launch(s, &Launch::Gemm { g, a, b, c });
+    let gemm = |g: Gemm, a: &Operand, b: &Operand, c: &Operand| k.launch(s, &MatMul { g, a, b, c });
     let e = gemm(bad, &a, &a, &c).unwrap_err();
     assert!(matches!(e, AutogradError::Kernel(_)), "{e}");
     assert!(e.to_string().contains("`b`"), "{e}");
@@ -68,7 +68,7 @@ impl Backend for Counting {
     fn name(&self) -> &'static str {
         "counting"
     }
-    fn launch(&self, s: &Stream, l: &Launch<'_>) -> fsdp_autograd::Result<()> {
+    fn launch(&self, s: &Stream, l: &dyn Op) -> fsdp_autograd::Result<()> {
         self.0.fetch_add(1, Ordering::Relaxed);
         CpuBackend.launch(s, l)
     }
@@ -92,7 +92,7 @@ fn a_backend_behind_kernels_is_only_called_with_checked_arguments() {
     let (xo, yo) = (x.operand().unwrap(), y.operand().unwrap());
     k.launch(
         s,
-        &Launch::Softmax {
+        &Softmax {
             rows: r,
             x: &xo,
             y: &yo,
@@ -107,7 +107,7 @@ fn a_backend_behind_kernels_is_only_called_with_checked_arguments() {
     assert!(k
         .launch(
             s,
-            &Launch::Softmax {
+            &Softmax {
                 rows: bad,
                 x: &xo,
                 y: &yo
@@ -127,7 +127,7 @@ impl Backend for Synchronizing {
     fn name(&self) -> &'static str {
         "synchronizing"
     }
-    fn launch(&self, s: &Stream, l: &Launch<'_>) -> fsdp_autograd::Result<()> {
+    fn launch(&self, s: &Stream, l: &dyn Op) -> fsdp_autograd::Result<()> {
         CpuBackend.launch(s, l)
     }
     fn write(&self, s: &Stream, bytes: Vec<u8>, dst: &Operand) -> fsdp_autograd::Result<()> {
@@ -252,7 +252,7 @@ fn attention_statistics_are_the_backends_choice() {
     let launch = |stats| {
         k.launch(
             s,
-            &Launch::Attention {
+            &CausalAttention {
                 a,
                 q: &q,
                 k: &q,
@@ -284,7 +284,7 @@ fn attention_statistics_are_the_backends_choice() {
     let packed = |q: &Operand, kk: &Operand| {
         k.launch(
             s,
-            &Launch::Attention {
+            &CausalAttention {
                 a: p,
                 q,
                 k: kk,

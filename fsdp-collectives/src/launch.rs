@@ -1,22 +1,43 @@
-//! One launch path: given a backend choice, the group(s) this process runs.
+//! One launch path: given a backend choice, this process's ranks and how each joins its group.
 //!
-//! - [`CollectiveBackend::Thread`]: every rank is a thread of this process; [`CollectiveBackend::launch`] returns
-//!   the W handles of one [`ThreadGroup`] (hand one to each rank thread).
-//! - [`CollectiveBackend::Mpi`]: one rank per process, started by an MPI launcher (`mpirun -n W …`,
-//!   `srun --mpi=pmix …`); rank and world size come from MPI itself. Needs the `mpi` feature;
-//!   without it the choice is a typed error that says how to rebuild.
+//! [`CollectiveBackend::launch`] returns [`Launched`]: one [`Seat`] per rank this process runs
+//! (W for the in-process backends, one for the process-per-rank backends) and what the seats
+//! share (a rendezvous store, kept until [`Launched`] is dropped). Each rank calls
+//! [`Seat::join`] **on its own thread** and gets its `Arc<dyn ProcessGroup>`: creating NCCL
+//! communicators is collective, so the ranks of one process must join concurrently.
 //!
-//! (NCCL groups need a device and a rendezvous store: see `NcclGroup::from_env`.)
+//! - [`CollectiveBackend::Thread`]: W ranks as W threads of this process, the handles of one
+//!   [`ThreadGroup`].
+//! - [`CollectiveBackend::Mpi`]: one rank per process, started by an MPI launcher (`mpirun -n W
+//!   …`, `srun --mpi=pmix …`); rank and world size come from MPI itself. Needs the `mpi`
+//!   feature.
+//! - [`CollectiveBackend::NcclThreads`]: W ranks as W threads of this process, rank `r` on GPU
+//!   `r`, each with its own `NcclGroup`; the communicators rendezvous through a [`TcpStore`]
+//!   on 127.0.0.1 (rank 0 uses the hosting store, the others connect to it). Needs `cuda`.
+//! - [`CollectiveBackend::Nccl`]: one rank per process under a launcher (torchrun-style
+//!   `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, `mpirun` or `srun`; read by
+//!   [`crate::RendezvousEnv`]), on GPU [`crate::RendezvousEnv::device_ordinal`]. Needs `cuda`.
+//!
+//! A backend whose feature is off is still a choice: its launch is a typed error that says how
+//! to rebuild. Adding a backend is a variant (with its [`CollectiveBackend::name`] and
+//! [`CollectiveBackend::in_process`]) and its arm in [`CollectiveBackend::launch`] (the seats
+//! it makes; a new way of joining is a case of the private `Join` beside [`Seat`]).
 
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::error::{CollectiveError, Result};
 use crate::group::ProcessGroup;
+use crate::store::TcpStore;
 use crate::thread::ThreadGroup;
 
-/// Which collective backend a program runs on (`--backend thread|mpi`). Not to be confused with
-/// fsdp-autograd's `Backend` (the kernel trait).
+/// Bound on an NCCL rendezvous (the store and the communicator creation) and on every NCCL
+/// collective of a launched group: 10 minutes.
+pub const LAUNCH_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Which collective backend a program runs on. Not to be confused with fsdp-autograd's
+/// `Backend` (the kernel trait).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CollectiveBackend {
     /// W ranks as W threads of this process ([`ThreadGroup`]); the default.
@@ -24,44 +45,83 @@ pub enum CollectiveBackend {
     Thread,
     /// One rank per process over MPI (`MpiGroup`, feature `mpi`).
     Mpi,
+    /// W ranks as W threads of this process, a GPU and an `NcclGroup` each (feature `cuda`).
+    NcclThreads,
+    /// One rank per process under a launcher, over NCCL (`NcclGroup`, feature `cuda`).
+    Nccl,
 }
 
 impl CollectiveBackend {
-    /// The name used on command lines.
+    /// Every backend, in the order of the docs.
+    pub const ALL: [CollectiveBackend; 4] = [
+        CollectiveBackend::Thread,
+        CollectiveBackend::Mpi,
+        CollectiveBackend::NcclThreads,
+        CollectiveBackend::Nccl,
+    ];
+
+    /// The name used on command lines and in messages.
     pub const fn name(self) -> &'static str {
         match self {
             CollectiveBackend::Thread => "thread",
             CollectiveBackend::Mpi => "mpi",
+            CollectiveBackend::NcclThreads => "nccl-threads",
+            CollectiveBackend::Nccl => "nccl",
         }
     }
 
-    /// This process's group(s): for [`CollectiveBackend::Thread`] the `thread_ranks` handles of a new
-    /// thread group; for [`CollectiveBackend::Mpi`] this process's rank of the MPI world (collective: every
-    /// process of the job calls it; `thread_ranks` is ignored, the launcher decides the size).
+    /// Whether all ranks are threads of this process (their seats are joined on threads the
+    /// caller spawns); otherwise this process is one rank of a multi-process job.
+    pub const fn in_process(self) -> bool {
+        match self {
+            CollectiveBackend::Thread | CollectiveBackend::NcclThreads => true,
+            CollectiveBackend::Mpi | CollectiveBackend::Nccl => false,
+        }
+    }
+
+    /// This process's seats: for the in-process backends `thread_ranks` of them (ranks
+    /// `0..thread_ranks`); for the process-per-rank backends this process's one rank of the
+    /// launcher's world (collective: every process of the job calls it; `thread_ranks` is
+    /// ignored, the launcher decides the size). NCCL waits at most [`LAUNCH_TIMEOUT`].
+    ///
+    /// # Errors
+    /// No rank ([`CollectiveError::InvalidGroup`]); a backend whose feature is off (a typed
+    /// error saying how to rebuild); the launcher's environment, the rendezvous store, MPI.
     pub fn launch(self, thread_ranks: usize) -> Result<Launched> {
+        if self.in_process() && thread_ranks == 0 {
+            return Err(CollectiveError::InvalidGroup {
+                group: self.name().into(),
+                rank: 0,
+                detail: "an in-process group needs at least one rank".into(),
+            });
+        }
         match self {
             CollectiveBackend::Thread => {
-                if thread_ranks == 0 {
-                    return Err(CollectiveError::InvalidGroup {
-                        group: "threads".into(),
-                        rank: 0,
-                        detail: "a thread group needs at least one rank".into(),
-                    });
-                }
-                Ok(Launched::Threads(ThreadGroup::new(thread_ranks)))
+                let seats = ThreadGroup::new(thread_ranks)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, g)| Seat::ready(rank, thread_ranks, Arc::new(g)))
+                    .collect();
+                Ok(Launched::new(self, seats, None))
             }
-            CollectiveBackend::Mpi => launch_mpi(),
+            CollectiveBackend::Mpi => {
+                let g = launch_mpi()?;
+                let seat = Seat::ready(g.rank(), g.size(), g);
+                Ok(Launched::new(self, vec![seat], None))
+            }
+            CollectiveBackend::NcclThreads => nccl::threads(thread_ranks),
+            CollectiveBackend::Nccl => nccl::process(),
         }
     }
 }
 
 #[cfg(feature = "mpi")]
-fn launch_mpi() -> Result<Launched> {
-    Ok(Launched::Process(Arc::new(crate::mpi::MpiGroup::world()?)))
+fn launch_mpi() -> Result<Arc<dyn ProcessGroup>> {
+    Ok(Arc::new(crate::mpi::MpiGroup::world()?))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn launch_mpi() -> Result<Launched> {
+fn launch_mpi() -> Result<Arc<dyn ProcessGroup>> {
     Err(CollectiveError::Mpi {
         call: "launch",
         rank: 0,
@@ -75,13 +135,20 @@ impl FromStr for CollectiveBackend {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<CollectiveBackend, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "thread" | "threads" => Ok(CollectiveBackend::Thread),
-            "mpi" => Ok(CollectiveBackend::Mpi),
-            other => Err(format!(
-                "unknown backend {other:?}; expected `thread` or `mpi`"
-            )),
+        let s = s.trim().to_ascii_lowercase();
+        if s == "threads" {
+            return Ok(CollectiveBackend::Thread);
         }
+        CollectiveBackend::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<String> = CollectiveBackend::ALL
+                    .iter()
+                    .map(|b| format!("`{}`", b.name()))
+                    .collect();
+                format!("unknown backend {s:?}; expected {}", names.join(", "))
+            })
     }
 }
 
@@ -91,13 +158,216 @@ impl std::fmt::Display for CollectiveBackend {
     }
 }
 
-/// What [`CollectiveBackend::launch`] gives this process.
-#[derive(Debug)]
-pub enum Launched {
-    /// The handles of an in-process group, one per rank thread, in rank order.
-    Threads(Vec<ThreadGroup>),
-    /// This process's handle of a multi-process group (it is one rank).
-    Process(Arc<dyn ProcessGroup>),
+/// What [`CollectiveBackend::launch`] gives this process: its ranks' seats and what they
+/// share. Keep it until every rank of this process is done (it holds the rendezvous store
+/// that rank 0 hosts).
+pub struct Launched {
+    backend: CollectiveBackend,
+    seats: Vec<Seat>,
+    /// The rendezvous store the seats share, if any.
+    _store: Option<Arc<TcpStore>>,
+}
+
+impl std::fmt::Debug for Launched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launched")
+            .field("backend", &self.backend)
+            .field("seats", &self.seats)
+            .finish()
+    }
+}
+
+impl Launched {
+    fn new(backend: CollectiveBackend, seats: Vec<Seat>, store: Option<Arc<TcpStore>>) -> Self {
+        Launched {
+            backend,
+            seats,
+            _store: store,
+        }
+    }
+
+    /// The backend launched.
+    pub fn backend(&self) -> CollectiveBackend {
+        self.backend
+    }
+
+    /// The seats not taken yet, in rank order.
+    pub fn seats(&self) -> &[Seat] {
+        &self.seats
+    }
+
+    /// Takes the seats (in rank order) to hand each to its rank's thread; `self` stays alive
+    /// for what they share.
+    pub fn take_seats(&mut self) -> Vec<Seat> {
+        std::mem::take(&mut self.seats)
+    }
+}
+
+/// One rank's place in a launched job: its rank, the world size and how it joins the group.
+pub struct Seat {
+    rank: usize,
+    world: usize,
+    join: Join,
+}
+
+/// How a seat becomes a group.
+enum Join {
+    /// The group exists (thread and MPI backends).
+    Ready(Arc<dyn ProcessGroup>),
+    /// An NCCL communicator, created collectively on the rank's own thread.
+    #[cfg(feature = "cuda")]
+    Nccl(nccl::Pending),
+}
+
+impl std::fmt::Debug for Seat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seat")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+impl Seat {
+    fn ready(rank: usize, world: usize, group: Arc<dyn ProcessGroup>) -> Seat {
+        Seat {
+            rank,
+            world,
+            join: Join::Ready(group),
+        }
+    }
+
+    /// This seat's rank in the world.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The world size.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The rank's group. Call it on the thread that runs the rank: for NCCL this creates the
+    /// communicator, which waits until every rank of the world joins.
+    ///
+    /// # Errors
+    /// NCCL: the rendezvous store, the communicator creation (each bounded by
+    /// [`LAUNCH_TIMEOUT`]).
+    pub fn join(self) -> Result<Arc<dyn ProcessGroup>> {
+        match self.join {
+            Join::Ready(g) => Ok(g),
+            #[cfg(feature = "cuda")]
+            Join::Nccl(p) => p.join(self.rank, self.world),
+        }
+    }
+}
+
+/// The NCCL arms of the launch (feature `cuda`).
+#[cfg(feature = "cuda")]
+mod nccl {
+    use std::sync::Arc;
+
+    use super::{CollectiveBackend, Join, Launched, Seat, LAUNCH_TIMEOUT};
+    use crate::error::Result;
+    use crate::group::ProcessGroup;
+    use crate::nccl::{NcclConfig, NcclGroup};
+    use crate::store::{RendezvousEnv, TcpStore};
+
+    /// An NCCL seat before its communicator exists.
+    pub(super) struct Pending {
+        store: Store,
+        ordinal: usize,
+    }
+
+    /// The rendezvous store a seat uses.
+    enum Store {
+        /// The hosting store (rank 0 of a threads launch) or this process's rendezvous.
+        Shared(Arc<TcpStore>),
+        /// Connect to this address on the rank's thread.
+        Connect(String),
+    }
+
+    impl Pending {
+        pub(super) fn join(self, rank: usize, world: usize) -> Result<Arc<dyn ProcessGroup>> {
+            let own;
+            let store: &TcpStore = match &self.store {
+                Store::Shared(s) => s,
+                Store::Connect(addr) => {
+                    own = TcpStore::connect(addr, LAUNCH_TIMEOUT)?;
+                    &own
+                }
+            };
+            let config = NcclConfig {
+                timeout: LAUNCH_TIMEOUT,
+                ..NcclConfig::new(self.ordinal)
+            };
+            Ok(Arc::new(NcclGroup::new(store, rank, world, config)?))
+        }
+    }
+
+    fn seat(rank: usize, world: usize, store: Store, ordinal: usize) -> Seat {
+        Seat {
+            rank,
+            world,
+            join: Join::Nccl(Pending { store, ordinal }),
+        }
+    }
+
+    /// `world` thread ranks, rank `r` on GPU `r`, meeting at a store on 127.0.0.1.
+    pub(super) fn threads(world: usize) -> Result<Launched> {
+        let store = Arc::new(TcpStore::host("127.0.0.1:0", LAUNCH_TIMEOUT)?);
+        let addr = store.addr().to_string();
+        let seats = (0..world)
+            .map(|rank| {
+                let s = match rank {
+                    0 => Store::Shared(Arc::clone(&store)),
+                    _ => Store::Connect(addr.clone()),
+                };
+                seat(rank, world, s, rank)
+            })
+            .collect();
+        Ok(Launched::new(
+            CollectiveBackend::NcclThreads,
+            seats,
+            Some(store),
+        ))
+    }
+
+    /// This process's rank of a launcher's job.
+    pub(super) fn process() -> Result<Launched> {
+        let env = RendezvousEnv::from_env()?;
+        let store = Arc::new(TcpStore::rendezvous(&env, LAUNCH_TIMEOUT)?);
+        let s = seat(
+            env.rank,
+            env.world_size,
+            Store::Shared(Arc::clone(&store)),
+            env.device_ordinal(),
+        );
+        Ok(Launched::new(CollectiveBackend::Nccl, vec![s], Some(store)))
+    }
+}
+
+/// Without the `cuda` feature the NCCL backends are typed errors.
+#[cfg(not(feature = "cuda"))]
+mod nccl {
+    use super::Launched;
+    use crate::error::{CollectiveError, Result};
+
+    fn unavailable() -> CollectiveError {
+        CollectiveError::CudaUnavailable(
+            "this binary was built without the `cuda` feature, so there is no NCCL; rebuild \
+             with `--features cuda` (needs the NVIDIA driver and NCCL at run time)"
+                .into(),
+        )
+    }
+
+    pub(super) fn threads(_world: usize) -> Result<Launched> {
+        Err(unavailable())
+    }
+
+    pub(super) fn process() -> Result<Launched> {
+        Err(unavailable())
+    }
 }
 
 #[cfg(test)]
@@ -105,27 +375,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_and_launches_threads() {
-        assert_eq!(
-            "thread".parse::<CollectiveBackend>(),
-            Ok(CollectiveBackend::Thread)
-        );
+    fn parses_every_name() {
+        for b in CollectiveBackend::ALL {
+            assert_eq!(b.name().parse::<CollectiveBackend>(), Ok(b));
+            assert_eq!(b.to_string(), b.name());
+        }
         assert_eq!(
             " MPI ".parse::<CollectiveBackend>(),
             Ok(CollectiveBackend::Mpi)
         );
-        assert!("gloo"
-            .parse::<CollectiveBackend>()
-            .unwrap_err()
-            .contains("`thread` or `mpi`"));
-        match CollectiveBackend::Thread.launch(3).unwrap() {
-            Launched::Threads(g) => {
-                assert_eq!(g.len(), 3);
-                assert_eq!(g[2].rank(), 2);
-            }
-            other => panic!("{other:?}"),
+        assert_eq!(
+            "threads".parse::<CollectiveBackend>(),
+            Ok(CollectiveBackend::Thread)
+        );
+        let e = "gloo".parse::<CollectiveBackend>().unwrap_err();
+        assert!(e.contains("`thread`") && e.contains("`nccl`"), "{e}");
+    }
+
+    #[test]
+    fn thread_seats_join_one_group_in_rank_order() {
+        let mut l = CollectiveBackend::Thread.launch(3).unwrap();
+        assert_eq!(l.backend(), CollectiveBackend::Thread);
+        let seats = l.take_seats();
+        assert!(l.seats().is_empty());
+        assert_eq!(seats.len(), 3);
+        for (r, s) in seats.into_iter().enumerate() {
+            assert_eq!((s.rank(), s.world_size()), (r, 3));
+            let g = s.join().unwrap();
+            assert_eq!((g.rank(), g.size()), (r, 3));
         }
         assert!(CollectiveBackend::Thread.launch(0).is_err());
+        assert!(CollectiveBackend::NcclThreads.launch(0).is_err());
     }
 
     #[cfg(not(feature = "mpi"))]
@@ -133,5 +413,18 @@ mod tests {
     fn mpi_without_the_feature_says_how_to_rebuild() {
         let e = CollectiveBackend::Mpi.launch(1).unwrap_err();
         assert!(e.to_string().contains("--features mpi"), "{e}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn nccl_without_the_feature_says_how_to_rebuild() {
+        for b in [CollectiveBackend::NcclThreads, CollectiveBackend::Nccl] {
+            let e = b.launch(2).unwrap_err();
+            assert!(
+                matches!(e, CollectiveError::CudaUnavailable(_))
+                    && e.to_string().contains("--features cuda"),
+                "{e}"
+            );
+        }
     }
 }

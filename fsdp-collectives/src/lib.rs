@@ -14,19 +14,25 @@
 //! - `MpiGroup` (`mpi`, with the `mpi` feature): one rank per process over MPI; shared-memory
 //!   windows inside a node, rank-ordered reductions (bit-equal to the thread backend).
 //! - `NcclGroup` (`nccl`, with the `cuda` feature): the same trait over NCCL.
+//! - [`SharedGpuGroup`] ([`shared_gpu`]): W thread ranks whose devices are one GPU (which NCCL
+//!   refuses): device-to-device copies and a rank-ordered reduction kernel, bit-equal to the
+//!   thread backend in f32; a typed error without the `cuda` feature or a GPU.
 //! - [`ProcessGroup::all_to_all_into`]: the personalized exchange with equal chunks (thread and
-//!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`, compile-checked only), the wire
+//!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`), the wire
 //!   of quantized reduce-scatters.
 //! - [`Int8Codec`] ([`quant`]): int8 block quantization with a per-block f32 scale
 //!   (ZeRO++-style), the codec of fsdp-core's quantized collectives.
-//! - [`CollectiveBackend`] and [`Launched`] ([`launch`]): one call that gives this process its group(s)
-//!   for a backend choice (`--backend thread|mpi`).
+//! - [`CollectiveBackend`], [`Launched`] and [`Seat`] ([`launch`]): one call that gives this
+//!   process its ranks for a backend choice (thread, MPI, NCCL threads, NCCL processes), each
+//!   rank joining its group on its own thread.
 //!
 //! ## Reduction precision, per backend
 //! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
 //!   exactly as stated: f32 accumulation rounds f16/bf16 once at the end; own-dtype
 //!   accumulation rounds after every addition; ranks are folded in order 0..W.
-//! - NCCL backend (never run here; see `nccl`): NCCL reduces in its own order and internal
+//! - Shared-GPU backend ([`shared_gpu`]): the thread backend's folds and accumulators in a
+//!   CUDA kernel, ranks in order 0..W, so the same bits (NaN payloads aside).
+//! - NCCL backend (see `nccl`): NCCL reduces in its own order and internal
 //!   precision, so results are deterministic only as far as NCCL makes them. With device
 //!   buffers (the FSDP case) it reduces in the buffer dtype (there is no cast kernel in this
 //!   crate: reduce f32 buffers when f32 accumulation matters); with host buffers, f32
@@ -49,19 +55,21 @@ pub mod mpi;
 pub mod nccl;
 mod op;
 pub mod quant;
+pub mod shared_gpu;
 pub mod store;
 pub mod thread;
 pub mod types;
 
 pub use error::{CollectiveError, Result};
 pub use group::ProcessGroup;
-pub use launch::{CollectiveBackend, Launched};
+pub use launch::{CollectiveBackend, Launched, Seat};
 pub use mesh::DeviceMesh;
 #[cfg(feature = "mpi")]
 pub use mpi::{mpi_launched, MpiConfig, MpiGroup};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, NcclConfig, NcclGroup};
 pub use quant::Int8Codec;
+pub use shared_gpu::{SharedGpuConfig, SharedGpuGroup};
 pub use store::{RendezvousEnv, StoreServer, TcpStore};
 pub use thread::{GroupConfig, LinkModel, ThreadGroup};
 pub use types::{default_accum, DeviceSlice, OpKind, ReduceOp, Work};

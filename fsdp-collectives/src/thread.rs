@@ -122,13 +122,17 @@ impl GroupConfig {
 }
 
 /// What one rank posted for one collective.
-struct Posted {
-    desc: OpDesc,
-    input: Option<BufferRef>,
-    output: Option<BufferRef>,
+pub(crate) struct Posted {
+    pub(crate) desc: OpDesc,
+    pub(crate) input: Option<BufferRef>,
+    pub(crate) output: Option<BufferRef>,
+    /// What another backend built on this rendezvous exchanges besides the buffers (the
+    /// shared-GPU backend: each rank's stream events); `None` for the thread backend.
+    pub(crate) extra: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
-const MID: usize = 0;
+/// The phase of [`Shared::reach`] in the middle of a collective (all-reduce).
+pub(crate) const MID: usize = 0;
 const DEPART: usize = 1;
 
 struct Slot {
@@ -183,7 +187,9 @@ struct State {
     splits: HashMap<u64, SplitEntry>,
 }
 
-struct Shared {
+/// The rendezvous of one group: shared by its ranks' handles (and reused by the shared-GPU
+/// backend, which runs the same arrival, middle and departure on its issuing threads).
+pub(crate) struct Shared {
     name: String,
     world: usize,
     config: GroupConfig,
@@ -257,7 +263,7 @@ impl Shared {
         }
     }
 
-    fn post(&self, rank: usize, posted: Posted) -> u64 {
+    pub(crate) fn post(&self, rank: usize, posted: Posted) -> u64 {
         let mut st = self.lock();
         let seq = st.next_seq[rank];
         st.next_seq[rank] += 1;
@@ -281,8 +287,9 @@ impl Shared {
         self.cv.notify_all();
     }
 
-    /// The collective's work was dropped without running (its stream had failed).
-    fn abandon(&self, rank: usize, seq: u64, why: String) {
+    /// The collective's work was dropped without running (its stream had failed): the peers
+    /// fail at once with [`CollectiveError::PeerFailed`].
+    pub(crate) fn abandon(&self, rank: usize, seq: u64, why: String) {
         let mut st = self.lock();
         if let Some(slot) = st.slots.get_mut(&seq) {
             slot.abandoned.get_or_insert((rank, why));
@@ -291,7 +298,7 @@ impl Shared {
     }
 
     /// Step 1: wait for every rank's work to arrive; validate all descriptors.
-    fn arrive(&self, rank: usize, seq: u64) -> Result<Vec<Arc<Posted>>> {
+    pub(crate) fn arrive(&self, rank: usize, seq: u64) -> Result<Vec<Arc<Posted>>> {
         let world = self.world;
         let started = Instant::now();
         let deadline = started + self.config.timeout;
@@ -387,7 +394,7 @@ impl Shared {
 
     /// A rendezvous after arrival (middle of all-reduce, or departure). Records this rank's
     /// failure so far; returns the failure of the collective if the phase itself failed.
-    fn reach(
+    pub(crate) fn reach(
         &self,
         rank: usize,
         seq: u64,
@@ -443,7 +450,13 @@ impl Shared {
     }
 
     /// Step 3: wait until every rank is done with every buffer; the collective's final result.
-    fn depart(&self, rank: usize, seq: u64, op: OpKind, local: Result<()>) -> Result<()> {
+    pub(crate) fn depart(
+        &self,
+        rank: usize,
+        seq: u64,
+        op: OpKind,
+        local: Result<()>,
+    ) -> Result<()> {
         let phase = self.reach(rank, seq, op, DEPART, &local);
         let mut st = self.lock();
         let peer_error = st.slots.get(&seq).and_then(|slot| {
@@ -700,7 +713,12 @@ impl ThreadGroup {
 
     /// A group of `world_size` ranks with `config`.
     pub fn with_config(world_size: usize, config: GroupConfig) -> Vec<ThreadGroup> {
-        let name = format!("threads#{}", NEXT_GROUP.fetch_add(1, Ordering::Relaxed));
+        ThreadGroup::named("threads", world_size, config)
+    }
+
+    /// A group named `<prefix>#<n>` (the shared-GPU backend's rendezvous is one of these).
+    pub(crate) fn named(prefix: &str, world_size: usize, config: GroupConfig) -> Vec<ThreadGroup> {
+        let name = format!("{prefix}#{}", NEXT_GROUP.fetch_add(1, Ordering::Relaxed));
         let shared = Shared::new(name, world_size, config);
         (0..world_size)
             .map(|rank| ThreadGroup {
@@ -713,6 +731,11 @@ impl ThreadGroup {
     /// The group's configuration.
     pub fn config(&self) -> &GroupConfig {
         &self.shared.config
+    }
+
+    /// The group's rendezvous (for backends that run their own collectives over it).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Like [`ProcessGroup::split`], giving the subgroups `config` (e.g. a slower
@@ -777,6 +800,7 @@ impl Issue for ThreadGroup {
                 desc,
                 input,
                 output,
+                extra: None,
             },
         );
         let (shared, peers) = (Arc::clone(&self.shared), Arc::clone(&self.shared));
@@ -818,6 +842,7 @@ impl ProcessGroup for ThreadGroup {
                 desc,
                 input: None,
                 output: None,
+                extra: None,
             },
         );
         let r = self

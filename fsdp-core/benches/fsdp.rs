@@ -450,7 +450,7 @@ fn report(label: &str, variants: &[Variant], s: &Session) -> Vec<f64> {
 fn main() {
     let cfg = model_config();
     // 4 ranks share the cores: one matmul thread each.
-    fsdp_autograd::kernels::cpu::set_matmul_threads(1);
+    fsdp_autograd::kernels::gemm::set_matmul_threads(1);
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);

@@ -238,7 +238,7 @@ fn print_profile(t: &trace::Trace, step_secs: f64) {
 
 fn run(spec: &Spec) -> Result<Outcome, String> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    fsdp_autograd::kernels::cpu::set_matmul_threads((cores / spec.world).max(1));
+    fsdp_autograd::kernels::gemm::set_matmul_threads((cores / spec.world).max(1));
     let handles: Vec<_> = ThreadGroup::new(spec.world)
         .into_iter()
         .enumerate()

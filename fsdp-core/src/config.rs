@@ -4,8 +4,8 @@ use std::str::FromStr;
 
 use fsdp_alloc::{DType, Device};
 
-use crate::runtime::wrap::WrapPolicy;
 pub use crate::strategy::ShardingStrategy;
+use crate::wrap::WrapPolicy;
 
 /// When to issue the next unit's all-gather during backward (the paper's §4.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -226,7 +226,7 @@ pub struct FsdpConfig {
     /// events, without host waits. The host must be a CPU device; the compute device a CPU
     /// device (host-memory copies) or a CUDA device (asynchronous copies when the host is
     /// page-locked, `fsdp_alloc::Device::cpu_pinned`, synchronous ones from pageable memory;
-    /// the page-locked path ran on one H100 with `train_gpt --cpu-offload`).
+    /// what has run on a GPU is in the repository's `docs/GPU-STATUS.md`).
     pub cpu_offload: Option<Device>,
     /// Compare the units' forward order across ranks at the end of the first this-many backward
     /// passes (one all-gather of a number per unit and a host wait, each time); a difference is

@@ -4,8 +4,7 @@
 //! unsharded parameters after forward? does it all-reduce across a replicate group? which
 //! collectives move a unit's data? what is it called on the command line?) is answered by
 //! [`STRATEGIES`], through [`ShardingStrategy::spec`]. The runtime (`runtime/fsdp.rs`,
-//! `runtime/handle.rs`), the planner (`plan/search.rs`, `plan/simulate.rs`, `plan/candidate.rs`),
-//! the state dicts and `train_gpt`'s CLI ask it instead of matching on variants.
+//! `runtime/handle.rs`), the planner (the `fsdp-plan` crate), the state dicts and `train_gpt`'s CLI ask it instead of matching on variants.
 //!
 //! Adding a strategy: a variant here, its row in [`STRATEGIES`], and, only if it needs a
 //! mechanism none of the existing rows describe, the runtime code that implements it

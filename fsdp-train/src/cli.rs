@@ -13,11 +13,9 @@ use fsdp_core::{ShardOver, STRATEGIES};
 
 use crate::data::DataFormat;
 use crate::job::UsageError;
-use crate::job::{CudaLaunch, DataSpec, TrainConfig};
-use crate::optim::{OptimHyper, Optimizer};
+use crate::job::{CudaLaunch, DataSpec, TrainConfig, MAX_STEPS};
+use crate::optim::{OptimHyper, OptimizerArg};
 
-/// Largest `--steps`, `--warmup-steps`, `--eval-every`, `--checkpoint-every`.
-pub const MAX_STEPS: u64 = 10_000_000;
 /// Largest model `--model`/overrides may build (parameters); `--plan` alone (no training)
 /// describes models of any size without building them.
 pub const MAX_PARAMS: u64 = 4_000_000_000;
@@ -98,8 +96,9 @@ pub struct ModelArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Data")]
 pub struct DataArgs {
-    /// Train on this file (memory-mapped): text read as bytes (vocab 256), or a nanoGPT-style
-    /// .bin of little-endian u16 token ids. Without it, the embedded synthetic stream is used
+    /// Train on this file (each rank reads only its own sequences, with positioned reads): text
+    /// read as bytes (vocab 256), or a nanoGPT-style .bin of little-endian u16 token ids.
+    /// Without it, the embedded synthetic stream is used
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
     /// How to read --data: auto (.bin = u16 tokens, anything else = text bytes), text, u16
@@ -390,17 +389,6 @@ pub enum PrefetchArg {
     Pre,
     /// all-gather the next unit after the current unit's gradient computation
     Post,
-}
-
-/// `--optimizer`.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OptimizerArg {
-    /// plain SGD (no state)
-    Sgd,
-    /// AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01 unless set)
-    Adamw,
-    /// LAMB: Adam moments with a per-parameter trust ratio ‖p‖/‖u‖
-    Lamb,
 }
 
 /// A value in `[0, 1)` (momentum, betas).
@@ -718,25 +706,18 @@ impl Cli {
         }
 
         let o = &self.optim;
-        let optimizer = match o.optimizer {
-            OptimizerArg::Sgd => Optimizer::Sgd,
-            OptimizerArg::Adamw => Optimizer::AdamW,
-            OptimizerArg::Lamb => Optimizer::Lamb,
-        };
-        let lr = o.lr.unwrap_or(match optimizer {
-            Optimizer::Sgd => 0.05,
-            Optimizer::AdamW | Optimizer::Lamb => 1e-3,
-        });
+        let optimizer = o.optimizer;
+        let lr = o.lr.unwrap_or(optimizer.default_lr());
         let mut optim_hyper = OptimHyper::defaults(optimizer);
         let adam_only = o.beta1.is_some() || o.beta2.is_some() || o.eps.is_some();
-        if optimizer == Optimizer::Sgd && adam_only {
+        if optimizer == OptimizerArg::Sgd && adam_only {
             return usage("--beta1, --beta2 and --eps apply to --optimizer adamw or lamb");
         }
-        if optimizer != Optimizer::Sgd && o.momentum.is_some() {
+        if optimizer != OptimizerArg::Sgd && o.momentum.is_some() {
             return usage("--momentum applies to --optimizer sgd (Adam's is --beta1)");
         }
         optim_hyper.momentum = o.momentum.unwrap_or(optim_hyper.momentum);
-        if o.nesterov && (optimizer != Optimizer::Sgd || optim_hyper.momentum == 0.0) {
+        if o.nesterov && (optimizer != OptimizerArg::Sgd || optim_hyper.momentum == 0.0) {
             return usage("--nesterov needs --optimizer sgd with --momentum above 0");
         }
         optim_hyper.nesterov = o.nesterov;
@@ -989,7 +970,7 @@ mod tests {
         assert_eq!(c.shard_size, Some(2));
         assert_eq!(c.backward_prefetch, BackwardPrefetch::BackwardPost);
         assert!(c.forward_prefetch && !c.limit_all_gathers && c.deferred_init);
-        assert_eq!((c.steps, c.lr, c.optimizer), (7, 0.5, Optimizer::AdamW));
+        assert_eq!((c.steps, c.lr, c.optimizer), (7, 0.5, OptimizerArg::AdamW));
         assert_eq!(c.mixed_precision, Some(DType::BF16));
         assert_eq!((c.grad_accum, c.no_sync), (2, true));
         assert_eq!(c.clip_grad_norm, Some(1.5));
@@ -1082,8 +1063,8 @@ mod tests {
     #[test]
     fn optimizer_flags_reach_the_config() {
         let c = parse(&["--optimizer", "lamb"]).unwrap();
-        assert_eq!((c.optimizer, c.lr), (Optimizer::Lamb, 1e-3));
-        assert_eq!(c.optim_hyper, OptimHyper::defaults(Optimizer::Lamb));
+        assert_eq!((c.optimizer, c.lr), (OptimizerArg::Lamb, 1e-3));
+        assert_eq!(c.optim_hyper, OptimHyper::defaults(OptimizerArg::Lamb));
         assert_eq!(c.optim_hyper.weight_decay, 0.01);
         let c = parse(&[
             "--optimizer",

@@ -1,12 +1,14 @@
-//! `--device cuda`: the same FSDP training loop on GPUs, over NCCL.
+//! `--device cuda`: the devices of GPU ranks. The ranks themselves run the one path of
+//! `train::run_job`; their NCCL groups come from fsdp-collectives' `CollectiveBackend`
+//! ([`TrainConfig::backend`]).
 //!
 //! - `--device cuda` (`--backend thread`, the default): one process drives the GPUs, a thread per
 //!   GPU; rank `r` computes on `cuda:r` and talks to the others through its own `NcclGroup`
-//!   (the communicators rendezvous through a `TcpStore` on 127.0.0.1 hosted by rank 0's
-//!   thread). The world is `--ranks` GPUs, by default every visible one.
+//!   (`CollectiveBackend::NcclThreads`: the communicators rendezvous through a `TcpStore` on
+//!   127.0.0.1 hosted for rank 0). The world is `--ranks` GPUs, by default every visible one.
 //! - `--device cuda --backend nccl`: one process per GPU under a launcher (`torchrun`-style
 //!   `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, `mpirun`, or Slurm's `srun`; read by
-//!   [`RendezvousEnv`]); the process's GPU is its local rank.
+//!   [`RendezvousEnv`]); the process's GPU is its local rank (`CollectiveBackend::Nccl`).
 //!
 //! GPU ranks keep shards, sharded gradients and optimizer state on their GPU: the optimizer,
 //! gradient-norm, clipping and scaler kernels run there through the kernel seam (fsdp-core's
@@ -15,18 +17,15 @@
 //! code) and FSDP copies each rank's shards onto the GPU; `--deferred-init` generates only the
 //! shards. CPU offload happens only when asked (`--cpu-offload`): then the shards, sharded
 //! gradients and optimizer state live on that host device and the optimizer runs there.
-
+//!
 //! CI compiles this path (`cargo check -p fsdp-train --features cuda`); without a CUDA driver
-//! `--device cuda` exits with a one-line error naming what is missing. On one H100 it trained
-//! GPT-mini to GPT-2 (f32, TF32, bf16, CPU offload; README "GPUs"); `--backend nccl` and more
-//! than one GPU have not run since the device-resident optimizer.
-
-use std::sync::Arc;
+//! `--device cuda` exits with a one-line error naming what is missing. What has run on which
+//! GPU is recorded in `docs/GPU-STATUS.md`, not here.
 
 use fsdp_alloc::{AllocError, Device, DeviceConfig};
-use fsdp_collectives::{ProcessGroup, RendezvousEnv};
+use fsdp_collectives::RendezvousEnv;
 
-use crate::job::{CudaLaunch, Observer, Report, TrainConfig, TrainError};
+use crate::job::{CudaLaunch, TrainConfig};
 
 /// Opens the first GPU this process would use (a typed error, never a panic, when the build has
 /// no CUDA support or there is no driver or device) and returns how many CUDA devices are
@@ -130,148 +129,6 @@ pub fn init_device<'a>(cfg: &TrainConfig, dev: &'a Device, host: Option<&'a Devi
         (Some(_), Some(h)) => h,
         _ => dev,
     }
-}
-
-/// What one rank runs once its group exists: build the model, wrap it and train.
-pub type RunRank<'a> = dyn Fn(usize, Arc<dyn ProcessGroup>, Box<dyn Observer>) -> Result<Report, TrainError>
-    + Sync
-    + 'a;
-
-#[cfg(feature = "cuda")]
-mod imp {
-    use std::time::Duration;
-
-    use fsdp_collectives::{CollectiveError, NcclConfig, NcclGroup, TcpStore};
-    use fsdp_core::FsdpError;
-
-    use super::{
-        Arc, CudaLaunch, Observer, RendezvousEnv, Report, RunRank, TrainConfig, TrainError,
-    };
-    use crate::job::Quiet;
-
-    /// Bound on the rendezvous and on every collective.
-    const TIMEOUT: Duration = Duration::from_secs(600);
-
-    /// The first error that is not another rank's echo ([`TrainError::PeerFailed`]).
-    fn first_cause(mut errors: Vec<TrainError>) -> TrainError {
-        let pos = errors
-            .iter()
-            .position(|e| !matches!(e, TrainError::PeerFailed { .. }))
-            .unwrap_or(0);
-        errors.swap_remove(pos)
-    }
-
-    fn coll_err(rank: usize, context: &str) -> impl FnOnce(CollectiveError) -> TrainError {
-        let context = context.to_string();
-        move |e| TrainError::Fsdp {
-            rank,
-            context,
-            source: Box::new(FsdpError::from(e)),
-        }
-    }
-
-    /// Runs the job (see the module docs); rank 0 feeds `observer`.
-    pub fn run_job(
-        cfg: &TrainConfig,
-        launch: CudaLaunch,
-        observer: Box<dyn Observer>,
-        run_rank: &RunRank<'_>,
-    ) -> Result<Report, TrainError> {
-        match launch {
-            CudaLaunch::Processes => {
-                let env = RendezvousEnv::from_env().map_err(coll_err(0, "reading the launch"))?;
-                let rank = env.rank;
-                let store = TcpStore::rendezvous(&env, TIMEOUT)
-                    .map_err(coll_err(rank, "rendezvous (MASTER_ADDR:MASTER_PORT)"))?;
-                let config = NcclConfig {
-                    timeout: TIMEOUT,
-                    ..NcclConfig::new(launch.ordinal(rank))
-                };
-                let g = NcclGroup::new(&store, rank, env.world_size, config)
-                    .map_err(coll_err(rank, "creating the NCCL communicator"))?;
-                let obs = if rank == 0 { observer } else { Box::new(Quiet) };
-                let report = run_rank(rank, Arc::new(g), obs);
-                // Rank 0 hosts the store: keep it until this rank is done.
-                drop(store);
-                report
-            }
-            CudaLaunch::Threads => {
-                let world = cfg.ranks;
-                let store = TcpStore::host("127.0.0.1:0", TIMEOUT)
-                    .map_err(coll_err(0, "hosting the NCCL rendezvous store"))?;
-                let addr = store.addr().to_string();
-                let mut observer = Some(observer);
-                let results: Vec<Result<Report, TrainError>> = std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..world)
-                        .map(|rank| {
-                            let obs = if rank == 0 { observer.take() } else { None };
-                            let (store, addr) = (&store, addr.clone());
-                            std::thread::Builder::new()
-                                .name(format!("gpu-rank{rank}"))
-                                .spawn_scoped(s, move || {
-                                    let own;
-                                    let st: &TcpStore = if rank == 0 {
-                                        store
-                                    } else {
-                                        own = TcpStore::connect(&addr, TIMEOUT).map_err(
-                                            coll_err(rank, "connecting to the rendezvous store"),
-                                        )?;
-                                        &own
-                                    };
-                                    let g = NcclGroup::new(st, rank, world, NcclConfig::new(rank))
-                                        .map_err(coll_err(
-                                            rank,
-                                            "creating the NCCL communicator",
-                                        ))?;
-                                    run_rank(rank, Arc::new(g), obs.unwrap_or(Box::new(Quiet)))
-                                })
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .enumerate()
-                        .map(|(r, h)| match h {
-                            Err(e) => Err(TrainError::Thread(format!("spawning rank {r}: {e}"))),
-                            Ok(h) => h.join().unwrap_or_else(|_| {
-                                Err(TrainError::Thread(format!("GPU rank {r} panicked")))
-                            }),
-                        })
-                        .collect()
-                });
-                let mut report = None;
-                let mut errors = Vec::new();
-                for (r, res) in results.into_iter().enumerate() {
-                    match res {
-                        Ok(rep) if r == 0 => report = Some(rep),
-                        Ok(_) => {}
-                        Err(e) => errors.push(e),
-                    }
-                }
-                if !errors.is_empty() {
-                    return Err(first_cause(errors));
-                }
-                report.ok_or_else(|| TrainError::Thread("rank 0 returned no report".into()))
-            }
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-pub use imp::run_job;
-
-/// Without the `cuda` feature `--device cuda` stops at [`preflight`]; this is never reached.
-#[cfg(not(feature = "cuda"))]
-pub fn run_job(
-    _cfg: &TrainConfig,
-    _launch: CudaLaunch,
-    _observer: Box<dyn Observer>,
-    _run_rank: &RunRank<'_>,
-) -> Result<Report, TrainError> {
-    Err(TrainError::Thread(
-        "--device cuda: this binary was built without the `cuda` feature; rebuild with \
-         `-p fsdp-train --features cuda`"
-            .into(),
-    ))
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! Training data: the embedded synthetic stream, or a memory-mapped file (text bytes or
-//! nanoGPT-style little-endian u16 token ids).
+//! Training data: the embedded synthetic stream, or a file read with positioned reads (text
+//! bytes or nanoGPT-style little-endian u16 token ids).
 //!
 //! Sequences are addressed by a *global sequence index*: at optimizer step `s`, micro-batch `m`
 //! of `accum`, the global batch is `G = ranks × batch` sequences numbered

@@ -10,7 +10,7 @@ use fsdp_core::{state_dict, Fsdp};
 
 use crate::data::DataFormat;
 use crate::hf::{self, HfCheckpoint};
-use crate::job::{DataSpec, Interop, TrainConfig};
+use crate::job::{DataSpec, Interop, TrainConfig, MAX_STEPS};
 use crate::sample::{self, SampleOpts};
 use crate::tokenizer::Tokenizer;
 
@@ -35,7 +35,7 @@ pub struct InteropArgs {
     pub export_hf: Option<PathBuf>,
     /// Print a short sample (48 tokens, temperature 0.8, top-k 40, seed 0) every N steps
     #[arg(long, value_name = "N", default_value_t = 0,
-          value_parser = clap::value_parser!(u64).range(0..=crate::cli::MAX_STEPS))]
+          value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub sample_every: u64,
 }
 
@@ -97,54 +97,61 @@ impl InteropArgs {
 
 /// Before training (exit 1 on error): with `--init-from`, opens and checks the checkpoint and
 /// takes the model's shape from it; with `--tokenizer gpt2` and text data, tokenizes it into
-/// (or reuses) the cached `.bin` and trains on that. Returns notes to print.
+/// (or reuses) the cached `.bin` and trains on that. Returns the configuration to train with
+/// and notes to print.
 ///
 /// # Errors
 /// One line naming the problem (for a file that is not GPT-2's, the first missing or
 /// mismatched tensor).
-pub fn prepare(c: &mut TrainConfig) -> Result<Vec<String>, String> {
+pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
     let mut notes = Vec::new();
-    let i = c.interop.clone();
-    if let Some(p) = &i.init_from {
-        let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
-        let mut g = ck.config.gpt().with_checkpoint(c.gpt.checkpoint);
-        let floor = if i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. }) {
-            i.tokenizer.vocab()
-        } else {
-            0
-        };
-        g.vocab = i.vocab.unwrap_or(g.vocab).max(g.vocab).max(floor);
-        if let Some(t) = i.seq_len {
-            g.seq_len = t;
+    let i = &c.interop;
+    let gpt = match &i.init_from {
+        None => c.gpt,
+        Some(p) => {
+            let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
+            let mut g = ck.config.gpt().with_checkpoint(c.gpt.checkpoint);
+            let text = i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. });
+            let floor = if text { i.tokenizer.vocab() } else { 0 };
+            g.vocab = i.vocab.unwrap_or(g.vocab).max(g.vocab).max(floor);
+            if let Some(t) = i.seq_len {
+                g.seq_len = t;
+            }
+            hf::check_model(&ck, &g).map_err(|e| e.to_string())?;
+            notes.push(format!(
+                "init-from: {} (GPT-2 vocab {} d {} layers {} heads {} positions {}, gelu {})",
+                ck.path().display(),
+                ck.config.vocab,
+                ck.config.d_model,
+                ck.config.n_layers,
+                ck.config.n_heads,
+                ck.config.n_positions,
+                g.gelu.name()
+            ));
+            g
         }
-        hf::check_model(&ck, &g).map_err(|e| e.to_string())?;
-        notes.push(format!(
-            "init-from: {} (GPT-2 vocab {} d {} layers {} heads {} positions {}, gelu {})",
-            ck.path().display(),
-            ck.config.vocab,
-            ck.config.d_model,
-            ck.config.n_layers,
-            ck.config.n_heads,
-            ck.config.n_positions,
-            g.gelu.name()
-        ));
-        c.gpt = g;
-    }
-    if i.tokenizer == Tokenizer::Gpt2 {
-        if let DataSpec::File { path, format, .. } = &mut c.data {
-            if *format == DataFormat::Text {
-                let (bin, reused) = crate::tokenizer::gpt2_bin(path)?;
-                notes.push(format!(
-                    "tokenizer: gpt2; {} {}",
-                    if reused { "reusing" } else { "wrote" },
-                    bin.display()
-                ));
-                *path = bin;
-                *format = DataFormat::U16;
+    };
+    let data = match &c.data {
+        DataSpec::File {
+            path,
+            format: DataFormat::Text,
+            val_fraction,
+        } if i.tokenizer == Tokenizer::Gpt2 => {
+            let (bin, reused) = crate::tokenizer::gpt2_bin(path)?;
+            notes.push(format!(
+                "tokenizer: gpt2; {} {}",
+                if reused { "reusing" } else { "wrote" },
+                bin.display()
+            ));
+            DataSpec::File {
+                path: bin,
+                format: DataFormat::U16,
+                val_fraction: *val_fraction,
             }
         }
-    }
-    Ok(notes)
+        other => other.clone(),
+    };
+    Ok((TrainConfig { gpt, data, ..c }, notes))
 }
 
 /// A rank's `--init-from`: loads its own pieces of the checkpoint.

@@ -9,15 +9,18 @@ use std::path::PathBuf;
 
 use fsdp_alloc::DType;
 use fsdp_autograd::nn::GptConfig;
-use fsdp_collectives::RendezvousEnv;
+use fsdp_collectives::{CollectiveBackend, RendezvousEnv};
 use fsdp_core::state_dict::FullStateDict;
-use fsdp_core::{BackwardPrefetch, FsdpError, ShardingStrategy};
+use fsdp_core::{BackwardPrefetch, FsdpError, ShardedOptimizer, ShardingStrategy};
 use serde_json::Value;
 
 use crate::ckpt::CheckpointError;
 use crate::data::{DataError, DataFormat};
-use crate::optim::{OptimHyper, Optimizer};
+use crate::optim::{OptimHyper, OptimizerArg};
 use crate::tokenizer::Tokenizer;
+
+/// Largest `--steps`, `--warmup-steps`, `--eval-every`, `--checkpoint-every`, `--sample-every`.
+pub const MAX_STEPS: u64 = 10_000_000;
 
 /// Where the training data comes from.
 #[derive(Debug, Clone)]
@@ -84,7 +87,7 @@ pub struct TrainConfig {
     /// Total optimizer steps.
     pub steps: usize,
     /// Optimizer.
-    pub optimizer: Optimizer,
+    pub optimizer: OptimizerArg,
     /// Its hyper-parameters besides the learning rate.
     pub optim_hyper: OptimHyper,
     /// `--init-from`, `--export-hf`, `--sample-every`, `--tokenizer` (see [`crate::interop`]).
@@ -143,6 +146,22 @@ impl TrainConfig {
     /// Tokens of one optimizer step (global batch × sequence length).
     pub fn tokens_per_step(&self) -> usize {
         self.ranks * self.grad_accum * self.batch * self.gpt.seq_len
+    }
+
+    /// The rank's optimizer at the peak learning rate (see [`crate::optim`]).
+    pub fn build_optimizer(&self) -> Box<dyn ShardedOptimizer> {
+        self.optimizer.build(self.lr, &self.optim_hyper)
+    }
+
+    /// The collective backend the ranks run on: NCCL for GPU ranks (a thread or a process
+    /// each), MPI for `--backend mpi`, else thread ranks.
+    pub fn backend(&self) -> CollectiveBackend {
+        match (self.cuda, self.mpi) {
+            (Some(CudaLaunch::Threads), _) => CollectiveBackend::NcclThreads,
+            (Some(CudaLaunch::Processes), _) => CollectiveBackend::Nccl,
+            (None, true) => CollectiveBackend::Mpi,
+            (None, false) => CollectiveBackend::Thread,
+        }
     }
 }
 

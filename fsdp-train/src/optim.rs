@@ -1,25 +1,58 @@
-//! The optimizer of a rank, built from `--optimizer` and its hyper-parameter flags with
-//! fsdp-core's public constructors: SGD (momentum, weight decay), AdamW and LAMB (betas, eps,
-//! weight decay). Plain SGD (no momentum, no weight decay) keeps no state and steps through
-//! [`Fsdp::sgd_step`], as the main job always did.
+//! `--optimizer` and its hyper-parameters, and the rank's optimizer built from them with
+//! fsdp-core's public constructors: SGD (momentum, Nesterov, weight decay), AdamW and LAMB
+//! (betas, eps, weight decay). The job holds the result as one `Box<dyn ShardedOptimizer>` and
+//! asks it for everything else: its name ([`ShardedOptimizer::name`]), the state it keeps
+//! ([`ShardedOptimizer::state_slots`]) and the scheduled learning rate
+//! ([`ShardedOptimizer::set_lr`]). Plain SGD (no momentum, no weight decay) keeps no state: it
+//! is the very update of [`fsdp_core::Fsdp::sgd_step`].
+//!
+//! Another optimizer here is an [`OptimizerArg`] variant (its `--help` line, default learning
+//! rate, weight decay and constructor below) and its flags in `cli::OptimArgs`.
 
-use fsdp_autograd::nn::Gpt;
+use clap::ValueEnum;
 use fsdp_core::optim::AdamParams;
-use fsdp_core::{AdamW, Fsdp, FsdpError, Lamb, Sgd, ShardedOptimizer};
+use fsdp_core::{AdamW, Lamb, Sgd, ShardedOptimizer};
 
-/// The optimizer `--optimizer` picks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Optimizer {
-    /// SGD (momentum and weight decay optional).
+/// `--optimizer`. The variant's `Debug` spelling (`Sgd`, `AdamW`, `Lamb`) is part of the
+/// checkpoint fingerprint (`train::fingerprint`): renaming a variant refuses old checkpoints.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerArg {
+    /// plain SGD (no state)
     Sgd,
-    /// Sharded AdamW.
+    /// AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0.01 unless set)
+    #[value(name = "adamw")]
     AdamW,
-    /// Sharded LAMB (Adam moments, per-parameter trust ratio).
+    /// LAMB: Adam moments with a per-parameter trust ratio ‖p‖/‖u‖
     Lamb,
 }
 
-/// The hyper-parameters besides the learning rate (`--momentum`, `--beta1`, `--beta2`, `--eps`,
-/// `--weight-decay`); each optimizer reads the ones it has.
+impl OptimizerArg {
+    /// The peak learning rate without `--lr`: 0.05 for SGD, 0.001 for AdamW and LAMB.
+    pub fn default_lr(self) -> f32 {
+        match self {
+            OptimizerArg::Sgd => 0.05,
+            OptimizerArg::AdamW | OptimizerArg::Lamb => 1e-3,
+        }
+    }
+
+    /// The optimizer at learning rate `lr` (a schedule then sets each step's with
+    /// [`ShardedOptimizer::set_lr`]).
+    pub fn build(self, lr: f32, h: &OptimHyper) -> Box<dyn ShardedOptimizer> {
+        match self {
+            OptimizerArg::Sgd => Box::new(
+                Sgd::new(lr)
+                    .with_momentum(h.momentum)
+                    .with_nesterov(h.nesterov)
+                    .with_weight_decay(h.weight_decay),
+            ),
+            OptimizerArg::AdamW => Box::new(AdamW::with_params(h.adam(lr))),
+            OptimizerArg::Lamb => Box::new(Lamb::new(h.adam(lr))),
+        }
+    }
+}
+
+/// The hyper-parameters besides the learning rate (`--momentum`, `--nesterov`, `--beta1`,
+/// `--beta2`, `--eps`, `--weight-decay`); each optimizer reads the ones it has.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OptimHyper {
     /// SGD momentum μ (0: none).
@@ -39,7 +72,7 @@ pub struct OptimHyper {
 impl OptimHyper {
     /// The defaults of `kind`: momentum 0, PyTorch's Adam betas (0.9, 0.999) and eps 1e-8,
     /// weight decay 0 for SGD and 0.01 for AdamW and LAMB.
-    pub fn defaults(kind: Optimizer) -> OptimHyper {
+    pub fn defaults(kind: OptimizerArg) -> OptimHyper {
         let a = AdamParams::new(0.0);
         OptimHyper {
             momentum: 0.0,
@@ -48,8 +81,8 @@ impl OptimHyper {
             beta2: a.betas.1,
             eps: a.eps,
             weight_decay: match kind {
-                Optimizer::Sgd => 0.0,
-                Optimizer::AdamW | Optimizer::Lamb => a.weight_decay,
+                OptimizerArg::Sgd => 0.0,
+                OptimizerArg::AdamW | OptimizerArg::Lamb => a.weight_decay,
             },
         }
     }
@@ -64,74 +97,41 @@ impl OptimHyper {
     }
 }
 
-/// A rank's stateful optimizer.
-#[derive(Debug)]
-pub enum RankOptimizer {
-    /// SGD with momentum and/or weight decay.
-    Sgd(Sgd),
-    /// AdamW.
-    AdamW(AdamW),
-    /// LAMB.
-    Lamb(Lamb),
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl RankOptimizer {
-    /// The optimizer of `kind` at learning rate `lr`; `None` for plain SGD (stateless, stepped
-    /// by [`Fsdp::sgd_step`]).
-    pub fn new(kind: Optimizer, lr: f32, h: &OptimHyper) -> Option<RankOptimizer> {
-        match kind {
-            Optimizer::Sgd if h.momentum == 0.0 && h.weight_decay == 0.0 => None,
-            Optimizer::Sgd => Some(RankOptimizer::Sgd(
-                Sgd::new(lr)
-                    .with_momentum(h.momentum)
-                    .with_nesterov(h.nesterov)
-                    .with_weight_decay(h.weight_decay),
-            )),
-            Optimizer::AdamW => Some(RankOptimizer::AdamW(AdamW::with_params(h.adam(lr)))),
-            Optimizer::Lamb => Some(RankOptimizer::Lamb(Lamb::new(h.adam(lr)))),
+    /// The optimizer names itself and counts its state: nothing here restates either.
+    #[test]
+    fn built_optimizers_name_themselves_and_their_state() {
+        let sgd = OptimHyper::defaults(OptimizerArg::Sgd);
+        let momentum = OptimHyper {
+            momentum: 0.9,
+            ..sgd
+        };
+        let adam = OptimHyper::defaults(OptimizerArg::AdamW);
+        for (kind, h, name, slots) in [
+            (OptimizerArg::Sgd, sgd, "SGD", 0),
+            (OptimizerArg::Sgd, momentum, "SGD", 1),
+            (OptimizerArg::AdamW, adam, "AdamW", 2),
+            (OptimizerArg::Lamb, adam, "LAMB", 2),
+        ] {
+            let o = kind.build(kind.default_lr(), &h);
+            assert_eq!((o.name(), o.state_slots()), (name, slots));
+            assert_eq!(o.lr(), kind.default_lr());
         }
     }
 
-    /// One step at learning rate `lr`, waiting for the optimizer's own collectives (LAMB's
-    /// norm all-reduce) so that a failure is reported at this step.
-    ///
-    /// # Errors
-    /// The optimizer's errors.
-    pub fn step(&mut self, fsdp: &Fsdp<Gpt>, lr: f32) -> Result<(), FsdpError> {
-        match self {
-            RankOptimizer::Sgd(o) => {
-                o.lr = lr;
-                o.step(fsdp)?;
-                o.synchronize()
-            }
-            RankOptimizer::AdamW(o) => {
-                o.hyper.lr = lr;
-                o.step(fsdp)?;
-                o.synchronize()
-            }
-            RankOptimizer::Lamb(o) => {
-                o.hyper.lr = lr;
-                o.step(fsdp)?;
-                o.synchronize()
-            }
-        }
-    }
-
-    /// As the trait object checkpoints take.
-    pub fn as_dyn(&self) -> &dyn ShardedOptimizer {
-        match self {
-            RankOptimizer::Sgd(o) => o,
-            RankOptimizer::AdamW(o) => o,
-            RankOptimizer::Lamb(o) => o,
-        }
-    }
-
-    /// As the mutable trait object checkpoint loading takes.
-    pub fn as_dyn_mut(&mut self) -> &mut dyn ShardedOptimizer {
-        match self {
-            RankOptimizer::Sgd(o) => o,
-            RankOptimizer::AdamW(o) => o,
-            RankOptimizer::Lamb(o) => o,
+    /// `--optimizer`'s spellings, and the `Debug` names the checkpoint fingerprint holds.
+    #[test]
+    fn spellings_and_fingerprint_names_are_stable() {
+        for (kind, flag, debug) in [
+            (OptimizerArg::Sgd, "sgd", "Sgd"),
+            (OptimizerArg::AdamW, "adamw", "AdamW"),
+            (OptimizerArg::Lamb, "lamb", "Lamb"),
+        ] {
+            assert_eq!(OptimizerArg::from_str(flag, false), Ok(kind));
+            assert_eq!(format!("{kind:?}"), debug);
         }
     }
 }

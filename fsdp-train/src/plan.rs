@@ -1,9 +1,9 @@
-//! `--plan` / `--plan --apply`: the cost-model planner ([`fsdp_core::plan`]) for the chosen
+//! `--plan` / `--plan --apply`: the cost-model planner ([`fsdp_plan`]) for the chosen
 //! model and batch on an assumed cluster — the ranked table without training, or training with
 //! the top plan.
 //!
 //! The cluster comes from `--cluster FILE` (TOML, below) or `--cluster PRESET` (a GPU
-//! preset of [`fsdp_core::plan::Hardware`]: `a100-80gb`, `h100-80gb`; a path that exists is
+//! preset of [`fsdp_plan::Hardware`]: `a100-80gb`, `h100-80gb`; a path that exists is
 //! always read as a file), then the `--cluster-*` flags override it field by field. Without
 //! either it is this machine as train_gpt emulates it: one node of `--ranks` ranks, each with an
 //! even share of the host's memory (`MemTotal` of /proc/meminfo) and of the GEMM probe's rate
@@ -25,7 +25,7 @@
 //!
 //! A `[gpu]` table (what the presets fill in) describes the GPU instead of a flat `tflops`, and
 //! switches the planner to its GPU model (per-leaf roofline compute, NCCL's ring/tree
-//! collectives over nodes; `fsdp_core::plan::Hardware`): `bf16_tflops` and `f32_tflops`
+//! collectives over nodes; `fsdp_plan::Hardware`): `bf16_tflops` and `f32_tflops`
 //! (peaks), `gemm_efficiency` (fraction of the peak a large GEMM sustains), `hbm_gb_per_s`, and
 //! optionally `base_latency_us` (NCCL's fixed cost per collective, default 8.4). Then `[intra]`
 //! is the NVLink bus bandwidth per GPU and the latency of one ring step, `[inter]` the network
@@ -51,15 +51,14 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use fsdp_core::plan::{
+use fsdp_core::{ShardOver, WrapPolicy};
+use fsdp_plan::{
     Batch, Cluster, Hardware, Link, ModelDesc, PlanError, PlanEstimate, Planner, PRESETS,
 };
-use fsdp_core::{ShardOver, WrapPolicy};
 
 use crate::job::{strategy_name, TrainConfig, UsageError};
-use crate::optim::Optimizer;
 
-/// Planning (the cost model of `fsdp_core::plan`).
+/// Planning (the cost model of `fsdp_plan`).
 #[derive(Args, Debug, Clone, Default)]
 #[command(next_help_heading = "Planning")]
 pub struct PlanArgs {
@@ -384,7 +383,7 @@ pub fn cluster(
         network: c.inter,
         base_latency_s: f
             .gpu_base_latency_us
-            .unwrap_or(fsdp_core::plan::NCCL_RING_BASE_LATENCY_US)
+            .unwrap_or(fsdp_plan::NCCL_RING_BASE_LATENCY_US)
             * 1e-6,
     };
     hw.validate().map_err(|e: PlanError| e.to_string())?;
@@ -411,10 +410,7 @@ pub fn planner(
         seqs_per_rank: c.batch,
         seq_len: c.gpt.seq_len,
     };
-    let slots = match c.optimizer {
-        Optimizer::Sgd => 0,
-        Optimizer::AdamW | Optimizer::Lamb => 2,
-    };
+    let slots = c.build_optimizer().state_slots();
     let p = Planner::new(model, cluster, batch)
         .map_err(|e| e.to_string())?
         .with_optimizer_slots(slots)
@@ -439,11 +435,7 @@ pub fn print_plan(c: &TrainConfig, p: &Planner) -> Result<Option<PlanEstimate>, 
         p.model.units.len(),
         p.batch.seqs_per_rank,
         p.batch.seq_len,
-        match c.optimizer {
-            Optimizer::Sgd => "SGD",
-            Optimizer::AdamW => "AdamW",
-            Optimizer::Lamb => "LAMB",
-        },
+        c.build_optimizer().name(),
         cl.nodes,
         cl.ranks_per_node,
         cl.device_memory_bytes as f64 / (1u64 << 30) as f64,
@@ -513,8 +505,13 @@ pub fn print_plan(c: &TrainConfig, p: &Planner) -> Result<Option<PlanEstimate>, 
     }
 }
 
-/// `--plan --apply`: the run's configuration with the top plan's settings.
-pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> {
+/// `--plan --apply`: the run's configuration with the top plan's settings (strategy, shard
+/// size, prefetch, limiter; everything else as given).
+///
+/// # Errors
+/// A top plan this run cannot take (a shard size not dividing `--ranks`; no-shard with flags
+/// that need sharding).
+pub fn apply(c: TrainConfig, top: &PlanEstimate) -> Result<TrainConfig, UsageError> {
     let p = top.config;
     if p.shard_size == 0 || c.ranks % p.shard_size.max(1) != 0 {
         return Err(UsageError(format!(
@@ -531,23 +528,27 @@ pub fn apply(c: &mut TrainConfig, top: &PlanEstimate) -> Result<(), UsageError> 
                 .into(),
         ));
     }
-    c.strategy = p.strategy;
-    c.shard_size = (p.strategy.spec().shard_over == ShardOver::ShardGroup).then_some(p.shard_size);
-    c.backward_prefetch = p.backward_prefetch;
-    c.forward_prefetch = p.forward_prefetch;
-    c.limit_all_gathers = p.limit_all_gathers;
-    // The plan decides the limiter outright: an adaptive (`--limit-all-gathers auto`) setting
-    // would override it.
-    c.adaptive_limiter = None;
+    let shard_size =
+        (p.strategy.spec().shard_over == ShardOver::ShardGroup).then_some(p.shard_size);
     println!(
         "plan: applying the top plan: {} (--strategy {}{})",
         p.label(),
         strategy_name(p.strategy),
-        c.shard_size
+        shard_size
             .map(|f| format!(" --shard-size {f}"))
             .unwrap_or_default()
     );
-    Ok(())
+    Ok(TrainConfig {
+        strategy: p.strategy,
+        shard_size,
+        backward_prefetch: p.backward_prefetch,
+        forward_prefetch: p.forward_prefetch,
+        limit_all_gathers: p.limit_all_gathers,
+        // The plan decides the limiter outright: an adaptive (`--limit-all-gathers auto`)
+        // setting would override it.
+        adaptive_limiter: None,
+        ..c
+    })
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 //! CUDA `main` runs it after training (unless `--plan` needs the rate first): the CUDA kernel
 //! backend is cached per device id, and its first user should be the training device.
 //!
-//! [`reference`] is the honest limit beside it: the f32 GEMM rate of an independent, well-tuned
+//! [`reference_limit`] is the honest limit beside it: the f32 GEMM rate of an independent, well-tuned
 //! BLAS on this machine (OpenBLAS's `cblas_sgemm`, loaded at run time, its kernels matched to the
 //! CPU kernels' instruction-set level; `fsdp_autograd::kernels::cpu::ReferenceGemm`), for CPU
 //! runs. Where the library is missing it says why instead of a rate, and training is unaffected.
@@ -169,7 +169,7 @@ impl ReferenceProbe {
 // Not called by `main.rs` yet: its summary and `--json` wiring (issue #40) lands after the
 // restructuring of `main.rs`/`report.rs`; until then only the tests use it.
 #[allow(dead_code)]
-/// Loads the reference BLAS now (see the module docs); later [`reference`] calls reuse it.
+/// Loads the reference BLAS now (see the module docs); later [`reference_limit`] calls reuse it.
 /// Returns its name or why there is none.
 pub fn load_reference() -> Result<String, String> {
     ReferenceGemm::load()
@@ -183,7 +183,7 @@ pub fn load_reference() -> Result<String, String> {
 /// The reference GEMM rate for this run ([`ReferenceProbe::flops_per_s`]): on CPU runs f32 1024³
 /// products, each way of running them repeated for about a third of the budget (at least
 /// twice); for `--device cuda` runs `None` with a note (the reference is a CPU library).
-pub fn reference(c: &TrainConfig, cores: usize, budget: Duration) -> ReferenceProbe {
+pub fn reference_limit(c: &TrainConfig, cores: usize, budget: Duration) -> ReferenceProbe {
     let isa = cpu_isa();
     let none = |note: String| ReferenceProbe {
         flops_per_s: None,
@@ -212,7 +212,7 @@ pub fn reference(c: &TrainConfig, cores: usize, budget: Duration) -> ReferencePr
 // Not called by `main.rs` yet: its summary and `--json` wiring (issue #40) lands after the
 // restructuring of `main.rs`/`report.rs`; until then only the tests use it.
 #[allow(dead_code)]
-/// The best rate of `r` on n³ products (see [`reference`]).
+/// The best rate of `r` on n³ products (see [`reference_limit`]).
 fn reference_rate(
     r: &ReferenceGemm,
     cores: usize,
@@ -270,7 +270,7 @@ fn reference_rate(
 }
 
 /// This thread's CPU time in seconds (Linux `CLOCK_THREAD_CPUTIME_ID`; `None` elsewhere).
-#[allow(dead_code)] // Called by `reference` only (see there).
+#[allow(dead_code)] // Called by `reference_limit` only (see there).
 fn thread_cpu_secs() -> Option<f64> {
     #[cfg(target_os = "linux")]
     {
@@ -319,7 +319,7 @@ mod tests {
             .unwrap()
             .into_config()
             .unwrap();
-        let p = reference(&c, 2, Duration::from_millis(30));
+        let p = reference_limit(&c, 2, Duration::from_millis(30));
         let fields: std::collections::HashMap<_, _> = p.json_fields(1e9).into_iter().collect();
         assert_eq!(fields["cpu_isa"], json!(cpu_isa().name()));
         match p.flops_per_s {

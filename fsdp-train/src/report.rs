@@ -1,5 +1,51 @@
-//! Output: the progress bar or plain step lines, the `--metrics` JSON-lines file, the `--plot`
-//! picture and the GEMM-rate probe.
+//! Output: the banner, the progress bar or plain step lines, the `--metrics` JSON-lines file,
+//! the `--plot` picture, the CPU GEMM-rate probe, and the summary with its `--json` line.
+//!
+//! ## What a step line reports
+//! `step 10 | loss 3.214 | 5,230 tok/s | peak 41.2 MiB/rank | ag 12.1 MiB rs 12.1 MiB`
+//! - `loss`: the global-batch mean cross-entropy of that step — every rank's micro-batch mean
+//!   cross-entropy, averaged over ranks with an f32 all-reduce (each rank contributes `loss / W`,
+//!   which is also the value it backpropagates).
+//! - `tok/s`: tokens of the global batch (`ranks × grad_accum × batch × seq`) over rank 0's wall
+//!   time for the step (forward, backward, gradient norm, optimizer step, and a full
+//!   synchronization of the rank's streams).
+//! - `peak`: the largest per-rank `peak_allocated_bytes` of the step over all ranks (the stats
+//!   are reset at the start of every step, so it includes activations, parameters, gradients and
+//!   communication buffers; model construction and wrapping are not part of any step).
+//! - `ag` / `rs` (`ar` where all-reduces run): bytes rank 0's FSDP collectives moved in the step.
+//! - `val loss` (with `--eval-every`): mean cross-entropy over the fixed validation set.
+//!
+//! The summary and the `--json` line use the median step time of all steps but the first
+//! (warm-up); with one step, that step. `all_gather_bytes` / `reduce_scatter_bytes` are rank 0's
+//! totals over the run, in the dtype communicated (bf16/f16 under mixed precision). `params` is
+//! Ψ: the elements of all flat parameters (padding included), the same under every
+//! mixed-precision setting; the banner's parameter count is the model's own (no padding), which
+//! the FLOP estimate uses.
+//!
+//! ## `predicted_peak_param_grad_bytes`
+//! With `P` = bytes of all f32 parameters (`4·Ψ`), `m` = bytes of the largest unit (`4·maxᵢ ψᵢ`)
+//! and `F` the sharding factor, the parameter(+gradient) bound of the paper's §3.2.1
+//! (`O(Σψᵢ/F + maxᵢ ψᵢ)`):
+//! - `full-shard` (F = ranks) and `hybrid-shard` (F = `--shard-size`): `P/F + m`, plus one more
+//!   `m` when a prefetch can hold a second unit unsharded;
+//! - `shard-grad-op`: `P/F + P`; `no-shard`: `P`.
+//!
+//! It is a model prediction, not a measurement: the measured peak also holds activations.
+//!
+//! ## Model state per rank
+//! The summary's `state` line is measured: the bytes allocated on a rank (compute device plus the
+//! offload device) right after the optimizer step, while the sharded gradients are still held —
+//! sharded parameters + sharded gradients + optimizer state, plus what FSDP keeps between steps.
+//! It is printed next to the unsharded state `S = 4Ψ·(2 + optimizer slots)` and `S/F`, where the
+//! slots are those the optimizer keeps (`ShardedOptimizer::state_slots`).
+//!
+//! ## Model FLOP/s
+//! `6·Ψ` per token for the parameters (forward 2, backward 4) plus `12·L·d·T` per token for the
+//! attention score and value products (`L` layers, width `d`, sequence `T`), times the tokens
+//! per second; next to the GEMM rate of a ~0.2 s probe at start-up on the device the model trains
+//! on, at its precision (module `probe`: f32 on all cores for CPU ranks; with `--device cuda`
+//! the GPU's matmuls in f32 or the mixed-precision dtype); `--json` names the probe's device
+//! (`gemm_probe_device`: `"cpu"` or `"cuda:0"`) and dtype (`gemm_probe_dtype`).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -12,7 +58,10 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plotters::prelude::*;
 use serde_json::{json, Value};
 
-use crate::job::{Observer, StepRecord};
+use fsdp_core::{BackwardPrefetch, Quantization, ShardOver};
+
+use crate::job::TrainConfig;
+use crate::job::{prefetch_name, strategy_name, CudaLaunch, Observer, Report, StepRecord};
 
 /// `1234567` → `1,234,567`.
 pub fn thousands(n: u64) -> String {
@@ -316,6 +365,292 @@ where
     }
     root.present()?;
     Ok(())
+}
+
+/// The first line of a run: model, data, ranks, strategy, optimizer, schedule, machine and
+/// whatever is switched on. `data`: the data set's description; `params`: the model's own
+/// parameter count (no padding); `threads`: matmul threads per rank.
+pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64) -> String {
+    let g = &c.gpt;
+    let shard = if c.strategy.spec().shard_over == ShardOver::ShardGroup {
+        format!(" (shard groups of {})", c.shard_size.unwrap_or(c.ranks))
+    } else {
+        String::new()
+    };
+    let mut extras = String::new();
+    if let Some(d) = c.mixed_precision {
+        extras.push_str(&format!(" | mixed precision {d}"));
+    }
+    if c.grad_accum > 1 {
+        extras.push_str(&format!(" | grad accum {}", c.grad_accum));
+        if c.no_sync {
+            extras.push_str(" (no_sync)");
+        }
+    }
+    if let Some(x) = c.clip_grad_norm {
+        extras.push_str(&format!(" | clip grad norm {x}"));
+    }
+    if c.warmup_steps > 0 {
+        extras.push_str(&format!(" | warm-up {} steps", c.warmup_steps));
+    }
+    if let Some(m) = c.min_lr {
+        extras.push_str(&format!(" | cosine decay to {m}"));
+    }
+    if g.tied {
+        extras.push_str(" | tied embedding/head");
+    }
+    if let Some(launch) = c.cuda {
+        extras.push_str(match launch {
+            CudaLaunch::Threads => " | CUDA: a thread per GPU, NCCL",
+            CudaLaunch::Processes => " | CUDA: a process per GPU, NCCL",
+        });
+    }
+    if c.cpu_offload {
+        extras.push_str(" | CPU offload");
+    }
+    if c.deferred_init {
+        extras.push_str(" | deferred init");
+    }
+    if c.checked {
+        extras.push_str(" | checked devices");
+    }
+    if let Some(Quantization::Int8 { block }) = c.quantize_collectives {
+        extras.push_str(&format!(" | int8 collectives (block {block})"));
+    }
+    format!(
+        "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} gelu {} ({} parameters) | data: {data} | \
+         {} ranks × batch {} | {}{shard}, Block units, backward prefetch {}, forward prefetch {}, \
+         limit all-gathers {} | {} lr {} | {} steps | seed {} | {cores} cores, {threads} matmul \
+         thread(s)/rank{extras}",
+        g.vocab,
+        g.d_model,
+        g.n_layers,
+        g.n_heads,
+        g.seq_len,
+        g.gelu.name(),
+        thousands(params),
+        c.ranks,
+        c.batch,
+        strategy_name(c.strategy),
+        prefetch_name(c.backward_prefetch),
+        if c.forward_prefetch { "on" } else { "off" },
+        limit_name(c),
+        c.build_optimizer().name(),
+        c.lr,
+        c.steps,
+        c.seed,
+    )
+}
+
+/// The `--limit-all-gathers` spelling of the configuration.
+fn limit_name(c: &TrainConfig) -> &'static str {
+    match (c.adaptive_limiter, c.limit_all_gathers) {
+        (Some(_), _) => "auto",
+        (None, true) => "on",
+        (None, false) => "off",
+    }
+}
+
+/// The `--quantize-collectives` spelling of the configuration.
+fn quant_name(c: &TrainConfig) -> &'static str {
+    match c.quantize_collectives {
+        None => "none",
+        Some(Quantization::Int8 { .. }) => "int8",
+    }
+}
+
+/// JSON has no NaN or infinity: those become `null`.
+fn json_num(x: f64) -> Value {
+    if x.is_finite() {
+        json!(x)
+    } else {
+        Value::Null
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The sharding factor and the parameter(+gradient) peak the paper's formula predicts (see
+/// the module docs).
+fn predicted_peak(c: &TrainConfig, total: usize, max_unit: usize) -> (usize, u64) {
+    let prefetch = c.backward_prefetch != BackwardPrefetch::None || c.forward_prefetch;
+    let extra = if prefetch { max_unit } else { 0 };
+    // From the strategy table: the sharding factor F; unsharded, a full copy; resharded after
+    // forward, the shard plus one gathered unit (two with prefetch); otherwise the shard plus
+    // every gathered unit kept from forward to backward.
+    let spec = c.strategy.spec();
+    let f = spec.factor(c.ranks, c.shard_size.unwrap_or(c.ranks));
+    if !spec.is_sharded() {
+        (1, total as u64)
+    } else if spec.reshard_after_forward {
+        (f, (total / f + max_unit + extra) as u64)
+    } else {
+        (f, (total / f + total) as u64)
+    }
+}
+
+/// The GEMM probe's result as the summary prints it (module `probe`).
+pub struct GemmRate<'a> {
+    /// FLOP/s.
+    pub flops_per_s: f64,
+    /// `"cpu"` or `"cuda:N"`.
+    pub device: &'a str,
+    /// The precision it ran at.
+    pub dtype: DType,
+}
+
+/// The summary of a finished run (rank 0): model, loss, speed, compute, memory, state and
+/// communication lines, then with `json_line` the `--json` object on one line. `wall`: the
+/// run's seconds; `params`: the model's own parameter count.
+pub fn summary(
+    c: &TrainConfig,
+    rep: &Report,
+    wall: f64,
+    gemm: &GemmRate<'_>,
+    params: u64,
+    json_line: bool,
+) {
+    let gemm_rate = gemm.flops_per_s;
+    let steps = &rep.steps;
+    let timed: Vec<f64> = if steps.len() > 1 {
+        steps[1..].iter().map(|s| s.secs).collect()
+    } else {
+        steps.iter().map(|s| s.secs).collect()
+    };
+    let step_s = median(timed);
+    // Host waits per step (first step excluded like the time: it creates optimizer state).
+    let syncs: Vec<f64> = steps
+        .iter()
+        .skip(usize::from(steps.len() > 1))
+        .map(|s| s.host_syncs as f64)
+        .collect();
+    let host_syncs = median(syncs);
+    let tokens = c.tokens_per_step() as f64;
+    let tokens_per_s = tokens / step_s;
+    let first = steps.first().map_or(f32::NAN, |s| s.loss);
+    let last = steps.last().map_or(f32::NAN, |s| s.loss);
+    let peak = steps.iter().map(|s| s.peak_allocated).max().unwrap_or(0);
+    let peak_reserved = steps.iter().map(|s| s.peak_reserved).max().unwrap_or(0);
+    let state = steps.iter().map(|s| s.state_bytes).max().unwrap_or(0);
+    let retries: u64 = steps.iter().map(|s| s.retries).sum();
+    let (factor, predicted) = predicted_peak(c, rep.total_param_bytes, rep.max_unit_bytes);
+
+    println!("summary:");
+    println!(
+        "  model      {} units, Ψ = {} parameters ({:.1} MiB), largest unit ψmax = {} ({:.1} MiB), sharding factor {factor}",
+        rep.units,
+        thousands(rep.total_param_bytes as u64 / 4),
+        mib(rep.total_param_bytes as u64),
+        thousands(rep.max_unit_bytes as u64 / 4),
+        mib(rep.max_unit_bytes as u64),
+    );
+    let k = (steps.len() / 4).clamp(1, 5);
+    let mean = |s: &[StepRecord]| s.iter().map(|r| r.loss as f64).sum::<f64>() / s.len() as f64;
+    let (head, tail) = (mean(&steps[..k]), mean(&steps[steps.len() - k..]));
+    println!(
+        "  loss       {first:.3} -> {last:.3} over steps {}..={}; mean of the first {k} {head:.3}, of \
+         the last {k} {tail:.3} ({})",
+        rep.first_step,
+        rep.first_step + steps.len() - 1,
+        if tail < head { "falling" } else { "NOT falling" }
+    );
+    let vals: Vec<(usize, f32)> = steps
+        .iter()
+        .filter_map(|s| s.val_loss.map(|v| (s.step, v)))
+        .collect();
+    if !vals.is_empty() {
+        let list: Vec<String> = vals
+            .iter()
+            .map(|(s, v)| format!("step {s}: {v:.3}"))
+            .collect();
+        println!("  val loss   {}", list.join(", "));
+    }
+    println!(
+        "  speed      median step {:.1} ms (first step excluded), {} tok/s, {:.1} s wall",
+        step_s * 1e3,
+        thousands(tokens_per_s.round() as u64),
+        wall
+    );
+    let g = &c.gpt;
+    let flops_per_token = 6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64;
+    let model_flops = flops_per_token * tokens_per_s;
+    println!(
+        "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s {} \
+         GEMM probe on {} ({:.0}%)",
+        model_flops / 1e9,
+        gemm_rate / 1e9,
+        gemm.dtype,
+        if gemm.device == "cpu" {
+            "all cores"
+        } else {
+            gemm.device
+        },
+        100.0 * model_flops / gemm_rate
+    );
+    println!(
+        "  memory     peak allocated {:.1} MiB/rank, peak reserved {:.1} MiB/rank (max over ranks \
+         and steps); predicted parameter peak {:.1} MiB; {retries} allocation retries",
+        mib(peak),
+        mib(peak_reserved),
+        mib(predicted)
+    );
+    let slots = rep.optim_slots as u64;
+    let unsharded = rep.total_param_bytes as u64 * (2 + slots);
+    let unit = rep.max_unit_bytes as u64 * 2;
+    println!(
+        "  state      params+grads+optimizer state {:.1} MiB/rank (measured after the optimizer \
+         step); unsharded S = {:.1} MiB (4Ψ·(2+{slots} slots)), S/F = {:.1} MiB, S/F + one unit \
+         (params+grads) = {:.1} MiB",
+        mib(state),
+        mib(unsharded),
+        mib(unsharded / factor as u64),
+        mib(unsharded / factor as u64 + unit)
+    );
+    println!(
+        "  comm/rank  all-gather {:.1} MiB, reduce-scatter {:.1} MiB, all-reduce {:.1} MiB (rank 0, this run)",
+        mib(rep.total_ag),
+        mib(rep.total_rs),
+        mib(rep.total_ar)
+    );
+    if json_line {
+        let val = vals.last().map(|v| v.1 as f64).unwrap_or(f64::NAN);
+        let j = json!({
+            "ranks": c.ranks,
+            "strategy": strategy_name(c.strategy),
+            "tokens_per_s": json_num((tokens_per_s * 10.0).round() / 10.0),
+            "step_ms_median": json_num(step_s * 1e3),
+            "host_syncs_per_step": json_num(host_syncs),
+            "final_loss": json_num(last as f64),
+            "val_loss": json_num(val),
+            "peak_allocated_bytes_per_rank": peak,
+            "peak_reserved_bytes_per_rank": peak_reserved,
+            "predicted_peak_param_grad_bytes": predicted,
+            "state_bytes_per_rank": state,
+            "all_gather_bytes": rep.total_ag,
+            "reduce_scatter_bytes": rep.total_rs,
+            "num_alloc_retries": retries,
+            "params": rep.total_param_bytes / 4,
+            "steps": steps.len(),
+            "first_step": rep.first_step,
+            "model_flops_per_s": json_num(model_flops),
+            "gemm_flops_per_s": json_num(gemm_rate),
+            "gemm_probe_device": gemm.device,
+            "gemm_probe_dtype": gemm.dtype.to_string(),
+            "limit_all_gathers": limit_name(c),
+            "quantize_collectives": quant_name(c),
+        });
+        println!("{j}");
+    }
 }
 
 /// The f32 GEMM rate this machine reaches with the project's matmul kernel (the `gemm` crate)

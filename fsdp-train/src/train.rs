@@ -1,9 +1,12 @@
-//! The training loop: W thread ranks, each with its own [`Device`] and a handle to one
-//! [`ThreadGroup`], wrap the same GPT with [`Fsdp`] and train it.
+//! The training loop: the ranks of this process ([`run_job`], one path for every collective
+//! backend: thread ranks, MPI processes, GPU ranks over NCCL), each with its own [`Device`] and
+//! its handle to the group, wrap the same GPT with [`Fsdp`] and train it ([`Rank`]).
 //!
-//! Per step every rank: builds its micro-batches (see [`crate::data`]), runs forward/backward
-//! (with `no_sync` where asked), computes the global gradient norm (exact across shards; clipped
-//! with `--clip-grad-norm`), stops with [`TrainError::NonFinite`] if it is not finite, steps the
+//! A rank's run has three phases: restore the starting state (`--load`, `--init-from`,
+//! `--resume`), the steps, and finish (`--save`, `--export-hf`, the report). Per step every
+//! rank: builds its micro-batches (see [`crate::data`]), runs forward/backward (with `no_sync`
+//! where asked), computes the global gradient norm (exact across shards; clipped with
+//! `--clip-grad-norm`), stops with [`TrainError::NonFinite`] if it is not finite, steps the
 //! optimizer at the scheduled learning rate, and all-reduces the loss and the memory statistics.
 //! Every value a stop decision depends on is the same on every rank (all-reduced), so all ranks
 //! stop together.
@@ -11,23 +14,23 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use fsdp_alloc::trace;
 use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::nn::Gpt;
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
-use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, ThreadGroup};
+use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
 use fsdp_core::checkpoint::{self, CheckpointManager};
 use fsdp_core::plumbing::tensor_slice;
 use fsdp_core::state_dict;
 use fsdp_core::{
-    clip_grad_norm, grad_norm, param_norms_per_param, Comm, Fsdp, FsdpConfig, FsdpError,
-    MixedPrecision, ParamBytes, WrapPolicy,
+    clip_grad_norm, grad_norm, param_norms_per_param, Comm, CommStats, Fsdp, FsdpConfig, FsdpError,
+    MixedPrecision, ParamBytes, ShardedOptimizer, WrapPolicy,
 };
 use serde_json::{json, Value};
 
 use crate::ckpt::{self, CheckpointError};
 use crate::data::{DataError, Dataset};
 use crate::job::{DataSpec, Observer, Quiet, Report, StepRecord, TrainConfig, TrainError};
-use crate::optim::RankOptimizer;
 
 /// Settings a resumed run must share with the checkpoint: the model, optimizer, global batch,
 /// data and seed, and the learning-rate schedule (`--lr`, `--warmup-steps`, `--min-lr`, and
@@ -65,51 +68,93 @@ pub fn open_data(cfg: &TrainConfig) -> Result<Dataset, DataError> {
     }
 }
 
-/// Runs the whole job on `cfg.ranks` threads; rank 0 feeds `observer`. With `gather_final`,
-/// the report holds the final parameters (a full state dict).
+/// Runs the whole job: the ranks of this process on [`TrainConfig::backend`] (every rank a
+/// thread of this process for thread and NCCL-thread ranks; this process's one rank under MPI
+/// or an NCCL launcher). Each rank joins its group on its own thread, then builds, wraps and
+/// trains the model ([`Rank`]); rank 0 feeds `observer`. With `gather_final`, the report holds
+/// the final parameters (a full state dict). Returns the report of this process's first rank
+/// (rank 0, except in the other processes of a multi-process job).
+///
+/// # Errors
+/// The first rank error that is not another rank's echo ([`TrainError::PeerFailed`]).
 pub fn run_job(
     cfg: &TrainConfig,
     observer: Box<dyn Observer>,
     gather_final: bool,
 ) -> Result<Report, TrainError> {
     let data = open_data(cfg)?;
-    if cfg.mpi {
-        return run_mpi_rank(cfg, data, observer, gather_final);
-    }
-    if let Some(launch) = cfg.cuda {
-        let run = |rank: usize, pg: Arc<dyn ProcessGroup>, obs: Box<dyn Observer>| {
-            Rank::new(rank, pg, cfg, data.clone(), obs)?.train(gather_final)
-        };
-        return crate::cuda::run_job(cfg, launch, observer, &run);
-    }
+    let backend = cfg.backend();
+    let coll_err = |rank: usize, context: String| {
+        move |e: fsdp_collectives::CollectiveError| TrainError::Fsdp {
+            rank,
+            context,
+            source: Box::new(FsdpError::from(e)),
+        }
+    };
+    let mut launched = backend
+        .launch(cfg.ranks)
+        .map_err(coll_err(0, format!("launching the {backend} ranks")))?;
+    let run = |seat: Seat, observer: Box<dyn Observer>| -> Result<Report, TrainError> {
+        let rank = seat.rank();
+        let pg = seat
+            .join()
+            .map_err(coll_err(rank, format!("joining the {backend} group")))?;
+        Rank::new(rank, pg, cfg, data.clone(), observer)?.train(gather_final)
+    };
     let mut observer = Some(observer);
-    let handles: Vec<_> = ThreadGroup::new(cfg.ranks)
-        .into_iter()
-        .enumerate()
-        .map(|(r, g)| {
-            let cfg = cfg.clone();
-            let data = data.clone();
-            let obs = if r == 0 { observer.take() } else { None };
-            std::thread::Builder::new()
-                .name(format!("rank{r}"))
-                .spawn(move || {
-                    Rank::new(r, Arc::new(g), &cfg, data, obs.unwrap_or(Box::new(Quiet)))?
-                        .train(gather_final)
+    let mut observer_of = |rank: usize| -> Box<dyn Observer> {
+        match observer.take_if(|_| rank == 0) {
+            Some(o) => o,
+            None => Box::new(Quiet),
+        }
+    };
+    let seats = launched.take_seats();
+    let results: Vec<Result<Report, TrainError>> = if backend.in_process() {
+        let prefix = if cfg.cuda.is_some() {
+            "gpu-rank"
+        } else {
+            "rank"
+        };
+        std::thread::scope(|s| {
+            let handles: Vec<_> = seats
+                .into_iter()
+                .map(|seat| {
+                    let (rank, obs) = (seat.rank(), observer_of(seat.rank()));
+                    let run = &run;
+                    std::thread::Builder::new()
+                        .name(format!("{prefix}{rank}"))
+                        .spawn_scoped(s, move || run(seat, obs))
+                        .map_err(|e| TrainError::Thread(format!("spawning rank {rank}: {e}")))
                 })
-                .map_err(|e| TrainError::Thread(format!("spawning rank {r}: {e}")))
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(r, h)| {
+                    h?.join()
+                        .unwrap_or_else(|_| Err(TrainError::Thread(format!("rank {r} panicked"))))
+                })
+                .collect()
         })
-        .collect::<Result<_, _>>()?;
+    } else {
+        seats
+            .into_iter()
+            .map(|seat| {
+                let obs = observer_of(seat.rank());
+                run(seat, obs)
+            })
+            .collect()
+    };
+    // What the ranks shared (rank 0's rendezvous store) lives until every rank is done.
+    drop(launched);
     let mut report = None;
     let mut errors = Vec::new();
-    for (r, h) in handles.into_iter().enumerate() {
-        match h.join() {
-            Ok(Ok(rep)) => {
-                if r == 0 {
-                    report = Some(rep)
-                }
+    for r in results {
+        match r {
+            Ok(rep) => {
+                report.get_or_insert(rep);
             }
-            Ok(Err(e)) => errors.push(e),
-            Err(_) => errors.push(TrainError::Thread(format!("rank {r} panicked"))),
+            Err(e) => errors.push(e),
         }
     }
     if !errors.is_empty() {
@@ -121,38 +166,7 @@ pub fn run_job(
             .unwrap_or(0);
         return Err(errors.swap_remove(pos));
     }
-    report.ok_or_else(|| TrainError::Thread("rank 0 returned no report".into()))
-}
-
-/// This process's rank of an MPI job (`--backend mpi`): rank 0 feeds `observer`.
-#[cfg(feature = "mpi")]
-fn run_mpi_rank(
-    cfg: &TrainConfig,
-    data: Dataset,
-    observer: Box<dyn Observer>,
-    gather_final: bool,
-) -> Result<Report, TrainError> {
-    let g = fsdp_collectives::MpiGroup::world().map_err(|e| TrainError::Fsdp {
-        rank: 0,
-        context: "joining the MPI job".into(),
-        source: Box::new(FsdpError::from(e)),
-    })?;
-    let rank = g.rank();
-    let obs = if rank == 0 { observer } else { Box::new(Quiet) };
-    Rank::new(rank, Arc::new(g), cfg, data, obs)?.train(gather_final)
-}
-
-/// Without the `mpi` feature `--backend mpi` is refused at parse time; this is never reached.
-#[cfg(not(feature = "mpi"))]
-fn run_mpi_rank(
-    _cfg: &TrainConfig,
-    _data: Dataset,
-    _observer: Box<dyn Observer>,
-    _gather_final: bool,
-) -> Result<Report, TrainError> {
-    Err(TrainError::Thread(
-        "--backend mpi: built without the `mpi` feature".into(),
-    ))
+    report.ok_or_else(|| TrainError::Thread("no rank of this process returned a report".into()))
 }
 
 /// One rank's state.
@@ -164,7 +178,8 @@ struct Rank {
     dev: Device,
     host: Option<Device>,
     fsdp: Fsdp<Gpt>,
-    opt: Option<RankOptimizer>,
+    /// The optimizer (`--optimizer`), at the peak learning rate until a step sets its own.
+    opt: Box<dyn ShardedOptimizer>,
     observer: Box<dyn Observer>,
     /// The checkpoint lineage this run continues (empty: a new one at the first save).
     lineage: String,
@@ -228,7 +243,7 @@ impl Rank {
         // With --deferred-init the parameters live on the fake device (recorded init ops only)
         // and Fsdp::wrap generates just this rank's shards.
         let fsdp = Fsdp::wrap(model, &dev, comm, config).map_err(fsdp_err("wrapping the model"))?;
-        let opt = RankOptimizer::new(cfg.optimizer, cfg.lr, &cfg.optim_hyper);
+        let opt = cfg.build_optimizer();
         Ok(Rank {
             rank,
             pg,
@@ -425,9 +440,14 @@ impl Rank {
         // Later saves of this run continue the same lineage (pruning counts only its saves).
         self.lineage = manager.lineage().to_string();
         let meta = ckpt::metadata(self.cfg.ranks, fingerprint(&self.cfg), history);
-        let opt = self.opt.as_ref().map(RankOptimizer::as_dyn);
         let fin = manager
-            .save(&self.fsdp, step as u64, opt, None, &meta)
+            .save(
+                &self.fsdp,
+                step as u64,
+                self.checkpointed_optimizer(),
+                None,
+                &meta,
+            )
             .map_err(self.sd_err(format!(
                 "saving checkpoint step {step} in {}",
                 dir.display()
@@ -484,15 +504,13 @@ impl Rank {
             }
             return Ok((0, Vec::new()));
         };
-        let mut opt = self.opt.take();
-        let loaded = checkpoint::load(
-            &self.fsdp,
-            &path,
-            opt.as_mut().map(RankOptimizer::as_dyn_mut),
-            None,
-        );
-        self.opt = opt;
-        let loaded = loaded.map_err(self.sd_err(format!("loading {}", path.display())))?;
+        let opt: Option<&mut dyn ShardedOptimizer> = if self.opt.state_slots() > 0 {
+            Some(&mut *self.opt)
+        } else {
+            None
+        };
+        let loaded = checkpoint::load(&self.fsdp, &path, opt, None)
+            .map_err(self.sd_err(format!("loading {}", path.display())))?;
         self.lineage = loaded.lineage.clone();
         let meta = ckpt::parse(
             &path,
@@ -518,12 +536,33 @@ impl Rank {
         Ok((step, history))
     }
 
+    /// The optimizer as checkpoints save and load it: only when it keeps state (plain SGD
+    /// and SGD with weight decay alone checkpoint no optimizer).
+    fn checkpointed_optimizer(&self) -> Option<&dyn ShardedOptimizer> {
+        (self.opt.state_slots() > 0).then_some(&*self.opt)
+    }
+
+    /// The last step this run takes (1-based): `--steps`, or earlier with `stop_after`.
+    fn last_step(&self) -> usize {
+        let steps = self.cfg.steps;
+        self.cfg.stop_after.map_or(steps, |s| s.min(steps))
+    }
+
+    /// The rank's run, in three phases: [`Self::restore`] the starting state,
+    /// [`Self::run_steps`], [`Self::finish`] (outputs and the report).
     fn train(mut self, gather_final: bool) -> Result<Report, TrainError> {
-        let rank = self.rank;
+        let (done, history) = self.restore()?;
+        let (records, history) = self.run_steps(done, history)?;
+        self.finish(done, records, history, gather_final)
+    }
+
+    /// Phase 1, the starting state: `--load` (a full state dict), `--init-from` (Hugging Face
+    /// weights), `--resume` (a checkpoint). Returns (steps already done, metric history).
+    fn restore(&mut self) -> Result<(usize, Vec<Value>), TrainError> {
         if let Some(path) = self.cfg.load.clone() {
             state_dict::load_full(&self.fsdp, &path)
                 .map_err(self.sd_err(format!("loading {}", path.display())))?;
-            if rank == 0 {
+            if self.rank == 0 {
                 self.observer.note(&format!(
                     "loaded the full state dict from {}",
                     path.display()
@@ -531,128 +570,44 @@ impl Rank {
             }
         }
         let init = crate::interop::init_rank(&self.fsdp, &self.cfg);
-        if self.agree(init.map_err(TrainError::Interop), "--init-from")? && rank == 0 {
+        if self.agree(init.map_err(TrainError::Interop), "--init-from")? && self.rank == 0 {
             self.observer
                 .note("loaded the Hugging Face GPT-2 weights (--init-from)");
         }
-        let (done, mut history) = if self.cfg.resume {
-            self.resume()?
+        if self.cfg.resume {
+            self.resume()
         } else {
-            (0, Vec::new())
-        };
-        let ParamBytes {
-            max_unit: max_unit_bytes,
-            total: total_param_bytes,
-        } = self.fsdp.param_bytes();
-        let units = self.fsdp.num_units();
-        let optim_slots = self
-            .opt
-            .as_ref()
-            .map_or(0, |o| o.as_dyn().slot_names().len());
-        let steps = self.cfg.steps;
-        let last = self.cfg.stop_after.map_or(steps, |s| s.min(steps));
-        if rank == 0 {
+            Ok((0, Vec::new()))
+        }
+    }
+
+    /// Phase 2, the loop: steps `done + 1 ..= last`, each measured ([`Self::measured_step`]),
+    /// reported, sampled (`--sample-every`) and checkpointed (`--checkpoint-every`, and at
+    /// `--steps`). Returns this run's records and the history extended by them.
+    fn run_steps(
+        &mut self,
+        done: usize,
+        mut history: Vec<Value>,
+    ) -> Result<(Vec<StepRecord>, Vec<Value>), TrainError> {
+        let (steps, last) = (self.cfg.steps, self.last_step());
+        if self.rank == 0 {
             self.observer.start(done + 1, steps);
         }
-        let tokens = self.cfg.tokens_per_step() as f64;
         let mut records = Vec::new();
         let mut prev = self.fsdp.comm_stats();
         for s in done..last {
-            let step = s + 1;
-            let retries_before = self.dev.memory_stats().num_alloc_retries;
             // `--profile`: the run's second step (its first after warm-up), or its only one.
-            // The recorder is process-wide; rank 0 turns it on and off, and the metrics
-            // all-reduce that ends every step keeps the ranks within one step of each other.
             let profiling =
-                rank == 0 && self.cfg.profile.is_some() && s == (done + 1).min(last - 1);
-            if profiling {
-                fsdp_alloc::trace::start();
-            }
-            self.dev.reset_peak_stats();
-            let t0 = Instant::now();
-            let lr = self.cfg.lr_at(s);
-            // This step's batches, read first so a data error stops every rank together. Their
-            // upload (ids, targets) counts towards the step's host waits (none on CPU devices
-            // and, staged in page-locked memory, none on CUDA ones); the agreement does not.
-            let syncs_before_batches = fsdp_alloc::stream::host_syncs();
-            let batches: Result<Vec<_>, _> =
-                (0..self.cfg.grad_accum).map(|m| self.batch(s, m)).collect();
-            let batch_syncs = fsdp_alloc::stream::host_syncs() - syncs_before_batches;
-            let batches = self.agree(batches, "reading training data")?;
-            let (scaled, norm, step_syncs) = self
-                .step(batches, lr)
-                .map_err(self.err(format!("step {step}")))?;
-            let host_syncs = batch_syncs + step_syncs;
-            if !norm.is_finite() {
-                return Err(TrainError::NonFinite {
-                    step,
-                    what: "gradient norm",
-                    value: norm,
-                });
-            }
-            let secs = t0.elapsed().as_secs_f64();
-            let (loss, peaks) = self
-                .reduce_metrics(scaled, retries_before)
-                .map_err(self.err(format!("step {step}: reducing metrics")))?;
-            if profiling {
-                if let Some(path) = &self.cfg.profile {
-                    let trace = fsdp_alloc::trace::stop();
-                    trace.write_chrome_json(path).map_err(|e| {
-                        TrainError::Profile(format!("--profile: writing {}: {e}", path.display()))
-                    })?;
-                    self.observer.note(&format!(
-                        "wrote a Chrome trace of step {step} to {} (open it in Perfetto or chrome://tracing)",
-                        path.display()
-                    ));
-                }
-            }
-            if !loss.is_finite() {
-                return Err(TrainError::NonFinite {
-                    step,
-                    what: "loss",
-                    value: loss as f64,
-                });
-            }
-            let val_loss =
-                if self.cfg.eval_every > 0 && (step % self.cfg.eval_every == 0 || step == steps) {
-                    let v = self.evaluate()?;
-                    if !v.is_finite() {
-                        return Err(TrainError::NonFinite {
-                            step,
-                            what: "validation loss",
-                            value: v as f64,
-                        });
-                    }
-                    Some(v)
-                } else {
-                    None
-                };
-            let now = self.fsdp.comm_stats();
-            let rec = StepRecord {
-                step,
-                loss,
-                val_loss,
-                lr,
-                grad_norm: norm,
-                secs,
-                host_syncs,
-                tokens_per_s: tokens / secs,
-                peak_allocated: peaks[0],
-                peak_reserved: peaks[1],
-                retries: peaks[2],
-                state_bytes: peaks[3],
-                ag: now.all_gather_bytes - prev.all_gather_bytes,
-                rs: now.reduce_scatter_bytes - prev.reduce_scatter_bytes,
-                ar: now.all_reduce_bytes - prev.all_reduce_bytes,
-            };
-            prev = now;
+                self.rank == 0 && self.cfg.profile.is_some() && s == (done + 1).min(last - 1);
+            let rec = self.measured_step(s, profiling, &mut prev)?;
+            let step = rec.step;
             history.push(json!({
                 "step": step,
-                "loss": loss,
-                "val_loss": val_loss,
+                "loss": rec.loss,
+                "val_loss": rec.val_loss,
                 "tokens_per_s": rec.tokens_per_s,
             }));
-            if rank == 0 {
+            if self.rank == 0 {
                 self.observer.step(&rec);
             }
             records.push(rec);
@@ -665,8 +620,131 @@ impl Rank {
                 self.save_checkpoint(step, &history)?;
             }
         }
+        Ok((records, history))
+    }
+
+    /// Step `s` (0-based) as rank 0 reports it: the batches, [`Self::step`], the metrics
+    /// reduced over ranks, the `--profile` trace when `profiling`, the validation loss when due.
+    /// Stops on a non-finite gradient norm, loss or validation loss. `prev`: the comm totals
+    /// before the step (updated).
+    fn measured_step(
+        &mut self,
+        s: usize,
+        profiling: bool,
+        prev: &mut CommStats,
+    ) -> Result<StepRecord, TrainError> {
+        let step = s + 1;
+        let retries_before = self.dev.memory_stats().num_alloc_retries;
+        // The recorder is process-wide; rank 0 turns it on and off, and the metrics all-reduce
+        // that ends every step keeps the ranks within one step of each other.
+        if profiling {
+            fsdp_alloc::trace::start();
+        }
+        self.dev.reset_peak_stats();
+        let t0 = Instant::now();
+        let lr = self.cfg.lr_at(s);
+        // This step's batches, read first so a data error stops every rank together. Their
+        // upload (ids, targets) counts towards the step's host waits (none on CPU devices
+        // and, staged in page-locked memory, none on CUDA ones); the agreement does not.
+        let syncs_before_batches = fsdp_alloc::stream::host_syncs();
+        let batches: Result<Vec<_>, _> =
+            (0..self.cfg.grad_accum).map(|m| self.batch(s, m)).collect();
+        let batch_syncs = fsdp_alloc::stream::host_syncs() - syncs_before_batches;
+        let batches = self.agree(batches, "reading training data")?;
+        let (scaled, norm, step_syncs) = self
+            .step(batches, lr)
+            .map_err(self.err(format!("step {step}")))?;
+        let host_syncs = batch_syncs + step_syncs;
+        if !norm.is_finite() {
+            return Err(TrainError::NonFinite {
+                step,
+                what: "gradient norm",
+                value: norm,
+            });
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let (loss, peaks) = self
+            .reduce_metrics(scaled, retries_before)
+            .map_err(self.err(format!("step {step}: reducing metrics")))?;
+        if profiling {
+            self.write_profile(step)?;
+        }
+        if !loss.is_finite() {
+            return Err(TrainError::NonFinite {
+                step,
+                what: "loss",
+                value: loss as f64,
+            });
+        }
+        let val_loss = self.validation_at(step)?;
+        let now = self.fsdp.comm_stats();
+        let rec = StepRecord {
+            step,
+            loss,
+            val_loss,
+            lr,
+            grad_norm: norm,
+            secs,
+            host_syncs,
+            tokens_per_s: self.cfg.tokens_per_step() as f64 / secs,
+            peak_allocated: peaks[0],
+            peak_reserved: peaks[1],
+            retries: peaks[2],
+            state_bytes: peaks[3],
+            ag: now.all_gather_bytes - prev.all_gather_bytes,
+            rs: now.reduce_scatter_bytes - prev.reduce_scatter_bytes,
+            ar: now.all_reduce_bytes - prev.all_reduce_bytes,
+        };
+        *prev = now;
+        Ok(rec)
+    }
+
+    /// `--profile`: stops the recorder and writes the trace of `step`.
+    fn write_profile(&mut self, step: usize) -> Result<(), TrainError> {
+        let Some(path) = &self.cfg.profile else {
+            return Ok(());
+        };
+        let trace = fsdp_alloc::trace::stop();
+        trace.write_chrome_json(path).map_err(|e| {
+            TrainError::Profile(format!("--profile: writing {}: {e}", path.display()))
+        })?;
+        self.observer.note(&format!(
+            "wrote a Chrome trace of step {step} to {} (open it in Perfetto or chrome://tracing)",
+            path.display()
+        ));
+        Ok(())
+    }
+
+    /// The validation loss at `step` when due (`--eval-every`, and at `--steps`); stops on a
+    /// non-finite one.
+    fn validation_at(&self, step: usize) -> Result<Option<f32>, TrainError> {
+        let every = self.cfg.eval_every;
+        if every == 0 || (step % every != 0 && step != self.cfg.steps) {
+            return Ok(None);
+        }
+        let v = self.evaluate()?;
+        if !v.is_finite() {
+            return Err(TrainError::NonFinite {
+                step,
+                what: "validation loss",
+                value: v as f64,
+            });
+        }
+        Ok(Some(v))
+    }
+
+    /// Phase 3, after the last step: `--save` (a full state dict), `--export-hf`, the final
+    /// parameters when `gather_final`, and the report.
+    fn finish(
+        mut self,
+        done: usize,
+        records: Vec<StepRecord>,
+        history: Vec<Value>,
+        gather_final: bool,
+    ) -> Result<Report, TrainError> {
+        let rank = self.rank;
         if let Some(path) = self.cfg.save.clone() {
-            self.check_params_finite(last)?;
+            self.check_params_finite(self.last_step())?;
             state_dict::save_full(&self.fsdp, &path)
                 .map_err(self.sd_err(format!("saving {}", path.display())))?;
             if rank == 0 {
@@ -692,16 +770,20 @@ impl Rank {
         } else {
             None
         };
+        let ParamBytes {
+            max_unit: max_unit_bytes,
+            total: total_param_bytes,
+        } = self.fsdp.param_bytes();
         let total = self.fsdp.comm_stats();
         Ok(Report {
             rank,
             steps: records,
             history,
             first_step: done + 1,
-            units,
+            units: self.fsdp.num_units(),
             total_param_bytes,
             max_unit_bytes,
-            optim_slots,
+            optim_slots: self.opt.state_slots(),
             total_ag: total.all_gather_bytes,
             total_rs: total.reduce_scatter_bytes,
             total_ar: total.all_reduce_bytes,
@@ -754,9 +836,14 @@ impl Rank {
                 fsdp_alloc::stream::host_syncs() - syncs_before,
             ));
         }
-        match self.opt.as_mut() {
-            Some(opt) => opt.step(&self.fsdp, lr)?,
-            None => self.fsdp.sgd_step(lr)?,
+        {
+            let _span = trace::span_with(self.dev.id(), || {
+                format!("optimizer {}", self.opt.name().to_lowercase())
+            });
+            self.opt.set_lr(lr);
+            self.opt.step(&self.fsdp)?;
+            // The optimizer's own collectives (LAMB's norm all-reduce): a failure is this step's.
+            self.opt.synchronize()?;
         }
         let syncs = fsdp_alloc::stream::host_syncs() - syncs_before;
         self.fsdp.synchronize()?;
@@ -842,6 +929,32 @@ mod tests {
 
     fn losses(r: &Report) -> Vec<u32> {
         r.steps.iter().map(|s| s.loss.to_bits()).collect()
+    }
+
+    /// Every backend starts through the one launch of `run_job`: a backend this build lacks
+    /// stops there with a typed error naming the rebuild (no rank thread started, no panic).
+    #[test]
+    fn a_backend_this_build_lacks_stops_at_the_launch() {
+        let mut lacking = Vec::new();
+        if !cfg!(feature = "cuda") {
+            let mut c = cfg_with(&["--steps", "1"]);
+            c.cuda = Some(crate::job::CudaLaunch::Threads);
+            lacking.push((c, "nccl-threads", "--features cuda"));
+        }
+        if !cfg!(feature = "mpi") {
+            let mut c = cfg_with(&["--steps", "1"]);
+            c.mpi = true;
+            lacking.push((c, "mpi", "--features mpi"));
+        }
+        for (c, backend, rebuild) in lacking {
+            let e = run_job(&c, Box::new(Quiet), false).err().unwrap();
+            let TrainError::Fsdp { rank, context, .. } = &e else {
+                panic!("{e}")
+            };
+            assert_eq!(*rank, 0);
+            assert_eq!(context, &format!("launching the {backend} ranks"));
+            assert!(e.to_string().contains(rebuild), "{e}");
+        }
     }
 
     #[test]
@@ -1258,7 +1371,7 @@ mod tests {
         let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2-tiny");
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("hf");
-        let mut c = config(&[
+        let c = config(&[
             "--init-from",
             fixture,
             "--seq-len",
@@ -1274,7 +1387,7 @@ mod tests {
             "--export-hf",
             out.to_str().unwrap(),
         ]);
-        crate::interop::prepare(&mut c).unwrap();
+        let (c, _notes) = crate::interop::prepare(c).unwrap();
         assert_eq!((c.gpt.vocab, c.gpt.d_model, c.gpt.seq_len), (50257, 64, 16));
         assert!(c.gpt.tied);
         let r = run_job(&c, Box::new(Quiet), true).unwrap();

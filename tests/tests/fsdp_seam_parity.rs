@@ -1,4 +1,4 @@
-//! The optimizer step through the kernel seam (`Launch::SgdStep`, `AdamWStep`, `LambDirection`,
+//! The optimizer step through the kernel seam (the ops `SgdStep`, `AdamWStep`, `LambDirection`,
 //! `SumSquares`, `LambApply`, `ScaleInplace`, `Unscale`) equals, **bit for bit on CPU devices**,
 //! the host-slice computation the optimizers ran before the seam: each rule's host update
 //! (`Rule::update`, the CPU kernel) on the trainable ranges of every unit's shard, LAMB's trust
@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use fsdp_alloc::Device;
-use fsdp_autograd::kernels::cpu::optim::{lamb_apply, lamb_direction, sum_sq, unscale};
+use fsdp_autograd::kernels::optim::{lamb_apply, lamb_direction, sum_sq, unscale};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{InitContext, Tensor};
 use fsdp_collectives::{ProcessGroup, ThreadGroup};

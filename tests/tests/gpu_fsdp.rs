@@ -406,6 +406,39 @@ fn gpt_mini_on_one_gpu_and_on_all_gpus_matches_cpu_threads() {
     }
 }
 
+/// The multi-GPU step of the suite: NCCL at every world size from 2 to the visible GPUs (at most
+/// 8), FullShard at each and HybridShard with shard groups of 2 at even W >= 4, against the same
+/// W on CPU thread ranks (f32: losses within 1e-4 relative, peak memory as [`check`] models
+/// it). Needs 2 GPUs; has not run (no multi-GPU machine yet).
+#[test]
+#[ignore = "needs 2 or more CUDA GPUs and NCCL: run `cargo xtask gpu-test` (FSDP_GPU_TESTS=1)"]
+fn nccl_world_sizes_2_to_8_match_cpu_threads() {
+    if !gpu_tests() {
+        return;
+    }
+    let n = visible_gpus();
+    if n < 2 {
+        eprintln!("skipped: needs 2 GPUs ({n} visible)");
+        return;
+    }
+    for w in 2..=n.min(8) {
+        check(
+            w,
+            None,
+            blocks(ShardingStrategy::FullShard),
+            LossTol::Rel(1e-4),
+        );
+        if w >= 4 && w % 2 == 0 {
+            check(
+                w,
+                Some(2),
+                blocks(ShardingStrategy::HybridShard),
+                LossTol::Rel(1e-4),
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run `cargo xtask gpu-test` (FSDP_GPU_TESTS=1)"]
 fn deferred_init_shards_on_a_gpu_equal_cpu_shards_bit_for_bit() {

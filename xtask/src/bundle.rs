@@ -135,7 +135,7 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
         let (pkg, test) = match s.exec {
             Exec::Test { pkg, test, .. } => (pkg, test),
             Exec::Launch2 => ("fsdp-tests", Some("gpu_nccl")),
-            Exec::TrainGpt { .. } | Exec::Peer => continue,
+            Exec::TrainGpt { .. } | Exec::TrainGptLaunch2 { .. } | Exec::Peer => continue,
         };
         if wanted.contains(&(pkg, test)) || missing.contains(&test_bin_name(pkg, test)) {
             continue;
@@ -163,7 +163,7 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
             .args(crate::util::TRAIN_GPT_CUDA)
             .args(["-p", "xtask", "--bin", "xtask"]),
     )?;
-    let release = target_dir().join("release");
+    let release = crate::util::target_dir().join("release");
     total += copy_stripped(&release.join("train_gpt"), &bin.join("train_gpt"))?;
     total += copy_stripped(&release.join("xtask"), &bin.join("xtask"))?;
 
@@ -191,13 +191,6 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-fn target_dir() -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => crate::root().join("target"),
-    }
 }
 
 fn set_executable(p: &Path) -> Result<(), String> {
@@ -242,6 +235,15 @@ fn step_line(exec: &Exec) -> String {
             "\"$B/bin/xtask\" gpu-launch-2 --bin \"$B/bin/{}\"",
             test_bin_name("fsdp-tests", Some("gpu_nccl"))
         ),
+        Exec::TrainGptLaunch2 { args } => {
+            let mut line =
+                "\"$B/bin/xtask\" gpu-launch-2 --train-gpt --bin \"$B/bin/train_gpt\" --".to_string();
+            for a in args {
+                line.push(' ');
+                line.push_str(&sh_quote(a));
+            }
+            line
+        }
         Exec::Peer => format!(
             "\"$B/bin/xtask\" gpu-peer --train-gpt \"$B/bin/train_gpt\" --script \"$B/{PEER_SCRIPT}\""
         ),
@@ -368,7 +370,7 @@ declare -A pass fail
 step() { # step SUITE N MIN_GPUS WHAT -- COMMAND...
   local suite="$1" n="$2" min="$3" what="$4"; shift 5
   if [ "$GPUS" -lt "$min" ]; then
-    echo "run.sh: step $n ($suite) SKIPPED: needs $min GPUs, found $GPUS"
+    echo "run.sh: step $n ($suite) skipped: needs $min GPUs (found $GPUS): $what"
     return
   fi
   echo "run.sh: step $n ($suite): $what"
@@ -428,8 +430,19 @@ mod tests {
             assert!(s.contains(&format!("# {}", st.what)), "{}", st.what);
         }
         assert!(s.contains("missing attention"));
-        assert!(s.contains("\nsummary ops attention nccl fsdp teardown bench kernels peer\n"));
+        assert!(s.contains(
+            "\nsummary ops attention nccl shared-gpu fsdp teardown bench kernels peer\n"
+        ));
         assert!(s.contains("gpu-launch-2 --bin \"$B/bin/fsdp-tests-gpu_nccl\""));
+        assert!(s.contains(
+            "gpu-launch-2 --train-gpt --bin \"$B/bin/train_gpt\" -- '--device' 'cuda' \
+             '--backend' 'nccl'"
+        ));
+        assert!(s.contains(
+            "env FSDP_GPU_TESTS=1 \"$B/bin/fsdp-collectives-lib\" 'shared_gpu::gpu_tests'"
+        ));
+        // Steps that need more GPUs than the machine has say so.
+        assert!(s.contains("skipped: needs $min GPUs"));
         assert!(s.contains(
             "gpu-peer --train-gpt \"$B/bin/train_gpt\" --script \"$B/torch_fsdp2_peer.py\""
         ));

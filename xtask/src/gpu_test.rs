@@ -26,6 +26,9 @@ pub enum Exec {
     TrainGpt { args: &'static [&'static str] },
     /// Two processes of the `gpu_nccl` test binary as ranks 0 and 1 of a torchrun-style job.
     Launch2,
+    /// Two `train_gpt` processes (package fsdp-train, feature `cuda`) with `args`, as ranks 0
+    /// and 1 of a torchrun-style job (`xtask gpu-launch-2 --train-gpt`).
+    TrainGptLaunch2 { args: &'static [&'static str] },
     /// `xtask gpu-peer`: train_gpt beside the PyTorch FSDP2 peer (needs PyTorch with CUDA).
     Peer,
 }
@@ -125,6 +128,47 @@ pub const STEPS: &[Step] = &[
         exec: Exec::Launch2,
     },
     Step {
+        suite: "nccl",
+        what: "train_gpt --device cuda --backend nccl as a 2-process torchrun-style job \
+               (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), one GPU per process, 20 \
+               steps, exit code 0 on both ranks",
+        min_gpus: 2,
+        exec: Exec::TrainGptLaunch2 {
+            args: &[
+                "--device",
+                "cuda",
+                "--backend",
+                "nccl",
+                "--steps",
+                "20",
+                "--json",
+            ],
+        },
+    },
+    Step {
+        suite: "shared-gpu",
+        what: "thread ranks sharing one GPU (SharedGpuGroup): W = 2..4 ranks on cuda:0, each \
+               with its own Device, vs the thread backend on CPU ranks from the same bytes: \
+               every collective in f32/f16/bf16 (both accumulations)/i32/i64/u8, in-place \
+               forms, misaligned offsets, bit for bit; collectives on two streams and a \
+               consumer stream ordered by events, no host wait while issuing, per-rank \
+               allocator statistics; misuse as the same typed error on every rank; one \
+               --profile interval per rank and collective (fsdp-collectives \
+               src/shared_gpu/gpu_tests.rs; the train_gpt comparisons on one GPU join this \
+               suite once train_gpt uses the backend)",
+        min_gpus: 1,
+        exec: Exec::Test {
+            pkg: "fsdp-collectives",
+            test: None,
+            args: &[
+                "shared_gpu::gpu_tests",
+                "--include-ignored",
+                "--test-threads",
+                "1",
+            ],
+        },
+    },
+    Step {
         suite: "fsdp",
         what: "FSDP GPT-mini on 1 GPU and all GPUs vs CPU thread ranks: losses within 1e-4 \
                relative over 20 AdamW steps in f32, bf16 within the CPU run's own bf16-vs-f32 \
@@ -135,7 +179,31 @@ pub const STEPS: &[Step] = &[
         exec: Exec::Test {
             pkg: "fsdp-tests",
             test: Some("gpu_fsdp"),
-            args: &["--include-ignored", "--test-threads", "1"],
+            args: &[
+                "--include-ignored",
+                "--test-threads",
+                "1",
+                "--skip",
+                "nccl_world_sizes_2_to_8",
+            ],
+        },
+    },
+    Step {
+        suite: "fsdp",
+        what: "FSDP GPT-mini over NCCL (a thread per GPU) at every W from 2 to min(visible \
+               GPUs, 8) vs W CPU thread ranks: FullShard, and HybridShard(F=2) at even W >= 4; \
+               f32 losses within 1e-4 relative over 20 AdamW steps, per-rank peak memory as in \
+               the step above (tests/tests/gpu_fsdp.rs, nccl_world_sizes_2_to_8_match_cpu_threads)",
+        min_gpus: 2,
+        exec: Exec::Test {
+            pkg: "fsdp-tests",
+            test: Some("gpu_fsdp"),
+            args: &[
+                "--include-ignored",
+                "--test-threads",
+                "1",
+                "nccl_world_sizes_2_to_8",
+            ],
         },
     },
     Step {
@@ -270,6 +338,20 @@ fn command(exec: &Exec) -> Command {
             c.args(["run", "-p", "xtask", "--", "gpu-launch-2"]);
             c
         }
+        Exec::TrainGptLaunch2 { args } => {
+            let mut c = cargo();
+            c.args([
+                "run",
+                "-p",
+                "xtask",
+                "--",
+                "gpu-launch-2",
+                "--train-gpt",
+                "--",
+            ])
+            .args(args);
+            c
+        }
         Exec::Peer => {
             let mut c = cargo();
             c.args(["run", "-p", "xtask", "--", "gpu-peer"]);
@@ -348,8 +430,8 @@ pub fn gpu_test() -> Result<(), String> {
     for s in STEPS {
         if gpus < s.min_gpus {
             eprintln!(
-                "xtask: SKIPPED ({gpus} GPU(s), needs {}): {}",
-                s.min_gpus, s.what
+                "xtask: {}: skipped: needs {} GPUs ({gpus} visible): {}",
+                s.suite, s.min_gpus, s.what
             );
             continue;
         }
@@ -383,9 +465,7 @@ pub fn gpu_test() -> Result<(), String> {
 /// torchrun-style environment on 127.0.0.1.
 /// `binary`: the prebuilt `gpu_nccl` test binary (the bundle); `None` builds it with cargo.
 pub fn launch_2(binary: Option<&str>) -> Result<(), String> {
-    let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "29517".into());
-    let mut children = Vec::new();
-    for rank in 0..2 {
+    launch_two(|| {
         let mut c = match binary {
             Some(b) => Command::new(b),
             None => {
@@ -405,6 +485,38 @@ pub fn launch_2(binary: Option<&str>) -> Result<(), String> {
             }
         };
         c.args(LAUNCHED_TEST).env("FSDP_GPU_TESTS", "1");
+        c
+    })
+}
+
+/// `train_gpt ARGS` as ranks 0 and 1 of a torchrun-style job on 127.0.0.1 (`--backend nccl`).
+/// `binary`: a prebuilt `train_gpt` (the bundle); `None` builds it first (release, `cuda`).
+pub fn launch_2_train_gpt(binary: Option<&str>, args: &[&str]) -> Result<(), String> {
+    let bin = match binary {
+        Some(b) => std::path::PathBuf::from(b),
+        None => {
+            run(
+                "build train_gpt (cuda)",
+                cargo().arg("build").args(crate::util::TRAIN_GPT_CUDA),
+            )?;
+            crate::util::target_dir().join("release/train_gpt")
+        }
+    };
+    launch_two(|| {
+        let mut c = Command::new(&bin);
+        c.args(args);
+        c
+    })
+}
+
+/// Runs two copies of the command `make` builds as ranks 0 and 1 (`RANK`, `LOCAL_RANK`,
+/// `WORLD_SIZE=2`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT`: `$MASTER_PORT` or 29517); fails
+/// unless both exit successfully.
+fn launch_two(make: impl Fn() -> Command) -> Result<(), String> {
+    let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "29517".into());
+    let mut children = Vec::new();
+    for rank in 0..2 {
+        let mut c = make();
         c.env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", "2")
@@ -428,10 +540,10 @@ pub fn launch_2(binary: Option<&str>) -> Result<(), String> {
     }
 }
 
-/// Compiles every CUDA kernel source with NVRTC (no GPU or driver needed): runs the NVRTC test
-/// of `kernels::cuda` with the library directory of the `nvidia-cuda-nvrtc-cu12` wheel on
-/// `LD_LIBRARY_PATH` (`FSDP_NVRTC_DIR`, else found through `python3`), where a missing library
-/// is a failure, not a skip.
+/// Compiles every CUDA kernel source with NVRTC (no GPU or driver needed): runs the NVRTC tests
+/// of fsdp-autograd's `kernels::cuda` and fsdp-collectives' `shared_gpu` with the library
+/// directory of the `nvidia-cuda-nvrtc-cu12` wheel on `LD_LIBRARY_PATH` (`FSDP_NVRTC_DIR`, else
+/// found through `python3`), where a missing library is a failure, not a skip.
 pub fn nvrtc() -> Result<(), String> {
     let dir = match std::env::var("FSDP_NVRTC_DIR") {
         Ok(d) => d,
@@ -466,7 +578,19 @@ pub fn nvrtc() -> Result<(), String> {
             "fsdp-autograd",
             &["--lib", "kernels::cuda::tests::nvrtc_compiles_the_kernels"],
         )
-        .env("LD_LIBRARY_PATH", ld)
+        .env("LD_LIBRARY_PATH", &ld)
+        .env("FSDP_NVRTC_REQUIRED", "1"),
+    )?;
+    run(
+        "nvrtc: compile the shared-GPU collective kernels",
+        cuda_test(
+            "fsdp-collectives",
+            &[
+                "--lib",
+                "shared_gpu::tests::nvrtc_compiles_the_shared_gpu_kernels",
+            ],
+        )
+        .env("LD_LIBRARY_PATH", &ld)
         .env("FSDP_NVRTC_REQUIRED", "1"),
     )
 }

@@ -4,22 +4,32 @@
 //! (a file that imports, directly or through other files, a file that imports it) and on any
 //! `use super::*;` outside `#[cfg(test)]` code.
 //!
-//! What counts as "file A imports file B":
+//! What counts as "file A imports file B" is what a reader of A sees A name:
 //! - a `use` declaration in A (any visibility, including `pub use` re-exports and `use` inside
 //!   function bodies) whose path resolves to an item defined in B, or to the module B itself;
-//! - an inline path in A's code (`crate::a::b::X`, `super::X`, `self::x::Y`, or `child::X`
-//!   where `child` is a submodule of the current module) that resolves to B.
+//! - an inline path anywhere in A's code (`crate::a::b::X`, `super::X`, `self::x::Y`, or
+//!   `child::X` where `child` is a submodule of the current module, or a module a `use`
+//!   brought in): in expressions, types, function arguments, macro arguments, and in
+//!   attributes (`#[arg(default_value_t = crate::cli::MAX_STEPS)]`, `#[cfg_attr(…, …)]`).
 //!
 //! A path is resolved through the module tree (`mod x;` → `x.rs` or `x/mod.rs`; inline
 //! `mod x { … }` belongs to its file) to the deepest module it names; the item after it is then
-//! followed through that module's `use` re-exports (explicit and glob) to the module that
-//! defines it. So `use crate::kernels::Backend` where `kernels/mod.rs` says
+//! followed only through that module's *public face*: a `pub use` (explicit or glob) of an item
+//! of the module's own descendant. So `use crate::kernels::Backend` where `kernels/mod.rs` says
 //! `pub use backend::Backend` is an import of `kernels/backend.rs`, not of `kernels/mod.rs`.
+//! Any other `use` that brings the item into the named module (a sibling's item re-exported,
+//! as `pub(crate) use crate::strides::contiguous_strides` in `launch.rs`; a parent's private
+//! import reached by a child as `super::X`) makes the path an import of the named module's own
+//! file: `crate::launch::contiguous_strides` imports `launch.rs`, as a reader sees it. A leaf
+//! file that holds a shared item therefore breaks a cycle only where importers name it (or
+//! reach it through a public face), not behind a sibling's re-export.
 //! Declaring a module (`mod x;`) is not an import, and neither is a parent module re-exporting
 //! an item of its own descendant (`pub use child::X;` in `mod.rs`/`lib.rs`: the module's public
 //! face, which users are resolved through); a private `use child::X;` in the parent, or a
 //! `pub use` of a sibling's item, is an import. Code under a `#[cfg(…test…)]` attribute
-//! (test modules, test-only files, test-only items) is left out. Doc comments are not code.
+//! (`cfg(test)`, `cfg(all(test, …))`: test modules, test-only files, test-only items, with the
+//! other attributes stacked on them) is left out; `cfg(any(test, …))` is code. Doc comments
+//! and string literals are not code.
 //!
 //! The parser is a small hand-written lexer, not a full Rust parser: it knows comments,
 //! strings (raw and byte), char literals vs lifetimes, attributes, `mod`, `use` trees and item
@@ -38,6 +48,7 @@ pub const CRATES: &[&str] = &[
     "fsdp-autograd",
     "fsdp-init",
     "fsdp-core",
+    "fsdp-plan",
     "fsdp-train",
     "xtask",
     "examples/candle-mlp",
@@ -430,9 +441,11 @@ impl Parser<'_> {
         }
     }
 
-    /// Skips one attribute `#[…]` / `#![…]`; returns whether it is a `cfg` that holds only
-    /// under `test`.
-    fn attribute(&mut self) -> bool {
+    /// Reads one attribute `#[…]` / `#![…]` of an item in module `m`; returns whether it is a
+    /// `cfg` that holds only under `test`. Inline paths in any other attribute
+    /// (`#[arg(default_value_t = crate::cli::MAX_STEPS)]`) are recorded like paths in code: a
+    /// reader of the file sees them, and the compiler resolves them.
+    fn attribute(&mut self, m: usize) -> bool {
         self.i += 1; // '#'
         if self.peek(0) == Some(&Tok::Punct('!')) {
             self.i += 1;
@@ -442,13 +455,42 @@ impl Parser<'_> {
         }
         let start = self.i;
         self.skip_group();
-        let body = &self.toks[start..self.i];
+        let end = self.i;
+        let body = &self.toks[start..end];
         let is_cfg = matches!(body.get(1).map(|t| &t.tok), Some(Tok::Ident(s)) if s == "cfg");
         let has = |w: &str| {
             body.iter()
                 .any(|t| matches!(&t.tok, Tok::Ident(s) if s == w))
         };
-        is_cfg && has("test") && !has("not")
+        // `cfg(test)`, `cfg(all(test, …))`; not `cfg(any(test, …))` nor `cfg(not(test))`
+        let test_only = is_cfg && has("test") && !has("not") && !has("any");
+        if !is_cfg {
+            self.i = start + 1;
+            while self.i < end {
+                if self.at_inline_path() {
+                    self.inline_path(m);
+                } else {
+                    self.i += 1;
+                }
+            }
+            self.i = end;
+        }
+        test_only
+    }
+
+    /// Whether the current token starts an inline path worth recording: `crate::`, `super::`,
+    /// `self::`, or `name::` not itself after `::`, `.` or `$` (a candidate child module,
+    /// resolved later).
+    fn at_inline_path(&self) -> bool {
+        let Some(Tok::Ident(w)) = self.peek(0) else {
+            return false;
+        };
+        if w == "crate" || w == "super" || w == "self" {
+            return true;
+        }
+        let prev = self.i.checked_sub(1).map(|k| &self.toks[k].tok);
+        let after_path = matches!(prev, Some(Tok::Path | Tok::Punct('.') | Tok::Punct('$')));
+        !after_path && self.peek(1) == Some(&Tok::Path) && w != "Self"
     }
 
     /// Skips a balanced `(…)`, `[…]` or `{…}` starting at the current token.
@@ -490,10 +532,14 @@ impl Parser<'_> {
     /// Parses items of module `m` until the closing `}` (inline module) or end of file.
     fn items(&mut self, m: usize, inline: bool) {
         let mut test_only = false;
+        // where the refs recorded by the current run of attributes begin: dropped again if one
+        // of them makes the item test-only
+        let mut attrs_from: Option<usize> = None;
         while let Some(t) = self.peek(0).cloned() {
             match t {
                 Tok::Punct('#') => {
-                    if self.attribute() {
+                    attrs_from.get_or_insert(self.tree.refs.len());
+                    if self.attribute(m) {
                         test_only = true;
                     }
                     continue;
@@ -504,10 +550,14 @@ impl Parser<'_> {
                 }
                 _ => {}
             }
+            let attrs_start = attrs_from.take();
             if test_only {
-                // `#[cfg(test)]` applies to the next item: skip it whole (attributes stacked
-                // after it were consumed above).
+                // `#[cfg(test)]` applies to the next item: skip it whole, with the paths of the
+                // attributes stacked on it (consumed above).
                 test_only = false;
+                if let Some(k) = attrs_start {
+                    self.tree.refs.truncate(k);
+                }
                 if self.ident(0) == Some("pub") {
                     self.i += 1;
                     if self.peek(0) == Some(&Tok::Punct('(')) {
@@ -554,20 +604,10 @@ impl Parser<'_> {
                     }
                     self.i += 1;
                 }
-                Tok::Ident(ref w) if w == "crate" || w == "super" || w == "self" => {
+                Tok::Ident(_) if self.at_inline_path() => {
+                    // `crate::…`, `super::…`, `self::…`, or `child::X` where `child` may be a
+                    // submodule (resolved later)
                     self.inline_path(m);
-                }
-                Tok::Ident(ref w) => {
-                    // `child::X` where `child` is a submodule (resolved later; record the
-                    // candidate if not preceded by `::` or `.`).
-                    let prev = self.i.checked_sub(1).map(|k| &self.toks[k].tok);
-                    let after_path =
-                        matches!(prev, Some(Tok::Path | Tok::Punct('.') | Tok::Punct('$')));
-                    if !after_path && self.peek(1) == Some(&Tok::Path) && w != "Self" {
-                        self.inline_path(m);
-                    } else {
-                        self.i += 1;
-                    }
                 }
                 Tok::Punct('{') => {
                     // a block inside an item (fn body, impl, …): its items belong to `m`
@@ -840,7 +880,13 @@ impl Tree {
         None
     }
 
-    /// The file that defines `item` as seen from module `m`, following re-exports.
+    /// The file a path naming `item` in module `m` imports: the file defining it, followed
+    /// through `m`'s public face only. A `pub use` in `m` of an item of `m`'s own descendant
+    /// (`pub use backend::Backend` in `kernels/mod.rs`) hands the name on, so the path imports
+    /// the descendant's file; any other `use` that brings `item` into `m` (a sibling's item
+    /// re-exported, `pub(crate) use crate::strides::contiguous_strides` in `launch.rs`, or a
+    /// private import that a child reaches with `super::item`) makes the path an import of
+    /// `m`'s file, as a reader sees it: `crate::launch::contiguous_strides` names `launch.rs`.
     fn follow(&self, m: usize, item: &str, seen: &mut BTreeSet<(usize, String)>) -> usize {
         let here = self.modules[m].file;
         if self.modules[m].defines.contains(item) || !seen.insert((m, item.to_string())) {
@@ -854,7 +900,11 @@ impl Tree {
             if r.binds.as_deref() == Some(item) {
                 if let Some(s) = self.start(r) {
                     if let Some(f) = self.resolve(s, &r.segs, seen) {
-                        return f;
+                        return if r.is_pub && self.is_descendant_file(f, m) {
+                            f
+                        } else {
+                            here
+                        };
                     }
                 }
             }
@@ -878,7 +928,12 @@ impl Tree {
                 }
             }
             if ok && self.exports(cur, item, &mut BTreeSet::new()) {
-                return self.follow(cur, item, seen);
+                let face = r.is_pub && self.is_descendant_file(self.modules[cur].file, m);
+                return if face {
+                    self.follow(cur, item, seen)
+                } else {
+                    here
+                };
             }
         }
         here
@@ -1336,5 +1391,84 @@ mod tests {
         ]);
         let r = check(&t, Path::new("src/lib.rs"));
         assert_eq!(r.cycles.len(), 1, "{r:?}");
+    }
+
+    #[test]
+    fn an_inline_path_through_a_sibling_re_export_imports_the_file_it_names() {
+        // `backend.rs` names `crate::launch::strides`; `launch.rs` only re-exports it from
+        // the leaf `strides.rs`, but a reader sees `launch`: backend.rs ↔ launch.rs is a cycle.
+        let t = |path_in_backend: &str| {
+            let backend = format!(
+                "pub struct Operand;\npub fn view() -> Vec<usize> {{ {path_in_backend}(&[1]) }}\n"
+            );
+            let files = [
+                ("src/lib.rs", "mod backend;\nmod launch;\nmod strides;\n".to_string()),
+                ("src/backend.rs", backend),
+                (
+                    "src/launch.rs",
+                    "pub(crate) use crate::strides::strides;\npub type Arg = crate::backend::Operand;\n"
+                        .to_string(),
+                ),
+                ("src/strides.rs", "pub fn strides(_: &[usize]) -> Vec<usize> { vec![] }\n".to_string()),
+            ];
+            Mem(files
+                .iter()
+                .map(|(p, t)| (PathBuf::from(p), t.clone()))
+                .collect())
+        };
+        let r = check(&t("crate::launch::strides"), Path::new("src/lib.rs"));
+        assert_eq!(r.cycles.len(), 1, "{r:?}");
+        assert_eq!(names(&r.cycles[0].0), ["src/backend.rs", "src/launch.rs"]);
+        assert!(
+            r.cycles[0]
+                .1
+                .iter()
+                .any(|e| e.text == "crate::launch::strides"),
+            "{r:?}"
+        );
+        // naming the defining file is no cycle
+        let r = check(&t("crate::strides::strides"), Path::new("src/lib.rs"));
+        assert!(r.cycles.is_empty(), "{r:?}");
+    }
+
+    #[test]
+    fn a_path_in_an_attribute_is_an_import_unless_the_item_is_test_only() {
+        let t = |attrs: &str| {
+            let interop = format!("{attrs}\npub struct InteropArgs {{ pub steps: u64 }}\n");
+            let files = [
+                ("src/main.rs", "mod cli;\nmod interop;\nfn main() {}\n".to_string()),
+                (
+                    "src/cli.rs",
+                    "pub const MAX_STEPS: u64 = 10;\npub struct Cli { pub i: crate::interop::InteropArgs }\n"
+                        .to_string(),
+                ),
+                ("src/interop.rs", interop),
+            ];
+            Mem(files
+                .iter()
+                .map(|(p, t)| (PathBuf::from(p), t.clone()))
+                .collect())
+        };
+        let main = Path::new("src/main.rs");
+        // in an attribute of an item, of a field, an inner attribute
+        for attrs in [
+            "#[derive(Debug)]\n#[arg(default_value_t = crate::cli::MAX_STEPS)]",
+            "#[cfg_attr(any(test, feature = \"x\"), doc = \"x\")]\n#[arg(value_parser = clap::value_parser!(u64).range(0..=crate::cli::MAX_STEPS))]",
+            "#![allow(clippy::x)]\n#![doc = \"crate::cli::MAX_STEPS\"]\n#![cfg_attr(all(), x(y = super::cli::MAX_STEPS))]",
+            "#[cfg(any(test, feature = \"x\"))]\nuse crate::cli::MAX_STEPS;",
+        ] {
+            let r = check(&t(attrs), main);
+            assert_eq!(r.cycles.len(), 1, "{attrs}: {r:?}");
+            assert_eq!(names(&r.cycles[0].0), ["src/cli.rs", "src/interop.rs"]);
+        }
+        // a string, a doc comment, or an attribute of a test-only item is not
+        for attrs in [
+            "#[doc = \"crate::cli::MAX_STEPS\"]\n/// [`crate::cli::MAX_STEPS`]",
+            "#[arg(default_value_t = crate::cli::MAX_STEPS)]\n#[cfg(test)]\nfn t() {}",
+            "#[cfg(all(test, feature = \"x\"))]\n#[arg(default_value_t = crate::cli::MAX_STEPS)]\nfn t() {}",
+        ] {
+            let r = check(&t(attrs), main);
+            assert!(r.cycles.is_empty(), "{attrs}: {r:?}");
+        }
     }
 }

@@ -1,15 +1,20 @@
 //! `cargo xtask ci | gpu-test | bench [NAME]` — project automation for fsdp-rs.
 //!
 //! - `ci`: format check, clippy with `-D warnings` (default, `cuda` and `mpi` features), the
-//!   `cuda` compile check, the CUDA kernels on the host emulator, the workspace tests, the FSDP
-//!   parity tests under each forced CPU instruction-set level (`FSDP_CPU_ISA`), the MPI
-//!   suite (`mpi-test`), NVRTC compilation of every kernel, the docs with warnings denied and
-//!   the packaging check. The MPI and NVRTC steps need tools `.ci/run` installs; without them
-//!   (and without `CI=true`) they are skipped with a message.
+//!   `cuda` compile check, the CUDA kernels (fsdp-autograd's and the shared-GPU collectives')
+//!   on the host emulator, the workspace tests, the FSDP parity tests under each forced CPU
+//!   instruction-set level (`FSDP_CPU_ISA`), the MPI suite (`mpi-test`), NVRTC compilation of
+//!   every kernel, the docs with warnings denied and the packaging check. The MPI and NVRTC
+//!   steps need tools `.ci/run` installs; without them (and without `CI=true`) they are skipped
+//!   with a message.
 //! - `gpu-test`: looks for a CUDA driver and a GPU without panicking; runs the GPU suite (ops,
-//!   attention memory scaling, NCCL, FSDP parity and memory, clean teardown, the train_gpt
-//!   bench, the kernel-time bench; the list is `gpu_test::STEPS`) if found, otherwise says so
-//!   and fails; one summary line per suite. `--list` prints the suite without running it.
+//!   attention memory scaling, NCCL, thread ranks sharing one GPU, FSDP parity and memory, clean
+//!   teardown, the train_gpt bench, the kernel-time bench; the list is `gpu_test::STEPS`) if
+//!   found, otherwise says so and fails; steps that need more GPUs than are visible print
+//!   `skipped: needs N GPUs`; one summary line per suite. `--list` prints the suite without
+//!   running it.
+//! - `gpu-launch-2 [--bin TEST]` / `gpu-launch-2 --train-gpt [--bin TRAIN_GPT] -- ARGS`: two
+//!   processes as ranks 0 and 1 of a torchrun-style job (the `gpu_nccl` test, or `train_gpt`).
 //! - `gpu-peer`: `train_gpt --device cuda` beside PyTorch FSDP2 on the same GPU (`peer.rs`).
 //! - `gpu-bundle DIR`: builds every binary of the GPU suite (release, `cuda`) here, without a
 //!   GPU, strips them into `DIR/bin` and writes `DIR/run.sh`, which runs the same suite as
@@ -54,8 +59,8 @@ const BENCHES: &[(&str, &str, &str)] = &[
     ("init", "fsdp-init", "fsdp-init"),
     ("fsdp", "fsdp-core", "fsdp-core"),
     ("scaling", "fsdp-core", "fsdp-core"),
-    ("planner", "fsdp-core", "fsdp-core"),
-    ("paper", "fsdp-core", "fsdp-core"),
+    ("planner", "fsdp-plan", "fsdp-plan"),
+    ("paper", "fsdp-plan", "fsdp-plan"),
     ("quantized", "fsdp-train", "fsdp-train"),
 ];
 
@@ -131,6 +136,11 @@ fn ci() -> Result<(), String> {
     run(
         "cuda kernels on the host emulator",
         cuda_test("fsdp-autograd", &["--lib", "kernels::cuda"]).env("FSDP_EMU_REQUIRED", "1"),
+    )?;
+    run(
+        "shared-GPU collective kernels on the host emulator",
+        cuda_test("fsdp-collectives", &["--lib", "shared_gpu::tests"])
+            .env("FSDP_EMU_REQUIRED", "1"),
     )?;
     run("tests", cargo().args(["test", "--workspace"]))?;
     forced_isa_parity()?;
@@ -329,6 +339,12 @@ fn main() {
         ["gpu-test", "--list"] => gpu_test::list(),
         ["gpu-launch-2"] => gpu_test::launch_2(None),
         ["gpu-launch-2", "--bin", b] => gpu_test::launch_2(Some(b)),
+        ["gpu-launch-2", "--train-gpt", "--", args @ ..] => {
+            gpu_test::launch_2_train_gpt(None, args)
+        }
+        ["gpu-launch-2", "--train-gpt", "--bin", b, "--", args @ ..] => {
+            gpu_test::launch_2_train_gpt(Some(b), args)
+        }
         ["gpu-find"] => gpu_test::find_gpu().map(|n| println!("{n}")),
         ["gpu-bundle", dir] => bundle::gpu_bundle(dir),
         ["gpu-peer", rest @ ..] => peer_args(rest).and_then(|(t, s)| peer::gpu_peer(t, s)),

@@ -12,6 +12,14 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Cargo's target directory (`CARGO_TARGET_DIR`, else `target/` in the workspace root).
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => root().join("target"),
+    }
+}
+
 /// `cargo` (the one running xtask), in the workspace root.
 pub fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));

@@ -1,34 +1,57 @@
 //! Compute kernels and the backend seam the tensor layer reaches them through.
 //!
 //! # Layout
-//! - [`backend`]: the seam — [`backend::Launch`] (one variant per kernel a `Tensor` needs, each
-//!   with a shape struct and named operands), the [`backend::Backend`] trait that launches them,
-//!   [`backend::Kernels`] (the front that checks every operand once, for all backends, from one
-//!   table per launch), [`CpuBackend`] and [`CudaBackend`] (chosen per device by
-//!   `select.rs`'s [`backend::Kernels::for_device`]). Every tensor
-//!   operation, fill, copy, upload and readback goes through it.
-//! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices. Matrix products go
-//!   through the [`gemm`] crate; everything else is plain Rust that processes whole rows in a
-//!   fixed order. As public slice functions they still reject slices that do not match their
-//!   shape arguments ([`KernelError`], never a panic), through the same checks the CUDA kernels
-//!   use.
-//! - `cuda` (feature `cuda`): the CUDA kernels (NVRTC-compiled source, cuBLAS), run on a host
-//!   emulator in tests, compiled by NVRTC in `cargo xtask nvrtc`; the GPU suite (`cargo xtask
-//!   gpu-test`) ran them on one H100 against the CPU kernels.
+//! - The seam: [`Op`] (`op.rs`: the one trait every kernel call implements — name, argument
+//!   check, CPU launch, CUDA launch — and the argument table its check is written in), the
+//!   [`Backend`] trait (`backend.rs`: what a device kind provides: launch an op, write, read,
+//!   host copies, attention choices), [`Kernels`] (`front.rs`: the front the tensor layer calls;
+//!   it checks every op once, for all backends, then hands it to the device's backend), chosen
+//!   per device by [`Kernels::for_device`] (`select.rs`); [`Operand`] and [`View`]
+//!   (`operand.rs`). Every tensor operation, fill, copy, upload and readback goes through it.
+//! - The ops, one file each, grouped by family: [`gemm`] (matrix products), [`elementwise`],
+//!   [`reduce`], [`norm`] (softmax, layer norm), [`embedding`], [`loss`] (cross-entropy),
+//!   [`attention`], [`layout`] (strided copies), [`optim`] (optimizer, clipping, grad scaler).
+//!   An op's file holds its shape struct, its check, its CPU launch and (feature `cuda`) its
+//!   CUDA launch.
+//! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices, and
+//!   [`CpuBackend`]. Matrix products go through the [`gemm`](https://docs.rs/gemm) crate;
+//!   everything else is plain Rust that processes whole rows in a fixed order. As public slice
+//!   functions they still reject slices that do not match their shape arguments
+//!   ([`KernelError`], never a panic), through the same checks the CUDA kernels use.
+//! - [`cuda`]: [`CudaBackend`] and (feature `cuda`) the CUDA machinery: NVRTC program, launch
+//!   plans, cuBLAS, the host emulator the tests run the kernels on.
 //!
 //! # Determinism
 //! Every CPU kernel returns bit-identical results for bit-identical inputs, on every call and
 //! (for matrix products) under every parallelism setting and at every slice alignment; see
 //! [`cpu::matmul`] for how this was established for `gemm` and what it rests on.
 
+pub mod attention;
 pub mod backend;
 mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod elementwise;
+pub mod embedding;
+mod front;
+pub mod gemm;
+pub mod layout;
+pub mod loss;
+pub mod norm;
+pub mod op;
+pub mod operand;
+pub mod optim;
+#[cfg(feature = "cuda")]
+pub(crate) mod program;
+pub mod reduce;
 mod select;
 
+pub use backend::{Backend, ReadFn};
 pub use cpu::backend::CpuBackend;
 pub use cuda::CudaBackend;
+pub use front::Kernels;
+pub use op::{Check, Op, Rows, Spec};
+pub use operand::{Operand, View};
 
 use thiserror::Error;
 

@@ -1,14 +1,15 @@
-//! Choosing a device's backend: [`Kernels::for_device`]. Its own file, above `backend.rs` (the
-//! seam) and the backends that implement it, so that the seam does not import the backends that
-//! import it.
+//! Choosing a device's backend: [`Kernels::for_device`]. Its own file, above the front
+//! (`front.rs`) and the backends that implement the seam, so that the front does not import the
+//! backends.
 
 use std::sync::Arc;
 
 use fsdp_alloc::{Device, DeviceId};
 
-use super::backend::{Backend, Kernels};
+use super::backend::Backend;
 use super::cpu::backend::CpuBackend;
 use super::cuda::CudaBackend;
+use super::front::Kernels;
 use crate::error::Result;
 
 /// The CPU backend shared by every CPU device (it holds no state).

@@ -1,4 +1,4 @@
-//! Basic layers: Linear, Embedding, LayerNorm and a Sequential container.
+//! Basic layers: Linear, Embedding, LayerNorm, RmsNorm and a Sequential container.
 
 use fsdp_alloc::DType;
 
@@ -221,6 +221,45 @@ impl Module for LayerNorm {
     }
 }
 
+/// RMS normalization over the last dimension (Llama's `RMSNorm`):
+/// `x / √(mean(x²) + eps) · weight` ([`ops::rms_norm`]).
+#[derive(Debug)]
+pub struct RmsNorm {
+    /// `[dim]`, initialized to ones.
+    pub weight: Parameter,
+    /// Added to the mean square.
+    pub eps: f32,
+    hooks: ModuleHooks,
+}
+
+impl RmsNorm {
+    /// `f32` weight of ones and `eps` (Llama uses `1e-5` or `1e-6`; transformers' default is
+    /// `1e-6`).
+    pub fn new(ctx: &InitContext, dim: usize, eps: f32) -> Result<RmsNorm> {
+        Ok(RmsNorm {
+            weight: ctx.param("weight", &[dim], DType::F32, vec![InitOp::Fill(1.0)])?,
+            eps,
+            hooks: ModuleHooks::new(),
+        })
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::rms_norm(x, &self.weight.get()?, self.eps)
+    }
+    fn visit_params(&self, f: &mut dyn FnMut(&str, &Parameter)) {
+        f("weight", &self.weight);
+    }
+    fn visit_children<'a>(&'a self, _f: &mut dyn FnMut(&str, &'a dyn Module)) {}
+    fn type_name(&self) -> &'static str {
+        "RmsNorm"
+    }
+    fn hooks(&self) -> &ModuleHooks {
+        &self.hooks
+    }
+}
+
 /// Children named `0`, `1`, … called in order.
 pub struct Sequential {
     items: Vec<Box<dyn Module>>,
@@ -278,5 +317,38 @@ impl Module for Sequential {
     }
     fn hooks(&self) -> &ModuleHooks {
         &self.hooks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fsdp_alloc::Device;
+
+    use super::*;
+
+    /// The module is the op with its weight: forward equals `x.rms_norm(weight)`, the gradient
+    /// reaches the weight, and the weight is its one parameter.
+    #[test]
+    fn rms_norm_module_is_the_op_with_its_weight() {
+        let dev = Device::cpu(0);
+        let m = RmsNorm::new(&InitContext::eager(&dev, 0), 4, 1e-6).unwrap();
+        let x = Tensor::from_vec(
+            vec![1.0f32, -2.0, 3.0, 0.5, 2.0, 2.0, -1.0, 4.0],
+            &[2, 4],
+            &dev,
+        )
+        .unwrap();
+        let w = m.weight.get().unwrap();
+        assert_eq!(w.to_vec::<f32>().unwrap(), vec![1.0; 4]);
+        let y = m.forward(&x).unwrap();
+        let want = x.rms_norm(&w, 1e-6).unwrap();
+        assert_eq!(y.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        y.sum().unwrap().backward().unwrap();
+        let g = m.weight.get().unwrap().grad().expect("weight gradient");
+        assert_eq!(g.shape(), [4]);
+        let mut names = Vec::new();
+        m.visit_params(&mut |n, _| names.push(n.to_string()));
+        assert_eq!(names, ["weight"]);
+        assert_eq!(m.type_name(), "RmsNorm");
     }
 }

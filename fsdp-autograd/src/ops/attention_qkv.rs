@@ -3,7 +3,7 @@
 
 use crate::autograd::{needs_grad, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, Result};
-use crate::kernels::backend::{Attention, AttentionLayout, AttentionSave};
+use crate::kernels::attention::{Attention, AttentionLayout, AttentionSave};
 use crate::ops::nn::{attention_backward, attention_forward, causal_attention};
 use crate::ops::Ctx;
 use crate::tensor::Tensor;
@@ -15,7 +15,7 @@ use crate::tensor::Tensor;
 /// Equal, bit for bit, to splitting the heads into contiguous `[batch, heads, t, d/heads]`
 /// tensors, [`causal_attention`], and merging the heads back — forward and gradient. Where the
 /// device's kernels take the packed layout
-/// ([`Kernels::attention_packed`](crate::kernels::backend::Kernels::attention_packed): the
+/// ([`Kernels::attention_packed`](crate::kernels::Kernels::attention_packed): the
 /// CPU) it launches no copies: the kernels read q, k, v in place, write the output in the
 /// merged layout and the gradient as one `[batch, t, 3·d]` tensor. Elsewhere it is exactly that
 /// split / attend / merge composition.

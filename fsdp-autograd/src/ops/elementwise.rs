@@ -5,8 +5,11 @@ use fsdp_alloc::DType;
 
 use crate::autograd::{needs_grad, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::kernels::backend::{BinaryOp, Launch, Rows, View};
-use crate::kernels::Gelu;
+use crate::kernels::elementwise::{
+    AxpyRows, Binary, BinaryOp, Cast, Fill, GeluBackward, GeluForward, Scale, ScaleInplace,
+};
+use crate::kernels::layout::StridedCopy;
+use crate::kernels::{Gelu, Rows, View};
 use crate::ops::reduce::sum_to;
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::{numel_of, Tensor};
@@ -114,7 +117,7 @@ fn binary_raw(op: Bin, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     };
     ctx.k()?.launch(
         &ctx.stream,
-        &Launch::Binary {
+        &Binary {
             op: op.op(),
             rows,
             a: &fa,
@@ -195,7 +198,7 @@ impl Tensor {
         );
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::Scale {
+            &Scale {
                 n: x.numel(),
                 alpha: s,
                 x: &xa,
@@ -237,7 +240,7 @@ impl Tensor {
         );
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::Gelu {
+            &GeluForward {
                 kind,
                 n: x.numel(),
                 x: &xa,
@@ -266,7 +269,7 @@ impl Tensor {
                 );
                 ctx.k()?.launch(
                     &ctx.stream,
-                    &Launch::GeluBackward {
+                    &GeluBackward {
                         kind,
                         n: x.numel(),
                         x: &xa,
@@ -302,7 +305,7 @@ impl Tensor {
         );
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::Cast {
+            &Cast {
                 n: x.numel(),
                 x: &xa,
                 out: &oa,
@@ -370,7 +373,7 @@ impl Tensor {
             };
             ctx.k()?.launch(
                 &ctx.stream,
-                &Launch::AxpyRows {
+                &AxpyRows {
                     rows,
                     alpha,
                     x: &sa,
@@ -391,7 +394,7 @@ impl Tensor {
         let da = dst.operand_on("scale_", &ctx.stream)?;
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::ScaleInplace {
+            &ScaleInplace {
                 n: dst.numel(),
                 alpha: s,
                 y: &da,
@@ -409,7 +412,7 @@ impl Tensor {
         let da = dst.operand_on("fill_", &ctx.stream)?;
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::Fill {
+            &Fill {
                 n: dst.numel(),
                 value,
                 out: &da,
@@ -457,7 +460,7 @@ impl Tensor {
         let v = View::contiguous(&[n], 0);
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::Copy {
+            &StridedCopy {
                 src_view: &v,
                 src: &sa,
                 dst_view: &v,

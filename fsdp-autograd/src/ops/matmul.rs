@@ -5,7 +5,9 @@
 
 use crate::autograd::{needs_grad, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, Result};
-use crate::kernels::backend::{Gemm, Launch, Operand, View};
+use crate::kernels::gemm::{Gemm, MatMul};
+use crate::kernels::layout::StridedCopy;
+use crate::kernels::{Operand, View};
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
@@ -69,7 +71,7 @@ fn launch_mm(
     };
     ctx.k()?.launch(
         &ctx.stream,
-        &Launch::Gemm {
+        &MatMul {
             g,
             a: &a,
             b: &b,
@@ -265,7 +267,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             let ba = b.operand_on("linear", s)?;
             k.launch(
                 s,
-                &Launch::Copy {
+                &StridedCopy {
                     src_view: &rows_view,
                     src: &ba,
                     dst_view: &View::contiguous(&[rows, out_f], 0),
@@ -284,7 +286,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         };
         k.launch(
             s,
-            &Launch::Gemm {
+            &MatMul {
                 g,
                 a: &xa,
                 b: &wa,

@@ -1,10 +1,10 @@
 //! Differentiable tensor operations. Each checks its tensors, launches its kernels through the
-//! device's backend seam ([`crate::kernels::backend::Kernels`]) on the current stream, and records
+//! device's backend seam ([`crate::kernels::Kernels`]) on the current stream, and records
 //! a backward node when needed.
 //!
 //! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
-//! ([`linear`], [`layer_norm`], [`embedding`], [`causal_attention`], [`causal_attention_qkv`],
-//! [`cross_entropy`]).
+//! ([`linear`], [`layer_norm`], [`rms_norm`], [`embedding`], [`causal_attention`],
+//! [`causal_attention_qkv`], [`cross_entropy`]).
 //! Half-precision tensors are computed in `f32` and rounded on output; binary operations need
 //! equal dtypes.
 
@@ -18,13 +18,13 @@ pub(crate) mod transfer;
 
 pub use attention_qkv::causal_attention_qkv;
 pub use matmul::linear;
-pub use nn::{causal_attention, cross_entropy, embedding, layer_norm};
+pub use nn::{causal_attention, cross_entropy, embedding, layer_norm, rms_norm};
 
 use fsdp_alloc::{Device, Stream};
 
 use crate::context::current_stream;
 use crate::error::{AutogradError, Result};
-use crate::kernels::backend::Kernels;
+use crate::kernels::Kernels;
 use crate::tensor::Tensor;
 
 /// Device and current stream of an operation.

@@ -1,14 +1,21 @@
-//! Neural-network operations: softmax, layer norm, embedding, causal scaled-dot-product
-//! attention and cross-entropy.
+//! Neural-network operations: softmax, layer norm, RMS norm, embedding, causal
+//! scaled-dot-product attention and cross-entropy.
 
 use fsdp_alloc::DType;
 
 use crate::autograd::{needs_grad, record, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
-use crate::kernels::backend::{
-    Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, EmbeddingShape,
-    Launch, LayerNormShape, Rows,
+use crate::kernels::attention::{
+    Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, CausalAttention,
+    CausalAttentionBackward,
 };
+use crate::kernels::embedding::{Embedding, EmbeddingBackward, EmbeddingShape};
+use crate::kernels::loss::{CrossEntropy, CrossEntropyBackward};
+use crate::kernels::norm::{
+    LayerNorm, LayerNormBackward, LayerNormShape, RmsNorm, RmsNormBackward, RmsNormShape, Softmax,
+    SoftmaxBackward,
+};
+use crate::kernels::Rows;
 use crate::ops::{check_pair, Ctx};
 use crate::tensor::Tensor;
 
@@ -43,7 +50,7 @@ impl Tensor {
         );
         ctx.k()?.launch(
             &ctx.stream,
-            &Launch::Softmax {
+            &Softmax {
                 rows,
                 x: &xa,
                 y: &ya,
@@ -71,7 +78,7 @@ impl Tensor {
                 );
                 ctx.k()?.launch(
                     &ctx.stream,
-                    &Launch::SoftmaxBackward {
+                    &SoftmaxBackward {
                         rows,
                         y: &ya,
                         dy: &ga,
@@ -123,7 +130,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
     );
     ctx.k()?.launch(
         s,
-        &Launch::LayerNorm {
+        &LayerNorm {
             ln,
             x: &xa,
             gamma: &ga,
@@ -178,7 +185,7 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
             );
             ctx.k()?.launch(
                 s,
-                &Launch::LayerNormBackward {
+                &LayerNormBackward {
                     ln,
                     x: &xa,
                     gamma: &ga,
@@ -197,6 +204,121 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
             ])
         },
     ))
+}
+
+/// RMS normalization over the last dimension (Llama's `RMSNorm`): `x · rstd · gamma` with
+/// `rstd = 1/√(mean(x²) + eps)` per row, `gamma` of shape `[D]` (same dtype as `x`). Computed in
+/// `f32` (the row sums in `f64`) and rounded once to `x`'s dtype; bit for bit the same on the CPU
+/// and CUDA kernels. Also [`Tensor::rms_norm`] and the module [`crate::nn::RmsNorm`].
+pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f32) -> Result<Tensor> {
+    let op = "rms_norm";
+    check_pair(op, x, gamma)?;
+    let cols = last_dim(x, op)?;
+    if gamma.shape() != [cols] {
+        return Err(shape_err(
+            op,
+            format!(
+                "gamma {:?} must be [{cols}] for input {:?}",
+                gamma.shape(),
+                x.shape()
+            ),
+        ));
+    }
+    let rows = x.numel() / cols;
+    let ctx = Ctx::of(x);
+    let s = &ctx.stream;
+    let (xc, gc) = (x.contig()?, gamma.contig()?);
+    let y = ctx.empty(x.shape(), x.dtype())?;
+    let rstd = ctx.empty(&[rows], DType::F32)?;
+    let shape = RmsNormShape {
+        rows: Rows { rows, cols },
+        eps,
+    };
+    let (xa, ga, ya, ra) = (
+        xc.operand_on(op, s)?,
+        gc.operand_on(op, s)?,
+        y.operand_on(op, s)?,
+        rstd.operand_on(op, s)?,
+    );
+    let fwd = RmsNorm {
+        s: shape,
+        x: &xa,
+        gamma: &ga,
+        y: &ya,
+        rstd: &ra,
+    };
+    ctx.k()?.launch(s, &fwd)?;
+    if !needs_grad(&[x, gamma]) {
+        return Ok(y);
+    }
+    let needs = [x.requires_grad(), gamma.requires_grad()];
+    let (mut sx, mut sg, mut sr) = (
+        SavedTensor::new(&xc),
+        SavedTensor::new(&gc),
+        SavedTensor::new(&rstd),
+    );
+    Ok(record1(
+        op,
+        &[x, gamma],
+        y,
+        move |g: Vec<Option<Tensor>>| {
+            let dy = single_grad("rms_norm", g).contig()?;
+            let op = "rms_norm_backward";
+            let (x, gamma, rstd) = (sx.unpack(op)?, sg.unpack(op)?, sr.unpack(op)?);
+            let ctx = Ctx::of(&dy);
+            let s = &ctx.stream;
+            let dx = ctx.empty(x.shape(), x.dtype())?;
+            let dg = ctx.empty(&[cols], x.dtype())?;
+            let (xa, ga, ra, dya, dxa, dga) = (
+                x.operand_on(op, s)?,
+                gamma.operand_on(op, s)?,
+                rstd.operand_on(op, s)?,
+                dy.operand_on(op, s)?,
+                dx.operand_on(op, s)?,
+                dg.operand_on(op, s)?,
+            );
+            let bwd = RmsNormBackward {
+                s: shape,
+                x: &xa,
+                gamma: &ga,
+                rstd: &ra,
+                dy: &dya,
+                dx: &dxa,
+                dgamma: &dga,
+            };
+            ctx.k()?.launch(s, &bwd)?;
+            Ok(vec![needs[0].then_some(dx), needs[1].then_some(dg)])
+        },
+    ))
+}
+
+impl Tensor {
+    /// RMS normalization over the last dimension (Llama's `RMSNorm`): `self · rstd · gamma` with
+    /// `rstd = 1/√(mean(self²) + eps)` per row, `gamma` of shape `[D]` (the last dimension, same
+    /// dtype). Computed in `f32` (the row sums in `f64`, in one fixed order) and rounded once to
+    /// the input's dtype; bit for bit the same on the CPU and CUDA kernels. Differentiable in
+    /// `self` and `gamma`.
+    ///
+    /// ```
+    /// use fsdp_alloc::Device;
+    /// use fsdp_autograd::Tensor;
+    ///
+    /// let dev = Device::cpu(0);
+    /// let x = Tensor::from_vec(vec![3.0f32, 4.0], &[1, 2], &dev)?;
+    /// let g = Tensor::from_vec(vec![1.0f32, 2.0], &[2], &dev)?;
+    /// // rms(x) = √((9 + 16) / 2) = √12.5.
+    /// let y = x.rms_norm(&g, 0.0)?.to_vec::<f32>()?;
+    /// let r = 12.5f32.sqrt();
+    /// assert!((y[0] - 3.0 / r).abs() < 1e-6 && (y[1] - 8.0 / r).abs() < 1e-6);
+    /// # Ok::<(), fsdp_autograd::AutogradError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// `gamma` not `[D]` or of another dtype or device; an empty last dimension; a non-float
+    /// dtype.
+    pub fn rms_norm(&self, gamma: &Tensor, eps: f32) -> Result<Tensor> {
+        rms_norm(self, gamma, eps)
+    }
 }
 
 /// Looks up rows of `table` (`[V, D]`, float) for `ids` (`i64`, any shape) → `[ids.., D]`.
@@ -238,7 +360,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     );
     ctx.k()?.launch(
         s,
-        &Launch::Embedding {
+        &Embedding {
             e: es,
             ids: &ia,
             table: &ta,
@@ -265,7 +387,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         );
         ctx.k()?.launch(
             s,
-            &Launch::EmbeddingBackward {
+            &EmbeddingBackward {
                 e: es,
                 ids: &ia,
                 dy: &ga,
@@ -278,7 +400,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
 
 /// Causal scaled-dot-product attention: `q`, `k`, `v` `[batch, heads, t, d]` →
 /// `softmax(q·kᵀ/√d + causal mask) · v`, same shape. Saves for backward what the device's
-/// kernels ask for ([`Kernels::attention_save`](crate::kernels::backend::Kernels::attention_save)):
+/// kernels ask for ([`Kernels::attention_save`](crate::kernels::Kernels::attention_save)):
 /// on the CPU the probabilities (`[batch, heads, t, t]`, `f32`); on CUDA, with the fused
 /// kernels (the default), the per-query log-sum-exp (`[batch, heads, t]`, `f32`) and the output,
 /// so memory stays linear in `t`.
@@ -384,7 +506,7 @@ pub(crate) fn attention_forward(
     let (oa, sa) = (out.operand_on(op, s)?, stats.operand_on(op, s)?);
     ctx.k()?.launch(
         s,
-        &Launch::Attention {
+        &CausalAttention {
             a: at,
             q,
             k,
@@ -430,7 +552,7 @@ pub(crate) fn attention_backward(
     let ((q, k, v), (dq, dk, dv)) = (qkv_of(&ia), qkv_of(&da));
     ctx.k()?.launch(
         s,
-        &Launch::AttentionBackward {
+        &CausalAttentionBackward {
             a: at,
             q,
             k,
@@ -484,7 +606,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     );
     ctx.k()?.launch(
         s,
-        &Launch::CrossEntropy {
+        &CrossEntropy {
             rows: rs,
             logits: &la,
             targets: &ta,
@@ -523,7 +645,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             );
             ctx.k()?.launch(
                 s,
-                &Launch::CrossEntropyBackward {
+                &CrossEntropyBackward {
                     rows: rs,
                     logits: &la,
                     targets: &ta,

@@ -2,8 +2,11 @@
 
 use crate::autograd::{needs_grad, record1, single_grad};
 use crate::error::{shape_err, Result};
-use crate::kernels::backend::{Launch, Rows, SumTo, View};
-use crate::launch::contiguous_strides;
+use crate::kernels::elementwise::ScaleInplace;
+use crate::kernels::layout::StridedCopy;
+use crate::kernels::operand::contiguous_strides;
+use crate::kernels::reduce::{ColSums, Sum, SumTo, SumToShape};
+use crate::kernels::{Rows, View};
 use crate::ops::Ctx;
 use crate::tensor::{numel_of, Tensor};
 
@@ -28,7 +31,7 @@ pub(crate) fn fill_like_scalar(g: &Tensor, shape: &[usize], factor: f32) -> Resu
     };
     k.launch(
         &ctx.stream,
-        &Launch::Copy {
+        &StridedCopy {
             src_view: &broadcast,
             src: &ga,
             dst_view: &View::contiguous(&[n], 0),
@@ -38,7 +41,7 @@ pub(crate) fn fill_like_scalar(g: &Tensor, shape: &[usize], factor: f32) -> Resu
     if factor != 1.0 {
         k.launch(
             &ctx.stream,
-            &Launch::ScaleInplace {
+            &ScaleInplace {
                 n,
                 alpha: factor,
                 y: &oa,
@@ -60,7 +63,7 @@ fn reduce_all(t: &Tensor, op: &'static str, mean: bool) -> Result<Tensor> {
     let n = t.numel();
     ctx.k()?.launch(
         &ctx.stream,
-        &Launch::Sum {
+        &Sum {
             n,
             mean,
             x: &xa,
@@ -137,7 +140,7 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
         };
         k.launch(
             &ctx.stream,
-            &Launch::ColSums {
+            &ColSums {
                 rows,
                 x: &xa,
                 out: &oa,
@@ -145,14 +148,14 @@ pub(crate) fn sum_to(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
         )?;
         return Ok(out);
     }
-    let st = SumTo {
+    let st = SumToShape {
         shape: gs,
         target_strides: tstrides,
         out_numel: numel_of(shape),
     };
     k.launch(
         &ctx.stream,
-        &Launch::SumTo {
+        &SumTo {
             shape: &st,
             x: &xa,
             out: &oa,

@@ -8,8 +8,10 @@ use crate::autograd::node::BackwardFn;
 use crate::autograd::{needs_grad, record, record1};
 use crate::context::current_stream;
 use crate::error::{arg_err, shape_err, Result};
-use crate::kernels::backend::{Kernels, Launch, View};
-use crate::launch::contiguous_strides;
+use crate::kernels::elementwise::Fill;
+use crate::kernels::layout::StridedCopy;
+use crate::kernels::operand::contiguous_strides;
+use crate::kernels::{Kernels, View};
 use crate::tensor::{checked_numel, numel_of, Tensor};
 
 impl Tensor {
@@ -174,7 +176,7 @@ impl Tensor {
         let dst = out.operand_on(op, &stream)?;
         Kernels::for_device(self.device())?.launch(
             &stream,
-            &Launch::Copy {
+            &StridedCopy {
                 src_view: &self.span_view(),
                 src: &src,
                 dst_view: &View::contiguous(self.shape(), 0),
@@ -470,7 +472,7 @@ fn scatter_pieces(
     if zero_all {
         k.launch(
             &stream,
-            &Launch::Fill {
+            &Fill {
                 n: out.numel(),
                 value: 0.0,
                 out: &dst,
@@ -480,7 +482,7 @@ fn scatter_pieces(
     for (src, src_view, dst_view) in &copies {
         k.launch(
             &stream,
-            &Launch::Copy {
+            &StridedCopy {
                 src_view,
                 src,
                 dst_view,

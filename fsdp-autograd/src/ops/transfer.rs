@@ -5,7 +5,7 @@ use fsdp_alloc::Device;
 use crate::autograd::{needs_grad, record1};
 use crate::context::current_stream;
 use crate::error::Result;
-use crate::kernels::backend::Kernels;
+use crate::kernels::Kernels;
 use crate::tensor::Tensor;
 
 impl Tensor {

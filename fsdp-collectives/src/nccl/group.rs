@@ -44,7 +44,7 @@ impl NcclConfig {
     }
 }
 
-/// One rank's handle to an NCCL communicator (see the module docs; never run here).
+/// One rank's handle to an NCCL communicator (see the module docs).
 pub struct NcclGroup {
     rank: usize,
     size: usize,

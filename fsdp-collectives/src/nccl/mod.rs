@@ -1,7 +1,6 @@
 //! The NCCL backend (`cuda` feature), over `cudarc::nccl`.
 //!
-//! **Status: compile-checked only.** This machine has no GPU, no CUDA driver and no NCCL; none
-//! of this module has ever run. `cargo xtask gpu-test` is where it would be exercised.
+//! `cargo xtask gpu-test` exercises it (the `nccl`, `fsdp` and `teardown` suites).
 //!
 //! ## Design
 //! - One **communicator thread** per rank owns the CUDA context, a dedicated CUDA *comm stream*

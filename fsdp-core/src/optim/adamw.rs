@@ -1,8 +1,7 @@
 //! AdamW (PyTorch's single-tensor algorithm, decoupled weight decay): the hyper-parameters
 //! shared with LAMB, the rule, and the sharded and local optimizers running it.
 
-use fsdp_autograd::kernels::backend::Launch;
-use fsdp_autograd::kernels::cpu::optim::adamw_step;
+use fsdp_autograd::kernels::optim::{adamw_step, AdamWStep};
 use fsdp_autograd::Parameter;
 
 use super::driver::{Local, Sharded};
@@ -47,7 +46,7 @@ impl AdamParams {
 
 /// AdamW's scalars for one step `t`, as the kernels see them (computed in f64, rounded to f32
 /// once): the seam's type, made by [`Rule::coeffs`].
-pub use fsdp_autograd::kernels::cpu::optim::AdamCoeffs;
+pub use fsdp_autograd::kernels::optim::AdamCoeffs;
 
 /// AdamW's update rule (slots `exp_avg`, `exp_avg_sq`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,6 +57,7 @@ pub struct AdamWRule {
 
 impl Rule for AdamWRule {
     const NAME: &'static str = "AdamW";
+    const TITLE: &'static str = "AdamW";
     const KERNEL: &'static str = "adamw";
     const SLOTS: &'static [&'static str] = &["exp_avg", "exp_avg_sq"];
     type Coeffs = AdamCoeffs;
@@ -69,6 +69,14 @@ impl Rule for AdamWRule {
     fn coeffs(&self, step: u64) -> AdamCoeffs {
         let h = self.hyper;
         AdamCoeffs::new(h.lr, h.betas, h.eps, h.weight_decay, step)
+    }
+
+    fn lr(&self) -> f32 {
+        self.hyper.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.hyper.lr = lr;
     }
 
     fn update(
@@ -87,7 +95,7 @@ impl Rule for AdamWRule {
 
     fn launch(c: &AdamCoeffs, a: &StepArgs<'_>) -> Result<()> {
         let [m, v] = slots::<2>("AdamW::step", a)?;
-        let l = Launch::AdamWStep {
+        let l = AdamWStep {
             n: a.p.numel(),
             c: *c,
             p: a.p,

@@ -6,16 +6,16 @@
 use std::ops::{Deref, DerefMut, Range};
 
 use fsdp_alloc::{Device, Stream};
-use fsdp_autograd::kernels::backend::Operand;
+use fsdp_autograd::kernels::Operand;
 use fsdp_autograd::{current_stream, Parameter, Tensor};
 use fsdp_collectives::Work;
 
 use super::rule::{ElementwiseRule, Rule, StepArgs};
+use super::sharded::{f32_operand, kernels_for, slice_f32, trainable_ranges, ShardedParams};
 use super::state::{local_sizes, OptimizerState, Slots};
 use super::{LocalOptimizer, ShardedOptimizer};
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, FsdpError, Result};
 use crate::runtime::fsdp::UnitShard;
-use crate::sharded::{f32_operand, kernels_for, slice_f32, trainable_ranges, ShardedParams};
 
 /// What one update writes and reads: the parameter tensor (a unit's shard, or a local
 /// parameter), its trainable ranges, its memory and its gradient's memory.
@@ -41,12 +41,13 @@ pub(crate) fn unit_operands(
         return Ok(None);
     };
     if g.numel() != s.shard.numel() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: unit `{}` has a shard of {} elements but a gradient of {}",
-            s.path,
-            s.shard.numel(),
-            g.numel()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+            op: op.into(),
+            what: format!("the gradient of unit `{}` (like its shard)", s.path),
+            counted: "elements",
+            actual: g.numel(),
+            expected: s.shard.numel(),
+        }));
     }
     let ranges = trainable_ranges(s)?;
     if ranges.is_empty() {
@@ -82,12 +83,16 @@ fn local_operands(p: &Parameter, op: &str) -> Result<Option<(Stream, UnitOperand
         g.contiguous_copy()?
     };
     if g.numel() != t.numel() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: parameter `{}` has {} elements but its gradient {}",
-            p.name(),
-            t.numel(),
-            g.numel()
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+            op: op.into(),
+            what: format!(
+                "the gradient of parameter `{}` (like the parameter)",
+                p.name()
+            ),
+            counted: "elements",
+            actual: g.numel(),
+            expected: t.numel(),
+        }));
     }
     let stream = current_stream(t.device());
     let param = f32_operand(&t, op, &format!("parameter `{}`", p.name()), &stream)?;
@@ -311,9 +316,33 @@ impl<R: ElementwiseRule> ShardedStep for R {
 }
 
 impl<R: ShardedStep> ShardedOptimizer for Sharded<R> {
+    fn name(&self) -> &'static str {
+        R::TITLE
+    }
+
+    fn lr(&self) -> f32 {
+        self.rule.lr()
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.rule.set_lr(lr);
+    }
+
     fn step(&mut self, model: &dyn ShardedParams) -> Result<()> {
-        self.synchronize()?;
+        Sharded::synchronize(self)?;
         R::sharded_step(self, model)
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        Sharded::synchronize(self)
+    }
+
+    fn state_slots(&self) -> usize {
+        if self.rule.keeps_state() {
+            R::SLOTS.len()
+        } else {
+            0
+        }
     }
 
     slot_methods!();

@@ -5,21 +5,23 @@
 
 use std::ops::Range;
 
-use fsdp_autograd::kernels::backend::{Kernels, Launch, Operand, SqPiece};
-use fsdp_autograd::kernels::cpu::optim::{lamb_apply, lamb_direction, sum_sq};
+use fsdp_autograd::kernels::optim::{
+    lamb_apply, lamb_direction, sum_sq, LambApply, LambDirection, SqPiece, SumSquares,
+};
+use fsdp_autograd::kernels::{Kernels, Op, Operand};
 use fsdp_autograd::{Parameter, Tensor};
 
 use super::adamw::AdamParams;
 use super::driver::{state_operands, unit_operands, Local, Sharded, ShardedStep, UnitOperands};
 use super::rule::{kernel_err, missing_slices, slots, Rule, StepArgs};
-use crate::error::Result;
-use crate::sharded::{
+use super::sharded::{
     all_reduce_sum, f32_operand, kernels_for, slice_f32, zeros_on, ShardedParams,
 };
+use crate::error::Result;
 
 /// One LAMB step's scalars, as the kernels see them: the seam's type, made by
 /// [`Rule::coeffs`].
-pub use fsdp_autograd::kernels::cpu::optim::LambCoeffs;
+pub use fsdp_autograd::kernels::optim::LambCoeffs;
 
 /// LAMB's update rule on one whole parameter (slots `exp_avg`, `exp_avg_sq`): direction, f64
 /// norms of `p` and `u`, trust ratio, update. Not an [`super::ElementwiseRule`]: the ratio needs
@@ -32,6 +34,7 @@ pub struct LambRule {
 
 impl Rule for LambRule {
     const NAME: &'static str = "Lamb";
+    const TITLE: &'static str = "LAMB";
     const KERNEL: &'static str = "lamb";
     const SLOTS: &'static [&'static str] = &["exp_avg", "exp_avg_sq"];
     type Coeffs = LambCoeffs;
@@ -43,6 +46,14 @@ impl Rule for LambRule {
     fn coeffs(&self, step: u64) -> LambCoeffs {
         let h = self.hyper;
         LambCoeffs::new(h.lr, h.betas, h.eps, h.weight_decay, step)
+    }
+
+    fn lr(&self) -> f32 {
+        self.hyper.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.hyper.lr = lr;
     }
 
     fn update(
@@ -76,7 +87,7 @@ impl Rule for LambRule {
         let (k, s) = (a.kernels, a.stream);
         k.launch(
             s,
-            &Launch::LambDirection {
+            &LambDirection {
                 n,
                 c: *c,
                 p: a.p,
@@ -103,7 +114,7 @@ impl Rule for LambRule {
         ];
         k.launch(
             s,
-            &Launch::SumSquares {
+            &SumSquares {
                 xs: &xs,
                 pieces: &pieces,
                 out: &so,
@@ -111,7 +122,7 @@ impl Rule for LambRule {
         )?;
         k.launch(
             s,
-            &Launch::LambApply {
+            &LambApply {
                 n,
                 lr: c.lr,
                 w_sq: 0,
@@ -204,7 +215,7 @@ impl ShardedStep for LambRule {
                     sl(&mems[1])?,
                     sl(&dir)?,
                 );
-                let l = Launch::LambDirection {
+                let l = LambDirection {
                     n: r.len(),
                     c,
                     p: &p,
@@ -242,7 +253,7 @@ impl ShardedStep for LambRule {
                 }
             }
         }
-        let l = Launch::SumSquares {
+        let l = SumSquares {
             xs: &xs,
             pieces: &sq,
             out: &sums_op,
@@ -259,7 +270,7 @@ impl ShardedStep for LambRule {
                     slice_f32(param, range.clone())?,
                     slice_f32(dir, range.clone())?,
                 );
-                let l = Launch::LambApply {
+                let l = LambApply {
                     n: range.len(),
                     lr,
                     w_sq: *idx,
@@ -283,12 +294,7 @@ impl ShardedStep for LambRule {
 }
 
 /// Launches a `SumSquares` into `n_out` sums (nothing to launch for none).
-fn launch_sums(
-    k: &Kernels,
-    stream: &fsdp_alloc::Stream,
-    l: &Launch<'_>,
-    n_out: usize,
-) -> Result<()> {
+fn launch_sums(k: &Kernels, stream: &fsdp_alloc::Stream, l: &dyn Op, n_out: usize) -> Result<()> {
     if n_out > 0 {
         k.launch(stream, l)?;
     }

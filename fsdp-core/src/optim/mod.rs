@@ -1,6 +1,8 @@
-//! Sharded optimizers: SGD (momentum, weight decay), AdamW and a LAMB-style trust-ratio
-//! optimizer that update FSDP's flat shards in place, with their state sharded exactly like the
-//! parameters — and their **local** counterparts for plain [`Parameter`]s.
+//! The optimizer step's wing: sharded optimizers — SGD (momentum, weight decay), AdamW and a
+//! LAMB-style trust-ratio optimizer that update FSDP's flat shards in place, with their state
+//! sharded exactly like the parameters — and their **local** counterparts for plain
+//! [`Parameter`]s; gradient clipping and norms across shards ([`clip`]); the sharded grad scaler
+//! ([`scaler`]).
 //!
 //! # Sharded and local, bit for bit
 //! Each rank holds, per FSDP unit, one f32 shard of `chunk_numel` elements and the reduced
@@ -13,12 +15,12 @@
 //! update rule (same operations in the same order, no fused multiply-add), so FSDP on W ranks
 //! with a sharded optimizer equals local training with W-way gradient accumulation and the local
 //! optimizer **bitwise** in f32 — the parity tests in `tests/tests/fsdp_optim.rs` check it.
-//! [`Lamb`] also needs per-parameter norms across shards (see [`crate::clip`]); those are summed
+//! [`Lamb`] also needs per-parameter norms across shards (see [`clip`]); those are summed
 //! in a different order than locally, so [`Lamb`] matches [`LocalLamb`] within a tolerance only.
 //!
 //! # Where the math runs
 //! Every update is a kernel *launched through the kernel seam*
-//! (`fsdp_autograd::kernels::backend::Launch::{SgdStep, AdamWStep, LambDirection, LambApply,
+//! (the ops `fsdp_autograd::kernels::optim::{SgdStep, AdamWStep, LambDirection, LambApply,
 //! SumSquares}`) on the device holding the shards — CPU or CUDA — on the model's optimizer
 //! stream ([`ShardedParams::optimizer_stream`]: the compute stream, or the host stream under CPU
 //! offload) or, for local optimizers, on the parameter device's current stream: the issuing
@@ -26,10 +28,9 @@
 //! launch per unit shard updates the parameters and every state slot (one per contiguous
 //! trainable range of the shard; a unit whose parameters are all trainable has one). The CPU
 //! kernels are the rules' host updates ([`Rule::update`], the functions of
-//! `fsdp_autograd::kernels::cpu::optim`); the CUDA kernels repeat their operations in the same
-//! order without fused multiply-adds (emulated here; SGD in `train_gpt --device cuda` and AdamW in
-//! the GPU suite ran on one H100; LAMB has not run on a GPU). After all units are updated the
-//! optimizer calls [`ShardedParams::params_updated`], so the next all-gather waits for the update.
+//! `fsdp_autograd::kernels::optim`); the CUDA kernels repeat their operations in the same
+//! order without fused multiply-adds. After all units are updated the optimizer calls
+//! [`ShardedParams::params_updated`], so the next all-gather waits for the update.
 //!
 //! Only the pieces of *trainable* parameters are updated (the layout's per-rank pieces); frozen
 //! parameters sharing a unit with trainable ones and the shard's padding are left untouched.
@@ -78,14 +79,17 @@
 //! with their rule; how [`Sharded`] steps is the rule's [`ShardedStep`]: elementwise rules run on
 //! the shards' pieces, [`LambRule`] in two halves around the all-reduce of its per-parameter
 //! norms. A new elementwise optimizer adds a rule, not a driver. `state` holds the state slots
-//! shared by all of them; [`ShardedParams`] (what they need from the model) lives in a module
-//! below `optim`, `clip` and `scaler`.
+//! shared by all of them; [`ShardedParams`] (what they, [`clip`] and [`scaler`] need from the
+//! model) lives in `sharded.rs`, below all of them.
 
 mod adamw;
+pub mod clip;
 mod driver;
 mod lamb;
 mod rule;
+pub mod scaler;
 mod sgd;
+mod sharded;
 mod state;
 
 pub use adamw::{AdamCoeffs, AdamParams, AdamW, AdamWRule, LocalAdamW};
@@ -95,14 +99,27 @@ pub use rule::{ElementwiseRule, Rule, StepArgs};
 pub use sgd::{LocalSgd, Sgd, SgdRule};
 pub use state::OptimizerState;
 
-pub use crate::sharded::ShardedParams;
+pub use sharded::ShardedParams;
 
 use fsdp_autograd::Parameter;
 
 use crate::error::Result;
 
 /// An optimizer over the flat shards of a wrapped model (see the module docs).
+///
+/// A training loop can hold any of them as one `Box<dyn ShardedOptimizer>`: the learning rate
+/// is set through the trait ([`Self::set_lr`], before each step of a schedule), and the
+/// optimizer names itself ([`Self::name`]) and the state it keeps ([`Self::state_slots`]).
 pub trait ShardedOptimizer {
+    /// The optimizer's name as the literature writes it: `"SGD"`, `"AdamW"`, `"LAMB"`.
+    fn name(&self) -> &'static str;
+
+    /// The learning rate of the next step.
+    fn lr(&self) -> f32;
+
+    /// Sets the learning rate of the next steps (a schedule calls it before every step).
+    fn set_lr(&mut self, lr: f32);
+
     /// Updates every unit's shard that has a gradient, then calls
     /// [`ShardedParams::params_updated`]. Launches kernels and returns; does not wait.
     ///
@@ -111,6 +128,16 @@ pub trait ShardedOptimizer {
     /// tensors, CUDA memory, a failed earlier collective.
     fn step(&mut self, model: &dyn ShardedParams) -> Result<()>;
 
+    /// Waits for the optimizer's own collectives of the last step (LAMB's norm all-reduce;
+    /// elementwise optimizers issue none) and reports their errors, so that a failure is
+    /// reported at this step rather than at the next. The kernels themselves are not waited for.
+    ///
+    /// # Errors
+    /// A failed collective.
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Drops the model's sharded gradients.
     fn zero_grad(&self, model: &dyn ShardedParams) {
         model.zero_grad()
@@ -118,6 +145,11 @@ pub trait ShardedOptimizer {
 
     /// Names of the state slots, e.g. `["exp_avg", "exp_avg_sq"]`.
     fn slot_names(&self) -> &'static [&'static str];
+
+    /// How many state tensors per unit this configuration keeps: the number of
+    /// [`Self::slot_names`], or 0 when it keeps none (SGD without momentum). Optimizer memory
+    /// is `state_slots × 4 × chunk_numel` bytes per unit and rank.
+    fn state_slots(&self) -> usize;
 
     /// The state: per slot, one tensor of `chunk_numel` elements per unit (`None` until the
     /// unit's first step). Handles to the live tensors: read them after the model's
@@ -177,4 +209,62 @@ pub trait LocalOptimizer {
     /// # Errors
     /// Missing or unknown slots, wrong counts, sizes, dtypes or devices.
     fn load_state(&mut self, state: OptimizerState, steps: Vec<u64>) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use fsdp_alloc::{DType, Device};
+    use fsdp_autograd::{nn::Linear, InitContext, Tensor};
+    use fsdp_collectives::{ProcessGroup, ThreadGroup};
+
+    use super::{AdamParams, AdamW, Lamb, Sgd, ShardedOptimizer};
+    use crate::{Fsdp, FsdpConfig};
+
+    /// Two steps of `opt` on a one-rank wrapped `Linear(4, 2)`: the final shards' bits.
+    fn two_steps(opt: &mut dyn ShardedOptimizer) -> Vec<u32> {
+        let dev = Device::cpu(0);
+        let model = Linear::new(&InitContext::eager(&dev, 0), 4, 2, true).unwrap();
+        let pg: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new(1).remove(0));
+        let fsdp = Fsdp::wrap(model, &dev, pg, FsdpConfig::default()).unwrap();
+        for _ in 0..2 {
+            let x = Tensor::ones(&[3, 4], DType::F32, &dev).unwrap();
+            fsdp.forward(&x).unwrap().sum().unwrap().backward().unwrap();
+            opt.step(&fsdp).unwrap();
+            opt.synchronize().unwrap();
+            opt.zero_grad(&fsdp);
+        }
+        let shards = fsdp.local_shards().unwrap();
+        shards.concat().into_iter().map(f32::to_bits).collect()
+    }
+
+    /// Every optimizer as a trait object: named, its state counted, and `set_lr` is the same
+    /// as building it with that learning rate (bit for bit).
+    #[test]
+    fn set_lr_name_and_state_slots_through_the_trait() {
+        fn adam(lr: f32) -> AdamParams {
+            AdamParams {
+                weight_decay: 0.1,
+                ..AdamParams::new(lr)
+            }
+        }
+        type Make = fn(f32) -> Box<dyn ShardedOptimizer>;
+        let cases: [(Make, &str, usize); 5] = [
+            (|lr| Box::new(Sgd::new(lr)), "SGD", 0),
+            (|lr| Box::new(Sgd::new(lr).with_weight_decay(0.1)), "SGD", 0),
+            (|lr| Box::new(Sgd::new(lr).with_momentum(0.9)), "SGD", 1),
+            (|lr| Box::new(AdamW::with_params(adam(lr))), "AdamW", 2),
+            (|lr| Box::new(Lamb::new(adam(lr))), "LAMB", 2),
+        ];
+        for (make, name, slots) in cases {
+            let mut moved = make(0.5);
+            assert_eq!((moved.name(), moved.state_slots()), (name, slots));
+            moved.set_lr(0.01);
+            assert_eq!(moved.lr(), 0.01);
+            let direct = two_steps(&mut *make(0.01));
+            assert_eq!(two_steps(&mut *moved), direct, "{name}");
+            assert_ne!(two_steps(&mut *make(0.5)), direct, "{name}");
+        }
+    }
 }

@@ -4,9 +4,9 @@
 //! parameter ([`super::Local`]); a new optimizer adds a rule, not a driver.
 
 use fsdp_alloc::{Device, Stream};
-use fsdp_autograd::kernels::backend::{Kernels, Operand};
+use fsdp_autograd::kernels::{Kernels, Operand};
 
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, FsdpError, Result, StateError};
 
 /// Where and on what one update runs: the device's kernels (the seam), the stream, and the
 /// operands — all f32, `p`, `g` and every state slot of the same length.
@@ -38,6 +38,9 @@ pub struct StepArgs<'a> {
 pub trait Rule: Clone + std::fmt::Debug {
     /// The optimizer's name in error messages, e.g. `"AdamW"` (`"AdamW::step"`).
     const NAME: &'static str;
+    /// The optimizer's name as the literature writes it (`"SGD"`, `"AdamW"`, `"LAMB"`): what
+    /// [`super::ShardedOptimizer::name`] returns for banners and plans.
+    const TITLE: &'static str;
     /// The kernel's name (what a stream failure and the profiler report).
     const KERNEL: &'static str;
     /// Names of the state slots, e.g. `["exp_avg", "exp_avg_sq"]`.
@@ -61,8 +64,14 @@ pub trait Rule: Clone + std::fmt::Debug {
     /// The coefficients of step `step` (1 for the tensor's first step).
     fn coeffs(&self, step: u64) -> Self::Coeffs;
 
+    /// The learning rate of the next steps.
+    fn lr(&self) -> f32;
+
+    /// Sets the learning rate of the next steps (a schedule calls it before every step).
+    fn set_lr(&mut self, lr: f32);
+
     /// Updates `p` in place on host slices: the rule's CPU kernel (the functions of
-    /// `fsdp_autograd::kernels::cpu::optim`). `state` holds one slice per slot (none if not
+    /// `fsdp_autograd::kernels::optim`). `state` holds one slice per slot (none if not
     /// [`Self::keeps_state`]), `fresh` is true when the state was just created as zeros.
     ///
     /// # Errors
@@ -96,9 +105,12 @@ pub(crate) fn check_finite(op: &str, what: &str, v: f32) -> Result<()> {
     if v.is_finite() {
         Ok(())
     } else {
-        Err(FsdpError::InvalidArgument(format!(
-            "{op}: {what} is {v}; it must be finite"
-        )))
+        Err(FsdpError::InvalidArgument(ArgumentError::Value {
+            op: op.into(),
+            name: what.into(),
+            value: v.to_string(),
+            requirement: "finite".into(),
+        }))
     }
 }
 
@@ -106,15 +118,21 @@ pub(crate) fn check_finite(op: &str, what: &str, v: f32) -> Result<()> {
 pub(crate) fn check_betas(op: &str, betas: (f32, f32), eps: f32) -> Result<()> {
     for (what, b) in [("beta1", betas.0), ("beta2", betas.1)] {
         if !(0.0..1.0).contains(&b) {
-            return Err(FsdpError::InvalidArgument(format!(
-                "{op}: {what} is {b}; it must lie in [0, 1)"
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+                op: op.into(),
+                name: what.into(),
+                value: b.to_string(),
+                requirement: "in [0, 1)".into(),
+            }));
         }
     }
     if !(eps.is_finite() && eps > 0.0) {
-        return Err(FsdpError::InvalidArgument(format!(
-            "{op}: eps is {eps}; it must be positive and finite"
-        )));
+        return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+            op: op.into(),
+            name: "eps".into(),
+            value: eps.to_string(),
+            requirement: "positive and finite".into(),
+        }));
     }
     Ok(())
 }
@@ -122,18 +140,21 @@ pub(crate) fn check_betas(op: &str, betas: (f32, f32), eps: f32) -> Result<()> {
 /// The `K` state operands of a rule that keeps `K` slots.
 pub(crate) fn slots<'a, const K: usize>(name: &str, a: &StepArgs<'a>) -> Result<&'a [Operand; K]> {
     a.state.try_into().map_err(|_| {
-        FsdpError::State(format!(
-            "{name}: {} state operands passed where the rule keeps {K}",
-            a.state.len()
-        ))
+        FsdpError::State(StateError::StateOperands {
+            op: name.into(),
+            actual: a.state.len(),
+            expected: K,
+        })
     })
 }
 
 /// The error of a rule's host update called with the wrong number of state slices.
 pub(crate) fn missing_slices(name: &str, got: usize, want: usize) -> FsdpError {
-    FsdpError::State(format!(
-        "{name}: {got} state slices passed where the rule keeps {want}"
-    ))
+    FsdpError::State(StateError::StateOperands {
+        op: name.into(),
+        actual: got,
+        expected: want,
+    })
 }
 
 /// A kernel error of a host update as an [`FsdpError`].

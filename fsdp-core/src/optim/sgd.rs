@@ -1,8 +1,7 @@
 //! SGD with momentum and weight decay: fsdp-autograd's [`SgdRule`] (the workspace's one SGD
 //! rule) as a [`Rule`], and the sharded and local optimizers running it.
 
-use fsdp_autograd::kernels::backend::Launch;
-use fsdp_autograd::kernels::cpu::optim::sgd_step;
+use fsdp_autograd::kernels::optim::{sgd_step, SgdStep};
 use fsdp_autograd::nn::Module;
 use fsdp_autograd::Parameter;
 
@@ -10,13 +9,14 @@ pub use fsdp_autograd::optim::SgdRule;
 
 use super::driver::{Local, Sharded};
 use super::rule::{check_finite, ElementwiseRule, Rule, StepArgs};
-use crate::error::Result;
+use crate::error::{ArgumentError, FsdpError, Result};
 use crate::optim::ShardedOptimizer;
 use crate::runtime::fsdp::Fsdp;
 use fsdp_alloc::trace;
 
 impl Rule for SgdRule {
     const NAME: &'static str = "Sgd";
+    const TITLE: &'static str = "SGD";
     const KERNEL: &'static str = "sgd";
     const SLOTS: &'static [&'static str] = &["momentum_buffer"];
     type Coeffs = SgdRule;
@@ -26,9 +26,13 @@ impl Rule for SgdRule {
         check_finite(op, "momentum", self.momentum)?;
         check_finite(op, "weight_decay", self.weight_decay)?;
         if self.nesterov && !self.has_momentum() {
-            return Err(crate::FsdpError::InvalidArgument(format!(
-                "{op}: Nesterov momentum needs a non-zero momentum; set momentum or drop nesterov"
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Value {
+                op: op.into(),
+                name: "momentum".into(),
+                value: self.momentum.to_string(),
+                requirement: "non-zero with Nesterov momentum (set momentum or drop nesterov)"
+                    .into(),
+            }));
         }
         Ok(())
     }
@@ -39,6 +43,14 @@ impl Rule for SgdRule {
 
     fn coeffs(&self, _step: u64) -> SgdRule {
         *self
+    }
+
+    fn lr(&self) -> f32 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
     }
 
     fn update(
@@ -61,7 +73,7 @@ impl Rule for SgdRule {
         } else {
             None
         };
-        let l = Launch::SgdStep {
+        let l = SgdStep {
             n: a.p.numel(),
             rule: *c,
             first: a.fresh,

@@ -4,8 +4,10 @@
 use fsdp_alloc::{DType, Device, Stream};
 use fsdp_autograd::{Parameter, Tensor};
 
-use crate::error::{FsdpError, Result};
-use crate::sharded::zeros_on;
+use super::sharded::zeros_on;
+use crate::error::{
+    ArgumentError, DeviceError, DtypeError, ExpectedDevice, FsdpError, Result, StateError,
+};
 
 /// Optimizer state by slot: `(slot name, one tensor per unit (sharded) or per parameter
 /// (local), `None` where no step has created it yet)`.
@@ -51,11 +53,12 @@ impl Slots {
             }
         }
         if self.steps.len() != n {
-            return Err(FsdpError::State(format!(
-                "{op}: the optimizer holds state for {} units/parameters but the model has {n}; \
-                 use one optimizer per wrapped model",
-                self.steps.len()
-            )));
+            return Err(FsdpError::State(StateError::ForeignOptimizerState {
+                op: op.into(),
+                what: "units/parameters".into(),
+                held: self.steps.len(),
+                model: n,
+            }));
         }
         Ok(())
     }
@@ -84,12 +87,12 @@ impl Slots {
     ) -> Result<(Tensor, bool)> {
         match &self.tensors[slot][i] {
             Some(t) if t.numel() == n => Ok((t.clone(), false)),
-            Some(t) => Err(FsdpError::State(format!(
-                "optimizer slot `{}` entry {i} has {} elements, the parameters {n}; the state \
-                 does not belong to this model",
-                self.names[slot],
-                t.numel()
-            ))),
+            Some(t) => Err(FsdpError::State(StateError::ForeignOptimizerState {
+                op: "optimizer step".into(),
+                what: format!("elements in slot `{}` entry {i}", self.names[slot]),
+                held: t.numel(),
+                model: n,
+            })),
             None => {
                 let t = zeros_on(n, device, stream)?;
                 self.tensors[slot][i] = Some(t.clone());
@@ -113,19 +116,24 @@ impl Slots {
     ) -> Result<()> {
         let n = numel.len();
         if steps.len() != n {
-            return Err(FsdpError::InvalidArgument(format!(
-                "{op}: {} step counts for {n} units/parameters",
-                steps.len()
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+                op: op.into(),
+                what: "the step counts (one per unit/parameter)".into(),
+                counted: "entries",
+                actual: steps.len(),
+                expected: n,
+            }));
         }
         let mut got: Vec<&str> = state.iter().map(|(s, _)| s.as_str()).collect();
         got.sort_unstable();
         let mut want: Vec<&str> = self.names.to_vec();
         want.sort_unstable();
         if got != want {
-            return Err(FsdpError::InvalidArgument(format!(
-                "{op}: state slots {got:?}, but this optimizer keeps {want:?}"
-            )));
+            return Err(FsdpError::InvalidArgument(ArgumentError::Slots {
+                op: op.into(),
+                actual: got.iter().map(|s| s.to_string()).collect(),
+                expected: want.iter().map(|s| s.to_string()).collect(),
+            }));
         }
         let mut tensors = Vec::with_capacity(self.names.len());
         for name in self.names {
@@ -135,33 +143,50 @@ impl Slots {
                 .expect("slot names checked above");
             let (_, per) = state.swap_remove(i);
             if per.len() != n {
-                return Err(FsdpError::InvalidArgument(format!(
-                    "{op}: slot `{name}` has {} entries for {n} units/parameters",
-                    per.len()
-                )));
+                return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+                    op: op.into(),
+                    what: format!("slot `{name}` (one entry per unit/parameter)"),
+                    counted: "entries",
+                    actual: per.len(),
+                    expected: n,
+                }));
             }
             for (j, (t, &want)) in per.iter().zip(numel).enumerate() {
                 let Some(t) = t else { continue };
                 if t.dtype() != DType::F32 {
-                    return Err(FsdpError::Dtype(format!(
-                        "{op}: slot `{name}` entry {j} is a {} tensor; optimizer state is f32",
-                        t.dtype()
-                    )));
+                    return Err(FsdpError::Dtype(DtypeError {
+                        op: op.into(),
+                        what: format!("slot `{name}` entry {j}"),
+                        actual: t.dtype(),
+                        expected: DType::F32,
+                        why: "optimizer state is f32",
+                    }));
                 }
-                if t.numel() != want || !t.is_contiguous() {
-                    return Err(FsdpError::InvalidArgument(format!(
-                        "{op}: slot `{name}` entry {j} is a tensor of {} elements (contiguous: \
-                         {}); expected a contiguous f32 tensor of {want}",
-                        t.numel(),
-                        t.is_contiguous()
-                    )));
+                if t.numel() != want {
+                    return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+                        op: op.into(),
+                        what: format!("slot `{name}` entry {j}"),
+                        counted: "elements",
+                        actual: t.numel(),
+                        expected: want,
+                    }));
+                }
+                if !t.is_contiguous() {
+                    return Err(FsdpError::InvalidArgument(ArgumentError::NotContiguous {
+                        op: op.into(),
+                        what: format!("slot `{name}` entry {j}"),
+                        shape: t.shape().to_vec(),
+                        strides: t.strides().to_vec(),
+                    }));
                 }
                 if t.device().id() != device.id() {
-                    return Err(FsdpError::Device(format!(
-                        "{op}: slot `{name}` entry {j} lives on {}, the parameters on {}",
-                        t.device().id(),
-                        device.id()
-                    )));
+                    return Err(FsdpError::Device(DeviceError {
+                        op: op.into(),
+                        what: format!("slot `{name}` entry {j}"),
+                        actual: t.device().id(),
+                        expected: ExpectedDevice::Exactly(device.id()),
+                        fix: "load optimizer state onto the parameters' device".into(),
+                    }));
                 }
             }
             tensors.push(per);
@@ -184,22 +209,21 @@ pub(crate) fn local_sizes(params: &[Parameter], op: &str) -> Result<(Vec<usize>,
             match &device {
                 None => device = Some(t.device().clone()),
                 Some(d) if d.id() != t.device().id() => {
-                    return Err(FsdpError::Device(format!(
-                        "{op}: parameters on {} and {}; local optimizers keep all parameters \
-                         on one device",
-                        d.id(),
-                        t.device().id()
-                    )))
+                    return Err(FsdpError::Device(DeviceError {
+                        op: op.into(),
+                        what: format!("parameter `{}`", p.name()),
+                        actual: t.device().id(),
+                        expected: ExpectedDevice::Exactly(d.id()),
+                        fix: "local optimizers keep all parameters on one device (the first \
+                              parameter's)"
+                            .into(),
+                    }))
                 }
                 Some(_) => {}
             }
         }
     }
-    let device = device.ok_or_else(|| {
-        FsdpError::State(format!(
-            "{op}: no parameter is materialized, so there is no device for the state; \
-             materialize the parameters first"
-        ))
-    })?;
+    let device = device
+        .ok_or_else(|| FsdpError::State(StateError::NothingMaterialized { op: op.into() }))?;
     Ok((params.iter().map(|p| p.numel()).collect(), device))
 }

@@ -12,8 +12,7 @@ use fsdp_autograd::{no_grad, with_stream, Tensor};
 use fsdp_collectives::{DeviceSlice, Int8Codec, ProcessGroup, ReduceOp, Work};
 
 use crate::config::{AdaptiveLimiter, BufferLifetime};
-use crate::error::Result;
-pub use crate::runtime::slice::tensor_slice;
+use crate::error::{FsdpError, Result, StateError};
 
 /// Bytes moved by this rank's collectives since wrapping (or the last reset).
 ///
@@ -433,21 +432,23 @@ impl CommContext {
             },
         }
     }
+}
 
-    /// The shard as a tensor on the compute device for work launched on `stream`: itself, or
-    /// (CPU offload) a copy uploaded on the copy stream after `ready` (the last optimizer
-    /// update), which `stream` waits for ([`crate::runtime::offload::upload`]).
-    pub fn shard_on_device(
-        &self,
-        shard: &Tensor,
-        stream: &Stream,
-        ready: &Event,
-    ) -> Result<Tensor> {
-        if !self.offload {
-            return Ok(shard.clone());
-        }
-        crate::runtime::offload::upload(shard, &self.device, &self.copy_stream, ready, stream)
-    }
+/// The memory of `t` (its elements, in its dtype) as a [`DeviceSlice`] for collectives.
+///
+/// # Errors
+/// [`StateError::StorageReleased`] if the tensor's storage is released (no memory attached);
+/// an access error if the tensor does not fit its buffer.
+pub fn tensor_slice(t: &Tensor) -> Result<DeviceSlice> {
+    let r = t.storage().buffer_ref().ok_or_else(|| {
+        FsdpError::State(StateError::StorageReleased {
+            op: "tensor_slice".into(),
+            what: "a tensor given to a collective".into(),
+        })
+    })?;
+    let size = t.dtype().size();
+    let r = r.slice(t.offset() * size, t.numel() * size)?;
+    Ok(DeviceSlice::new(r, t.dtype())?)
 }
 
 /// Launches the quantization of `chunks` consecutive chunks of `n` f32 values of `src` into

@@ -43,12 +43,13 @@ pub use crate::runtime::comm::{CommStats, LimiterStatus};
 pub(crate) use crate::runtime::comm::{gather_flat, tensor_slice};
 
 use crate::config::{BackwardPrefetch, DeferredInit, FsdpConfig, LimitAllGathers, Quantization};
-use crate::error::{FsdpError, Result};
+use crate::error::{ConfigError, DtypeError, FsdpError, Result};
 use crate::runtime::comm::{AutoLimit, CommContext, Ledger};
 use crate::runtime::handle::FlatParamHandle;
+use crate::runtime::offload;
 use crate::runtime::units::{describe, for_each_module};
 pub use crate::runtime::units::{Comm, FullParameter, ParamBytes, UnitInfo, UnitShard};
-use crate::runtime::wrap::plan_units;
+use crate::wrap::plan_units;
 
 #[derive(Default)]
 struct IterState {
@@ -163,11 +164,9 @@ impl<M: Module + 'static> Fsdp<M> {
                 Some(Arc::clone(m.replicate_group())),
             ),
             (Comm::Group(_), true) => {
-                return Err(FsdpError::Config(format!(
-                    "{:?} needs a DeviceMesh (shard and replicate groups); pass \
-                     Comm::Mesh(DeviceMesh::new(world, shard_size)?)",
-                    config.strategy
-                )))
+                return Err(FsdpError::Config(ConfigError::NeedsMesh {
+                    strategy: config.strategy.name(),
+                }))
             }
             (Comm::Mesh(m), _) => (Arc::clone(m.world()), None),
             (Comm::Group(g), _) => (Arc::clone(g), None),
@@ -176,41 +175,36 @@ impl<M: Module + 'static> Fsdp<M> {
             None => (DType::F32, DType::F32),
             Some(mp) => (mp.param_dtype, mp.reduce_dtype),
         };
-        for (what, d) in [("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)] {
+        for (field, d) in [("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)] {
             if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {
-                return Err(FsdpError::Config(format!(
-                    "mixed precision {what} must be f32, bf16 or f16, got {d}"
-                )));
+                return Err(FsdpError::Config(ConfigError::MixedPrecisionDtype {
+                    field,
+                    dtype: d,
+                }));
             }
         }
         if !config.strategy.is_sharded() && param_dtype != DType::F32 {
-            return Err(FsdpError::Config(
-                "NoShard keeps full f32 parameters in place; low-precision parameters need a \
-                 sharded strategy (use FullShard, ShardGradOp or HybridShard)"
-                    .into(),
-            ));
+            return Err(FsdpError::Config(ConfigError::NeedsShardedStrategy {
+                setting: "mixed_precision (low-precision parameters)",
+                reason: "NoShard keeps full f32 parameters in place",
+            }));
         }
         let quant = match config.quantize_collectives {
             None => None,
             Some(Quantization::Int8 { block }) => {
                 if !config.strategy.is_sharded() {
-                    return Err(FsdpError::Config(
-                        "quantize_collectives applies to the all-gathers and reduce-scatters of \
-                         a sharded strategy; NoShard only all-reduces (use FullShard, \
-                         ShardGradOp or HybridShard, or no quantization)"
-                            .into(),
-                    ));
+                    return Err(FsdpError::Config(ConfigError::NeedsShardedStrategy {
+                        setting: "quantize_collectives",
+                        reason: "it quantizes the all-gathers and reduce-scatters of a sharded \
+                                 strategy, and NoShard only all-reduces",
+                    }));
                 }
                 if (param_dtype, reduce_dtype) != (DType::F32, DType::F32) {
-                    return Err(FsdpError::Config(
-                        "quantize_collectives quantizes f32 parameters and gradients; it does \
-                         not combine with mixed_precision yet (pick one)"
-                            .into(),
-                    ));
+                    return Err(FsdpError::Config(ConfigError::QuantizedMixedPrecision));
                 }
                 Some(
                     fsdp_collectives::Int8Codec::new(block)
-                        .map_err(|e| FsdpError::Config(format!("quantize_collectives: {e}")))?,
+                        .map_err(|e| FsdpError::Config(ConfigError::Quantization(Box::new(e))))?,
                 )
             }
         };
@@ -233,20 +227,17 @@ impl<M: Module + 'static> Fsdp<M> {
         let reduce_stream = device.new_stream("fsdp-reduce");
         let (host, host_stream, offload) = match &config.cpu_offload {
             Some(h) => {
-                crate::runtime::offload::check_offload_devices(device.id(), h.id())?;
+                offload::check_offload_devices(device.id(), h.id())?;
                 if !config.strategy.is_sharded() {
-                    return Err(FsdpError::Config(
-                        "CPU offload needs a sharded strategy: NoShard computes on the full \
-                         parameters in place (use FullShard, ShardGradOp or HybridShard)"
-                            .into(),
-                    ));
+                    return Err(FsdpError::Config(ConfigError::NeedsShardedStrategy {
+                        setting: "cpu_offload",
+                        reason: "NoShard computes on the full parameters in place",
+                    }));
                 }
                 if h == device {
-                    return Err(FsdpError::Config(
-                        "cpu_offload names the compute device itself; give it a separate host \
-                         device (e.g. Device::cpu(1000 + rank))"
-                            .into(),
-                    ));
+                    return Err(FsdpError::Config(ConfigError::OffloadToComputeDevice {
+                        device: device.id(),
+                    }));
                 }
                 (h.clone(), fsdp_autograd::current_stream(h), true)
             }
@@ -271,11 +262,14 @@ impl<M: Module + 'static> Fsdp<M> {
             let layout = FlatParamLayout::new(&shapes, factor)?;
             for (p, n) in params.iter().zip(&names) {
                 if p.dtype() != DType::F32 {
-                    return Err(FsdpError::Dtype(format!(
-                        "parameter `{n}` is {}; FSDP keeps f32 parameters (low precision comes \
-                         from mixed precision, not from the stored dtype)",
-                        p.dtype()
-                    )));
+                    return Err(FsdpError::Dtype(DtypeError {
+                        op: "Fsdp::wrap".into(),
+                        what: format!("parameter `{n}`"),
+                        actual: p.dtype(),
+                        expected: DType::F32,
+                        why: "FSDP keeps f32 parameters (low precision comes from mixed \
+                              precision, not from the stored dtype)",
+                    }));
                 }
             }
             // This rank's shard: copied from materialized parameters (an eager or streamed
@@ -594,7 +588,7 @@ impl<M: Module + 'static> Fsdp<M> {
         for ((shard, layout), names) in shards.iter().zip(&layouts).zip(&names) {
             let flat: Vec<f32> = if inner.config.strategy.is_sharded() {
                 let ctx = &inner.ctx;
-                let shard = ctx.shard_on_device(shard, &ctx.compute, &ready)?;
+                let shard = offload::shard_on_device(ctx, shard, &ctx.compute, &ready)?;
                 gather_flat(&ctx.group, &shard, &ctx.compute, &ctx.device)?.to_vec::<f32>()?
             } else {
                 shard.to_vec::<f32>()?

@@ -19,8 +19,9 @@ use fsdp_autograd::{no_grad, with_stream, Parameter, Storage, Tensor};
 use fsdp_collectives::DeviceSlice;
 use fsdp_flatparam::FlatParamLayout;
 
-use crate::error::{FsdpError, Result};
+use crate::error::{ArgumentError, FsdpError, Result};
 use crate::runtime::comm::{cast_on, CommContext};
+use crate::runtime::offload;
 
 /// One unit's runtime state.
 pub(crate) struct FlatParamHandle {
@@ -122,12 +123,13 @@ impl FlatParamHandle {
     pub fn set_shard_grad(&mut self, grad: Option<Tensor>) -> Result<()> {
         if let Some(g) = &grad {
             if g.numel() != self.shard.numel() {
-                return Err(FsdpError::InvalidArgument(format!(
-                    "a gradient of {} elements for unit `{}`, whose shard has {}",
-                    g.numel(),
-                    self.path,
-                    self.shard.numel()
-                )));
+                return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+                    op: "set_shard_grad".into(),
+                    what: format!("the gradient for unit `{}`", self.path),
+                    counted: "elements",
+                    actual: g.numel(),
+                    expected: self.shard.numel(),
+                }));
             }
         }
         self.shard_grad = grad;
@@ -187,7 +189,8 @@ impl FlatParamHandle {
             let bytes = self.unsharded_bytes();
             let buf = ctx.device.alloc(bytes, &ctx.unshard_stream)?;
             let out = DeviceSlice::new(buf.data().clone(), self.param_dtype)?;
-            let shard = ctx.shard_on_device(&self.shard, &ctx.unshard_stream, params_ready)?;
+            let shard =
+                offload::shard_on_device(ctx, &self.shard, &ctx.unshard_stream, params_ready)?;
             let input = cast_on(&ctx.unshard_stream, shard, self.param_dtype)?;
             let gathered = match ctx.quant {
                 // Quantized: int8 codes and scales on the wire, dequantized into f32.
@@ -360,7 +363,7 @@ impl FlatParamHandle {
         }
         // Download the reduced shard gradient on the copy stream (after the reduction), into
         // host memory the host stream accumulates from once the copy's event is reached.
-        let host_grad = crate::runtime::offload::download(
+        let host_grad = offload::download(
             reduced,
             &ctx.host,
             &ctx.copy_stream,

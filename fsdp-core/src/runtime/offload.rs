@@ -16,15 +16,32 @@
 //! before), on CUDA `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` from and into page-locked host
 //! memory (`fsdp_alloc::Device::cpu_pinned`; from pageable memory the seam falls back to a
 //! synchronous copy and counts the host wait). The issuing thread never blocks per unit: the
-//! only waits are device-side (a stream waiting on an event). The CUDA copy path ran on one
-//! H100 (`train_gpt --device cuda --cpu-offload`, GPT-2: 150 ms per step, 2 host waits).
+//! only waits are device-side (a stream waiting on an event).
 
 use fsdp_alloc::{Device, DeviceId, Event, Stream};
-use fsdp_autograd::kernels::backend::Kernels;
+use fsdp_autograd::kernels::Kernels;
 use fsdp_autograd::{with_stream, Tensor};
 
-use crate::error::{FsdpError, Result};
-use crate::runtime::slice::tensor_slice;
+use crate::error::{ArgumentError, DeviceError, DtypeError, ExpectedDevice, FsdpError, Result};
+use crate::runtime::comm::{tensor_slice, CommContext};
+
+/// The shard as a tensor on `ctx`'s compute device for work launched on `stream`: itself, or
+/// (CPU offload) a copy [`upload`]ed on the copy stream after `ready` (the last optimizer
+/// update), which `stream` waits for.
+///
+/// # Errors
+/// [`upload`]'s errors.
+pub(crate) fn shard_on_device(
+    ctx: &CommContext,
+    shard: &Tensor,
+    stream: &Stream,
+    ready: &Event,
+) -> Result<Tensor> {
+    if !ctx.offload {
+        return Ok(shard.clone());
+    }
+    upload(shard, &ctx.device, &ctx.copy_stream, ready, stream)
+}
 
 /// Copies the host `shard` into a new tensor on `device` for `consumer`: on the copy stream
 /// `copy` (of `device`) after `ready` (the shards' last update), and `consumer` waits for the
@@ -88,18 +105,27 @@ pub(crate) fn download(
 /// that device or on a CPU device.
 ///
 /// # Errors
-/// [`FsdpError::InvalidArgument`] for different dtypes or lengths, [`FsdpError::Device`] for a
-/// stream on neither tensor's device; the seam's errors (e.g. two non-CPU devices).
+/// [`FsdpError::Dtype`] for different dtypes, [`FsdpError::InvalidArgument`] for different
+/// lengths, [`FsdpError::Device`] for a stream on neither tensor's device; the seam's errors
+/// (e.g. two non-CPU devices).
 pub(crate) fn copy_across(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result<()> {
-    if src.dtype() != dst.dtype() || src.numel() != dst.numel() {
-        return Err(FsdpError::InvalidArgument(format!(
-            "offload copy of {} {} elements into {} {} elements; give tensors of one dtype and \
-             length",
-            src.numel(),
-            src.dtype(),
-            dst.numel(),
-            dst.dtype()
-        )));
+    if src.dtype() != dst.dtype() {
+        return Err(FsdpError::Dtype(DtypeError {
+            op: "offload copy".into(),
+            what: "the destination".into(),
+            actual: dst.dtype(),
+            expected: src.dtype(),
+            why: "a copy keeps the source's dtype; give tensors of one dtype and length",
+        }));
+    }
+    if src.numel() != dst.numel() {
+        return Err(FsdpError::InvalidArgument(ArgumentError::Count {
+            op: "offload copy".into(),
+            what: "the destination".into(),
+            counted: "elements",
+            actual: dst.numel(),
+            expected: src.numel(),
+        }));
     }
     let side = if stream.device() == dst.device().id() {
         dst
@@ -114,13 +140,16 @@ pub(crate) fn copy_across(src: &Tensor, dst: &Tensor, stream: &Stream) -> Result
 
 fn check_stream(stream: &Stream, t: &Tensor, what: &str) -> Result<()> {
     if stream.device() != t.device().id() {
-        return Err(FsdpError::Device(format!(
-            "offload copy: {what} lives on {} but the copy was issued on stream `{}` of {}; \
-             issue it on a stream of the device side",
-            t.device().id(),
-            stream.name(),
-            stream.device()
-        )));
+        return Err(FsdpError::Device(DeviceError {
+            op: "offload copy".into(),
+            what: what.into(),
+            actual: t.device().id(),
+            expected: ExpectedDevice::Exactly(stream.device()),
+            fix: format!(
+                "the copy was issued on stream `{}`; issue it on a stream of the device side",
+                stream.name()
+            ),
+        }));
     }
     Ok(())
 }
@@ -132,11 +161,15 @@ fn check_stream(stream: &Stream, t: &Tensor, what: &str) -> Result<()> {
 pub(crate) fn check_offload_devices(compute: DeviceId, host: DeviceId) -> Result<()> {
     match (compute, host) {
         (DeviceId::Cpu(_) | DeviceId::Cuda(_), DeviceId::Cpu(_)) => Ok(()),
-        (c, h) => Err(FsdpError::Device(format!(
-            "CPU offload from {c} to {h}: the offload device must be a CPU device (shards, \
-             sharded gradients and the optimizer live in host memory); pass \
-             cpu_offload: Some(Device::cpu(..))"
-        ))),
+        (c, h) => Err(FsdpError::Device(DeviceError {
+            op: format!("CPU offload from {c}"),
+            what: "the offload device".into(),
+            actual: h,
+            expected: ExpectedDevice::Cpu,
+            fix: "shards, sharded gradients and the optimizer live in host memory; pass \
+                  cpu_offload: Some(Device::cpu(..))"
+                .into(),
+        })),
     }
 }
 
@@ -188,7 +221,11 @@ mod tests {
         let half = Tensor::zeros(&[37], DType::BF16, &b).unwrap();
         assert!(matches!(
             copy_across(&src, &half, &s),
-            Err(FsdpError::InvalidArgument(_))
+            Err(FsdpError::Dtype(DtypeError {
+                actual: DType::BF16,
+                expected: DType::F32,
+                ..
+            }))
         ));
         let elsewhere = fsdp_autograd::current_stream(&Device::cpu(2));
         assert!(matches!(

@@ -10,7 +10,7 @@ use fsdp_autograd::{Parameter, Tensor};
 use fsdp_collectives::{DeviceMesh, ProcessGroup};
 use fsdp_flatparam::FlatParamLayout;
 
-use crate::runtime::wrap::ModuleInfo;
+use crate::wrap::ModuleInfo;
 
 /// The process groups FSDP communicates over.
 #[derive(Debug, Clone)]

@@ -82,9 +82,9 @@ use super::optim::{load_sharded_optim, sharded_optim_state_dict};
 use super::reshard::{agree_load, collective_sharded_save, load_sharded, sharded_state_dict, Ctx};
 use super::types::{OptimState, ShardedStateDict};
 use super::{FORMAT_VERSION, KIND_SHARDED_OPTIM, KIND_SHARDED_PARAMS, META_FILE};
+use crate::optim::scaler::ShardedGradScaler;
 use crate::optim::{ShardedOptimizer, ShardedParams};
 use crate::runtime::fsdp::Fsdp;
-use crate::scaler::ShardedGradScaler;
 use fsdp_autograd::nn::Module;
 use std::path::{Path, PathBuf};
 

@@ -1,10 +1,17 @@
-//! State-dict errors (a leaf module: it depends on no other module of this crate; the
-//! conversions to and from [`crate::FsdpError`] live in [`crate::error`]).
+//! State-dict errors. A runtime error met during a state-dict call (a collective, device, tensor
+//! or layout error) is wrapped whole as [`StateDictError::Fsdp`]; the crate's error module
+//! ([`crate::error`]) is below this one and knows nothing of state dicts.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use fsdp_alloc::AllocError;
+use fsdp_autograd::AutogradError;
+use fsdp_collectives::CollectiveError;
+use fsdp_flatparam::LayoutError;
 use safetensors::tensor::SafeTensorError;
+
+use crate::error::FsdpError;
 
 // ------------------------------------------------------------------------------------- errors
 
@@ -295,12 +302,9 @@ pub enum StateDictError {
         /// The operation.
         op: &'static str,
     },
-    /// A runtime error (collective, device, tensor, layout): always a [`crate::FsdpError`],
-    /// boxed as a trait object so that this module does not depend on the crate's error module;
-    /// get it back by type with [`StateDictError::fsdp_error`] (converting into
-    /// [`crate::FsdpError`] unwraps it).
+    /// A runtime error (collective, device, tensor, layout) met during a state-dict call.
     #[error(transparent)]
-    Fsdp(Box<dyn std::error::Error + Send + Sync + 'static>),
+    Fsdp(Box<FsdpError>),
 }
 
 /// Shorthand for results of this module.
@@ -322,5 +326,46 @@ impl StateDictError {
             StateDictError::NonFinite { path, .. } => path.as_deref(),
             _ => None,
         }
+    }
+}
+
+impl StateDictError {
+    /// The runtime error behind [`StateDictError::Fsdp`] (a collective, device, tensor or layout
+    /// error raised during a state-dict call).
+    pub fn fsdp_error(&self) -> Option<&FsdpError> {
+        match self {
+            StateDictError::Fsdp(inner) => Some(inner),
+            _ => None,
+        }
+    }
+}
+
+impl From<FsdpError> for StateDictError {
+    fn from(e: FsdpError) -> Self {
+        StateDictError::Fsdp(Box::new(e))
+    }
+}
+
+impl From<AllocError> for StateDictError {
+    fn from(e: AllocError) -> Self {
+        FsdpError::from(e).into()
+    }
+}
+
+impl From<AutogradError> for StateDictError {
+    fn from(e: AutogradError) -> Self {
+        FsdpError::from(e).into()
+    }
+}
+
+impl From<CollectiveError> for StateDictError {
+    fn from(e: CollectiveError) -> Self {
+        FsdpError::from(e).into()
+    }
+}
+
+impl From<LayoutError> for StateDictError {
+    fn from(e: LayoutError) -> Self {
+        FsdpError::from(e).into()
     }
 }

@@ -1,5 +1,5 @@
 //! Causal attention on the packed layout of a GPT's qkv projection
-//! ([`AttentionLayout::Packed`](crate::kernels::backend::AttentionLayout::Packed)): q, k, v are
+//! ([`AttentionLayout::Packed`](crate::kernels::attention::AttentionLayout::Packed)): q, k, v are
 //! slices of one `[batch, t, 3, heads, d]` tensor, out / dout are `[batch, t, heads, d]`, and
 //! the gradient is one `[batch, t, 3, heads, d]` tensor.
 //!

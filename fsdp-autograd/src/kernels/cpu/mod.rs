@@ -11,7 +11,7 @@
 //! | lookup / loss | [`embedding`], [`embedding_backward`], [`cross_entropy`], [`cross_entropy_backward`] |
 //! | attention | [`causal_attention`], [`causal_attention_backward`], [`causal_attention_packed`], [`causal_attention_packed_backward`] |
 //! | layout (views) | [`strided_copy`], [`strided_add_assign`] |
-//! | optimizer, clipping, scaler ([`optim`]) | [`optim::sgd_step`], [`optim::adamw_step`], [`optim::lamb_direction`], [`optim::lamb_apply`], [`optim::sum_sq`], [`optim::unscale`] |
+//! | optimizer, clipping, scaler (in [`kernels::optim`](crate::kernels::optim), with their ops) | [`sgd_step`](crate::kernels::optim::sgd_step), [`adamw_step`](crate::kernels::optim::adamw_step), [`lamb_direction`](crate::kernels::optim::lamb_direction), [`lamb_apply`](crate::kernels::optim::lamb_apply), [`sum_sq`](crate::kernels::optim::sum_sq), [`unscale`](crate::kernels::optim::unscale) |
 //! | casts (`half`) | [`cast_f32_to_f16`], [`cast_f16_to_f32`], [`cast_f32_to_bf16`], [`cast_bf16_to_f32`] |
 //!
 //! Conventions:
@@ -59,13 +59,12 @@ pub(crate) mod backend;
 mod cast;
 mod elementwise;
 mod embedding;
-mod isa;
+pub(crate) mod isa;
 mod layout;
 mod loss;
-mod math;
+pub(crate) mod math;
 mod matmul;
 mod norm;
-pub mod optim;
 mod reference;
 
 pub use attention::{causal_attention, causal_attention_backward};

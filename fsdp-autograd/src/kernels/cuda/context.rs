@@ -10,8 +10,8 @@ use fsdp_alloc::{Buffer, BufferRef, Device, DeviceId, Stream};
 pub(crate) use super::desc::Elem;
 use super::desc::ViewDesc;
 use super::error::{CudaKernelError, Result};
+use super::kernel::{ArgKind, LoadedModule, BLOCK};
 use super::plan::{GemmType, PArg, Plan, Ptr, Step};
-use super::program::{module_for, ArgKind, LoadedModule, BLOCK, MAX_GRID};
 use crate::kernels::{check, KernelError};
 
 /// A resolved kernel parameter (pointers are plain `u64` addresses by now).
@@ -84,16 +84,6 @@ pub(crate) fn row_args(rows: u64, cols: u64, bufs: &[Ptr]) -> Vec<PArg> {
     args
 }
 
-/// A grid for `n` grid-strided work items.
-pub(crate) fn grid_for(n: u64) -> u32 {
-    n.div_ceil(BLOCK as u64).clamp(1, MAX_GRID as u64) as u32
-}
-
-/// A grid for `rows` row-looping blocks.
-pub(crate) fn grid_rows(rows: u64) -> u32 {
-    rows.clamp(1, MAX_GRID as u64) as u32
-}
-
 /// One stream's cuBLAS handle. `stream` is our own reference, used to find the entry and to
 /// notice when nobody else holds the stream any more.
 struct BlasEntry {
@@ -147,52 +137,15 @@ pub(crate) struct Call<'a> {
 }
 
 impl CudaKernels {
-    /// Compiles (once per process) and loads (once per CUDA context) the kernels for `device`.
-    ///
-    /// # Errors
-    /// [`CudaKernelError::Unavailable`] if `device` is not a CUDA device or NVRTC / cuBLAS cannot
-    /// be loaded; [`CudaKernelError::Compile`] or [`CudaKernelError::Driver`] if compiling or
-    /// loading the program fails.
-    ///
-    /// ```
-    /// use fsdp_alloc::{Device, DeviceId};
-    /// use fsdp_autograd::kernels::cuda::{CudaKernelError, CudaKernels};
-    /// // A CPU device has no CUDA kernels (and without a GPU there is no CUDA device at all).
-    /// let err = CudaKernels::new(&Device::cpu(0)).unwrap_err();
-    /// assert!(matches!(err, CudaKernelError::Unavailable { device: DeviceId::Cpu(0), .. }));
-    /// ```
-    pub fn new(device: &Device) -> Result<CudaKernels> {
-        let unavailable = |reason: String| CudaKernelError::Unavailable {
-            device: device.id(),
-            reason,
-        };
-        let ordinal = match device.id() {
-            DeviceId::Cuda(o) => o,
-            DeviceId::Cpu(_) => return Err(unavailable("it is not a CUDA device".into())),
-        };
-        let Some(cs) = device.default_stream().cuda_stream() else {
-            return Err(unavailable(
-                "its default stream is not a CUDA stream".into(),
-            ));
-        };
-        let ctx = Arc::clone(cs.context());
-        // SAFETY: `is_culib_present` only tries to load the shared library and reports whether
-        // it could; it has no precondition. Checking first keeps cudarc from panicking later.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(unavailable(
-                "the NVRTC library (libnvrtc) was not found; install the CUDA toolkit's NVRTC"
-                    .into(),
-            ));
-        }
-        // SAFETY: as above, for cuBLAS.
-        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-            return Err(unavailable(
-                "the cuBLAS library (libcublas) was not found; install the CUDA toolkit's cuBLAS"
-                    .into(),
-            ));
-        }
-        let module = module_for(&ctx)?;
-        Ok(CudaKernels {
+    /// The kernels of CUDA device `device` (ordinal `ordinal`, context `ctx`) with the loaded
+    /// `module` ([`CudaKernels::new`], in `kernels/program.rs`, compiles and loads it).
+    pub(crate) fn from_parts(
+        device: &Device,
+        ordinal: usize,
+        ctx: Arc<CudaContext>,
+        module: Arc<LoadedModule>,
+    ) -> CudaKernels {
+        CudaKernels {
             inner: Arc::new(Inner {
                 device: device.clone(),
                 ordinal,
@@ -201,7 +154,7 @@ impl CudaKernels {
                 blas: Mutex::new(Vec::new()),
                 staging: std::sync::OnceLock::new(),
             }),
-        })
+        }
     }
 
     /// The page-locked host device that [`CudaKernels::upload_async`] stages small writes in
@@ -516,7 +469,15 @@ impl Call<'_> {
                             PArg::View(v) => Arg::View(v),
                         })
                         .collect();
-                    let func = self.k.inner.module.function(*kernel);
+                    let func = self.k.inner.module.function(*kernel).ok_or_else(|| {
+                        CudaKernelError::Internal {
+                            op,
+                            detail: format!(
+                                "kernel {} is not in the program's table (program::FAMILIES)",
+                                kernel.name()
+                            ),
+                        }
+                    })?;
                     let mut builder = self.cs.launch_builder(func);
                     for a in &args {
                         match a {
@@ -532,8 +493,8 @@ impl Call<'_> {
                         shared_mem_bytes: 0,
                     };
                     // SAFETY: the parameter kinds and count match the kernel's parameter list
-                    // (checked above; `Kernel::signature` is checked against kernels.cu by a
-                    // unit test); each value lives in `args` until the launch returns (the
+                    // (checked above; each `Kernel`'s declaration is checked against the CUDA source
+                    // by a unit test); each value lives in `args` until the launch returns (the
                     // driver copies parameters at launch); pointer validity, extents and
                     // ordering are the caller's contract; the launch goes to `self.cs`, a
                     // stream of this context.

@@ -1,35 +1,41 @@
 //! CUDA kernels (feature `cuda`): the GPU counterparts of [`kernels::cpu`](super::cpu), on
 //! device memory from `fsdp-alloc`'s CUDA backend, launched on CUDA [`Stream`](fsdp_alloc::Stream)s.
 //!
-//! # Status: emulated in CI, run on one H100 by the GPU suite
+//! # How it is checked
 //!
-//! This code is written and checked on machines **without a GPU, CUDA driver or cuBLAS**; the
-//! GPU suite (`cargo xtask gpu-test`, or the bundle of `cargo xtask gpu-bundle`) has run it on
-//! one NVIDIA H100 (CUDA 13 libraries, driver 580): every `on_gpu::*` case passed against the
-//! CPU kernels, and GPT-2 trained through it (README "GPUs" gives the step times). What CI
-//! verifies, and how:
+//! The code is written and checked on machines without a GPU, CUDA driver or cuBLAS:
 //! - the Rust code compiles and passes `clippy -D warnings` with `--features cuda`;
-//! - NVRTC 12.9 (the `nvidia-cuda-nvrtc-cu12` wheel; NVRTC is a compiler library and needs no
-//!   GPU) compiles `kernels.cu` and `flash.cu` with the production options into PTX defining
-//!   every kernel (test `nvrtc_compiles_the_kernels`, which skips where libnvrtc is absent);
+//! - NVRTC (the `nvidia-cuda-nvrtc-cu12` wheel; NVRTC is a compiler library and needs no GPU)
+//!   compiles the program with the production options into PTX defining every kernel (test
+//!   `nvrtc_compiles_the_kernels`, `cargo xtask nvrtc`; it skips where libnvrtc is absent);
 //! - a host C++ emulation of the CUDA execution model (`emu/`: blocks of host threads,
 //!   barriers, shared memory; cuBLAS's `SgemmStridedBatched` and `GemmStridedBatchedEx` by a
-//!   plain loop with cuBLAS's argument checks) runs `kernels.cu` and `flash.cu` and the very
-//!   launch plans the methods enqueue, and the
-//!   shared test cases compare the results with the CPU kernels (tests `emulated::*`; they
-//!   skip where no C++ compiler exists). With `FSDP_EMU_SANITIZE=address` or `=thread` the
-//!   emulator is built with that sanitizer (both runs were clean), which catches out-of-bounds
-//!   accesses and missing barriers.
+//!   plain loop with cuBLAS's argument checks) runs the program and the very launch plans the
+//!   methods enqueue, and the shared test cases compare the results with the CPU kernels (tests
+//!   `emulated::*`; they skip where no C++ compiler exists, and CI sets `FSDP_EMU_REQUIRED=1`).
+//!   With `FSDP_EMU_SANITIZE=address` or `=thread` the emulator is built with that sanitizer,
+//!   which catches out-of-bounds accesses and missing barriers.
 //!
 //! The emulator proves nothing about GPU-specific behaviour (timing, occupancy, the driver's
 //! JIT, real concurrency between streams). The GPU tests (`on_gpu::*`, `gpu_only::*`, all
 //! `#[ignore]`) run the same cases through this public API; run them with `cargo xtask
-//! gpu-test` (which passes `--include-ignored` and `FSDP_GPU_TESTS=1`) on your GPU after a
-//! change: CI cannot.
+//! gpu-test` (which passes `--include-ignored` and `FSDP_GPU_TESTS=1`) on a GPU after a
+//! change: CI cannot. What has run on which GPU is recorded in `docs/GPU-STATUS.md`, not here.
+//!
+//! # Where the code is
+//!
+//! This module is the machinery: the per-device handle ([`CudaKernels`], `context.rs`), launch
+//! plans (`plan.rs`), kernel declarations (`kernel.rs`: `declare_kernels!`, `Family`), the index
+//! check ([`IndexCheck`], `index.rs`), the typed-operand helpers (`typed.rs`), host transfers
+//! (`transfer.rs`), the shared CUDA source (`common.cu`) and the seam's [`CudaBackend`]
+//! (`launcher.rs`, `backend.rs`). Each op's CUDA side lives in the op's own file under
+//! `kernels/<family>/` (its `gpu` module: its kernels' declarations, plans and `CudaKernels`
+//! methods; its `.cu` code in the family's `.cu` file); `kernels/program.rs` joins every
+//! family's source and kernel table into the one NVRTC program.
 //!
 //! # Use
 //!
-//! Build a [`CudaKernels`] for a CUDA [`Device`](fsdp_alloc::Device) (it compiles `kernels.cu`
+//! Build a [`CudaKernels`] for a CUDA [`Device`](fsdp_alloc::Device) (it compiles the program
 //! with NVRTC once per process, loads it once per CUDA context, and creates one cuBLAS handle
 //! per stream on first use), then call its methods with a stream of that device and
 //! [`BufferRef`](fsdp_alloc::BufferRef)s of its memory:
@@ -58,12 +64,12 @@
 //!
 //! | group | methods |
 //! | --- | --- |
-//! | matrix products (cuBLAS) | [`gemm`](CudaKernels::gemm) (one product or a batch, per a [`Gemm`](crate::kernels::backend::Gemm)) |
+//! | matrix products (cuBLAS) | [`gemm`](CudaKernels::gemm) (one product or a batch, per a [`Gemm`](crate::kernels::gemm::Gemm)) |
 //! | elementwise | [`add`](CudaKernels::add), [`mul`](CudaKernels::mul), [`scale`](CudaKernels::scale), [`scale_inplace`](CudaKernels::scale_inplace), [`add_scaled`](CudaKernels::add_scaled), [`gelu`](CudaKernels::gelu), [`gelu_backward`](CudaKernels::gelu_backward) |
 //! | reductions / broadcasts | [`sum`](CudaKernels::sum), [`mean`](CudaKernels::mean), [`add_row_bias`](CudaKernels::add_row_bias), [`add_row_bias_inplace`](CudaKernels::add_row_bias_inplace), [`col_sums`](CudaKernels::col_sums) |
 //! | row-wise | [`softmax_rows`](CudaKernels::softmax_rows), [`softmax_rows_backward`](CudaKernels::softmax_rows_backward), [`layer_norm`](CudaKernels::layer_norm), [`layer_norm_backward`](CudaKernels::layer_norm_backward) |
 //! | lookup / loss | [`embedding`](CudaKernels::embedding), [`embedding_backward`](CudaKernels::embedding_backward), [`cross_entropy`](CudaKernels::cross_entropy), [`cross_entropy_backward`](CudaKernels::cross_entropy_backward) |
-//! | matrix products, f16/bf16/TF32 (cuBLAS Ex) | [`gemm_ex`](CudaKernels::gemm_ex) with a [`GemmPrecision`] |
+//! | matrix products, f16/bf16/TF32 (cuBLAS Ex) | [`gemm_ex`](CudaKernels::gemm_ex) with a [`GemmPrecision`](crate::kernels::gemm::GemmPrecision) |
 //! | attention | [`causal_attention`](CudaKernels::causal_attention), [`causal_attention_backward`](CudaKernels::causal_attention_backward) (unfused: saves the `t×t` probabilities) |
 //! | fused attention (`flash.cu`) | [`flash_attention`](CudaKernels::flash_attention), [`flash_attention_backward`](CudaKernels::flash_attention_backward) (FlashAttention-2 style: saves a per-query log-sum-exp; f32/bf16/f16) |
 //! | layout (views) | [`strided_copy`](CudaKernels::strided_copy), [`strided_add_assign`](CudaKernels::strided_add_assign) |
@@ -126,9 +132,9 @@
 //!
 //! # Limitations
 //!
-//! - Run on one GPU model only (H100, sm_90; see above). NVRTC compiles for its default virtual architecture
-//!   (`sm_52` with NVRTC 12.9) and the driver JIT-compiles the PTX; the PTX ISA version follows
-//!   the NVRTC release (8.8 for NVRTC 12.9), so a driver older than the NVRTC in use rejects it
+//! - NVRTC compiles for its default virtual architecture (`sm_52` with NVRTC 12.9) and the
+//!   driver JIT-compiles the PTX; the PTX ISA version follows the NVRTC release (8.8 for NVRTC
+//!   12.9), so a driver older than the NVRTC in use rejects it
 //!   (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`): keep NVRTC no newer than the driver.
 //! - The first [`CudaKernels::new`] per process compiles the program (typically a fraction of
 //!   a second); compile errors are cached for the process.
@@ -143,8 +149,8 @@
 //!   flight, but each column is still one chain of additions); the embedding backward ranks
 //!   positions in a single block; [`sum`](CudaKernels::sum) uses at most 1024 partial blocks.
 //!   The fused attention keeps its tiles in shared memory but multiplies with plain f32 FMA-free
-//!   arithmetic on the CUDA cores (no tensor-core `mma`), and its speed has never been measured;
-//!   head dimensions above [`FUSED_ATTENTION_MAX_D`] fall back to the unfused kernels.
+//!   arithmetic on the CUDA cores (no tensor-core `mma`); head dimensions above
+//!   [`FUSED_ATTENTION_MAX_D`] fall back to the unfused kernels.
 //! - [`strided_add_assign`](CudaKernels::strided_add_assign) refuses overlapping (broadcast)
 //!   views, and views have at most [`MAX_VIEW_RANK`] dims.
 //! - Limits: matrix dimensions and batch counts up to `i32::MAX` (cuBLAS), embedding id lists up
@@ -153,7 +159,7 @@
 //!   backend seam), which casts half-precision operands to `f32` temporaries around these
 //!   kernels except for matrix products with one half type (and f32 or that type for C), the
 //!   fused attention with one dtype throughout, and the typed kernels (any mix of f32, f16 and
-//!   bf16), which read and write the half tensors directly; that glue is compile-checked only.
+//!   bf16), which read and write the half tensors directly.
 
 // Without the `cuda` feature only `CudaBackend` (whose constructor says CUDA was not built) is
 // compiled here, so the links above to the kernels cannot resolve in that build's docs.
@@ -163,56 +169,49 @@
 // says CUDA was not built); the kernels below it only with the feature.
 mod backend;
 mod config;
-pub use backend::CudaBackend;
+
+/// The CUDA kernels behind the seam. This build has no CUDA support (the `cuda` feature is off):
+/// no value of this type can be created, and [`CudaBackend::for_device`] says so. (Defined here
+/// rather than in `backend.rs` so that ops naming `cuda::CudaBackend` do not import the file that
+/// implements the `Backend` trait, which imports the ops' shapes.)
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+pub struct CudaBackend {
+    _never: std::convert::Infallible,
+}
 pub use config::{
     allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, FUSED_ATTENTION_MAX_D,
 };
 
 #[cfg(feature = "cuda")]
-mod attention;
+pub(crate) mod context;
 #[cfg(feature = "cuda")]
-mod cast;
+pub(crate) mod desc;
 #[cfg(feature = "cuda")]
-mod context;
+pub(crate) mod error;
 #[cfg(feature = "cuda")]
-mod desc;
+pub(crate) mod index;
 #[cfg(feature = "cuda")]
-mod elementwise;
+pub(crate) mod kernel;
 #[cfg(feature = "cuda")]
-mod embedding;
+pub(crate) mod launcher;
 #[cfg(feature = "cuda")]
-mod error;
+pub(crate) mod plan;
 #[cfg(feature = "cuda")]
-mod flash;
+pub(crate) mod transfer;
 #[cfg(feature = "cuda")]
-mod layout;
-#[cfg(feature = "cuda")]
-mod loss;
-#[cfg(feature = "cuda")]
-mod matmul;
-#[cfg(feature = "cuda")]
-mod optim;
-#[cfg(feature = "cuda")]
-mod plan;
-#[cfg(feature = "cuda")]
-mod program;
-#[cfg(feature = "cuda")]
-mod rows;
-#[cfg(feature = "cuda")]
-mod transfer;
-#[cfg(feature = "cuda")]
-mod typed;
+pub(crate) mod typed;
 
 #[cfg(feature = "cuda")]
 pub use context::CudaKernels;
 #[cfg(feature = "cuda")]
 pub use desc::MAX_VIEW_RANK;
 #[cfg(feature = "cuda")]
-pub use embedding::IndexCheck;
-#[cfg(feature = "cuda")]
 pub use error::{CudaKernelError, Result};
 #[cfg(feature = "cuda")]
-pub use matmul::GemmPrecision;
+pub use index::IndexCheck;
+#[cfg(feature = "cuda")]
+pub use launcher::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use transfer::STAGED_WRITE_MAX;
 

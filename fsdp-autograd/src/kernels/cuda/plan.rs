@@ -7,7 +7,7 @@
 //! same plans through the host emulator in `emu/` on machines without a GPU.
 
 use super::desc::{Elem, ViewDesc};
-use super::program::{ArgKind, Kernel};
+use super::kernel::{ArgKind, Kernel, BLOCK, MAX_GRID};
 use cudarc::cublas::sys::cublasOperation_t;
 
 /// A device address: a caller's buffer, or a byte offset into one of the plan's scratch slots.
@@ -230,4 +230,49 @@ impl Plan {
             self.steps.push(Step::Copy { dst, src, bytes });
         }
     }
+}
+
+/// A grid for `n` grid-strided work items.
+pub(crate) fn grid_for(n: u64) -> u32 {
+    n.div_ceil(BLOCK as u64).clamp(1, MAX_GRID as u64) as u32
+}
+
+/// A grid for `rows` row-looping blocks.
+pub(crate) fn grid_rows(rows: u64) -> u32 {
+    rows.clamp(1, MAX_GRID as u64) as u32
+}
+
+/// One grid-strided launch over `n` elements (nothing for `n == 0`).
+pub(crate) fn plan_map(kernel: Kernel, n: u64, args: Vec<PArg>) -> Plan {
+    let mut plan = Plan::new();
+    if n > 0 {
+        plan.launch(kernel, grid_for(n), args);
+    }
+    plan
+}
+
+/// One block per row of a row-wise kernel (nothing for zero rows).
+pub(crate) fn plan_rows(kernel: Kernel, rows: u64, args: Vec<PArg>) -> Plan {
+    let mut plan = Plan::new();
+    if rows > 0 {
+        plan.launch(kernel, grid_rows(rows), args);
+    }
+    plan
+}
+
+/// Columns per block of the column reductions (`COL_GROUP` in `common.cu`, checked by a test):
+/// one 32-byte sector of an f32 row.
+pub(crate) const COL_GROUP: u64 = 8;
+
+/// The grid of a column reduction (`col_sums`, `layer_norm_bwd_params`): one block per group of
+/// [`COL_GROUP`] columns (4096×768 gets 96 blocks, ×3072 gets 384), capped at the grid limit
+/// (the blocks loop over the groups).
+pub(crate) fn grid_col_groups(cols: u64) -> u32 {
+    cols.div_ceil(COL_GROUP).clamp(1, MAX_GRID as u64) as u32
+}
+
+/// Number of partial sums for `n` elements: a function of `n` only, so the summation tree (and
+/// the result) is the same on every call.
+pub(crate) fn sum_parts(n: u64) -> u32 {
+    n.div_ceil(BLOCK as u64 * 8).clamp(1, 1024) as u32
 }

@@ -48,8 +48,6 @@ impl CudaKernels {
     /// weights, not a step's hot path), or a driver that cannot pin host memory, take the
     /// synchronous path of [`CudaKernels::upload`] (a counted host wait).
     ///
-    /// Ran on one H100 (`train_gpt --device cuda`, with and without `--cpu-offload`).
-    ///
     /// # Errors
     /// [`KernelError::LengthMismatch`](crate::kernels::KernelError::LengthMismatch) (in bytes); buffer/stream errors; driver errors.
     pub fn upload_async(&self, stream: &Stream, src: &[u8], dst: &BufferRef) -> Result<()> {
@@ -123,8 +121,6 @@ impl CudaKernels {
     /// is synchronous for the issuing thread (the stream is synchronized first, counted as a
     /// host wait by `fsdp_alloc::stream::host_syncs`), as [`CudaKernels::upload`] and
     /// [`CudaKernels::download`] are.
-    ///
-    /// Ran on one H100 (`train_gpt --device cuda`, with and without `--cpu-offload`).
     ///
     /// # Errors
     /// Neither or both buffers device memory of this device; lengths that differ; the host

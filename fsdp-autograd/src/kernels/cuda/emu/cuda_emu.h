@@ -1,5 +1,5 @@
-// Host emulation of the subset of CUDA that ../kernels.cu uses, for tests on machines without a
-// GPU. It is NOT a GPU: it runs each block's BLOCK threads as host threads (a persistent pool,
+// Host emulation of the subset of CUDA that the program (../kernels.cu) uses, for tests on
+// machines without a GPU. It is NOT a GPU: it runs each block's BLOCK threads as host threads (a persistent pool,
 // one block at a time), maps __syncthreads to a barrier, __shared__ to function statics (shared
 // by the threads of the one running block), and provides the intrinsics with host code.
 //

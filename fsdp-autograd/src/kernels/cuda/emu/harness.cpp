@@ -1,4 +1,5 @@
-// Host emulator for ../kernels.cu, driven over stdin/stdout by the Rust tests (tests/emu.rs).
+// Host emulator for ../kernels.cu (the whole NVRTC program, program::source(), written out by
+// tests/emu.rs), driven over stdin/stdout by the Rust tests.
 // Build: g++ -std=c++20 -O1 -pthread -ffp-contract=off harness.cpp   (see tests/emu.rs)
 //
 // Memory: buffers live in host vectors; a device address is ((id + 1) << 40) + byte offset, so
@@ -21,7 +22,7 @@
 
 #include "cuda_emu.h"
 
-#include "../kernels.cu"  // the whole program: kernels.cu then flash.cu (program::SOURCE)
+#include "../kernels.cu"  // the whole program: common.cu, then every family's .cu (program::source())
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -168,40 +169,11 @@ static Runner runner(void (*f)(P...)) {
     };
 }
 
+// The kernel table is generated from the Rust declarations (`declare_kernels!` next to each op;
+// tests/emu.rs writes it next to this file): one `K(name),` per kernel of the program.
 #define K(name) {#name, runner(name)}
 static const std::map<std::string, Runner> g_kernels = {
-    K(ew_add), K(ew_mul), K(ew_scale), K(ew_scale_inplace), K(ew_axpy), K(add_row_bias),
-    K(add_row_bias_inplace), K(col_sums), K(sum_partial), K(sum_final), K(gelu_fwd), K(gelu_bwd),
-    K(gelu_exact_fwd), K(gelu_exact_bwd),
-    K(softmax_fwd), K(softmax_bwd), K(causal_softmax), K(causal_softmax_bwd), K(layer_norm_fwd),
-    K(layer_norm_bwd_dx), K(layer_norm_bwd_params), K(check_ids), K(embedding_fwd), K(emb_rank),
-    K(emb_scan), K(emb_scatter), K(emb_accum), K(ce_fwd), K(ce_bwd), K(cast_f32_f16),
-    K(cast_f16_f32), K(cast_f32_bf16), K(cast_bf16_f32), K(strided_copy_b2), K(strided_copy_b4),
-    K(strided_copy_b8), K(strided_add_f32),
-    // Typed (f32 / f16 / bf16 operands).
-    K(ew_add_t), K(ew_axpy_t), K(add_row_bias_t), K(add_row_bias_inplace_t), K(col_sums_t),
-    K(gelu_fwd_t), K(gelu_bwd_t), K(gelu_exact_fwd_t), K(gelu_exact_bwd_t), K(layer_norm_fwd_t),
-    K(layer_norm_bwd_dx_t), K(layer_norm_bwd_params_t), K(sum_final_t), K(ce_fwd_t), K(ce_bwd_t),
-    K(embedding_fwd_t), K(emb_accum_t), K(ew_mul_t), K(ew_scale_t), K(ew_scale_inplace_t),
-    K(sum_partial_t),
-    // flash.cu
-    K(flash_fwd_f32_le64), K(flash_fwd_bf16_le64), K(flash_fwd_f16_le64), K(flash_fwd_f32_le128),
-    K(flash_fwd_bf16_le128), K(flash_fwd_f16_le128), K(flash_bwd_pre_f32), K(flash_bwd_pre_bf16),
-    K(flash_bwd_pre_f16), K(flash_bwd_dkdv_f32_le64), K(flash_bwd_dkdv_bf16_le64),
-    K(flash_bwd_dkdv_f16_le64), K(flash_bwd_dkdv_f32_le128), K(flash_bwd_dkdv_bf16_le128),
-    K(flash_bwd_dkdv_f16_le128), K(flash_bwd_dq_f32_le64), K(flash_bwd_dq_bf16_le64),
-    K(flash_bwd_dq_f16_le64), K(flash_bwd_dq_f32_le128), K(flash_bwd_dq_bf16_le128),
-    K(flash_bwd_dq_f16_le128),
-    // flash.cu, register-tiled
-    K(flash_fwd_f32_d64), K(flash_fwd_bf16_d64), K(flash_fwd_f16_d64), K(flash_fwd_f32_d128),
-    K(flash_fwd_bf16_d128), K(flash_fwd_f16_d128), K(flash_bwd_dkdv_f32_d64),
-    K(flash_bwd_dkdv_bf16_d64), K(flash_bwd_dkdv_f16_d64), K(flash_bwd_dkdv_f32_d128),
-    K(flash_bwd_dkdv_bf16_d128), K(flash_bwd_dkdv_f16_d128), K(flash_bwd_dq_f32_d64),
-    K(flash_bwd_dq_bf16_d64), K(flash_bwd_dq_f16_d64), K(flash_bwd_dq_f32_d128),
-    K(flash_bwd_dq_bf16_d128), K(flash_bwd_dq_f16_d128),
-    // Optimizer, clipping, grad scaler.
-    K(opt_sgd), K(opt_sgd_momentum), K(opt_adamw), K(opt_lamb_dir), K(opt_lamb_apply),
-    K(opt_sumsq_partial), K(opt_sumsq_accum), K(opt_sumsq_final), K(opt_unscale),
+#include "kernel_table.inc"
 };
 #undef K
 

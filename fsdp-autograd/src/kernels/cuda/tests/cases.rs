@@ -986,7 +986,7 @@ pub(super) fn deterministic(e: &mut dyn Exec) {
 /// SGD (plain, momentum, Nesterov, weight decay), AdamW and LAMB's two halves over two steps:
 /// bit-identical to the CPU kernels (same operations in the same order, no FMA).
 pub(super) fn optimizer_steps(e: &mut dyn Exec) {
-    use crate::kernels::cpu::optim::{self as co, AdamCoeffs, LambCoeffs, SgdRule};
+    use crate::kernels::optim::{self as co, AdamCoeffs, LambCoeffs, SgdRule};
     let mut r = Rng::new(21);
     for n in [1usize, 257, 3000] {
         let p0 = r.vec(n, 2.0);
@@ -1101,8 +1101,8 @@ pub(super) fn optimizer_steps(e: &mut dyn Exec) {
 /// names, an empty piece) within 1 f32 ulp-scale of the CPU's sequential f64 sums and
 /// bit-identical on repetition; unscale bit-identical with the inf/NaN flag.
 pub(super) fn sum_squares_and_unscale(e: &mut dyn Exec) {
-    use crate::kernels::backend::SqPiece;
-    use crate::kernels::cpu::optim as co;
+    use crate::kernels::optim as co;
+    use crate::kernels::optim::SqPiece;
     let mut r = Rng::new(22);
     let a = r.vec(5000, 3.0);
     let b = r.vec(300, 1.0);
@@ -1742,6 +1742,91 @@ pub(super) fn typed_embedding(e: &mut dyn Exec) {
                 assert_eq!(want.is_err(), bad);
                 t_check(e, &tag("embedding_backward"), &dtable);
             }
+        }
+    }
+}
+
+/// `v` as its `dtype` holds it (f16/bf16 rounded to nearest even, f32 unchanged), back in f32.
+fn as_dtype(dtype: DType, v: &[f32]) -> Vec<f32> {
+    match dtype {
+        DType::F16 => v.iter().map(|x| f16::from_f32(*x).to_f32()).collect(),
+        DType::BF16 => v.iter().map(|x| bf16::from_f32(*x).to_f32()).collect(),
+        _ => v.to_vec(),
+    }
+}
+
+/// RMS norm (one set of typed kernels for every dtype) against the CPU kernel
+/// (`kernels::norm::rms_norm`), **bit for bit**: in f32 y, the saved rstd, dx and dgamma equal
+/// the CPU's bits (the row sums follow the same lane-then-tree order, dgamma the row order); in
+/// bf16 and f16 every output is the CPU's f32 result on the same half inputs, rounded once.
+/// Shapes below, at and above the 256 lanes, zero rows (dgamma zeros) and one column.
+pub(super) fn rms_norm(e: &mut dyn Exec) {
+    use crate::kernels::norm::{rms_norm as cpu_rms_norm, rms_norm_backward};
+    let mut r = Rng::new(61);
+    let eps = 1e-5f32;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (rows, cols) in [
+            (1usize, 1usize),
+            (5, 8),
+            (3, 300),
+            (64, 33),
+            (0, 4),
+            (2, 1030),
+            (300, 1),
+            (530, 11),
+        ] {
+            let tag = |what: &str| format!("rms_norm {what} {dtype} rows={rows} cols={cols}");
+            let xv = as_dtype(dtype, &r.vec(rows * cols, 3.0));
+            let gv: Vec<f32> = r.vec(cols, 0.5).iter().map(|v| v + 1.0).collect();
+            let gv = as_dtype(dtype, &gv);
+            let dyv = as_dtype(dtype, &r.vec(rows * cols, 1.0));
+            let (x, g, dy) = (
+                (e.upload(&half_bytes(dtype, &xv)), dtype),
+                (e.upload(&half_bytes(dtype, &gv)), dtype),
+                (e.upload(&half_bytes(dtype, &dyv)), dtype),
+            );
+            let nan = |e: &mut dyn Exec, n: usize| {
+                (e.upload(&half_bytes(dtype, &vec![f32::NAN; n])), dtype)
+            };
+            let (y, rstd) = (nan(e, rows * cols), nan_f32(e, rows));
+            run(
+                e,
+                Op::Typed(TypedOp::RmsNorm {
+                    x,
+                    gamma: g,
+                    y,
+                    rstd,
+                    cols,
+                    eps,
+                }),
+            );
+            let (mut wy, mut wr) = (vec![0.0; rows * cols], vec![0.0; rows]);
+            cpu_rms_norm(&xv, &gv, &mut wy, &mut wr, cols, eps).unwrap();
+            assert_eq!(e.download(y.0), half_bytes(dtype, &wy), "{}", tag("y"));
+            assert_bits(&tag("rstd"), &down_f32(e, rstd), &wr);
+
+            let (dx, dg) = (nan(e, rows * cols), nan(e, cols));
+            run(
+                e,
+                Op::Typed(TypedOp::RmsNormBackward {
+                    x,
+                    gamma: g,
+                    rstd,
+                    dy,
+                    dx,
+                    dgamma: dg,
+                    cols,
+                }),
+            );
+            let (mut wdx, mut wdg) = (vec![0.0; rows * cols], vec![0.0; cols]);
+            rms_norm_backward(&xv, &gv, &wr, &dyv, &mut wdx, &mut wdg, cols).unwrap();
+            assert_eq!(e.download(dx.0), half_bytes(dtype, &wdx), "{}", tag("dx"));
+            assert_eq!(
+                e.download(dg.0),
+                half_bytes(dtype, &wdg),
+                "{}",
+                tag("dgamma")
+            );
         }
     }
 }

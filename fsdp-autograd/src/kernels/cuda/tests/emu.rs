@@ -1,7 +1,7 @@
 //! Client of the host emulator in `emu/`: builds `harness.cpp` once per test run with the
 //! system C++ compiler, and runs the production launch plans through it.
 //!
-//! The emulator executes `kernels.cu` itself (compiled for the host) under a software model of
+//! The emulator executes the program's CUDA source itself (compiled for the host) under a software model of
 //! blocks, threads, barriers and shared memory, and cuBLAS's `SgemmStridedBatched` /
 //! `GemmStridedBatchedEx` by a plain column-major loop with cuBLAS's argument checks (half inputs
 //! read exactly, f32 accumulation, TF32 inputs rounded to 10 mantissa bits). It checks the kernels' logic and the plans'
@@ -12,39 +12,58 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
-use crate::kernels::backend::Gemm;
-use crate::kernels::cuda::attention::{plan_attention, plan_attention_backward};
-use crate::kernels::cuda::cast::plan_cast;
-use crate::kernels::cuda::elementwise::{
-    plan_add_row_bias, plan_add_row_bias_inplace, plan_axpy, plan_binary, plan_col_sums, plan_gelu,
-    plan_gelu_backward, plan_scale, plan_scale_inplace, plan_sum,
+use crate::kernels::attention::flash::{
+    plan_flash_backward_in, plan_flash_in, FlashLayout, FlashType,
 };
-use crate::kernels::cuda::embedding::{
+use crate::kernels::attention::unfused::{plan_attention, plan_attention_backward};
+use crate::kernels::cuda::desc::view_desc;
+use crate::kernels::cuda::kernel::ArgKind;
+use crate::kernels::cuda::plan::{GemmType, PArg, Plan, Ptr, Step};
+use crate::kernels::cuda::typed::{type_code, types_word};
+use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::elementwise::axpy::gpu::{
+    plan_add_row_bias_inplace, plan_add_row_bias_inplace_t, plan_axpy, plan_axpy_t,
+};
+use crate::kernels::elementwise::binary::gpu::{
+    plan_add_row_bias, plan_add_row_bias_t, plan_add_t, plan_binary, plan_binary_t,
+};
+use crate::kernels::elementwise::binary::gpu::{EW_ADD, EW_MUL, EW_MUL_T};
+use crate::kernels::elementwise::cast::gpu::plan_cast;
+use crate::kernels::elementwise::cast::gpu::{
+    CAST_BF16_F32, CAST_F16_F32, CAST_F32_BF16, CAST_F32_F16,
+};
+use crate::kernels::elementwise::gelu::gpu::{
+    plan_gelu, plan_gelu_backward, plan_gelu_backward_t, plan_gelu_t,
+};
+use crate::kernels::elementwise::scale::gpu::{
+    plan_scale, plan_scale_inplace, plan_scale_inplace_t, plan_scale_t,
+};
+use crate::kernels::embedding::gpu::{
     plan_embedding, plan_embedding_backward, plan_embedding_backward_t, plan_embedding_t,
 };
-use crate::kernels::cuda::flash::{plan_flash_backward_in, plan_flash_in, FlashLayout, FlashType};
-use crate::kernels::cuda::layout::{plan_strided, view_desc};
-use crate::kernels::cuda::loss::{
+use crate::kernels::gemm::gpu::{plan_gemm, plan_gemm_typed};
+use crate::kernels::gemm::Gemm;
+use crate::kernels::layout::gpu::plan_strided;
+use crate::kernels::layout::gpu::{
+    STRIDED_ADD_F32, STRIDED_COPY_B2, STRIDED_COPY_B4, STRIDED_COPY_B8,
+};
+use crate::kernels::loss::gpu::{
     plan_cross_entropy, plan_cross_entropy_backward, plan_cross_entropy_backward_t,
     plan_cross_entropy_t, CeCodes,
 };
-use crate::kernels::cuda::matmul::{plan_gemm, plan_gemm_typed};
-use crate::kernels::cuda::optim::{
-    plan_adamw, plan_lamb_apply, plan_lamb_direction, plan_sgd, plan_sum_squares, plan_unscale,
+use crate::kernels::norm::layer_norm::gpu::{
+    plan_layer_norm, plan_layer_norm_backward, plan_layer_norm_backward_t, plan_layer_norm_t,
 };
-use crate::kernels::cuda::plan::{GemmType, PArg, Plan, Ptr, Step};
-use crate::kernels::cuda::program::{ArgKind, Kernel};
-use crate::kernels::cuda::rows::{
-    plan_layer_norm, plan_layer_norm_backward, plan_softmax, plan_softmax_backward,
-};
-use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::norm::rms_norm::gpu::{plan_rms_norm, plan_rms_norm_backward};
+use crate::kernels::norm::softmax::gpu::{plan_softmax, plan_softmax_backward};
+use crate::kernels::optim::adamw::gpu::plan_adamw;
+use crate::kernels::optim::lamb::gpu::{plan_lamb_apply, plan_lamb_direction};
+use crate::kernels::optim::sgd::gpu::plan_sgd;
+use crate::kernels::optim::sum_squares::gpu::plan_sum_squares;
+use crate::kernels::optim::unscale::gpu::plan_unscale;
+use crate::kernels::reduce::col_sums::gpu::{plan_col_sums, plan_col_sums_t};
+use crate::kernels::reduce::sum::gpu::{plan_sum, plan_sum_t};
 use crate::kernels::KernelError;
-
-use crate::kernels::cuda::typed::{
-    plan_add_row_bias_inplace_t, plan_add_row_bias_t, plan_add_t, plan_axpy_t, plan_binary_t,
-    plan_col_sums_t, plan_gelu_backward_t, plan_gelu_t, plan_layer_norm_backward_t,
-    plan_layer_norm_t, plan_scale_inplace_t, plan_scale_t, plan_sum_t, type_code, types_word,
-};
 
 use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
 
@@ -59,18 +78,17 @@ fn build() -> Result<PathBuf, String> {
     let dir = std::env::temp_dir().join(format!("fsdp-cuda-emu-{}", std::process::id()));
     // The emulator's sources are compiled into this test binary and written out next to the
     // build, so that the binary works on a machine that has no copy of this repository (the GPU
-    // bundle of `cargo xtask gpu-bundle`). `harness.cpp` includes "cuda_emu.h" and
-    // "../kernels.cu": the layout below keeps those relative paths.
+    // bundle of `cargo xtask gpu-bundle`). `harness.cpp` includes "cuda_emu.h", "../kernels.cu"
+    // (the whole program, `program::source`) and "kernel_table.inc" (its kernel table, generated
+    // from the Rust declarations by `kernel_table`): the layout below keeps those paths.
     let emu = dir.join("emu");
     std::fs::create_dir_all(&emu).map_err(|e| format!("creating {}: {e}", emu.display()))?;
     let src = emu.join("harness.cpp");
     for (path, text) in [
         (src.clone(), include_str!("../emu/harness.cpp")),
         (emu.join("cuda_emu.h"), include_str!("../emu/cuda_emu.h")),
-        (
-            dir.join("kernels.cu"),
-            crate::kernels::cuda::program::SOURCE,
-        ),
+        (dir.join("kernels.cu"), crate::kernels::program::source()),
+        (emu.join("kernel_table.inc"), &kernel_table()),
     ] {
         std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
@@ -112,6 +130,16 @@ pub(super) fn harness_or_skip(test: &str) -> Option<&'static Path> {
         }
         Err(e) => panic!("{e}"),
     }
+}
+
+/// The emulator's kernel table, generated from the program's (`program::all`, the Rust
+/// declarations of every kernel): one `K(name),` per kernel, which `harness.cpp` includes into
+/// its name → function map (each entry's parameters are converted by the C++ function's types).
+fn kernel_table() -> String {
+    crate::kernels::program::all()
+        .iter()
+        .map(|k| format!("K({}),\n", k.name()))
+        .collect()
 }
 
 /// A running emulator process and the byte lengths of its buffers.
@@ -353,7 +381,7 @@ impl EmuExec {
                 d(out.0),
             ),
             TypedOp::Mul { a, b, out } => plan_binary_t(
-                Kernel::MulT,
+                EW_MUL_T,
                 types_word(&[c(a), c(b), c(out)]),
                 n(a),
                 d(a.0),
@@ -422,6 +450,34 @@ impl EmuExec {
                 *eps,
                 [x.0, gamma.0, beta.0, y.0, *mean, *rstd].map(d),
             ),
+            TypedOp::RmsNorm {
+                x,
+                gamma,
+                y,
+                rstd,
+                cols,
+                eps,
+            } => plan_rms_norm(
+                [c(x), c(gamma), c(y)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                *eps,
+                [x.0, gamma.0, y.0, *rstd].map(d),
+            ),
+            TypedOp::RmsNormBackward {
+                x,
+                gamma,
+                rstd,
+                dy,
+                dx,
+                dgamma,
+                cols,
+            } => plan_rms_norm_backward(
+                [c(x), c(gamma), c(dy), c(dx), c(dgamma)],
+                n(x) / *cols as u64,
+                *cols as u64,
+                [x.0, gamma.0, *rstd, dy.0, dx.0, dgamma.0].map(d),
+            ),
             TypedOp::CrossEntropy { .. }
             | TypedOp::CrossEntropyBackward { .. }
             | TypedOp::Embedding { .. }
@@ -478,14 +534,14 @@ impl Exec for EmuExec {
         let d = Self::dev;
         let p = match op {
             Op::Add { a, b, out } => Ok(plan_binary(
-                Kernel::Add,
+                EW_ADD,
                 self.f32s(*a) as u64,
                 d(*a),
                 d(*b),
                 d(*out),
             )),
             Op::Mul { a, b, out } => Ok(plan_binary(
-                Kernel::Mul,
+                EW_MUL,
                 self.f32s(*a) as u64,
                 d(*a),
                 d(*b),
@@ -775,10 +831,10 @@ impl Exec for EmuExec {
             }),
             Op::Cast { kind, src, dst } => {
                 let (kernel, n) = match kind {
-                    CastKind::F32ToF16 => (Kernel::CastF32F16, self.lens[*src] / 4),
-                    CastKind::F16ToF32 => (Kernel::CastF16F32, self.lens[*src] / 2),
-                    CastKind::F32ToBf16 => (Kernel::CastF32Bf16, self.lens[*src] / 4),
-                    CastKind::Bf16ToF32 => (Kernel::CastBf16F32, self.lens[*src] / 2),
+                    CastKind::F32ToF16 => (CAST_F32_F16, self.lens[*src] / 4),
+                    CastKind::F16ToF32 => (CAST_F16_F32, self.lens[*src] / 2),
+                    CastKind::F32ToBf16 => (CAST_F32_BF16, self.lens[*src] / 4),
+                    CastKind::Bf16ToF32 => (CAST_BF16_F32, self.lens[*src] / 2),
                 };
                 Ok(plan_cast(kernel, n as u64, d(*src), d(*dst)))
             }
@@ -792,9 +848,9 @@ impl Exec for EmuExec {
             } => {
                 let size = dtype.size();
                 let kernel = match size {
-                    2 => Kernel::StridedCopyB2,
-                    4 => Kernel::StridedCopyB4,
-                    _ => Kernel::StridedCopyB8,
+                    2 => STRIDED_COPY_B2,
+                    4 => STRIDED_COPY_B4,
+                    _ => STRIDED_COPY_B8,
                 };
                 view_desc(
                     "strided_copy",
@@ -818,7 +874,7 @@ impl Exec for EmuExec {
                 shape,
                 strides,
             )
-            .map(|(v, n)| plan_strided(Kernel::StridedAddF32, n as u64, v, d(*dst), d(*src))),
+            .map(|(v, n)| plan_strided(STRIDED_ADD_F32, n as u64, v, d(*dst), d(*src))),
             Op::Zero { buf } => {
                 let mut plan = Plan::new();
                 plan.memset(d(*buf), 0, self.lens[*buf]);

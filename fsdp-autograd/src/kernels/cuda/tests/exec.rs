@@ -177,8 +177,8 @@ pub(super) enum Op {
         a: H,
         b: H,
         c: H,
-        g: crate::kernels::backend::Gemm,
-        p: crate::kernels::cuda::GemmPrecision,
+        g: crate::kernels::gemm::Gemm,
+        p: crate::kernels::gemm::GemmPrecision,
     },
     Flash {
         dtype: DType,
@@ -243,21 +243,21 @@ pub(super) enum Op {
     },
     // Optimizer, clipping, grad scaler.
     SgdStep {
-        rule: crate::kernels::cpu::optim::SgdRule,
+        rule: crate::kernels::optim::SgdRule,
         first: bool,
         p: H,
         g: H,
         buf: Option<H>,
     },
     AdamWStep {
-        c: crate::kernels::cpu::optim::AdamCoeffs,
+        c: crate::kernels::optim::AdamCoeffs,
         p: H,
         g: H,
         m: H,
         v: H,
     },
     LambDirection {
-        c: crate::kernels::cpu::optim::LambCoeffs,
+        c: crate::kernels::optim::LambCoeffs,
         p: H,
         g: H,
         m: H,
@@ -274,7 +274,7 @@ pub(super) enum Op {
     },
     SumSquares {
         xs: Vec<H>,
-        pieces: Vec<crate::kernels::backend::SqPiece>,
+        pieces: Vec<crate::kernels::optim::SqPiece>,
         out: H,
     },
     Unscale {
@@ -364,6 +364,23 @@ pub(super) enum TypedOp {
         dx: TH,
         dgamma: TH,
         dbeta: TH,
+        cols: usize,
+    },
+    RmsNorm {
+        x: TH,
+        gamma: TH,
+        y: TH,
+        rstd: H,
+        cols: usize,
+        eps: f32,
+    },
+    RmsNormBackward {
+        x: TH,
+        gamma: TH,
+        rstd: H,
+        dy: TH,
+        dx: TH,
+        dgamma: TH,
         cols: usize,
     },
     Embedding {

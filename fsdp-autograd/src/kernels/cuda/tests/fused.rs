@@ -5,9 +5,9 @@
 use fsdp_alloc::DType;
 use half::{bf16, f16};
 
-use crate::kernels::backend::Gemm;
 use crate::kernels::cpu;
-use crate::kernels::cuda::GemmPrecision;
+use crate::kernels::gemm::Gemm;
+use crate::kernels::gemm::GemmPrecision;
 
 use super::cases::{assert_close, max_abs, Rng};
 use super::exec::{down_f32, down_u16, nan_f32, run, up_f32, up_u16, Exec, Op, H};

@@ -3,8 +3,8 @@
 
 use fsdp_alloc::{Buffer, Device, Stream};
 
-use crate::kernels::backend::Gemm;
 use crate::kernels::cuda::{CudaKernelError, CudaKernels};
+use crate::kernels::gemm::Gemm;
 
 use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
 
@@ -126,6 +126,32 @@ impl Exec for GpuExec {
                         b(rstd),
                         *cols,
                         *eps,
+                    ),
+                    TypedOp::RmsNorm {
+                        x,
+                        gamma,
+                        y,
+                        rstd,
+                        cols,
+                        eps,
+                    } => k.rms_norm_t(s, tb(x), tb(gamma), tb(y), b(rstd), *cols, *eps),
+                    TypedOp::RmsNormBackward {
+                        x,
+                        gamma,
+                        rstd,
+                        dy,
+                        dx,
+                        dgamma,
+                        cols,
+                    } => k.rms_norm_backward_t(
+                        s,
+                        tb(x),
+                        tb(gamma),
+                        b(rstd),
+                        tb(dy),
+                        tb(dx),
+                        tb(dgamma),
+                        *cols,
                     ),
                     TypedOp::Embedding {
                         ids,

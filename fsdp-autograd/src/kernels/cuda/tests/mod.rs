@@ -1,9 +1,9 @@
 //! Tests of the CUDA kernels.
 //!
-//! - Host-only unit tests (always run with `--features cuda`): the kernel table against
-//!   `kernels.cu`, the row-major → cuBLAS mapping against the CPU matmul, view validation,
-//!   plan well-formedness, the "no CUDA" error; NVRTC compiling `kernels.cu` where libnvrtc is
-//!   loadable (else skipped with a message).
+//! - Host-only unit tests (always run with `--features cuda`): the kernel declarations against
+//!   the program's CUDA source, the row-major → cuBLAS mapping against the CPU matmul, view
+//!   validation, plan well-formedness, the "no CUDA" error; NVRTC compiling the program where
+//!   libnvrtc is loadable (else skipped with a message).
 //! - `emulated::*` (run when a C++ compiler is present, else skipped with a message): every case
 //!   in [`cases`] run through the production launch plans on the host emulator in `emu/`.
 //! - `on_gpu::*` and [`gpu_only`] (`#[ignore]`; need `FSDP_GPU_TESTS=1` and a GPU, see
@@ -21,15 +21,25 @@ mod gpu_only;
 
 use fsdp_alloc::{Device, DeviceId};
 
-use super::context::{grid_for, grid_rows};
+use super::desc::view_desc;
 use super::desc::MAX_VIEW_RANK;
-use super::layout::{is_injective, view_desc};
-use super::matmul::col_major_gemm;
+use super::kernel::{ArgKind, MAX_GRID};
+use super::plan::{grid_for, grid_rows};
 use super::plan::{PArg, Plan, Ptr, Step};
-use super::program::{ArgKind, Kernel, MAX_GRID, SOURCE};
 use super::{CudaKernelError, CudaKernels};
-use crate::kernels::backend::Gemm;
+use crate::kernels::attention::flash::{
+    FLASH_BWD_DKDV_BF16_D64, FLASH_BWD_DKDV_F32_LE64, FLASH_BWD_DQ_BF16_D64, FLASH_BWD_DQ_F32_LE64,
+    FLASH_BWD_PRE_BF16, FLASH_BWD_PRE_F32,
+};
 use crate::kernels::cpu;
+use crate::kernels::elementwise::binary::gpu::EW_ADD;
+use crate::kernels::gemm::gpu::col_major_gemm;
+use crate::kernels::gemm::Gemm;
+use crate::kernels::layout::gpu::is_injective;
+use crate::kernels::norm::layer_norm::gpu::LAYER_NORM_BWD_PARAMS;
+use crate::kernels::norm::rms_norm::gpu::RMS_NORM_BWD_DGAMMA;
+use crate::kernels::program::{all, source};
+use crate::kernels::reduce::col_sums::gpu::COL_SUMS;
 use cases::{assert_close, Rng};
 
 macro_rules! on_both {
@@ -73,6 +83,7 @@ on_both!(
     gelu_exact,
     softmax,
     layer_norm,
+    rms_norm,
     embedding,
     embedding_bad_ids,
     cross_entropy,
@@ -94,11 +105,12 @@ on_both!(
     typed_embedding,
 );
 
-/// Parses the `extern "C" __global__` functions of `kernels.cu`: name and parameter kinds.
+/// Parses the `extern "C" __global__` functions of the program's source (`common.cu` and every
+/// family's `.cu`): name and parameter kinds.
 fn source_kernels() -> Vec<(String, Vec<ArgKind>)> {
     let marker = "extern \"C\" __global__ void ";
     let mut out = Vec::new();
-    let mut rest = SOURCE;
+    let mut rest = source();
     while let Some(at) = rest.find(marker) {
         rest = &rest[at + marker.len()..];
         let open = rest.find('(').expect("parameter list");
@@ -131,10 +143,10 @@ fn source_kernels() -> Vec<(String, Vec<ArgKind>)> {
 #[test]
 fn kernel_table_matches_the_source() {
     let src = source_kernels();
-    assert_eq!(src.len(), Kernel::ALL.len(), "number of kernels");
-    for k in Kernel::ALL {
+    assert_eq!(src.len(), all().len(), "number of kernels");
+    for k in all() {
         let found = src.iter().find(|(n, _)| n == k.name());
-        let (_, kinds) = found.unwrap_or_else(|| panic!("{} is not in kernels.cu", k.name()));
+        let (_, kinds) = found.unwrap_or_else(|| panic!("{} is not in the CUDA source", k.name()));
         assert_eq!(
             kinds.as_slice(),
             k.signature(),
@@ -142,20 +154,22 @@ fn kernel_table_matches_the_source() {
             k.name()
         );
     }
-    for (i, k) in Kernel::ALL.iter().enumerate() {
-        assert_eq!(k.index(), i);
-    }
+    // One declaration per kernel: the loaded functions are looked up by name.
+    let mut names: Vec<&str> = all().iter().map(|k| k.name()).collect();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), all().len(), "a kernel is declared twice");
     // NVRTC takes the source as a C string.
-    assert!(!SOURCE.contains('\0'));
+    assert!(!source().contains('\0'));
 }
 
 /// The column reductions' group width is one constant on both sides of the launch.
 #[test]
 fn column_group_matches_the_source() {
-    use super::elementwise::{grid_col_groups, COL_GROUP};
+    use super::plan::{grid_col_groups, COL_GROUP};
     assert!(
-        SOURCE.contains(&format!("#define COL_GROUP {COL_GROUP}\n")),
-        "kernels.cu's COL_GROUP differs from elementwise::COL_GROUP"
+        source().contains(&format!("#define COL_GROUP {COL_GROUP}\n")),
+        "common.cu's COL_GROUP differs from plan::COL_GROUP"
     );
     assert_eq!(grid_col_groups(1), 1);
     assert_eq!(grid_col_groups(768), 96);
@@ -168,8 +182,10 @@ fn column_group_matches_the_source() {
 /// row order, bit-identical to the CPU.
 #[test]
 fn column_reductions_loop_over_groups() {
-    use super::elementwise::plan_col_sums;
-    use super::rows::plan_layer_norm_backward;
+    use crate::kernels::norm::layer_norm::gpu::plan_layer_norm_backward;
+    use crate::kernels::norm::rms_norm::gpu::plan_rms_norm_backward;
+    use crate::kernels::norm::rms_norm_backward;
+    use crate::kernels::reduce::col_sums::gpu::plan_col_sums;
     use cases::assert_bits;
     use exec::{down_f32, nan_f32, up_f32};
     let Some(bin) = emu::harness_or_skip("column_reductions_loop_over_groups") else {
@@ -189,7 +205,7 @@ fn column_reductions_loop_over_groups() {
                 kernel, grid: g, ..
             } = step
             {
-                if matches!(kernel, Kernel::ColSums | Kernel::LayerNormBwdParams) {
+                if [COL_SUMS, LAYER_NORM_BWD_PARAMS, RMS_NORM_BWD_DGAMMA].contains(kernel) {
                     *g = grid;
                 }
             }
@@ -234,6 +250,22 @@ fn column_reductions_loop_over_groups() {
         e.exec(&with_grid(plan, grid));
         assert_bits(&format!("dgamma grid {grid}"), &down_f32(&mut e, dg), &wdg);
         assert_bits(&format!("dbeta grid {grid}"), &down_f32(&mut e, db), &wdb);
+
+        let (dx, dg) = (nan_f32(&mut e, x.len()), nan_f32(&mut e, cols));
+        let plan = plan_rms_norm_backward(
+            [0; 5],
+            rows as u64,
+            cols as u64,
+            [hx, hg, hr, hdy, dx, dg].map(addr),
+        );
+        e.exec(&with_grid(plan, grid));
+        let (mut rdx, mut rdg) = (vec![0.0; x.len()], vec![0.0; cols]);
+        rms_norm_backward(&x, &gamma, &rstd, &dy, &mut rdx, &mut rdg, cols).unwrap();
+        assert_bits(
+            &format!("rms dgamma grid {grid}"),
+            &down_f32(&mut e, dg),
+            &rdg,
+        );
     }
 }
 
@@ -244,7 +276,7 @@ fn emulator_knows_every_kernel() {
     };
     let mut names = emu::EmuExec::start(bin).kernel_names();
     names.sort();
-    let mut want: Vec<String> = Kernel::ALL.iter().map(|k| k.name().to_string()).collect();
+    let mut want: Vec<String> = all().iter().map(|k| k.name().to_string()).collect();
     want.sort();
     assert_eq!(names, want);
 }
@@ -396,22 +428,30 @@ fn launch_grids_are_bounded() {
 /// limits, scratch slots exist, and nothing is enqueued for empty work.
 #[test]
 fn plans_are_well_formed() {
-    use super::attention::{plan_attention, plan_attention_backward};
-    use super::elementwise::{plan_binary, plan_col_sums, plan_gelu_backward, plan_sum};
-    use super::embedding::{plan_embedding, plan_embedding_backward};
-    use super::flash::{plan_flash, plan_flash_backward, FlashType};
-    use super::loss::{plan_cross_entropy, plan_cross_entropy_backward};
-    use super::rows::{plan_layer_norm, plan_layer_norm_backward, plan_softmax};
+    use crate::kernels::attention::flash::{plan_flash, plan_flash_backward, FlashType};
+    use crate::kernels::attention::unfused::{plan_attention, plan_attention_backward};
+    use crate::kernels::elementwise::binary::gpu::plan_binary;
+    use crate::kernels::elementwise::gelu::gpu::plan_gelu_backward;
+    use crate::kernels::embedding::gpu::{plan_embedding, plan_embedding_backward};
+    use crate::kernels::loss::gpu::{plan_cross_entropy, plan_cross_entropy_backward};
+    use crate::kernels::norm::layer_norm::gpu::{plan_layer_norm, plan_layer_norm_backward};
+    use crate::kernels::norm::rms_norm::gpu::{plan_rms_norm, plan_rms_norm_backward};
+    use crate::kernels::norm::softmax::gpu::plan_softmax;
+    use crate::kernels::reduce::col_sums::gpu::plan_col_sums;
+    use crate::kernels::reduce::sum::gpu::plan_sum;
 
     let p = |i: u64| Ptr::Dev(i << 20);
     let plans: Vec<Plan> = vec![
-        plan_binary(Kernel::Add, 1000, p(1), p(2), p(3)),
+        plan_binary(EW_ADD, 1000, p(1), p(2), p(3)),
         plan_col_sums(7, 3, p(1), p(2)),
         plan_sum(100_000, p(1), p(2), 1.0),
         plan_gelu_backward(crate::kernels::Gelu::Tanh, 5, p(1), p(2), p(3)),
         plan_softmax(100_000, 3, p(1), p(2)),
         plan_layer_norm(4, 4, 1e-5, [1, 2, 3, 4, 5, 6].map(p)),
         plan_layer_norm_backward(4, 4, [1, 2, 3, 4, 5, 6, 7, 8].map(p)),
+        plan_rms_norm([1, 2, 0], 4, 4, 1e-5, [1, 2, 3, 4].map(p)),
+        plan_rms_norm_backward([0; 5], 4, 4, [1, 2, 3, 4, 5, 6].map(p)),
+        plan_rms_norm_backward([0; 5], 0, 4, [1, 2, 3, 4, 5, 6].map(p)),
         plan_embedding(9, 4, 5, p(1), p(2), p(3)).0,
         plan_embedding_backward(9, 4, 5, p(1), p(2), p(3)).0,
         plan_embedding_backward(0, 4, 5, p(1), p(2), p(3)).0,
@@ -455,9 +495,7 @@ fn plans_are_well_formed() {
         }
     }
     // Empty work enqueues nothing.
-    assert!(plan_binary(Kernel::Add, 0, p(1), p(2), p(3))
-        .steps
-        .is_empty());
+    assert!(plan_binary(EW_ADD, 0, p(1), p(2), p(3)).steps.is_empty());
     assert!(plan_softmax(0, 3, p(1), p(2)).steps.is_empty());
     assert!(plan_attention(0, 5, 4, [1, 2, 3, 4, 5].map(p))
         .unwrap()
@@ -480,7 +518,7 @@ fn plans_are_well_formed() {
     let nine = [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p);
     let b = plan_flash_backward(FlashType::Bf16, 2, 40, 64, nine).unwrap();
     assert_eq!(b.scratch, vec![(80, super::context::Elem::F32)]);
-    let kernels: Vec<Kernel> = b
+    let kernels: Vec<super::kernel::Kernel> = b
         .steps
         .iter()
         .filter_map(|s| match s {
@@ -491,14 +529,14 @@ fn plans_are_well_formed() {
     assert_eq!(
         kernels,
         [
-            Kernel::FlashBwdPreBf16,
-            Kernel::FlashBwdDkdvBf16D64,
-            Kernel::FlashBwdDqBf16D64
+            FLASH_BWD_PRE_BF16,
+            FLASH_BWD_DKDV_BF16_D64,
+            FLASH_BWD_DQ_BF16_D64
         ]
     );
     // Head dims other than 64 and 128 take the generic kernels (head dim read at run time).
     let b = plan_flash_backward(FlashType::F32, 2, 40, 63, nine).unwrap();
-    let kernels: Vec<Kernel> = b
+    let kernels: Vec<super::kernel::Kernel> = b
         .steps
         .iter()
         .filter_map(|s| match s {
@@ -509,9 +547,9 @@ fn plans_are_well_formed() {
     assert_eq!(
         kernels,
         [
-            Kernel::FlashBwdPreF32,
-            Kernel::FlashBwdDkdvF32Le64,
-            Kernel::FlashBwdDqF32Le64
+            FLASH_BWD_PRE_F32,
+            FLASH_BWD_DKDV_F32_LE64,
+            FLASH_BWD_DQ_F32_LE64
         ]
     );
 }
@@ -541,7 +579,7 @@ fn no_driver_is_a_typed_error() {
     }
 }
 
-/// NVRTC — a compiler library that needs no GPU — compiles `kernels.cu` with the production
+/// NVRTC — a compiler library that needs no GPU — compiles the program with the production
 /// options, and the PTX defines every kernel of the table. Skipped (with a message) where
 /// libnvrtc cannot be loaded.
 #[test]
@@ -558,9 +596,9 @@ fn nvrtc_compiles_the_kernels() {
         );
         return;
     }
-    let ptx = super::program::ptx().unwrap_or_else(|e| panic!("{e}"));
+    let ptx = crate::kernels::program::ptx().unwrap_or_else(|e| panic!("{e}"));
     let text = ptx.to_src();
-    for k in Kernel::ALL {
+    for k in all() {
         assert!(
             text.contains(&format!(".entry {}(", k.name())),
             "the PTX has no entry point {}",

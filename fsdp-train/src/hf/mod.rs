@@ -1,0 +1,186 @@
+//! Hugging Face models in and out: `--init-from PATH` and `--export-hf DIR`.
+//!
+//! A Hugging Face model directory as transformers' `save_pretrained` writes it: a
+//! `model.safetensors` and a `config.json` side by side. This module holds what every
+//! architecture shares (the error type, the file names, the directory writer); each architecture
+//! is a file beside it with its configuration, its tensor-name map, loading and export:
+//! `gpt2.rs` (`GPT2LMHeadModel`, `nn::Gpt`).
+
+mod gpt2;
+
+pub use gpt2::{check_model, export, load_into, HfCheckpoint};
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, TensorInfo, TensorView};
+use serde_json::Value;
+
+/// The tensors file inside a Hugging Face model directory.
+/// The tensors file inside a Hugging Face model directory.
+pub const WEIGHTS: &str = "model.safetensors";
+/// The configuration file inside a Hugging Face model directory.
+pub const CONFIG: &str = "config.json";
+
+/// A problem with a Hugging Face model file, with what was expected.
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Not a safetensors file, or a malformed one.
+    #[error("{path}: not a readable safetensors file ({detail})")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        detail: String,
+    },
+    /// `config.json` is missing a field, has a wrong one, or names another architecture.
+    #[error("{path}: {detail}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and what was expected.
+        detail: String,
+    },
+    /// An expected tensor is not in the file.
+    #[error("{path}: no tensor `{name}`; expected {expected}{found}")]
+    Missing {
+        /// The file.
+        path: PathBuf,
+        /// The first missing tensor.
+        name: String,
+        /// The layout expected, e.g. `a Hugging Face GPT2LMHeadModel file (transformer.wte, …)`.
+        expected: &'static str,
+        /// `; it holds e.g. …` (a few of the file's names), or empty.
+        found: String,
+    },
+    /// A tensor has the wrong shape.
+    #[error(
+        "{path}: tensor `{name}` has shape {got:?}, expected {want:?} for the configured model"
+    )]
+    Shape {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// Its shape.
+        got: Vec<usize>,
+        /// The shape expected.
+        want: Vec<usize>,
+    },
+    /// A tensor of a dtype that is not F32, F16 or BF16.
+    #[error("{path}: tensor `{name}` is {dtype}, expected F32, F16 or BF16")]
+    Dtype {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// Its dtype.
+        dtype: String,
+    },
+    /// A tensor this layout does not have.
+    #[error("{path}: unexpected tensor `{name}` (not part of {arch}'s layout)")]
+    Unexpected {
+        /// The file.
+        path: PathBuf,
+        /// The architecture whose layout was expected (`GPT2LMHeadModel`).
+        arch: &'static str,
+        /// The tensor.
+        name: String,
+    },
+    /// The model to load into does not fit the file.
+    #[error("--init-from {path}: {detail}")]
+    Model {
+        /// The file.
+        path: PathBuf,
+        /// What differs.
+        detail: String,
+    },
+    /// A state-dict operation failed.
+    #[error("{context}: {source}")]
+    StateDict {
+        /// What was being done.
+        context: String,
+        /// The cause.
+        source: Box<fsdp_core::StateDictError>,
+    },
+}
+
+/// [`HfError::Missing`] for `name`, listing a few of the file's names.
+pub(crate) fn missing(
+    path: &Path,
+    tensors: &HashMap<String, TensorInfo>,
+    name: &str,
+    expected: &'static str,
+) -> HfError {
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let found = if names.is_empty() {
+        "; the file holds no tensors".to_string()
+    } else {
+        let few: Vec<&str> = names.iter().take(3).map(|s| s.as_str()).collect();
+        format!("; it holds e.g. {}", few.join(", "))
+    };
+    HfError::Missing {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        expected,
+        found,
+    }
+}
+
+/// A tensor in Hugging Face's naming: name, shape, row-major f32 values.
+pub(crate) type HfTensor = (String, Vec<usize>, Vec<f32>);
+
+/// Writes a Hugging Face model directory `dir`: `model.safetensors` (the `tensors`, F32, metadata
+/// `format = pt`, as transformers expects) and `config.json` (`config`), each written to a
+/// temporary name and renamed.
+///
+/// # Errors
+/// [`HfError::Io`], [`HfError::Format`].
+pub(crate) fn write_model_dir(
+    dir: &Path,
+    tensors: Vec<HfTensor>,
+    config: &Value,
+) -> Result<(), HfError> {
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| HfError::Io { path: p, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            TensorView::new(Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| HfError::Format {
+                    path: dir.join(WEIGHTS),
+                    detail: e.to_string(),
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let weights = dir.join(WEIGHTS);
+    let tmp = dir.join(format!(".{WEIGHTS}.tmp"));
+    safetensors::serialize_to_file(views, Some(meta), &tmp).map_err(|e| HfError::Format {
+        path: tmp.clone(),
+        detail: e.to_string(),
+    })?;
+    std::fs::rename(&tmp, &weights).map_err(io(&weights))?;
+    let cfg = dir.join(CONFIG);
+    let tmp = dir.join(format!(".{CONFIG}.tmp"));
+    let text = serde_json::to_string_pretty(config).expect("JSON of plain values");
+    std::fs::write(&tmp, text + "\n").map_err(io(&tmp))?;
+    std::fs::rename(&tmp, &cfg).map_err(io(&cfg))
+}

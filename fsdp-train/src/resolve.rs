@@ -1,0 +1,308 @@
+//! From the parsed command line to the configuration a run trains with, before anything
+//! trains: the flags' validation into a [`TrainConfig`] (`Cli::into_config`), the path checks
+//! (module `paths`) and the output checks, the interop preparation (`--init-from`'s shape,
+//! `--tokenizer gpt2`'s token file: `interop::prepare`) and, with `--plan`, the planner's table
+//! and `--apply`'s top plan (`plan::apply`). Each step takes the configuration by value and
+//! returns the next one; nothing edits it afterwards.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use fsdp_core::checkpoint::CheckpointManager;
+use fsdp_core::state_dict::check_save_target;
+
+use crate::cli::Cli;
+use crate::job::{CudaLaunch, TrainConfig};
+use crate::probe::{self, Probe};
+use crate::{cli, cuda, interop, paths, plan};
+
+/// Why `train_gpt` stops before or during a run: the exit code and the line printed after
+/// `train_gpt: ` on stderr.
+#[derive(Debug)]
+pub struct Exit {
+    /// 2 for a usage error, 1 for anything else.
+    pub code: u8,
+    /// The message.
+    pub line: String,
+}
+
+impl Exit {
+    /// A command line that parses but does not make sense (exit 2).
+    pub fn usage(line: impl Into<String>) -> Exit {
+        Exit {
+            code: 2,
+            line: line.into(),
+        }
+    }
+
+    /// A failure of the run (exit 1), printed as `error: …`.
+    pub fn error(e: impl std::fmt::Display) -> Exit {
+        Exit {
+            code: 1,
+            line: format!("error: {e}"),
+        }
+    }
+
+    /// Prints the line and returns the exit code.
+    pub fn exit(&self, prog: &str) -> ExitCode {
+        eprintln!("{prog}: {}", self.line);
+        ExitCode::from(self.code)
+    }
+}
+
+/// A command-line parse failure: `--help`/`--version` print and succeed; anything else prints
+/// one line (clap's first line names the flag, the value and the allowed range) and exits 2.
+pub fn parse_failure(prog: &str, e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        let _ = e.print();
+        return ExitCode::SUCCESS;
+    }
+    let msg = e.to_string();
+    let line = msg.lines().find(|l| !l.trim().is_empty());
+    let line = line.unwrap_or("usage error").trim_start_matches("error: ");
+    Exit::usage(format!("{line} (see --help)")).exit(prog)
+}
+
+/// A run ready to train.
+pub struct Resolved {
+    /// The configuration, final.
+    pub config: TrainConfig,
+    /// The GEMM probe, when `--plan` needed it already (the run reuses it).
+    pub probe: Option<Probe>,
+    /// Whether this process prints (see [`primary_process`]).
+    pub primary: bool,
+}
+
+/// The run `cli` asks for; `None` when there is nothing to train (`--plan` without `--apply`,
+/// after printing the table). Prints the interop notes (and the plan) on the primary process.
+/// Sets the process-wide TF32 switch (`--tf32`) before anything touches a GPU.
+///
+/// # Errors
+/// Usage errors (exit 2): `--apply` without `--plan`, flags that do not combine, unsafe paths.
+/// Errors (exit 1): no CUDA device, outputs that cannot be written, `--init-from` or
+/// `--tokenizer` failures, a planning failure or a top plan this run cannot take.
+pub fn resolve(cli: &Cli) -> Result<Option<Resolved>, Exit> {
+    if cli.planning.apply && !cli.planning.plan {
+        return Err(Exit::usage(
+            "--apply needs --plan (it trains with the planner's top plan) (see --help)",
+        ));
+    }
+    if let Ok(Some(launch)) = cli::cuda_launch(cli.parallel.device, cli.parallel.backend) {
+        // A typed error, never a panic: `Device::cuda` checks for the driver library before
+        // touching cudarc.
+        cuda::preflight(launch).map_err(|e| Exit {
+            code: 1,
+            line: format!("--device cuda: {e}"),
+        })?;
+    }
+    let config = cli
+        .clone()
+        .into_config()
+        .map_err(|e| Exit::usage(format!("{e} (see --help)")))?;
+    // Outputs that would destroy inputs or each other, a directory as --save, a non-file as
+    // --data, a fresh run into a used checkpoint directory: usage errors before anything runs.
+    paths::check(
+        &config,
+        cli.logging.metrics.as_deref(),
+        cli.logging.plot.as_deref(),
+    )
+    .map_err(Exit::usage)?;
+    check_outputs(cli, &config).map_err(Exit::error)?;
+    fsdp_autograd::kernels::cuda::set_allow_tf32(config.tf32);
+    let primary = primary_process(&config);
+    let (config, notes) = interop::prepare(config).map_err(Exit::error)?;
+    if primary {
+        for note in notes {
+            println!("{note}");
+        }
+    }
+    if !cli.planning.plan {
+        return Ok(Some(Resolved {
+            config,
+            probe: None,
+            primary,
+        }));
+    }
+    // `--plan`: the ranked table (the primary process prints it); `--apply` trains with the
+    // top plan. The plan needs the GEMM rate of the device the model trains on.
+    let probe = gemm_probe(&config)?;
+    let config = match planned(cli, config, probe.flops_per_s, primary).map_err(Exit::error)? {
+        Some(c) => c,
+        None => return Ok(None),
+    };
+    Ok(Some(Resolved {
+        config,
+        probe: Some(probe),
+        primary,
+    }))
+}
+
+/// `--plan`: prints the ranked table; with `--apply`, the configuration of the top plan.
+fn planned(
+    cli: &Cli,
+    c: TrainConfig,
+    gemm_rate: f64,
+    primary: bool,
+) -> Result<Option<TrainConfig>, String> {
+    let (cluster, hardware) = plan::cluster(&cli.planning, c.ranks, gemm_rate)?;
+    let planner = plan::planner(&c, cluster, hardware)?;
+    let top = if primary {
+        plan::print_plan(&c, &planner)?
+    } else {
+        planner.plan().ok().and_then(|p| p.first().copied())
+    };
+    if !cli.planning.apply {
+        return Ok(None);
+    }
+    let Some(top) = top else {
+        return Err(planner
+            .plan()
+            .err()
+            .map_or("no plan".into(), |e| e.to_string()));
+    };
+    if c.mpi && cli.planning.cluster_tflops.is_none() && cli.planning.cluster.is_none() {
+        return Err(
+            "--plan --apply with --backend mpi: give the compute rate (--cluster-tflops or \
+             --cluster FILE) so every process plans alike (each process's GEMM probe differs)"
+                .into(),
+        );
+    }
+    if cluster.world() != c.ranks {
+        return Err(format!(
+            "--apply: the assumed cluster has {} ranks ({} node(s) × {}), but this run has \
+             --ranks {}; plan for the ranks you train on",
+            cluster.world(),
+            cluster.nodes,
+            cluster.ranks_per_node,
+            c.ranks
+        ));
+    }
+    plan::apply(c, &top).map(Some).map_err(|e| e.0)
+}
+
+/// The GEMM rate of the device the model trains on, at its precision: a ~0.2 s probe (module
+/// `probe`) on all cores of this machine for CPU ranks, on the first GPU with `--device cuda`.
+///
+/// # Errors
+/// The probe's device or kernel error.
+pub fn gemm_probe(c: &TrainConfig) -> Result<Probe, Exit> {
+    probe::run(c, cores(), Duration::from_millis(200))
+        .map_err(|e| Exit::error(format!("GEMM probe: {e}")))
+}
+
+/// The cores of this machine (the GEMM probe's threads, the ranks' matmul share).
+pub fn cores() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+/// Checks every output location before step 1 (fsdp-core's fail-early checks: the directory
+/// exists or can be created, a file can be created in it, the target is not a symlink or device,
+/// and for checkpoints there is room for another one the size of the newest).
+fn check_outputs(cli: &Cli, c: &TrainConfig) -> Result<(), String> {
+    if let Some(d) = &c.checkpoint_dir {
+        CheckpointManager::new(d, c.keep_checkpoints)
+            .and_then(|m| m.check_target())
+            .map_err(|e| format!("--checkpoint-dir: {e}"))?;
+    }
+    for (flag, p) in [
+        ("--save", &c.save),
+        ("--plot", &cli.logging.plot),
+        ("--metrics", &cli.logging.metrics),
+        ("--profile", &c.profile),
+    ] {
+        if let Some(p) = p {
+            check_save_target(p, None).map_err(|e| format!("{flag}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether this process prints: always with thread ranks; with `--backend mpi` or one process
+/// per GPU, rank 0 (from the launcher's environment).
+pub fn primary_process(c: &TrainConfig) -> bool {
+    if c.cuda == Some(CudaLaunch::Processes) {
+        return fsdp_collectives::RendezvousEnv::from_env().is_ok_and(|e| e.rank == 0);
+    }
+    if !c.mpi {
+        return true;
+    }
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok())
+        .is_none_or(|r| r.trim() == "0")
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn resolved(args: &[&str]) -> Result<Option<Resolved>, Exit> {
+        let cli =
+            Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied())).unwrap();
+        resolve(&cli)
+    }
+
+    /// Usage errors exit 2 with the old one-line messages; a run without `--plan` is the parsed
+    /// configuration itself.
+    #[test]
+    fn usage_errors_and_the_plain_run() {
+        let e = resolved(&["--apply"]).err().unwrap();
+        assert_eq!(e.code, 2);
+        assert!(e.line.starts_with("--apply needs --plan"), "{}", e.line);
+        let e = resolved(&["--tf32"]).err().unwrap();
+        assert_eq!(e.code, 2);
+        assert!(e.line.contains("--tf32") && e.line.ends_with("(see --help)"));
+        let r = resolved(&["--steps", "7", "--optimizer", "lamb"])
+            .unwrap()
+            .unwrap();
+        assert!(r.probe.is_none() && r.primary);
+        assert_eq!((r.config.steps, r.config.lr), (7, 1e-3));
+    }
+
+    /// `--plan` alone trains nothing; `--plan --apply` trains with the top plan's settings and
+    /// hands the probe on (it runs once).
+    #[test]
+    fn plan_alone_stops_and_apply_takes_the_top_plan() {
+        fn with(extra: &[&'static str]) -> Vec<&'static str> {
+            let small = [
+                "--d-model",
+                "32",
+                "--layers",
+                "2",
+                "--heads",
+                "2",
+                "--seq-len",
+                "16",
+            ];
+            [&small[..], extra].concat()
+        }
+        assert!(resolved(&with(&["--plan"])).unwrap().is_none());
+        let r = resolved(&with(&["--plan", "--apply", "--strategy", "no-shard"]))
+            .unwrap()
+            .unwrap();
+        assert!(r.probe.is_some());
+        // The top plan decides the limiter outright.
+        assert!(r.config.adaptive_limiter.is_none());
+        let e = resolved(&with(&[
+            "--plan",
+            "--apply",
+            "--cluster-nodes",
+            "2",
+            "--cluster-ranks-per-node",
+            "4",
+        ]))
+        .err()
+        .unwrap();
+        assert_eq!(e.code, 1);
+        assert!(
+            e.line.contains("plan for the ranks you train on"),
+            "{}",
+            e.line
+        );
+    }
+}

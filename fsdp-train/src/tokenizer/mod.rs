@@ -1,0 +1,86 @@
+//! `--tokenizer bytes|gpt2`: text as bytes (vocab 256), or GPT-2's byte-pair encoding
+//! (r50k_base, vocab 50257, the ranks shipped inside the `tiktoken-rs` crate: nothing is fetched
+//! at run time). A tokenized text file is cached beside it (`cache.rs`).
+
+mod cache;
+
+pub use cache::gpt2_bin;
+
+use tiktoken_rs::CoreBPE;
+
+/// GPT-2's vocabulary size (50,000 merges + 256 bytes + `<|endoftext|>`).
+pub const GPT2_VOCAB: usize = 50257;
+/// `<|endoftext|>`.
+pub const GPT2_EOT: u32 = 50256;
+
+/// Which tokenizer reads text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Tokenizer {
+    /// Every byte is a token (vocab 256).
+    #[default]
+    Bytes,
+    /// GPT-2's r50k_base byte-pair encoding (vocab 50257).
+    Gpt2,
+}
+
+impl Tokenizer {
+    /// The smallest vocabulary a model needs for this tokenizer's ids.
+    pub fn vocab(self) -> usize {
+        match self {
+            Tokenizer::Bytes => 256,
+            Tokenizer::Gpt2 => GPT2_VOCAB,
+        }
+    }
+
+    /// Token ids of `text` (no special tokens).
+    ///
+    /// # Errors
+    /// The encoder could not be built (it is built from the crate's embedded ranks).
+    pub fn encode(self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            Tokenizer::Gpt2 => Ok(gpt2()?.encode_ordinary(text)),
+        }
+    }
+
+    /// The text of `ids` (invalid UTF-8, e.g. half a character, shown as U+FFFD).
+    ///
+    /// # Errors
+    /// An id outside the vocabulary.
+    pub fn decode(self, ids: &[u32]) -> Result<String, String> {
+        let bytes = match self {
+            Tokenizer::Bytes => ids
+                .iter()
+                .map(|&i| u8::try_from(i).map_err(|_| format!("token id {i} is not a byte")))
+                .collect::<Result<Vec<u8>, String>>()?,
+            Tokenizer::Gpt2 => gpt2()?
+                .decode_bytes(ids)
+                .map_err(|e| format!("GPT-2 decoding: {e}"))?,
+        };
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+}
+
+/// The r50k_base encoder (built once per process from the embedded ranks).
+pub(crate) fn gpt2() -> Result<&'static CoreBPE, String> {
+    static BPE: std::sync::OnceLock<Result<CoreBPE, String>> = std::sync::OnceLock::new();
+    BPE.get_or_init(|| tiktoken_rs::r50k_base().map_err(|e| format!("GPT-2 tokenizer: {e}")))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_round_trips_and_knows_its_ids() {
+        let t = Tokenizer::Gpt2;
+        let ids = t.encode("Hello world").unwrap();
+        assert_eq!(ids, vec![15496, 995]); // GPT-2's well-known ids
+        assert_eq!(t.decode(&ids).unwrap(), "Hello world");
+        assert_eq!(t.decode(&[GPT2_EOT]).unwrap(), "<|endoftext|>");
+        assert_eq!(Tokenizer::Bytes.encode("hé").unwrap(), vec![104, 195, 169]);
+        assert!(Tokenizer::Bytes.decode(&[300]).is_err());
+    }
+}
