@@ -12,12 +12,17 @@
 //! CUDA `main` runs it after training (unless `--plan` needs the rate first): the CUDA kernel
 //! backend is cached per device id, and its first user should be the training device.
 //!
-//! [`reference_limit`] is the honest limit beside it: the f32 GEMM rate of an independent, well-tuned
-//! BLAS on this machine (OpenBLAS's `cblas_sgemm`, loaded at run time, its kernels matched to the
-//! CPU kernels' instruction-set level; `fsdp_autograd::kernels::cpu::ReferenceGemm`), for CPU
-//! runs. Where the library is missing it says why instead of a rate, and training is unaffected.
-//! Call [`load_reference`] at the start of the process, before any thread starts (loading
-//! OpenBLAS sets `OPENBLAS_CORETYPE` for the duration of the load).
+//! [`reference_limit`] is the honest limit beside it: the f32 GEMM rate of an independent,
+//! well-tuned BLAS on this machine (OpenBLAS's `cblas_sgemm`, loaded at run time, its kernels
+//! matched to the CPU kernels' instruction-set level; `fsdp_autograd::kernels::cpu::
+//! ReferenceGemm`), for CPU runs: the summary's `reference` line and `--json`'s
+//! `gemm_reference_flops_per_s` / `model_flops_over_reference_gemm` ([`ReferenceProbe`]). Where
+//! the library is missing they say why instead of a rate (`null` + `gemm_reference_note`), and
+//! training is unaffected. `main` calls [`load_reference`] right after parsing the command line,
+//! before any thread starts (loading OpenBLAS sets `OPENBLAS_CORETYPE` for the duration of the
+//! load), and measures after training, in the reporting process only: the machine is then quiet
+//! (the ranks' threads, or under MPI the other processes, are done), and training never waits
+//! for it.
 
 use std::time::{Duration, Instant};
 
@@ -93,9 +98,6 @@ pub fn device_probe(
     Ok(2.0 * (n as f64).powi(3) * reps as f64 / secs)
 }
 
-// Not called by `main.rs` yet: its summary and `--json` wiring (issue #40) lands after the
-// restructuring of `main.rs`/`report.rs`; until then only the tests use it.
-#[allow(dead_code)]
 /// The reference GEMM's result (see the module docs).
 #[derive(Debug, Clone)]
 pub struct ReferenceProbe {
@@ -113,9 +115,6 @@ pub struct ReferenceProbe {
     pub cpu_isa: CpuIsa,
 }
 
-// Not called by `main.rs` yet: its summary and `--json` wiring (issue #40) lands after the
-// restructuring of `main.rs`/`report.rs`; until then only the tests use it.
-#[allow(dead_code)]
 impl ReferenceProbe {
     /// `model_flops_per_s` over the reference rate (`model_flops_over_reference_gemm`), if
     /// there is one.
@@ -166,9 +165,6 @@ impl ReferenceProbe {
     }
 }
 
-// Not called by `main.rs` yet: its summary and `--json` wiring (issue #40) lands after the
-// restructuring of `main.rs`/`report.rs`; until then only the tests use it.
-#[allow(dead_code)]
 /// Loads the reference BLAS now (see the module docs); later [`reference_limit`] calls reuse it.
 /// Returns its name or why there is none.
 pub fn load_reference() -> Result<String, String> {
@@ -177,9 +173,6 @@ pub fn load_reference() -> Result<String, String> {
         .map_err(|e| e.to_string())
 }
 
-// Not called by `main.rs` yet: its summary and `--json` wiring (issue #40) lands after the
-// restructuring of `main.rs`/`report.rs`; until then only the tests use it.
-#[allow(dead_code)]
 /// The reference GEMM rate for this run ([`ReferenceProbe::flops_per_s`]): on CPU runs f32 1024³
 /// products, each way of running them repeated for about a third of the budget (at least
 /// twice); for `--device cuda` runs `None` with a note (the reference is a CPU library).
@@ -209,9 +202,6 @@ pub fn reference_limit(c: &TrainConfig, cores: usize, budget: Duration) -> Refer
     }
 }
 
-// Not called by `main.rs` yet: its summary and `--json` wiring (issue #40) lands after the
-// restructuring of `main.rs`/`report.rs`; until then only the tests use it.
-#[allow(dead_code)]
 /// The best rate of `r` on n³ products (see [`reference_limit`]).
 fn reference_rate(
     r: &ReferenceGemm,
@@ -270,7 +260,6 @@ fn reference_rate(
 }
 
 /// This thread's CPU time in seconds (Linux `CLOCK_THREAD_CPUTIME_ID`; `None` elsewhere).
-#[allow(dead_code)] // Called by `reference_limit` only (see there).
 fn thread_cpu_secs() -> Option<f64> {
     #[cfg(target_os = "linux")]
     {

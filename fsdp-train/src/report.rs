@@ -46,6 +46,13 @@
 //! on, at its precision (module `probe`: f32 on all cores for CPU ranks; with `--device cuda`
 //! the GPU's matmuls in f32 or the mixed-precision dtype); `--json` names the probe's device
 //! (`gemm_probe_device`: `"cpu"` or `"cuda:0"`) and dtype (`gemm_probe_dtype`).
+//!
+//! The `reference` line is the honest limit: the same model FLOP/s over the f32 GEMM rate of
+//! OpenBLAS on all cores, measured after training (module `probe`, `reference_limit`), with the
+//! CPU kernels' instruction-set level (`FSDP_CPU_ISA`). `--json`: `gemm_reference_flops_per_s`,
+//! `model_flops_over_reference_gemm` (both `null` for `--device cuda` runs or without OpenBLAS),
+//! `gemm_reference` (the library and its kernels), `gemm_reference_note` (why there is no rate,
+//! else `null`) and `cpu_isa`.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -62,6 +69,7 @@ use fsdp_core::{BackwardPrefetch, Quantization, ShardOver};
 
 use crate::job::TrainConfig;
 use crate::job::{prefetch_name, strategy_name, CudaLaunch, Observer, Report, StepRecord};
+use crate::probe::ReferenceProbe;
 
 /// `1234567` → `1,234,567`.
 pub fn thousands(n: u64) -> String {
@@ -507,6 +515,8 @@ pub struct GemmRate<'a> {
     pub device: &'a str,
     /// The precision it ran at.
     pub dtype: DType,
+    /// The reference BLAS's rate beside it (the `reference` line, `gemm_reference_*` fields).
+    pub reference: &'a ReferenceProbe,
 }
 
 /// The summary of a finished run (rank 0): model, loss, speed, compute, memory, state and
@@ -597,6 +607,9 @@ pub fn summary(
         },
         100.0 * model_flops / gemm_rate
     );
+    if gemm.device == "cpu" {
+        println!("{}", gemm.reference.summary_line(model_flops));
+    }
     println!(
         "  memory     peak allocated {:.1} MiB/rank, peak reserved {:.1} MiB/rank (max over ranks \
          and steps); predicted parameter peak {:.1} MiB; {retries} allocation retries",
@@ -624,7 +637,7 @@ pub fn summary(
     );
     if json_line {
         let val = vals.last().map(|v| v.1 as f64).unwrap_or(f64::NAN);
-        let j = json!({
+        let mut j = json!({
             "ranks": c.ranks,
             "strategy": strategy_name(c.strategy),
             "tokens_per_s": json_num((tokens_per_s * 10.0).round() / 10.0),
@@ -649,6 +662,9 @@ pub fn summary(
             "limit_all_gathers": limit_name(c),
             "quantize_collectives": quant_name(c),
         });
+        for (k, v) in gemm.reference.json_fields(model_flops) {
+            j[k] = v;
+        }
         println!("{j}");
     }
 }
