@@ -1,6 +1,6 @@
 //! The GEMM-rate probe the MFU line divides by, on the device the model trains on.
 //!
-//! - CPU ranks: [`crate::report::gemm_probe`], f32 on all cores (the `gemm` crate).
+//! - CPU ranks: [`cpu_gemm_probe`], f32 on all cores (the `gemm` crate).
 //! - `--device cuda`: square matmuls through the same tensor op the model uses, on this
 //!   process's first GPU, built by [`crate::cuda::rank_devices`] exactly like rank 0's compute
 //!   device (so a device-level setting such as TF32 applies to both), in the model's compute
@@ -50,7 +50,7 @@ pub struct Probe {
 pub fn run(c: &TrainConfig, cores: usize, budget: Duration) -> Result<Probe, String> {
     if c.cuda.is_none() {
         return Ok(Probe {
-            flops_per_s: crate::report::gemm_probe(cores, budget)?,
+            flops_per_s: cpu_gemm_probe(cores, budget)?,
             device: "cpu".into(),
             dtype: DType::F32,
         });
@@ -282,6 +282,42 @@ fn thread_cpu_secs() -> Option<f64> {
     }
     #[cfg(not(target_os = "linux"))]
     None
+}
+
+/// The f32 GEMM rate this machine reaches with the project's matmul kernel (the `gemm` crate)
+/// on `threads` threads: square 384×384×384 products repeated for about `budget`. Returns
+/// FLOP/s (2·n³ per product).
+pub fn cpu_gemm_probe(threads: usize, budget: Duration) -> Result<f64, String> {
+    let n = 384usize;
+    let dev = Device::cpu(20_000);
+    let a = Tensor::full(&[n, n], 0.5, DType::F32, &dev).map_err(|e| e.to_string())?;
+    let b = Tensor::full(&[n, n], 0.25, DType::F32, &dev).map_err(|e| e.to_string())?;
+    fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
+    // Warm-up (packing buffers, thread pool).
+    a.matmul(&b)
+        .and_then(|c| c.item_at0())
+        .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let mut reps = 0u64;
+    while t0.elapsed() < budget || reps < 2 {
+        a.matmul(&b)
+            .and_then(|c| c.item_at0())
+            .map_err(|e| e.to_string())?;
+        reps += 1;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    Ok(2.0 * (n * n * n) as f64 * reps as f64 / secs)
+}
+
+/// Waiting for a result (the CPU stream runs the kernel asynchronously).
+trait ItemAt0 {
+    fn item_at0(&self) -> fsdp_autograd::Result<f32>;
+}
+
+impl ItemAt0 for Tensor {
+    fn item_at0(&self) -> fsdp_autograd::Result<f32> {
+        self.reshape(&[self.numel()])?.narrow(0, 0, 1)?.item()
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! Output: the banner, the progress bar or plain step lines, the `--metrics` JSON-lines file,
-//! the `--plot` picture, the CPU GEMM-rate probe, and the summary with its `--json` line.
+//! the `--plot` picture, and the summary with its `--json` line.
 //!
 //! ## What a step line reports
 //! `step 10 | loss 3.214 | 5,230 tok/s | peak 41.2 MiB/rank | ag 12.1 MiB rs 12.1 MiB`
@@ -57,10 +57,8 @@
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
-use fsdp_alloc::{DType, Device};
-use fsdp_autograd::Tensor;
+use fsdp_alloc::DType;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plotters::prelude::*;
 use serde_json::{json, Value};
@@ -666,42 +664,6 @@ pub fn summary(
             j[k] = v;
         }
         println!("{j}");
-    }
-}
-
-/// The f32 GEMM rate this machine reaches with the project's matmul kernel (the `gemm` crate)
-/// on `threads` threads: square 384×384×384 products repeated for about `budget`. Returns
-/// FLOP/s (2·n³ per product).
-pub fn gemm_probe(threads: usize, budget: Duration) -> Result<f64, String> {
-    let n = 384usize;
-    let dev = Device::cpu(20_000);
-    let a = Tensor::full(&[n, n], 0.5, DType::F32, &dev).map_err(|e| e.to_string())?;
-    let b = Tensor::full(&[n, n], 0.25, DType::F32, &dev).map_err(|e| e.to_string())?;
-    fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
-    // Warm-up (packing buffers, thread pool).
-    a.matmul(&b)
-        .and_then(|c| c.item_at0())
-        .map_err(|e| e.to_string())?;
-    let t0 = Instant::now();
-    let mut reps = 0u64;
-    while t0.elapsed() < budget || reps < 2 {
-        a.matmul(&b)
-            .and_then(|c| c.item_at0())
-            .map_err(|e| e.to_string())?;
-        reps += 1;
-    }
-    let secs = t0.elapsed().as_secs_f64();
-    Ok(2.0 * (n * n * n) as f64 * reps as f64 / secs)
-}
-
-/// Waiting for a result (the CPU stream runs the kernel asynchronously).
-trait ItemAt0 {
-    fn item_at0(&self) -> fsdp_autograd::Result<f32>;
-}
-
-impl ItemAt0 for Tensor {
-    fn item_at0(&self) -> fsdp_autograd::Result<f32> {
-        self.reshape(&[self.numel()])?.narrow(0, 0, 1)?.item()
     }
 }
 
