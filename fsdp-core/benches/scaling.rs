@@ -23,11 +23,27 @@
 //!     (Ψ = all parameters, embeddings included; the second term is attention's QKᵀ and AV,
 //!     forward and backward, counted over the full T×T square like PaLM's formula, although the
 //!     CPU kernel is block-causal and does 5/8 of that square at T = 128) divided by
-//!     the step time, over `gemm_peak_gflops`: the best rate, measured in this run, of one
-//!     2-thread `gemm` call and of two concurrent 1-thread calls on f32 1024×1024×1024 (three
+//!     the step time, over two denominators, each the best rate measured in this run of one
+//!     all-cores call and of one concurrent 1-thread call per core on f32 1024×1024×1024 (three
 //!     repetitions each, measured before the runs and again right after GPT-mini's — on a
-//!     shared machine the best of both is the fairer denominator). `model_flops_over_gemm` is
-//!     GPT-mini's.
+//!     shared machine the best of both is the fairer denominator):
+//!     - `gemm_peak_gflops`: our own matmul (`gemm`'s kernels at the process's CPU level,
+//!       `FSDP_CPU_ISA`); `model_flops_over_gemm` is GPT-mini's rate over it — a limit we set
+//!       ourselves;
+//!     - `gemm_reference_flops_per_s`: the machine's limit through an independent, well-tuned
+//!       BLAS (OpenBLAS's `cblas_sgemm`, loaded at run time, its kernels matched to the CPU
+//!       level; see `fsdp_autograd::kernels::cpu::ReferenceGemm`): the higher of its best
+//!       measured multi-core rate and every core at its one-core rate (best 1-thread 1024³ call
+//!       on thread CPU time, `gemm_reference_one_core_gflops`) — OpenBLAS's own threads scaled
+//!       badly on the 2-core development VM, and a shared machine would lower the measured
+//!       rates, which must not flatter the ratio. `model_flops_over_reference_gemm` is GPT-mini's
+//!       rate over it. Both `null` (with `gemm_reference_note` saying why) where the library is
+//!       not installed.
+//! (d) **Per-shape GEMM rates**: every product of a training step of each model above (the
+//!     five linear layers' forward, input-gradient and weight-gradient products at the model's
+//!     tokens per rank; `scaling/gemm.rs`), ours vs the reference on the rank's thread count
+//!     (`max(1, cores / W)`), interleaved, best of three rounds; a table, the `shapes` rows and
+//!     per model the FLOP-weighted ratio (total FLOPs over total time, ours over reference).
 //!
 //! Also written (under `target/scaling/`): `scaling.svg` (memory vs W, tokens/s vs model size;
 //! plotters' SVG backend) and `gpt_mini_w4_trace.json`, a Chrome trace of one GPT-mini W=4 step
@@ -35,16 +51,21 @@
 //! printed — where the step's time goes.
 //!
 //! The last stdout line is one JSON object: `model_flops_over_gemm`, `gemm_peak_gflops`,
-//! `sharded_state_bytes_w8_over_w1`, `memory` rows and `models` rows.
+//! `model_flops_over_reference_gemm`, `gemm_reference_flops_per_s`, `gemm_reference` (the
+//! library and its kernels), `cpu_isa` (the level our kernels ran at),
+//! `sharded_state_bytes_w8_over_w1`, `memory` rows, `models` rows and `shapes` rows.
 //!
 //! Environment: `SCALING_SKIP_124M=1` skips the 124M model (it takes most of the run time and
-//! ~3 GB of memory).
+//! ~3 GB of memory); `SCALING_SHAPES_ONLY=1` measures only the two GEMM peaks and the per-shape
+//! table (the JSON line then has no memory or model fields); `FSDP_CPU_ISA=avx2` (or
+//! `baseline`) caps our kernels' and the reference's instruction-set level.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use fsdp_alloc::{trace, Device};
+use fsdp_autograd::kernels::cpu::{cpu_isa, detected_cpu_isa, ReferenceGemm};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::{cross_entropy, InitContext, Tensor};
 use fsdp_collectives::{ProcessGroup, ThreadGroup};
@@ -54,6 +75,9 @@ use fsdp_core::{
 
 mod common;
 use common::median;
+#[path = "scaling/gemm.rs"]
+mod gemm_rates;
+use gemm_rates::{Impl, Peak, ShapeRate};
 
 const SEED: u64 = 0;
 const LR: f32 = 1e-3;
@@ -238,61 +262,6 @@ fn run(spec: &Spec) -> Result<Outcome, String> {
     Ok(o)
 }
 
-/// Best f32 GEMM rate on 1024³ (GFLOP/s): one 2-thread call vs two concurrent 1-thread calls.
-fn gemm_peak() -> (f64, f64) {
-    const N: usize = 1024;
-    let a: Vec<f32> = (0..N * N)
-        .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.01)
-        .collect();
-    let b: Vec<f32> = (0..N * N)
-        .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.01)
-        .collect();
-    let flops = 2.0 * (N * N * N) as f64;
-    let mul = |c: &mut [f32], par: gemm::Parallelism| {
-        // SAFETY: a, b, c are N×N row-major f32 buffers that live for the call; the strides
-        // (row N, column 1) stay inside them, and c does not alias a or b.
-        unsafe {
-            gemm::gemm(
-                N,
-                N,
-                N,
-                c.as_mut_ptr(),
-                1,
-                N as isize,
-                false,
-                a.as_ptr(),
-                1,
-                N as isize,
-                b.as_ptr(),
-                1,
-                N as isize,
-                0.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
-                par,
-            )
-        }
-    };
-    let (mut two_thread, mut two_calls) = (0.0f64, 0.0f64);
-    let mut c0 = vec![0f32; N * N];
-    let mut c1 = vec![0f32; N * N];
-    mul(&mut c0, gemm::Parallelism::None); // warm-up (packing buffers, rayon pool)
-    for _ in 0..3 {
-        let t = Instant::now();
-        mul(&mut c0, gemm::Parallelism::Rayon(2));
-        two_thread = two_thread.max(flops / t.elapsed().as_secs_f64() / 1e9);
-        let t = Instant::now();
-        std::thread::scope(|s| {
-            s.spawn(|| mul(&mut c0, gemm::Parallelism::None));
-            s.spawn(|| mul(&mut c1, gemm::Parallelism::None));
-        });
-        two_calls = two_calls.max(2.0 * flops / t.elapsed().as_secs_f64() / 1e9);
-    }
-    (two_thread, two_calls)
-}
-
 fn model_flops(cfg: &GptConfig, params: usize, tokens: usize) -> f64 {
     let attn = 12.0 * (cfg.n_layers * cfg.seq_len * cfg.d_model) as f64;
     tokens as f64 * (6.0 * params as f64 + attn)
@@ -314,6 +283,7 @@ struct ModelRow {
     tokens_per_s: f64,
     model_gflops: f64,
     over_gemm: f64,
+    over_reference: Option<f64>,
 }
 
 fn plot(
@@ -385,49 +355,157 @@ fn plot(
     Ok(())
 }
 
+/// Both GEMM peaks (ours, then the reference), printed with `when`.
+fn peaks(
+    reference: Option<&'static ReferenceGemm>,
+    cores: usize,
+    when: &str,
+) -> (Peak, Option<Peak>) {
+    let ours = gemm_rates::peak(Impl::Ours, cores);
+    let theirs = reference.map(|r| gemm_rates::peak(Impl::Reference(r), cores));
+    for (who, p) in [("ours", Some(ours)), ("reference", theirs)] {
+        if let Some(p) = p {
+            println!(
+                "gemm f32 1024³ ({when}), {who}: one {cores}-thread call {:.1} GFLOP/s, {cores} \
+                 concurrent 1-thread calls {:.1} GFLOP/s, one core (thread CPU time) {:.1} GFLOP/s",
+                p.all_cores, p.concurrent, p.one_core
+            );
+        }
+    }
+    (ours, theirs)
+}
+
+/// A JSON number, or `null` for `None` / a non-finite value.
+fn num(v: Option<f64>, decimals: usize) -> String {
+    match v {
+        Some(x) if x.is_finite() => format!("{x:.decimals$}"),
+        _ => "null".into(),
+    }
+}
+
+/// A JSON string literal.
+fn string(v: &str) -> String {
+    format!("{v:?}")
+}
+
+/// (d): the per-shape table of every spec's products, ours vs the reference.
+fn shape_table(
+    specs: &[Spec],
+    reference: Option<&'static ReferenceGemm>,
+    cores: usize,
+) -> Vec<ShapeRate> {
+    let mut rows = Vec::new();
+    for spec in specs {
+        let threads = (cores / spec.world).max(1);
+        let shapes = gemm_rates::model_shapes(spec.name, &spec.cfg, spec.batch * spec.cfg.seq_len);
+        rows.extend(gemm_rates::shape_rates(&shapes, reference, threads, 3));
+    }
+    let threads: Vec<usize> = specs.iter().map(|s| (cores / s.world).max(1)).collect();
+    println!(
+        "\n(d) per-shape f32 GEMM rates at W=4 ({} thread(s) each, the rank's; timed on {}; ours \
+         = matmul at {}, reference = {})",
+        threads[0],
+        gemm_rates::Clock::for_threads(threads[0]).name(),
+        cpu_isa(),
+        reference.map_or("none", |r| r.name())
+    );
+    println!(
+        "{:<10} | {:<9} | {:>5} {:>5} {:>5} | {:>2} {:>2} | {:>11} | {:>11} | {:>10}",
+        "model", "product", "m", "k", "n", "tA", "tB", "ours GF/s", "ref GF/s", "ours / ref"
+    );
+    for r in &rows {
+        let s = &r.shape;
+        println!(
+            "{:<10} | {:<9} | {:>5} {:>5} {:>5} | {:>2} {:>2} | {:>11.1} | {:>11} | {:>10}",
+            s.model,
+            s.op,
+            s.m,
+            s.k,
+            s.n,
+            u8::from(s.trans_a),
+            u8::from(s.trans_b),
+            r.ours_gflops,
+            num(r.reference_gflops, 1),
+            num(r.ratio(), 3)
+        );
+    }
+    for spec in specs {
+        let mine: Vec<&ShapeRate> = rows.iter().filter(|r| r.shape.model == spec.name).collect();
+        let (ours, theirs) = gemm_rates::aggregate(&mine);
+        println!(
+            "{:<10} all products (FLOP-weighted): ours {ours:.1} GFLOP/s, reference {} GFLOP/s, \
+             ours / reference {}",
+            spec.name,
+            num(theirs, 1),
+            num(theirs.map(|t| ours / t), 3)
+        );
+    }
+    rows
+}
+
+/// The `shapes` rows and the per-model FLOP-weighted ratios of the JSON line.
+fn shapes_json(specs: &[Spec], rows: &[ShapeRate]) -> (String, String) {
+    let shape_json: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            let s = &r.shape;
+            format!(
+                "{{\"model\":\"{}\",\"product\":\"{}\",\"m\":{},\"k\":{},\"n\":{},\
+                 \"trans_a\":{},\"trans_b\":{},\"ours_gflops\":{:.2},\"reference_gflops\":{},\
+                 \"ours_over_reference\":{}}}",
+                s.model,
+                s.op,
+                s.m,
+                s.k,
+                s.n,
+                s.trans_a,
+                s.trans_b,
+                r.ours_gflops,
+                num(r.reference_gflops, 2),
+                num(r.ratio(), 4)
+            )
+        })
+        .collect();
+    let weighted: Vec<String> = specs
+        .iter()
+        .map(|spec| {
+            let mine: Vec<&ShapeRate> =
+                rows.iter().filter(|r| r.shape.model == spec.name).collect();
+            let (ours, theirs) = gemm_rates::aggregate(&mine);
+            format!("\"{}\":{}", spec.name, num(theirs.map(|t| ours / t), 4))
+        })
+        .collect();
+    (shape_json.join(","), weighted.join(","))
+}
+
 fn main() -> Result<(), String> {
+    // First, before any other thread exists: loading OpenBLAS may set OPENBLAS_CORETYPE for the
+    // duration of the load (see `ReferenceGemm`).
+    let reference = ReferenceGemm::load();
     let dir = out_dir();
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!("scaling bench: {cores} cores; FullShard, Block units, BackwardPre, AdamW, f32");
-
-    let (mut g2, mut g1x2) = gemm_peak();
     println!(
-        "gemm f32 1024³ (before the runs): one 2-thread call {g2:.1} GFLOP/s, two concurrent \
-         1-thread calls {g1x2:.1} GFLOP/s"
+        "scaling bench: {cores} cores; FullShard, Block units, BackwardPre, AdamW, f32; CPU \
+         kernels at {} (detected {})",
+        cpu_isa(),
+        detected_cpu_isa()
     );
-
-    // (a) memory vs W.
-    println!("\n(a) GPT-mini, 4 sequences per rank: per-rank memory vs W");
-    println!(
-        "{:>3} | {:>22} | {:>22} | {:>9}",
-        "W", "sharded state (MiB)", "peak allocated (MiB)", "step ms"
-    );
-    let mut mem = Vec::new();
-    for w in [1usize, 2, 4, 8] {
-        let o = run(&Spec {
-            name: "mini-mem",
-            cfg: GptConfig::mini(),
-            world: w,
-            batch: 4,
-            warmup: 1,
-            steps: 1,
-            trace: None,
-        })?;
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-        println!(
-            "{w:>3} | {:>22.2} | {:>22.2} | {:>9.1}",
-            mib(o.sharded_state_bytes),
-            mib(o.peak_allocated_bytes),
-            median(o.step_secs.clone()) * 1e3
-        );
-        mem.push((w, o.sharded_state_bytes, o.peak_allocated_bytes));
-    }
-    let w8_over_w1 = mem[3].1 as f64 / mem[0].1 as f64;
-    println!("sharded state W=8 / W=1 = {w8_over_w1:.4} (1/8 = 0.125)");
-
-    // (b) + (c) models at W=4.
+    let (reference, reference_note) = match reference {
+        Ok(r) => {
+            println!("reference GEMM: {}", r.name());
+            (Some(r), None)
+        }
+        Err(e) => {
+            println!("reference GEMM: none ({e})");
+            (None, Some(e.to_string()))
+        }
+    };
+    let shapes_only = std::env::var_os("SCALING_SHAPES_ONLY").is_some();
     let skip_124m = std::env::var_os("SCALING_SKIP_124M").is_some();
+
+    let (mut ours_peak, mut ref_peak) = peaks(reference, cores, "before the runs");
+
     let mut specs = vec![
         Spec {
             name: "gpt-mini",
@@ -459,24 +537,85 @@ fn main() -> Result<(), String> {
             trace: None,
         });
     }
+    let reference_json = |ref_peak: Option<Peak>| {
+        format!(
+            "\"gemm_reference\":{},\"gemm_reference_note\":{},\"cpu_isa\":\"{}\",\
+             \"detected_cpu_isa\":\"{}\"",
+            reference.map_or("null".into(), |r| string(r.name())),
+            reference_note.as_deref().map_or("null".into(), string),
+            cpu_isa(),
+            detected_cpu_isa()
+        ) + &format!(
+            ",\"gemm_reference_flops_per_s\":{},\"gemm_reference_all_cores_gflops\":{},\
+             \"gemm_reference_concurrent_gflops\":{},\"gemm_reference_one_core_gflops\":{}",
+            num(ref_peak.map(|p| p.limit(cores) * 1e9), 0),
+            num(ref_peak.map(|p| p.all_cores), 2),
+            num(ref_peak.map(|p| p.concurrent), 2),
+            num(ref_peak.map(|p| p.one_core), 2)
+        )
+    };
+
+    if shapes_only {
+        let rows = shape_table(&specs, reference, cores);
+        let (shape_json, weighted) = shapes_json(&specs, &rows);
+        println!(
+            "{{\"gemm_peak_gflops\":{:.2},{},\"shapes_ours_over_reference\":{{{weighted}}},\
+             \"shapes\":[{shape_json}]}}",
+            ours_peak.measured(),
+            reference_json(ref_peak),
+        );
+        return Ok(());
+    }
+
+    // (a) memory vs W.
+    println!("\n(a) GPT-mini, 4 sequences per rank: per-rank memory vs W");
+    println!(
+        "{:>3} | {:>22} | {:>22} | {:>9}",
+        "W", "sharded state (MiB)", "peak allocated (MiB)", "step ms"
+    );
+    let mut mem = Vec::new();
+    for w in [1usize, 2, 4, 8] {
+        let o = run(&Spec {
+            name: "mini-mem",
+            cfg: GptConfig::mini(),
+            world: w,
+            batch: 4,
+            warmup: 1,
+            steps: 1,
+            trace: None,
+        })?;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "{w:>3} | {:>22.2} | {:>22.2} | {:>9.1}",
+            mib(o.sharded_state_bytes),
+            mib(o.peak_allocated_bytes),
+            median(o.step_secs.clone()) * 1e3
+        );
+        mem.push((w, o.sharded_state_bytes, o.peak_allocated_bytes));
+    }
+    let w8_over_w1 = mem[3].1 as f64 / mem[0].1 as f64;
+    println!("sharded state W=8 / W=1 = {w8_over_w1:.4} (1/8 = 0.125)");
+
+    // (b) + (c) models at W=4.
     println!("\n(b, c) W=4: step time, tokens/s, model FLOP rate");
     let mut outcomes = Vec::new();
     for (i, s) in specs.iter().enumerate() {
         outcomes.push(run(s)?);
         if i == 0 {
-            // Measured again right after GPT-mini (the ratio's denominator), best of both: on a
+            // Measured again right after GPT-mini (the ratios' denominators), best of both: on a
             // shared machine the load can change during the run.
-            let (a, b) = gemm_peak();
-            println!(
-                "gemm f32 1024³ (after GPT-mini): one 2-thread call {a:.1} GFLOP/s, two \
-                 concurrent 1-thread calls {b:.1} GFLOP/s"
-            );
-            g2 = g2.max(a);
-            g1x2 = g1x2.max(b);
+            let (o, r) = peaks(reference, cores, "after GPT-mini");
+            ours_peak = ours_peak.best(o);
+            ref_peak = ref_peak.zip(r).map(|(a, b)| a.best(b));
         }
     }
-    let gemm_peak_gflops = g2.max(g1x2);
-    println!("gemm peak (best of the above): {gemm_peak_gflops:.1} GFLOP/s");
+    let gemm_peak_gflops = ours_peak.measured();
+    let ref_gflops = ref_peak.map(|p| p.limit(cores));
+    println!(
+        "gemm peak (best of the above): ours {gemm_peak_gflops:.1} GFLOP/s (measured); reference \
+         limit {} GFLOP/s (the best measured, or {cores} cores at its one-core rate)",
+        num(ref_gflops, 1)
+    );
     let mut rows = Vec::new();
     for (s, o) in specs.iter().zip(outcomes) {
         let tokens = s.world * s.batch * s.cfg.seq_len;
@@ -491,27 +630,39 @@ fn main() -> Result<(), String> {
             tokens_per_s: tokens as f64 / secs,
             model_gflops: gflops,
             over_gemm: gflops / gemm_peak_gflops,
+            over_reference: ref_gflops.map(|r| gflops / r),
         });
     }
     println!(
-        "{:<10} | {:>8} | {:>6} | {:>9} | {:>9} | {:>12} | {:>9}",
-        "model", "params M", "tokens", "step ms", "tokens/s", "model GFLOP/s", "over gemm"
+        "{:<10} | {:>8} | {:>6} | {:>9} | {:>9} | {:>12} | {:>9} | {:>13}",
+        "model",
+        "params M",
+        "tokens",
+        "step ms",
+        "tokens/s",
+        "model GFLOP/s",
+        "over gemm",
+        "over reference"
     );
     for r in &rows {
         println!(
-            "{:<10} | {:>8.2} | {:>6} | {:>9.1} | {:>9.0} | {:>12.1} | {:>9.3}",
+            "{:<10} | {:>8.2} | {:>6} | {:>9.1} | {:>9.0} | {:>12.1} | {:>9.3} | {:>13}",
             r.name,
             r.params as f64 / 1e6,
             r.tokens,
             r.step_ms,
             r.tokens_per_s,
             r.model_gflops,
-            r.over_gemm
+            r.over_gemm,
+            num(r.over_reference, 3)
         );
     }
     let svg = dir.join("scaling.svg");
     plot(&svg, &mem, &rows).map_err(|e| format!("writing {}: {e}", svg.display()))?;
     println!("plot written to {}", svg.display());
+
+    let shape_rows = shape_table(&specs, reference, cores);
+    let (shape_json, weighted) = shapes_json(&specs, &shape_rows);
 
     let mem_json: Vec<String> = mem
         .iter()
@@ -525,7 +676,8 @@ fn main() -> Result<(), String> {
             format!(
                 "{{\"model\":\"{}\",\"params\":{},\"d_model\":{},\"n_layers\":{},\"seq_len\":{},\
                  \"world\":4,\"tokens_per_step\":{},\"step_ms\":{:.2},\"tokens_per_s\":{:.1},\
-                 \"model_gflops\":{:.2},\"model_flops_over_gemm\":{:.4}}}",
+                 \"model_gflops\":{:.2},\"model_flops_over_gemm\":{:.4},\
+                 \"model_flops_over_reference_gemm\":{}}}",
                 r.name,
                 r.params,
                 r.cfg.d_model,
@@ -535,18 +687,22 @@ fn main() -> Result<(), String> {
                 r.step_ms,
                 r.tokens_per_s,
                 r.model_gflops,
-                r.over_gemm
+                r.over_gemm,
+                num(r.over_reference, 4)
             )
         })
         .collect();
     println!(
         "{{\"model_flops_over_gemm\":{:.4},\"gemm_peak_gflops\":{:.2},\"gemm_2thread_gflops\":{:.2},\
-         \"gemm_2x1thread_gflops\":{:.2},\"sharded_state_bytes_w8_over_w1\":{:.4},\
-         \"memory\":[{}],\"models\":[{}]}}",
+         \"gemm_2x1thread_gflops\":{:.2},\"model_flops_over_reference_gemm\":{},{},\
+         \"sharded_state_bytes_w8_over_w1\":{:.4},\"memory\":[{}],\"models\":[{}],\
+         \"shapes_ours_over_reference\":{{{weighted}}},\"shapes\":[{shape_json}]}}",
         rows[0].over_gemm,
         gemm_peak_gflops,
-        g2,
-        g1x2,
+        ours_peak.all_cores,
+        ours_peak.concurrent,
+        num(rows[0].over_reference, 4),
+        reference_json(ref_peak),
         w8_over_w1,
         mem_json.join(","),
         model_json.join(",")

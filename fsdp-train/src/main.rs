@@ -48,7 +48,7 @@ mod train;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 
@@ -68,6 +68,11 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => return resolve::parse_failure("train_gpt", e),
     };
+    // The reference BLAS loads before any thread starts (it sets OPENBLAS_CORETYPE while it
+    // loads); a missing library is reported in the summary, not here.
+    if cli.parallel.device == cli::DeviceArg::Cpu {
+        let _ = probe::load_reference();
+    }
     let outcome = resolve::resolve(&cli).and_then(|job| match job {
         Some(job) => run(&cli, job).and_then(|done| report(&cli, done)),
         None => Ok(()),
@@ -209,10 +214,14 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
             kernel_times::print(p).map_err(Exit::error)?;
         }
     }
+    // The honest limit beside the probe (CPU runs with OpenBLAS installed), measured now that
+    // training is over and the machine is quiet.
+    let reference = probe::reference_limit(&c, resolve::cores(), Duration::from_millis(300));
     let gemm = GemmRate {
         flops_per_s: probe.flops_per_s,
         device: &probe.device,
         dtype: probe.dtype,
+        reference: &reference,
     };
     report::summary(&c, &rep, wall, &gemm, params, cli.logging.json);
     Ok(())

@@ -1,5 +1,5 @@
 //! Output: the banner, the progress bar or plain step lines, the `--metrics` JSON-lines file,
-//! the `--plot` picture, the CPU GEMM-rate probe, and the summary with its `--json` line.
+//! the `--plot` picture, and the summary with its `--json` line.
 //!
 //! ## What a step line reports
 //! `step 10 | loss 3.214 | 5,230 tok/s | peak 41.2 MiB/rank | ag 12.1 MiB rs 12.1 MiB`
@@ -49,14 +49,19 @@
 //! on, at its precision (module `probe`: f32 on all cores for CPU ranks; with `--device cuda`
 //! the GPU's matmuls in f32 or the mixed-precision dtype); `--json` names the probe's device
 //! (`gemm_probe_device`: `"cpu"` or `"cuda:0"`) and dtype (`gemm_probe_dtype`).
+//!
+//! The `reference` line is the honest limit: the same model FLOP/s over the f32 GEMM rate of
+//! OpenBLAS on all cores, measured after training (module `probe`, `reference_limit`), with the
+//! CPU kernels' instruction-set level (`FSDP_CPU_ISA`). `--json`: `gemm_reference_flops_per_s`,
+//! `model_flops_over_reference_gemm` (both `null` for `--device cuda` runs or without OpenBLAS),
+//! `gemm_reference` (the library and its kernels), `gemm_reference_note` (why there is no rate,
+//! else `null`) and `cpu_isa`.
 
 use std::fs::File;
 use std::io::{LineWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
-use fsdp_alloc::{DType, Device};
-use fsdp_autograd::Tensor;
+use fsdp_alloc::DType;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plotters::prelude::*;
 use serde_json::{json, Value};
@@ -64,7 +69,8 @@ use serde_json::{json, Value};
 use fsdp_core::{BackwardPrefetch, Quantization, ShardOver};
 
 use crate::job::TrainConfig;
-use crate::job::{prefetch_name, strategy_name, Observer, Report, StepRecord};
+use crate::job::{prefetch_name, strategy_name, CudaLaunch, Observer, Report, StepRecord};
+use crate::probe::ReferenceProbe;
 
 /// `1234567` → `1,234,567`.
 pub fn thousands(n: u64) -> String {
@@ -532,6 +538,8 @@ pub struct GemmRate<'a> {
     pub device: &'a str,
     /// The precision it ran at.
     pub dtype: DType,
+    /// The reference BLAS's rate beside it (the `reference` line, `gemm_reference_*` fields).
+    pub reference: &'a ReferenceProbe,
 }
 
 /// The summary of a finished run (rank 0): model, loss, speed, compute, memory, state and
@@ -620,6 +628,9 @@ pub fn summary(
         },
         100.0 * model_flops / gemm_rate
     );
+    if gemm.device == "cpu" {
+        println!("{}", gemm.reference.summary_line(model_flops));
+    }
     println!(
         "  memory     peak allocated {:.1} MiB/rank, peak reserved {:.1} MiB/rank (max over ranks \
          and steps); predicted parameter peak {:.1} MiB; {retries} allocation retries",
@@ -647,7 +658,7 @@ pub fn summary(
     );
     if json_line {
         let val = vals.last().map(|v| v.1 as f64).unwrap_or(f64::NAN);
-        let j = json!({
+        let mut j = json!({
             "ranks": c.ranks,
             "backend": c.backend().name(),
             "strategy": strategy_name(c.strategy),
@@ -673,43 +684,10 @@ pub fn summary(
             "limit_all_gathers": limit_name(c),
             "quantize_collectives": quant_name(c),
         });
+        for (k, v) in gemm.reference.json_fields(model_flops) {
+            j[k] = v;
+        }
         println!("{j}");
-    }
-}
-
-/// The f32 GEMM rate this machine reaches with the project's matmul kernel (the `gemm` crate)
-/// on `threads` threads: square 384×384×384 products repeated for about `budget`. Returns
-/// FLOP/s (2·n³ per product).
-pub fn gemm_probe(threads: usize, budget: Duration) -> Result<f64, String> {
-    let n = 384usize;
-    let dev = Device::cpu(20_000);
-    let a = Tensor::full(&[n, n], 0.5, DType::F32, &dev).map_err(|e| e.to_string())?;
-    let b = Tensor::full(&[n, n], 0.25, DType::F32, &dev).map_err(|e| e.to_string())?;
-    fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
-    // Warm-up (packing buffers, thread pool).
-    a.matmul(&b)
-        .and_then(|c| c.item_at0())
-        .map_err(|e| e.to_string())?;
-    let t0 = Instant::now();
-    let mut reps = 0u64;
-    while t0.elapsed() < budget || reps < 2 {
-        a.matmul(&b)
-            .and_then(|c| c.item_at0())
-            .map_err(|e| e.to_string())?;
-        reps += 1;
-    }
-    let secs = t0.elapsed().as_secs_f64();
-    Ok(2.0 * (n * n * n) as f64 * reps as f64 / secs)
-}
-
-/// Waiting for a result (the CPU stream runs the kernel asynchronously).
-trait ItemAt0 {
-    fn item_at0(&self) -> fsdp_autograd::Result<f32>;
-}
-
-impl ItemAt0 for Tensor {
-    fn item_at0(&self) -> fsdp_autograd::Result<f32> {
-        self.reshape(&[self.numel()])?.narrow(0, 0, 1)?.item()
     }
 }
 

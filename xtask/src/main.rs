@@ -2,9 +2,11 @@
 //!
 //! - `ci`: format check, clippy with `-D warnings` (default, `cuda` and `mpi` features), the
 //!   `cuda` compile check, the CUDA kernels (fsdp-autograd's and the shared-GPU collectives')
-//!   on the host emulator, the workspace tests, the MPI suite (`mpi-test`), NVRTC compilation
-//!   of every kernel, the docs with warnings denied and the packaging check. The MPI and NVRTC steps need tools `.ci/run` installs; without them
-//!   (and without `CI=true`) they are skipped with a message.
+//!   on the host emulator, the workspace tests, the FSDP parity tests under each forced CPU
+//!   instruction-set level (`FSDP_CPU_ISA`), the MPI suite (`mpi-test`), NVRTC compilation of
+//!   every kernel, the docs with warnings denied and the packaging check. The MPI and NVRTC
+//!   steps need tools `.ci/run` installs; without them (and without `CI=true`) they are skipped
+//!   with a message.
 //! - `gpu-test`: looks for a CUDA driver and a GPU without panicking; runs the GPU suite (ops,
 //!   attention memory scaling, NCCL, thread ranks sharing one GPU, FSDP parity and memory, clean
 //!   teardown, the train_gpt bench, the kernel-time bench; the list is `gpu_test::STEPS`) if
@@ -23,7 +25,9 @@
 //!   `gpu-test` on a GPU machine without a Rust toolchain (see `bundle.rs`).
 //! - `nvrtc`: compiles every CUDA kernel source with NVRTC from the `nvidia-cuda-nvrtc-cu12`
 //!   wheel (compile only; no GPU or driver needed).
-//! - `bench [NAME]`: runs the named bench (or all of them) in release mode.
+//! - `bench [NAME]`: runs the named bench (or all of them) in release mode. `bench cpu-peer`:
+//!   train_gpt (GPT-mini, 4 CPU ranks, AdamW) beside PyTorch FSDP2 on the CPU, interleaved
+//!   (`cpu_peer.rs`).
 //! - `soak`: runs the slow `#[ignore]`d tests.
 //! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
 //!   links, missing docs), without and with the `cuda` feature.
@@ -38,6 +42,7 @@
 //!   and HybridShard vs FullShard on that cluster (see `nodes.rs`).
 
 mod bundle;
+mod cpu_peer;
 mod gpu_test;
 mod house;
 mod mpi;
@@ -143,6 +148,7 @@ fn ci() -> Result<(), String> {
             .env("FSDP_EMU_REQUIRED", "1"),
     )?;
     run("tests", cargo().args(["test", "--workspace"]))?;
+    forced_isa_parity()?;
     // The multi-process suite: FSDP over MPI against the thread backend under `mpirun`, and the
     // kill test. Every CUDA kernel source compiled by NVRTC (no GPU needed). Both need tools from
     // outside cargo (OpenMPI + libclang; NVIDIA's NVRTC wheel): `.ci/run` installs them, and under
@@ -170,6 +176,72 @@ fn ci() -> Result<(), String> {
             "--allow-dirty",
         ]),
     )
+}
+
+/// The CPU instruction-set levels below AVX-512 that `FSDP_CPU_ISA` can force (the `tests` step
+/// runs the level the machine has).
+const FORCED_ISA_LEVELS: &[&str] = &["baseline", "avx2"];
+
+/// Determinism per CPU level: with `FSDP_CPU_ISA` capping the kernels at each level of
+/// [`FORCED_ISA_LEVELS`], the FSDP ≡ local bit-equality tests (`fsdp_parity`: every strategy,
+/// 1–8 ranks, wrap policies, deferred init, offload, checkpointing; `fsdp_grad_accum`; the
+/// optimizer/clip/scaler kernels against host arithmetic, `fsdp_seam_parity`) and the
+/// level check of fsdp-autograd's `kernels::cpu::isa` tests (it fails unless the forced level is
+/// the one in effect). A level above the machine's is skipped with a message (the cap would be
+/// a no-op, the run a repeat of the `tests` step).
+fn forced_isa_parity() -> Result<(), String> {
+    let detected = |level: &str| match level {
+        "avx2" => is_x86_64_feature("avx2") && is_x86_64_feature("fma"),
+        _ => true,
+    };
+    for &level in FORCED_ISA_LEVELS {
+        if !detected(level) {
+            eprintln!("xtask: FSDP_CPU_ISA={level}: SKIPPED, this CPU has no {level}");
+            continue;
+        }
+        run(
+            &format!("CPU level check (FSDP_CPU_ISA={level})"),
+            cargo().env("FSDP_CPU_ISA", level).args([
+                "test",
+                "-p",
+                "fsdp-autograd",
+                "--lib",
+                "kernels::cpu::isa",
+            ]),
+        )?;
+        run(
+            &format!("parity tests (FSDP_CPU_ISA={level})"),
+            cargo().env("FSDP_CPU_ISA", level).args([
+                "test",
+                "-p",
+                "fsdp-tests",
+                "--test",
+                "fsdp_parity",
+                "--test",
+                "fsdp_grad_accum",
+                "--test",
+                "fsdp_seam_parity",
+            ]),
+        )?;
+    }
+    Ok(())
+}
+
+/// Whether this CPU has x86-64 feature `f` (false elsewhere).
+fn is_x86_64_feature(f: &str) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match f {
+            "avx2" => std::arch::is_x86_feature_detected!("avx2"),
+            "fma" => std::arch::is_x86_feature_detected!("fma"),
+            _ => false,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = f;
+        false
+    }
 }
 
 /// `cargo doc --workspace --no-deps` with `-D warnings` added to `RUSTDOCFLAGS`, without and
@@ -240,7 +312,7 @@ fn soak() -> Result<(), String> {
 const USAGE: &str = "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | \
                      gpu-peer [--train-gpt BIN] [--script PY] | \
                      gpu-train-compare shared-gpu|mpi-gpu [--train-gpt BIN] [--out DIR] | nvrtc | \
-                     bench [NAME] | soak | doc | mpi-test [--nodes 2]>";
+                     bench [NAME | cpu-peer] | soak | doc | mpi-test [--nodes 2]>";
 
 /// `gpu-peer`'s options: `--train-gpt BIN` and `--script PY`, each at most once.
 fn peer_args<'a>(rest: &[&'a str]) -> Result<(Option<&'a str>, Option<&'a str>), String> {
@@ -299,6 +371,7 @@ fn main() {
         ["bench"] => bench(None),
         ["bench", "mpi"] => mpi::bench_mpi(),
         ["bench", "nodes"] => nodes::bench_nodes(),
+        ["bench", "cpu-peer"] => cpu_peer::bench_cpu_peer(),
         ["bench", name] => bench(Some(name)),
         ["mpi-test"] => mpi::mpi_test(),
         ["mpi-test", "--nodes", "2"] => nodes::mpi_test_nodes(),

@@ -64,30 +64,35 @@ fn sizes(op: &'static str, a: &Attention) -> Result<(usize, usize, usize), Kerne
     Ok((nq, nkv, a.packed_len().ok_or_else(overflow)?))
 }
 
-/// Calls `f(packed_index, head_index)` for every element of the heads `s` of a packed
-/// `[batch, t, s.width, d]` tensor: its index there and in the `[batch, s.count, t, d]` one.
+/// Calls `f(packed_start, head_start)` for every row of `d` elements of the heads `s` of a
+/// packed `[batch, t, s.width, d]` tensor: where it starts there and in the
+/// `[batch, s.count, t, d]` one.
 fn each(batch: usize, t: usize, d: usize, s: Slots, mut f: impl FnMut(usize, usize)) {
     for b in 0..batch {
         for i in 0..t {
             for h in 0..s.count {
                 let p = ((b * t + i) * s.width + s.first + h) * d;
                 let o = ((b * s.count + h) * t + i) * d;
-                for j in 0..d {
-                    f(p + j, o + j);
-                }
+                f(p, o);
             }
         }
     }
 }
 
 fn gather(src: &[f32], a: &Attention, s: Slots) -> Vec<f32> {
-    let mut dst = vec![0.0f32; a.batch * s.count * a.t * a.d];
-    each(a.batch, a.t, a.d, s, |p, o| dst[o] = src[p]);
+    let d = a.d;
+    let mut dst = vec![0.0f32; a.batch * s.count * a.t * d];
+    each(a.batch, a.t, d, s, |p, o| {
+        dst[o..o + d].copy_from_slice(&src[p..p + d])
+    });
     dst
 }
 
 fn scatter(src: &[f32], dst: &mut [f32], a: &Attention, s: Slots) {
-    each(a.batch, a.t, a.d, s, |p, o| dst[p] = src[o]);
+    let d = a.d;
+    each(a.batch, a.t, d, s, |p, o| {
+        dst[p..p + d].copy_from_slice(&src[o..o + d])
+    });
 }
 
 /// Causal attention forward on the packed layout: [`causal_attention_packed_with`] for

@@ -592,56 +592,74 @@ mod tests {
         assert!(gelu_exact_backward(&[1.0; 3], &[1.0; 2], &mut [0.0; 3]).is_err());
     }
 
-    /// The AVX2 and baseline paths of the element-wise maps give the same bits (the claim that
-    /// lets `map1`/`map2` pick the lane width at run time without breaking determinism).
+    /// Every instruction-set level of the element-wise maps and row kernels gives the same bits
+    /// (the claim that lets them pick the lane width at run time without breaking determinism).
+    /// Attention's products stay at the process's level, so only its row loops vary.
     #[test]
     fn simd_dispatch_paths_give_the_same_bits() {
-        use crate::kernels::cpu::math::scalar_only;
+        use crate::kernels::cpu::isa::forced;
+        let levels = forced::available();
         let mut rng = Rng::new(77);
         let mut x = rng.vec_scaled(4099, 8.0);
         x.extend_from_slice(&[0.0, -0.0, 1e-30, 1.0 / 64.0, 20.0, -20.0, 80.0, -80.0]);
         let dy = rng.vec(x.len());
+        let every = |name: &str, f: &dyn Fn() -> Vec<Vec<f32>>| {
+            let base = forced::with_simd(levels[0], f);
+            for &l in &levels[1..] {
+                let got = forced::with_simd(l, f);
+                for (i, (a, b)) in got.iter().zip(&base).enumerate() {
+                    assert_eq!(bits(a), bits(b), "{name}: output {i} at {l}");
+                }
+            }
+        };
         type Unary = fn(&[f32], &mut [f32]) -> Result<(), KernelError>;
         type Binary = fn(&[f32], &[f32], &mut [f32]) -> Result<(), KernelError>;
         let unary: [(&str, Unary); 2] = [("gelu", gelu), ("gelu_exact", gelu_exact)];
-        let binary: [(&str, Binary); 2] = [
+        let binary: [(&str, Binary); 5] = [
             ("gelu_backward", gelu_backward),
             ("gelu_exact_backward", gelu_exact_backward),
+            ("add", add),
+            ("mul", mul),
+            ("scale", |a, _, o| scale(a, -0.37, o)),
         ];
         for (name, f) in unary {
-            let mut fast = vec![0.0; x.len()];
-            let mut base = vec![0.0; x.len()];
-            f(&x, &mut fast).unwrap();
-            scalar_only::with(|| f(&x, &mut base)).unwrap();
-            assert_eq!(bits(&fast), bits(&base), "{name}");
+            every(name, &|| {
+                let mut y = vec![0.0; x.len()];
+                f(&x, &mut y).unwrap();
+                vec![y]
+            });
         }
         for (name, f) in binary {
-            let mut fast = vec![0.0; x.len()];
-            let mut base = vec![0.0; x.len()];
-            f(&x, &dy, &mut fast).unwrap();
-            scalar_only::with(|| f(&x, &dy, &mut base)).unwrap();
-            assert_eq!(bits(&fast), bits(&base), "{name}");
+            every(name, &|| {
+                let mut y = vec![0.0; x.len()];
+                f(&x, &dy, &mut y).unwrap();
+                vec![y]
+            });
         }
-        // The row kernels: col_sums, layer norm and attention, forward and backward.
-        let both = |f: &dyn Fn() -> Vec<Vec<f32>>| {
-            let fast = f();
-            let base = scalar_only::with(f);
-            for (i, (a, b)) in fast.iter().zip(&base).enumerate() {
-                assert_eq!(bits(a), bits(b), "output {i}");
-            }
-        };
+        every("sums", &|| {
+            let mut y = dy.clone();
+            add_scaled(&mut y, 0.3, &x).unwrap();
+            scale_inplace(&mut y, 1.7);
+            let s = [sum(&x), mean(&x).unwrap(), max_f32(&x)];
+            let d = [dot_f64(&x, &dy) as f32, (dot_f64(&x, &dy) * 1e-7) as f32];
+            vec![y, s.to_vec(), d.to_vec()]
+        });
+        // The row kernels: col_sums, row bias, layer norm and attention, forward and backward.
         let cols = 37;
         let rows = x.len() / cols;
         let xs = &x[..rows * cols];
-        both(&|| {
-            let mut out = vec![0.0; cols];
-            col_sums(xs, &mut out).unwrap();
-            vec![out]
-        });
         let gamma = rng.vec(cols);
         let beta = rng.vec(cols);
+        every("col_sums, row bias", &|| {
+            let mut out = vec![0.0; cols];
+            col_sums(xs, &mut out).unwrap();
+            let mut biased = vec![0.0; xs.len()];
+            add_row_bias(xs, &gamma, &mut biased).unwrap();
+            add_row_bias_inplace(&mut biased, &beta).unwrap();
+            vec![out, biased]
+        });
         let dys = &dy[..rows * cols];
-        both(&|| {
+        every("layer norm", &|| {
             use crate::kernels::cpu::{layer_norm, layer_norm_backward};
             let (mut y, mut mean, mut rstd) =
                 (vec![0.0; xs.len()], vec![0.0; rows], vec![0.0; rows]);
@@ -656,7 +674,7 @@ mod tests {
         let (bh, t, d) = (3, 70, 8);
         let n = bh * t * d;
         let (q, k, v, dout) = (&x[..n], &x[n..2 * n], &dy[..n], &dy[n..2 * n]);
-        both(&|| {
+        every("attention", &|| {
             use crate::kernels::cpu::{causal_attention, causal_attention_backward};
             let (mut out, mut probs) = (vec![0.0; n], vec![0.0; bh * t * t]);
             causal_attention(q, k, v, &mut out, &mut probs, bh, 1, t, d).unwrap();

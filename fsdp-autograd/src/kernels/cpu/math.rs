@@ -21,11 +21,12 @@ pub(crate) trait SimdKernel {
     fn run(self) -> Self::Output;
 }
 
-/// Runs `kernel` compiled for the widest instruction set this CPU has: AVX2 (8 f32 lanes) on
-/// x86-64-v3 machines, the baseline (SSE2, 4 lanes) otherwise, chosen at run time by `pulp`
+/// Runs `kernel` compiled for the CPU kernels' instruction-set level ([`super::isa`]): AVX-512
+/// (16 f32 lanes) on x86-64-v4 machines, AVX2 (8 lanes) on x86-64-v3 ones, the baseline (SSE2,
+/// 4 lanes) otherwise or when `FSDP_CPU_ISA` caps it, chosen at run time through `pulp`
 /// (already a dependency of `gemm`). Only the lane width changes: Rust never contracts `a·b + c`
 /// into a fused multiply-add, and every other operation is correctly rounded or exact, so each
-/// path gives the same bits (tested by running the kernels under both paths).
+/// path gives the same bits (tested by running the kernels under every level).
 #[inline(always)]
 pub(crate) fn vectorized<K: SimdKernel>(kernel: K) -> K::Output {
     struct Op<K>(K);
@@ -89,32 +90,22 @@ pub(crate) fn map2<M: Map2>(a: &[f32], b: &[f32], y: &mut [f32]) {
     vectorized(Op::<M>(a, b, y, std::marker::PhantomData))
 }
 
-/// Runs `op` on the best instruction set (the baseline one when a test forces it).
+/// Runs `op` at the kernels' level ([`super::isa::simd_level`]).
 #[inline(always)]
 fn dispatch<Op: pulp::WithSimd>(op: Op) -> Op::Output {
-    #[cfg(test)]
-    if scalar_only::get() {
-        return pulp::Arch::Scalar.dispatch(op);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::isa::{simd_level, CpuIsa};
+        // `try_new` re-checks the (cached) CPUID bits: a level is only entered where it runs.
+        let arch = match simd_level() {
+            CpuIsa::Avx512 => pulp::x86::V4::try_new().map(pulp::Arch::V4),
+            CpuIsa::Avx2 => pulp::x86::V3::try_new().map(pulp::Arch::V3),
+            CpuIsa::Baseline => None,
+        };
+        arch.unwrap_or(pulp::Arch::Scalar).dispatch(op)
     }
+    #[cfg(not(target_arch = "x86_64"))]
     pulp::Arch::new().dispatch(op)
-}
-
-/// Test switch: force [`vectorized`]'s baseline path (flipped concurrently with other tests, which is
-/// harmless because both paths give the same bits).
-#[cfg(test)]
-pub(crate) mod scalar_only {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    static ON: AtomicBool = AtomicBool::new(false);
-    pub(crate) fn get() -> bool {
-        ON.load(Ordering::Relaxed)
-    }
-    /// Runs `f` with the baseline path forced, then restores the dispatch.
-    pub(crate) fn with<R>(f: impl FnOnce() -> R) -> R {
-        ON.store(true, Ordering::Relaxed);
-        let r = f();
-        ON.store(false, Ordering::Relaxed);
-        r
-    }
 }
 
 /// ≈ ln(f32::MIN_POSITIVE): below this the true value is subnormal and 0 is returned (flush).

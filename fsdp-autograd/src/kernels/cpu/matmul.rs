@@ -1,9 +1,11 @@
-//! Matrix products through the `gemm` crate.
+//! Matrix products through the `gemm` crate, at the CPU kernels' instruction-set level
+//! ([`super::isa`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use gemm::Parallelism;
 
+use super::isa::{gemm_level, CpuIsa};
 use crate::kernels::check;
 use crate::kernels::KernelError;
 
@@ -141,6 +143,55 @@ pub(crate) fn gemm_view(
     scale: f32,
     parallelism: Parallelism,
 ) -> Result<(), KernelError> {
+    let isa = gemm_level();
+    let (m, k, n) = (a_view.rows, a_view.cols, b_view.cols);
+    let pre = isa == CpuIsa::Avx512 && b_view.trans && pretranspose_pays(m, k, n);
+    gemm_view_at(
+        op,
+        a,
+        a_view,
+        b,
+        b_view,
+        c,
+        ldc,
+        accumulate,
+        scale,
+        parallelism,
+        isa,
+        pre,
+    )
+}
+
+/// Whether transposing a `trans_b` operand into a contiguous `k×n` scratch before the product
+/// ([`gemm_view_at`]'s `pretranspose_b`) makes an AVX-512 product faster. `gemm` computes a
+/// row-major product as the transposed one, in which such a `B` is a row-major left operand
+/// that its packing gathers column by column: at AVX-512 speed that gather, not the
+/// arithmetic, bounds products with long rows (k ≥ 512, e.g. a linear layer's forward
+/// `x·Wᵀ` at 4·d_model inputs ran at 0.65–0.80 of OpenBLAS; 0.91–1.01 with the scratch, at
+/// GPT-mini's and the 25M model's shapes). At few rows (m < 128) the transpose costs more than
+/// it saves unless the rows are very long. Bounded to 4 Mi elements (16 MiB) of scratch.
+fn pretranspose_pays(m: usize, k: usize, n: usize) -> bool {
+    k >= 512 && (m >= 128 || k >= 2048) && k.saturating_mul(n) <= 1 << 22
+}
+
+/// [`gemm_view`] at an explicit level, optionally with `B` (stored transposed) first copied
+/// into a contiguous `k×n` scratch (same products, same bits: the packed panels gemm's
+/// microkernels read hold the same values either way; tested).
+#[allow(clippy::too_many_arguments)]
+fn gemm_view_at(
+    op: &'static str,
+    a: &[f32],
+    a_view: View,
+    b: &[f32],
+    b_view: View,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    scale: f32,
+    parallelism: Parallelism,
+    isa: CpuIsa,
+    pretranspose_b: bool,
+) -> Result<(), KernelError> {
     let (m, k, n) = (a_view.rows, a_view.cols, b_view.cols);
     if b_view.rows != k {
         return Err(KernelError::InvalidShape {
@@ -157,13 +208,42 @@ pub(crate) fn gemm_view(
         trans: false,
     }
     .strides(op, "c", c.len())?;
+    if pretranspose_b && b_view.trans && k > 0 && n > 0 {
+        return PACKED_B.with(|cell| {
+            // Taken out of the cell for the call (a nested call on this thread would find an
+            // empty one and allocate its own), put back for the next call.
+            let mut buf = cell.take();
+            if buf.len() < k * n {
+                buf.resize(k * n, 0.0);
+            }
+            let packed = &mut buf[..k * n];
+            transpose(isa, b, n, k, b_view.ld, packed);
+            let r = gemm_view_at(
+                op,
+                a,
+                a_view,
+                packed,
+                View::dense(k, n, false),
+                c,
+                ldc,
+                accumulate,
+                scale,
+                parallelism,
+                isa,
+                false,
+            );
+            cell.set(buf);
+            r
+        });
+    }
     // SAFETY: `View::strides` checked that each slice holds its operand: gemm reads op(A)[i][p]
     // at i·a_rs + p·a_cs ≤ (stored rows − 1)·ld + (row width − 1) < a.len() for i < m, p < k
     // (likewise B), and writes C[i][j] at i·ldc + j ≤ (m − 1)·ldc + n − 1 < c.len(). `c` is a
     // unique borrow, so it aliases neither input. gemm returns before touching memory when m or
     // n is 0, and reads no input when k is 0.
     unsafe {
-        gemm::gemm(
+        sgemm(
+            isa,
             m,
             n,
             k,
@@ -179,13 +259,276 @@ pub(crate) fn gemm_view(
             b_rs,
             1.0,
             scale,
-            false,
-            false,
-            false,
             parallelism,
         );
     }
     Ok(())
+}
+
+thread_local! {
+    /// [`gemm_view_at`]'s scratch for a pre-transposed `B`, kept per thread between calls (at
+    /// most [`pretranspose_pays`]'s bound; host memory outside the device allocators).
+    static PACKED_B: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// `dst (cols×rows) = srcᵀ` for `src` stored `rows×cols` with `ld` elements between rows
+/// (`ld ≥ cols`); exact copies, so every path gives the same bits.
+fn transpose(isa: CpuIsa, src: &[f32], rows: usize, cols: usize, ld: usize, dst: &mut [f32]) {
+    assert!(
+        ld >= cols
+            && dst.len() >= rows * cols
+            && (rows == 0 || src.len() >= (rows - 1) * ld + cols),
+        "transpose: {rows}×{cols} (ld {ld}) from {} into {} elements",
+        src.len(),
+        dst.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == CpuIsa::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is available (checked above); the bounds were asserted above.
+        unsafe { transpose_avx512(src, rows, cols, ld, dst) };
+        return;
+    }
+    let _ = isa;
+    transpose_scalar(src, 0, rows, 0, cols, rows, ld, dst);
+}
+
+/// The part `r0..r1 × c0..c1` of [`transpose`], element by element.
+#[allow(clippy::too_many_arguments)]
+fn transpose_scalar(
+    src: &[f32],
+    r0: usize,
+    r1: usize,
+    c0: usize,
+    c1: usize,
+    rows: usize,
+    ld: usize,
+    dst: &mut [f32],
+) {
+    for r in r0..r1 {
+        for c in c0..c1 {
+            dst[c * rows + r] = src[r * ld + c];
+        }
+    }
+}
+
+/// [`transpose`] with 16×16 tiles transposed in AVX-512 registers (the rest element by
+/// element).
+///
+/// # Safety
+/// The CPU supports AVX-512F; `ld ≥ cols`, `src` holds `(rows − 1)·ld + cols` elements and
+/// `dst` at least `rows·cols` (what [`transpose`] asserts): every tile's 16 loads of 16 floats
+/// (rows `r0..r0+16 ≤ rows`, columns `c0..c0+16 ≤ cols`) and 16 stores (rows `c0..c0+16` of
+/// `dst`, columns `r0..r0+16`) stay inside the slices.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+// The AVX-512 intrinsics are stable since Rust 1.89, which gemm's and pulp's `x86-v4` features
+// (AVX-512 kernels) need as well: building this workspace needs 1.89 now, while its declared
+// `rust-version` is still 1.85 (raising it turns on newer clippy lints across the workspace;
+// left to a change of its own).
+#[allow(clippy::incompatible_msrv)]
+unsafe fn transpose_avx512(src: &[f32], rows: usize, cols: usize, ld: usize, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (rt, ct) = (rows / 16 * 16, cols / 16 * 16);
+    for r0 in (0..rt).step_by(16) {
+        for c0 in (0..ct).step_by(16) {
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(src.as_ptr().add((r0 + i) * ld + c0));
+            }
+            // 32-bit interleave of row pairs, 64-bit interleave of pairs of those, then two
+            // rounds of 128-bit lane shuffles.
+            let mut t = [_mm512_setzero_ps(); 16];
+            for i in 0..8 {
+                t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+            }
+            for g in 0..4 {
+                let (a, b, c, d) = (t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3]);
+                v[4 * g] =
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
+                v[4 * g + 1] =
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(c)));
+                v[4 * g + 2] =
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b), _mm512_castps_pd(d)));
+                v[4 * g + 3] =
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b), _mm512_castps_pd(d)));
+            }
+            for i in 0..4 {
+                t[i] = _mm512_shuffle_f32x4::<0x88>(v[i], v[4 + i]);
+                t[4 + i] = _mm512_shuffle_f32x4::<0xDD>(v[i], v[4 + i]);
+                t[8 + i] = _mm512_shuffle_f32x4::<0x88>(v[8 + i], v[12 + i]);
+                t[12 + i] = _mm512_shuffle_f32x4::<0xDD>(v[8 + i], v[12 + i]);
+            }
+            for i in 0..4 {
+                v[i] = _mm512_shuffle_f32x4::<0x88>(t[i], t[8 + i]);
+                v[8 + i] = _mm512_shuffle_f32x4::<0xDD>(t[i], t[8 + i]);
+                v[4 + i] = _mm512_shuffle_f32x4::<0x88>(t[4 + i], t[12 + i]);
+                v[12 + i] = _mm512_shuffle_f32x4::<0xDD>(t[4 + i], t[12 + i]);
+            }
+            for (i, x) in v.iter().enumerate() {
+                _mm512_storeu_ps(dst.as_mut_ptr().add((c0 + i) * rows + r0), *x);
+            }
+        }
+    }
+    transpose_scalar(src, 0, rt, ct, cols, rows, ld, dst);
+    transpose_scalar(src, rt, rows, 0, cols, rows, ld, dst);
+}
+
+/// `gemm::gemm`'s f32 path at an explicit instruction-set level: `gemm::gemm`'s own argument
+/// normalization (a row-major destination is computed as the transposed problem, which its
+/// microkernels prefer; negative strides are flipped), then the same blocked driver
+/// (`gemm_common::gemm::gemm_basic_generic`) with the same arguments `gemm` 0.19 passes it, and
+/// the microkernels of `gemm-f32` for `isa` — AVX-512 (`avx512f`, 16 lanes), AVX2 + FMA (`fma`,
+/// 8 lanes) or the portable `scalar` kernel. At the level `gemm` itself detects, the bits equal
+/// `gemm::gemm`'s (tested). A level the CPU lacks falls back to the next narrower one that it
+/// has (never entered: [`super::cpu_isa`] is capped at the detected level).
+///
+/// # Safety
+/// `gemm::gemm`'s contract: `dst`, `lhs` and `rhs` with their strides address valid `m×n`,
+/// `m×k` and `k×n` matrices, `dst` not overlapping the others.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn sgemm(
+    isa: CpuIsa,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_cs: isize,
+    dst_rs: isize,
+    read_dst: bool,
+    lhs: *const f32,
+    lhs_cs: isize,
+    lhs_rs: isize,
+    rhs: *const f32,
+    rhs_cs: isize,
+    rhs_rs: isize,
+    alpha: f32,
+    beta: f32,
+    parallelism: Parallelism,
+) {
+    // As gemm::gemm: C = A·B is computed as Cᵀ = Bᵀ·Aᵀ when C is row-oriented.
+    let (
+        m,
+        n,
+        mut dst_cs,
+        mut dst_rs,
+        mut lhs,
+        mut lhs_cs,
+        mut lhs_rs,
+        mut rhs,
+        mut rhs_cs,
+        mut rhs_rs,
+    ) = if dst_cs.abs() < dst_rs.abs() {
+        (
+            n, m, dst_rs, dst_cs, rhs, rhs_rs, rhs_cs, lhs, lhs_rs, lhs_cs,
+        )
+    } else {
+        (
+            m, n, dst_cs, dst_rs, lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs,
+        )
+    };
+    let mut dst = dst;
+    if dst_rs < 0 && m > 0 {
+        dst = dst.wrapping_offset((m - 1) as isize * dst_rs);
+        dst_rs = -dst_rs;
+        lhs = lhs.wrapping_offset((m - 1) as isize * lhs_rs);
+        lhs_rs = -lhs_rs;
+    }
+    if dst_cs < 0 && n > 0 {
+        dst = dst.wrapping_offset((n - 1) as isize * dst_cs);
+        dst_cs = -dst_cs;
+        rhs = rhs.wrapping_offset((n - 1) as isize * rhs_cs);
+        rhs_cs = -rhs_cs;
+    }
+    if lhs_cs < 0 && k > 0 {
+        lhs = lhs.wrapping_offset((k - 1) as isize * lhs_cs);
+        lhs_cs = -lhs_cs;
+        rhs = rhs.wrapping_offset((k - 1) as isize * rhs_rs);
+        rhs_rs = -rhs_rs;
+    }
+    /// One level: gemm-f32's microkernel table `$uk` with `$n` f32 lanes, run under `$simd`
+    /// (exactly what gemm-common's `gemm_def!` instantiates for f32).
+    macro_rules! at_level {
+        ($simd:expr, $uk:path, $n:expr) => {{
+            use $uk as uk;
+            gemm_common::gemm::gemm_basic_generic::<
+                _,
+                f32,
+                $n,
+                { uk::MR_DIV_N * $n },
+                { uk::NR },
+                { uk::MR_DIV_N },
+                { uk::H_M },
+                { uk::H_N },
+            >(
+                $simd,
+                m,
+                n,
+                k,
+                dst,
+                dst_cs,
+                dst_rs,
+                read_dst,
+                lhs,
+                lhs_cs,
+                lhs_rs,
+                rhs,
+                rhs_cs,
+                rhs_rs,
+                alpha,
+                beta,
+                false,
+                false,
+                false,
+                |a, b, c| a * b + c,
+                &uk::UKR,
+                &uk::H_UKR,
+                false,
+                parallelism,
+            )
+        }};
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use gemm_common::simd::{Scalar, V3, V4};
+        if isa == CpuIsa::Avx512 {
+            if let Some(simd) = V4::try_new() {
+                return at_level!(simd, gemm_f32::microkernel::avx512f::f32, 16);
+            }
+        }
+        if isa >= CpuIsa::Avx2 {
+            if let Some(simd) = V3::try_new() {
+                return at_level!(simd, gemm_f32::microkernel::fma::f32, 8);
+            }
+        }
+        at_level!(Scalar, gemm_f32::microkernel::scalar::f32, 1)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            read_dst,
+            lhs,
+            lhs_cs,
+            lhs_rs,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            alpha,
+            beta,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
 }
 
 /// The checked core of [`matmul`]: `C = scale · op(A) · op(B) (+ C if accumulate)` with an
@@ -608,6 +951,154 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every level this CPU has: within the f32 error bound of the f64 reference, bit-identical
+    /// across parallelism settings and alignments (the determinism contract holds per level);
+    /// the detected level equals `gemm::gemm` bit for bit (our dispatch calls what it calls).
+    #[test]
+    fn every_isa_level_is_accurate_deterministic_and_the_detected_one_is_gemms() {
+        use crate::kernels::cpu::isa::{detected_cpu_isa, forced};
+        let mut rng = Rng::new(5);
+        let shapes = [
+            (1, 7, 1),
+            (17, 33, 9),
+            (70, 65, 66),
+            (128, 64, 96),
+            (96, 200, 80),
+        ];
+        let mut differ = false;
+        for &(m, k, n) in &shapes {
+            for (trans_a, trans_b) in [(false, false), (false, true), (true, false), (true, true)] {
+                let a = rng.vec(m * k);
+                let b = rng.vec(k * n);
+                let c0 = rng.vec(m * n);
+                let (want, mag) = reference(&a, &b, &c0, (m, k, n), trans_a, trans_b, true);
+                let mut per_level = Vec::new();
+                for level in forced::available() {
+                    forced::with(level, || {
+                        let base = run(
+                            &a,
+                            &b,
+                            (m, k, n),
+                            trans_a,
+                            trans_b,
+                            &c0,
+                            Parallelism::None,
+                            0,
+                        );
+                        let got: Vec<f32> = base.iter().map(|&u| f32::from_bits(u)).collect();
+                        check_against_reference(&got, &want, &mag, k);
+                        for (par, offset) in
+                            [(Parallelism::Rayon(2), 3), (Parallelism::Rayon(0), 1)]
+                        {
+                            let again = run(&a, &b, (m, k, n), trans_a, trans_b, &c0, par, offset);
+                            assert!(again == base, "{level}: m={m} k={k} n={n} {par:?}");
+                        }
+                        per_level.push((level, base));
+                    });
+                }
+                differ |= per_level.windows(2).any(|w| w[0].1 != w[1].1);
+                // gemm's own dispatch, at the level it detects (ours, uncapped).
+                let mut raw = c0.clone();
+                let (ars, acs) = if trans_a {
+                    (1, m as isize)
+                } else {
+                    (k as isize, 1)
+                };
+                let (brs, bcs) = if trans_b {
+                    (1, k as isize)
+                } else {
+                    (n as isize, 1)
+                };
+                // SAFETY: a, b, raw hold m·k, k·n, m·n elements laid out as the strides say.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        raw.as_mut_ptr(),
+                        1,
+                        n as isize,
+                        true,
+                        a.as_ptr(),
+                        acs,
+                        ars,
+                        b.as_ptr(),
+                        bcs,
+                        brs,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        Parallelism::None,
+                    );
+                }
+                let detected = per_level.iter().find(|(l, _)| *l == detected_cpu_isa());
+                assert_eq!(
+                    detected.map(|d| &d.1),
+                    Some(&bits(&raw)),
+                    "m={m} k={k} n={n}"
+                );
+            }
+        }
+        // The levels really are different kernels (FMA vs separate rounding, other blocking).
+        if forced::available().len() > 1 {
+            assert!(differ, "no shape told the levels apart");
+        }
+    }
+
+    /// The AVX-512 transpose equals the element-by-element one on whole and partial tiles and
+    /// strided sources, and a product with `B` pre-transposed equals the direct product bit for
+    /// bit at every level (the scratch changes speed only).
+    #[test]
+    fn pretransposed_b_is_the_same_product() {
+        use crate::kernels::cpu::isa::forced;
+        let mut rng = Rng::new(9);
+        for &(r, c, ld) in &[
+            (16, 16, 16),
+            (33, 47, 50),
+            (64, 32, 32),
+            (5, 3, 3),
+            (17, 16, 20),
+        ] {
+            let src = rng.vec((r - 1) * ld + c);
+            let mut want = vec![0.0; r * c];
+            transpose_scalar(&src, 0, r, 0, c, r, ld, &mut want);
+            for level in forced::available() {
+                let mut got = vec![0.0; r * c];
+                transpose(level, &src, r, c, ld, &mut got);
+                assert_eq!(bits(&got), bits(&want), "{r}x{c} ld {ld} at {level}");
+            }
+        }
+        for &(m, k, n) in &[(128, 512, 64), (130, 600, 33), (64, 2048, 48), (16, 40, 24)] {
+            let (a, b, c0) = (rng.vec(m * k), rng.vec(k * n), rng.vec(m * n));
+            for level in forced::available() {
+                let mut out = Vec::new();
+                for pre in [false, true] {
+                    let mut c = c0.clone();
+                    gemm_view_at(
+                        "matmul",
+                        &a,
+                        View::dense(m, k, false),
+                        &b,
+                        View::dense(k, n, true),
+                        &mut c,
+                        n,
+                        true,
+                        1.0,
+                        Parallelism::None,
+                        level,
+                        pre,
+                    )
+                    .unwrap();
+                    out.push(bits(&c));
+                }
+                assert!(out[0] == out[1], "m={m} k={k} n={n} at {level}");
+            }
+        }
+        assert!(pretranspose_pays(512, 1024, 256) && !pretranspose_pays(512, 256, 1024));
     }
 
     #[test]
