@@ -69,7 +69,7 @@ use serde_json::{json, Value};
 use fsdp_core::{BackwardPrefetch, Quantization, ShardOver};
 
 use crate::job::TrainConfig;
-use crate::job::{prefetch_name, strategy_name, CudaLaunch, Observer, Report, StepRecord};
+use crate::job::{prefetch_name, strategy_name, Observer, Report, StepRecord};
 use crate::probe::ReferenceProbe;
 
 /// `1234567` → `1,234,567`.
