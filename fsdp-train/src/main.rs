@@ -21,6 +21,8 @@
 
 mod ckpt;
 mod cli;
+#[cfg(test)]
+mod cli_doc;
 mod cuda;
 mod data;
 mod hf;
@@ -120,7 +122,14 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         .logging
         .log_every
         .map_or((c.steps / 12).max(1), |n| n as usize);
-    let progress = primary && std::io::stdout().is_terminal() && !cli.logging.no_progress;
+    let launched = c.mpi || c.cuda == Some(crate::job::CudaLaunch::Processes);
+    let progress = primary
+        && report::wants_progress_bar(
+            std::io::stdout().is_terminal(),
+            std::io::stderr().is_terminal(),
+            cli.logging.no_progress,
+            launched,
+        );
     let console = Console::new(progress, every, metrics);
     let start = Instant::now();
     let mut rep = train::run_job(&c, Box::new(console), false).map_err(Exit::error)?;

@@ -588,7 +588,8 @@ fn check_paths(root: &Path) -> Result<Vec<String>, String> {
                 root
             };
             checked += 1;
-            if !base.join(&p).exists() && !(!link && inside_a_crate(&tracked, &p)) {
+            let found = base.join(&p).exists() || (!link && inside_a_crate(&tracked, &p));
+            if !found {
                 let msg = format!("{rel}:{line}: `{p}` does not exist");
                 eprintln!("xtask: readme: FAIL {msg}");
                 failures.push(msg);
