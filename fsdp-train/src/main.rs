@@ -8,7 +8,8 @@
 //! cargo run --release --bin train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
 //! cargo run --release --bin train_gpt -- --plan --apply --steps 20  # train with the top plan
 //! cargo build --release -p fsdp-train --features mpi --bin train_gpt &&
-//!     mpirun -n 4 target/release/train_gpt --backend mpi   # one process per rank
+//!     mpirun -n 4 target/release/train_gpt --backend mpi   # one process per rank (as root:
+//!                                                          # mpirun --allow-run-as-root …)
 //! ```
 //!
 //! A run is four steps, one function each below: **parse** the command line ([`cli`]),
