@@ -21,7 +21,8 @@
 //! says so).
 //!
 //! Skipped, each printed with its reason: commands that need a CUDA GPU (`--device cuda`,
-//! `--features cuda`), a launcher that is not installed (`mpirun`, `torchrun`), and `cargo xtask`
+//! `--features cuda`), a launcher that is not installed (`mpirun`, `torchrun`), the
+//! `tensorboard` viewer (a server; the event file is checked instead), and `cargo xtask`
 //! commands (`ci` runs this step; the others are steps of their own). A `torchrun` command that
 //! starts a program that is not a Python script without `--no-python` fails even when skipped
 //! (torchrun would run the binary with Python). Any other program is an error: a new kind of
@@ -29,7 +30,7 @@
 //!
 //! A command fails the step on a non-zero exit or a missing promised output: the files of
 //! `--metrics`, `--plot`, `--save`, `--profile`; a `step_*` checkpoint in a trained
-//! `--checkpoint-dir`; `model.safetensors` and `config.json` in `--export-hf`; the token cache
+//! `--checkpoint-dir`; an `events.out.tfevents*` file in `--tensorboard`; `model.safetensors` and `config.json` in `--export-hf`; the token cache
 //! `DATA.gpt2.bin` of `--tokenizer gpt2`; a JSON object as the last line of `--json`.
 //!
 //! **Paths.** Every backticked span without spaces that contains a `/` and starts with one of
@@ -288,10 +289,20 @@ pub fn plan(c: &ShCommand, mpi: bool) -> Result<Plan, String> {
                 "torchrun starts one process per GPU (--backend nccl)".into(),
             ))
         }
-        p if p.ends_with("/train_gpt") => Ok(Plan::TrainGpt {
-            launcher: Vec::new(),
-            args: smoke_args(&w[1..]),
-        }),
+        p if p.ends_with("/train_gpt") => {
+            if value(&w[1..], "--device") == Some("cuda") {
+                return Ok(Plan::Skip("needs a CUDA GPU".into()));
+            }
+            Ok(Plan::TrainGpt {
+                launcher: Vec::new(),
+                args: smoke_args(&w[1..]),
+            })
+        }
+        "tensorboard" => Ok(Plan::Skip(
+            "a viewer (a web server that runs until stopped); the event file it reads is \
+             checked as the output `--tensorboard` promises"
+                .into(),
+        )),
         _ => Err(format!(
             "README.md:{}: no rule for `{}` (add one in xtask/src/readme.rs)",
             c.line,
@@ -316,6 +327,9 @@ fn promised(args: &[String]) -> Vec<(PathBuf, &'static str)> {
         out.push((Path::new(d).join("model.safetensors"), "file"));
         out.push((Path::new(d).join("config.json"), "file"));
     }
+    if let Some(d) = value(args, "--tensorboard") {
+        out.push((PathBuf::from(d), "tensorboard"));
+    }
     if let (Some("gpt2"), Some(data)) = (value(args, "--tokenizer"), value(args, "--data")) {
         out.push((PathBuf::from(format!("{data}.gpt2.bin")), "file"));
     }
@@ -329,6 +343,13 @@ fn check_promised(dir: &Path, args: &[String]) -> Result<(), String> {
             "checkpoint" => std::fs::read_dir(&full).is_ok_and(|rd| {
                 rd.flatten()
                     .any(|e| e.file_name().to_string_lossy().starts_with("step_"))
+            }),
+            "tensorboard" => std::fs::read_dir(&full).is_ok_and(|rd| {
+                rd.flatten().any(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with("events.out.tfevents")
+                })
             }),
             _ => std::fs::metadata(&full).is_ok_and(|m| m.is_file() && m.len() > 0),
         };
@@ -683,6 +704,18 @@ mod tests {
             Ok(Plan::Skip(_))
         ));
         assert!(plan(&c("rm -rf /"), true).is_err());
+        assert!(matches!(
+            plan(&c("target/release/train_gpt --device cuda --ranks 4"), true),
+            Ok(Plan::Skip(_))
+        ));
+        assert!(matches!(
+            plan(&c("target/release/train_gpt --ranks 4"), true),
+            Ok(Plan::TrainGpt { .. })
+        ));
+        assert!(matches!(
+            plan(&c("tensorboard --logdir runs"), true),
+            Ok(Plan::Skip(_))
+        ));
     }
 
     #[test]
