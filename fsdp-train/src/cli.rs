@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::{Gelu, GptConfig};
+use fsdp_autograd::nn::{Gelu, GptConfig, GptDropout};
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
 use fsdp_core::{ShardOver, STRATEGIES};
 
@@ -81,8 +81,9 @@ pub struct ModelArgs {
     #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1_048_576))]
     pub vocab: Option<u64>,
     /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
-    #[arg(long, value_enum, default_value_t = GeluArg::Exact)]
-    pub gelu: GeluArg,
+    /// [default: exact; with --init-from: the model's, and a --gelu that differs is refused]
+    #[arg(long, value_enum)]
+    pub gelu: Option<GeluArg>,
     /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
     #[arg(long)]
     pub tied: bool,
@@ -90,6 +91,11 @@ pub struct ModelArgs {
     /// planner models it too)
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// Dropout probability P in training, at GPT-2's three places (embeddings, attention
+    /// probabilities, residual branches); off in evaluation and sampling. With --init-from it
+    /// replaces config.json's resid_pdrop/embd_pdrop/attn_pdrop (used otherwise) [default: 0]
+    #[arg(long, value_name = "P", value_parser = parse_dropout)]
+    pub dropout: Option<f32>,
 }
 
 /// Training data.
@@ -128,20 +134,22 @@ pub struct DataArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
-    /// Number of thread ranks [default: 4; with --device cuda: every visible GPU] (with
-    /// --backend mpi or nccl: the launcher's process count instead); at most 64 to train, up to
-    /// 65,536 with --plan alone
+    /// Number of thread ranks [default: 4; with --device cuda: every visible GPU; more ranks than
+    /// GPUs share cuda:0] (with --backend mpi or nccl: the launcher's process count instead); at
+    /// most 64 to train, up to 65,536 with --plan alone
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub ranks: Option<u64>,
-    /// Collectives backend: thread (W thread ranks in this process; NCCL between them with
-    /// --device cuda), mpi (one process per CPU rank under mpirun/srun; needs a build with
-    /// `cargo build --release -p fsdp-train --features mpi`) or nccl (one process per GPU under
-    /// torchrun/mpirun/srun; needs --device cuda)
+    /// Collectives backend: thread (W thread ranks in this process; with --device cuda NCCL
+    /// between them, a GPU each, or with more ranks than GPUs all sharing cuda:0 through GPU
+    /// memory), mpi (one process per rank under mpirun/srun; with --device cuda each on its
+    /// local rank's GPU modulo the visible ones, collectives staged through host memory; needs a
+    /// build with `cargo build --release -p fsdp-train --features mpi`) or nccl (one process per
+    /// GPU under torchrun/mpirun/srun; needs --device cuda)
     #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
     pub backend: BackendArg,
-    /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (one GPU per
-    /// rank, NCCL collectives; shards, sharded gradients and optimizer state stay on the GPU and
-    /// the optimizer runs there unless --cpu-offload; needs a build with --features
+    /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (GPU ranks, see
+    /// --backend; shards, sharded gradients and optimizer state stay on the GPU and the
+    /// optimizer runs there unless --cpu-offload; needs a build with --features
     /// fsdp-train/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
@@ -219,9 +227,11 @@ pub enum QuantArg {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Optimizer")]
 pub struct OptimArgs {
-    /// Optimizer steps: the total of the run (with --resume, training continues up to it)
+    /// Optimizer steps: the total of the run (with --resume, training continues up to it).
+    /// 0 converts without training: with --init-from, --resume or --load, and --export-hf or
+    /// --save, it writes the model and exits
     #[arg(long, value_name = "N", default_value_t = 60,
-          value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+          value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub steps: u64,
     /// Sharded optimizer (state sharded like the parameters)
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
@@ -318,6 +328,10 @@ pub struct LoggingArgs {
     /// text)
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
+    /// Replace an existing --metrics file or --export-hf model (both are refused otherwise;
+    /// with --resume, --metrics lines are appended)
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print a step line every N steps (default: about 12 lines per run)
     #[arg(long, value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
@@ -326,6 +340,12 @@ pub struct LoggingArgs {
     /// stderr, or under a launcher (--backend mpi or nccl), there is never one
     #[arg(long)]
     pub no_progress: bool,
+    /// Write TensorBoard event files into DIR (created if missing; open with `tensorboard
+    /// --logdir DIR`): per step train/loss, train/lr, train/grad_norm, perf/tokens_per_s,
+    /// perf/mfu (when the GEMM rate is known before training: CPU ranks), the peak memory, and
+    /// val/loss at evaluations
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// `--model`.
@@ -364,7 +384,7 @@ pub enum DataFormatArg {
 pub enum BackendArg {
     /// in-process thread ranks
     Thread,
-    /// one MPI process per rank
+    /// one MPI process per rank (GPU ranks staged through host memory)
     Mpi,
     /// one process per GPU over NCCL (with --device cuda)
     Nccl,
@@ -397,6 +417,14 @@ fn parse_unit(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
         _ => Err(format!("`{s}` is not a number in [0, 1)")),
+    }
+}
+
+/// A dropout probability in `[0, 1)`.
+fn parse_dropout(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a probability in [0, 1)")),
     }
 }
 
@@ -480,8 +508,7 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 /// The layout `--device` and `--backend` ask for; `None` for CPU ranks.
 ///
 /// # Errors
-/// A usage message for `--backend nccl` without `--device cuda` and for `--device cuda
-/// --backend mpi`.
+/// A usage message for `--backend nccl` without `--device cuda`.
 pub fn cuda_launch(device: DeviceArg, backend: BackendArg) -> Result<Option<CudaLaunch>, String> {
     match (device, backend) {
         (DeviceArg::Cpu, BackendArg::Thread | BackendArg::Mpi) => Ok(None),
@@ -492,11 +519,7 @@ pub fn cuda_launch(device: DeviceArg, backend: BackendArg) -> Result<Option<Cuda
         ),
         (DeviceArg::Cuda, BackendArg::Thread) => Ok(Some(CudaLaunch::Threads)),
         (DeviceArg::Cuda, BackendArg::Nccl) => Ok(Some(CudaLaunch::Processes)),
-        (DeviceArg::Cuda, BackendArg::Mpi) => Err(
-            "--backend mpi runs CPU ranks; for one process per GPU use --device cuda \
-             --backend nccl under torchrun, mpirun or srun"
-                .into(),
-        ),
+        (DeviceArg::Cuda, BackendArg::Mpi) => Ok(Some(CudaLaunch::Mpi)),
     }
 }
 
@@ -517,13 +540,14 @@ impl ModelPreset {
 
 /// Parameters of a GPT of this shape (token + position embeddings, blocks, final norm, head).
 pub fn gpt_params(c: &GptConfig) -> u64 {
-    let (v, d, l, t) = (
+    let (v, d, l, t, m) = (
         c.vocab as u64,
         c.d_model as u64,
         c.n_layers as u64,
-        c.seq_len as u64,
+        c.positions() as u64,
+        c.inner() as u64,
     );
-    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (m * d + m) + (m * d + d);
     let head = if c.tied { 0 } else { v * d };
     v * d + t * d + l * block + 2 * d + head
 }
@@ -559,21 +583,23 @@ impl Cli {
         if m.tied {
             gpt = gpt.with_tied(true);
         }
-        apply_gelu(&mut gpt, m.gelu);
+        apply_gelu(&mut gpt, m.gelu.unwrap_or(GeluArg::Exact));
         if m.activation_checkpointing {
             gpt = gpt.with_checkpoint(true);
         }
+        if let Some(p) = m.dropout {
+            gpt = gpt.with_dropout(GptDropout::all(p));
+        }
         // `--plan` without `--apply` builds nothing: any model size and rank count may be planned.
         let plan_only = self.planning.plan && !self.planning.apply;
-        let shaped = m.d_model.is_some()
-            || m.layers.is_some()
-            || m.heads.is_some()
-            || m.tied
-            || m.gelu != GeluArg::Exact;
-        let interop = self
+        let shaped = m.d_model.is_some() || m.layers.is_some() || m.heads.is_some() || m.tied;
+        let mut interop = self
             .interop
             .resolve(&mut gpt, m.vocab, m.seq_len, shaped)
             .map_err(UsageError)?;
+        // With --init-from the model's own GELU is used; a --gelu given is checked against it.
+        interop.gelu = m.gelu.map(|_| gpt.gelu);
+        interop.dropout = m.dropout;
         if gpt.d_model % gpt.n_heads != 0 {
             return usage(format!(
                 "--d-model {} is not divisible by --heads {}",
@@ -626,7 +652,7 @@ impl Cli {
                  CPU products are always full f32)",
             );
         }
-        let cuda = cuda_launch(p.device, p.backend).map_err(UsageError)?;
+        let mut cuda = cuda_launch(p.device, p.backend).map_err(UsageError)?;
         let mpi = p.backend == BackendArg::Mpi;
         if mpi && !cfg!(feature = "mpi") {
             return usage(
@@ -637,7 +663,10 @@ impl Cli {
         let ranks = if mpi {
             mpi_world_size()?
         } else if let Some(launch) = cuda {
-            crate::cuda::world_size(launch, p.ranks).map_err(UsageError)?
+            // More thread ranks than GPUs: the layout becomes shared-GPU ranks on cuda:0.
+            let (launch, ranks) = crate::cuda::world_size(launch, p.ranks).map_err(UsageError)?;
+            cuda = Some(launch);
+            ranks
         } else {
             p.ranks.unwrap_or(4) as usize
         };
@@ -757,6 +786,16 @@ impl Cli {
         if c.load.is_some() && self.interop.init_from.is_some() {
             return usage("--load and --init-from both set the starting state; pick one");
         }
+        if o.steps == 0 {
+            let start = self.interop.init_from.is_some() || c.resume.is_some() || c.load.is_some();
+            let out = self.interop.export_hf.is_some() || c.save.is_some();
+            if !(start && out) {
+                return usage(
+                    "--steps 0 converts without training: it needs a starting state (--init-from, \
+                     --resume or --load) and an output (--export-hf or --save)",
+                );
+            }
+        }
         let l = &self.logging;
         if l.kernel_times && l.profile.is_none() {
             return usage(
@@ -857,16 +896,49 @@ mod tests {
         assert!(cuda_launch(Cpu, Nccl)
             .unwrap_err()
             .contains("--device cuda"));
-        assert!(cuda_launch(Cuda, Mpi)
-            .unwrap_err()
-            .contains("--backend nccl"));
-        assert_eq!(CudaLaunch::Threads.ordinal(3), 3);
+        assert_eq!(cuda_launch(Cuda, Mpi), Ok(Some(CudaLaunch::Mpi)));
+        assert_eq!(CudaLaunch::Threads.ordinal(3, 4), 3);
     }
 
     fn parse(args: &[&str]) -> Result<TrainConfig, String> {
         let cli = Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
             .map_err(|e| e.to_string())?;
         cli.into_config().map_err(|e| e.0)
+    }
+
+    /// `--dropout P` sets GPT-2's three dropouts (P in [0, 1)) and is remembered for
+    /// `--init-from`; `--steps 0` needs a starting state and an output.
+    #[test]
+    fn dropout_and_steps_zero_flags() {
+        let c = parse(&["--dropout", "0.1"]).unwrap();
+        assert_eq!(c.gpt.dropout, GptDropout::all(0.1));
+        assert_eq!(c.interop.dropout, Some(0.1));
+        assert!(parse(&[]).unwrap().gpt.dropout.is_off());
+        for bad in ["1", "1.5", "-0.1", "x", "NaN"] {
+            let e = parse(&[&format!("--dropout={bad}")]).unwrap_err();
+            assert!(e.contains("--dropout"), "{e}");
+        }
+        for args in [
+            &["--steps", "0"][..],
+            &["--steps", "0", "--save", "x.safetensors"],
+            &["--steps", "0", "--init-from", "m"],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert!(e.contains("--steps 0 converts without training"), "{e}");
+        }
+        let c = parse(&["--steps", "0", "--init-from", "m", "--export-hf", "out"]).unwrap();
+        assert_eq!(c.steps, 0);
+        let c = parse(&[
+            "--steps",
+            "0",
+            "--checkpoint-dir",
+            "ck",
+            "--resume",
+            "--save",
+            "s.safetensors",
+        ])
+        .unwrap();
+        assert!(c.resume);
     }
 
     #[test]

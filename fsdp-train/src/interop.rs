@@ -5,11 +5,11 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use fsdp_autograd::nn::{Gpt, GptConfig};
+use fsdp_autograd::nn::{Gpt, GptConfig, GptDropout};
 use fsdp_core::{state_dict, Fsdp};
 
 use crate::data::DataFormat;
-use crate::hf::{self, HfCheckpoint};
+use crate::hf::{self, HfCheckpoint, HfConfig};
 use crate::job::{DataSpec, Interop, TrainConfig, MAX_STEPS};
 use crate::sample::{self, SampleOpts};
 use crate::tokenizer::Tokenizer;
@@ -25,12 +25,15 @@ pub struct InteropArgs {
     #[arg(long, value_enum, default_value_t = TokenizerArg::Bytes)]
     pub tokenizer: TokenizerArg,
     /// Start from Hugging Face GPT-2 weights: a directory with model.safetensors and config.json
-    /// (GPT2LMHeadModel's layout), or its model.safetensors. The model's shape and GELU come
-    /// from config.json (--vocab may be larger, --seq-len shorter)
+    /// (GPT2LMHeadModel's layout), or its model.safetensors. The model's shape, GELU, layer-norm
+    /// epsilon, attention scaling and dropout come from config.json (--vocab may be larger,
+    /// --seq-len shorter: the whole position table is kept; --dropout replaces the dropout); a
+    /// key train_gpt does not know is refused
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// After training, write the model as a Hugging Face GPT-2 directory (model.safetensors +
-    /// config.json, loadable by GPT2LMHeadModel.from_pretrained)
+    /// config.json, loadable by GPT2LMHeadModel.from_pretrained): the whole position table, the
+    /// settings trained with, and --init-from's other config keys
     #[arg(long, value_name = "DIR")]
     pub export_hf: Option<PathBuf>,
     /// Print a short sample (48 tokens, temperature 0.8, top-k 40, seed 0) every N steps
@@ -80,7 +83,7 @@ impl InteropArgs {
         if self.init_from.is_some() && shape_overridden {
             return Err(
                 "--init-from takes the model's shape from its config.json; drop --d-model, \
-                 --layers, --heads, --tied and --gelu"
+                 --layers, --heads and --tied"
                     .into(),
             );
         }
@@ -91,8 +94,34 @@ impl InteropArgs {
             seq_len: explicit_seq.map(|t| t as usize),
             export_hf: self.export_hf.clone(),
             sample_every: self.sample_every as usize,
+            gelu: None,
+            dropout: None,
         })
     }
+}
+
+/// With `--init-from` and `--gelu`: refuses a `--gelu` that is not the model's
+/// (`activation_function` of its config.json), either way round. `Err` is a usage message;
+/// a model that cannot be opened is left to [`prepare`] to report.
+pub fn check_gelu(c: &TrainConfig) -> Result<(), String> {
+    let (Some(p), Some(want)) = (&c.interop.init_from, c.interop.gelu) else {
+        return Ok(());
+    };
+    let Ok(ck) = HfCheckpoint::open(p) else {
+        return Ok(());
+    };
+    let has = ck.config.gelu;
+    if has != want {
+        return Err(format!(
+            "--gelu {} but the --init-from model {} uses the {} GELU (config.json); drop \
+             --gelu (the model's own is used) or give --gelu {}",
+            want.name(),
+            ck.path().display(),
+            has.name(),
+            has.name()
+        ));
+    }
+    Ok(())
 }
 
 /// Before training (exit 1 on error): with `--init-from`, opens and checks the checkpoint and
@@ -106,43 +135,76 @@ impl InteropArgs {
 pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
     let mut notes = Vec::new();
     let i = &c.interop;
-    let gpt = match &i.init_from {
-        None => c.gpt,
-        Some(p) => {
-            let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
-            let mut g = ck.config.gpt().with_checkpoint(c.gpt.checkpoint);
-            let text = i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. });
-            let floor = if text { i.tokenizer.vocab() } else { 0 };
-            g.vocab = i.vocab.unwrap_or(g.vocab).max(g.vocab).max(floor);
-            if let Some(t) = i.seq_len {
-                g.seq_len = t;
-            }
-            hf::check_model(&ck, &g).map_err(|e| e.to_string())?;
-            notes.push(format!(
-                "init-from: {} (GPT-2 vocab {} d {} layers {} heads {} positions {}, gelu {})",
-                ck.path().display(),
-                ck.config.vocab,
-                ck.config.d_model,
-                ck.config.n_layers,
-                ck.config.n_heads,
-                ck.config.n_positions,
-                g.gelu.name()
+    let gpt =
+        match &i.init_from {
+            None => c.gpt,
+            Some(p) => {
+                let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
+                let mut g = ck.config.gpt().with_checkpoint(c.gpt.checkpoint);
+                let text =
+                    i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. });
+                let floor = if text { i.tokenizer.vocab() } else { 0 };
+                g.vocab = i.vocab.unwrap_or(g.vocab).max(g.vocab).max(floor);
+                // Training at a shorter --seq-len uses the first rows; the table stays whole.
+                if let Some(t) = i.seq_len {
+                    g.seq_len = t;
+                }
+                if let Some(p) = i.dropout {
+                    g = g.with_dropout(GptDropout::all(p));
+                }
+                hf::check_model(&ck, &g).map_err(|e| e.to_string())?;
+                let cf = &ck.config;
+                notes.push(format!(
+                    "init-from: {} (GPT-2 vocab {} d {} layers {} heads {} positions {} inner {}, \
+                 {} ({} GELU), layer-norm eps {}, attention scale {}{}, {}tied)",
+                    ck.path().display(),
+                    cf.vocab,
+                    cf.d_model,
+                    cf.n_layers,
+                    cf.n_heads,
+                    cf.n_positions,
+                    g.inner(),
+                    cf.activation,
+                    g.gelu.name(),
+                    cf.ln_eps,
+                    if cf.scaling.by_head_dim {
+                        "1/√head_dim"
+                    } else {
+                        "1"
+                    },
+                    if cf.scaling.by_inverse_layer {
+                        " / (layer + 1)"
+                    } else {
+                        ""
+                    },
+                    if g.tied { "" } else { "un" },
+                ));
+                let d = g.dropout;
+                notes.push(format!(
+                "dropout in training: embeddings {}, attention probabilities {}, residual {} ({})",
+                d.embd,
+                d.attn,
+                d.resid,
+                if i.dropout.is_some() { "--dropout" } else { "config.json" }
             ));
-            g
-        }
-    };
+                notes.extend(ck.note().map(str::to_string));
+                g
+            }
+        };
     let data = match &c.data {
         DataSpec::File {
             path,
             format: DataFormat::Text,
             val_fraction,
         } if i.tokenizer == Tokenizer::Gpt2 => {
-            let (bin, reused) = crate::tokenizer::gpt2_bin(path)?;
-            notes.push(format!(
-                "tokenizer: gpt2; {} {}",
-                if reused { "reusing" } else { "wrote" },
-                bin.display()
-            ));
+            let (bin, how) = crate::tokenizer::gpt2_bin(path, &mut |pid| {
+                let who = pid.map_or("another process".into(), |p| format!("process {p}"));
+                println!(
+                    "tokenizer: waiting for {who}, which is writing the token cache of {}",
+                    path.display()
+                );
+            })?;
+            notes.push(format!("tokenizer: gpt2; {how} {}", bin.display()));
             DataSpec::File {
                 path: bin,
                 format: DataFormat::U16,
@@ -175,7 +237,12 @@ pub fn export_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<Option<PathBuf>,
     let Some(dir) = &c.interop.export_hf else {
         return Ok(None);
     };
-    hf::export(fsdp, dir).map_err(|e| format!("--export-hf: {e}"))?;
+    // The --init-from config's keys that do not change the model are carried into the export.
+    let source = match &c.interop.init_from {
+        Some(p) => Some(HfConfig::read_beside(p).map_err(|e| format!("--export-hf: {e}"))?),
+        None => None,
+    };
+    hf::export(fsdp, source.as_ref(), dir).map_err(|e| format!("--export-hf: {e}"))?;
     Ok(Some(dir.clone()))
 }
 
@@ -202,7 +269,9 @@ pub fn sample_rank(
     } else {
         Some(c.interop.tokenizer)
     };
-    let model = sample::model_from(&c.gpt, &full)?;
+    // On the CPU, whatever the training device; nothing is dropped.
+    let g = c.gpt.with_dropout(GptDropout::default());
+    let model = sample::model_from(&g, &full, &fsdp_alloc::Device::cpu(0))?;
     let prompt = match tok {
         Some(t) => sample::prompt_ids(t, "")?,
         None => vec![3],

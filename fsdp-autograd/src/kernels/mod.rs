@@ -10,7 +10,8 @@
 //!   (`operand.rs`). Every tensor operation, fill, copy, upload and readback goes through it.
 //! - The ops, one file each, grouped by family: [`gemm`] (matrix products), [`elementwise`],
 //!   [`reduce`], [`norm`] (softmax, layer norm), [`embedding`], [`loss`] (cross-entropy),
-//!   [`attention`], [`layout`] (strided copies), [`optim`] (optimizer, clipping, grad scaler).
+//!   [`attention`], [`layout`] (strided copies), [`optim`] (optimizer, clipping, grad scaler),
+//!   [`dropout`] (the counter-based dropout mask).
 //!   An op's file holds its shape struct, its check, its CPU launch and (feature `cuda`) its
 //!   CUDA launch.
 //! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices, and
@@ -31,6 +32,7 @@ pub mod backend;
 mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 mod front;

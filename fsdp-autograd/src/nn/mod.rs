@@ -32,7 +32,7 @@ mod layers;
 
 /// The GELU variants an [`Mlp`] (and [`GptConfig::gelu`]) can use.
 pub use crate::kernels::Gelu;
-pub use gpt::{Block, CausalSelfAttention, Gpt, GptConfig, Mlp};
+pub use gpt::{AttnScaling, Block, CausalSelfAttention, Gpt, GptConfig, GptDropout, Mlp};
 pub use layers::{Embedding, LayerNorm, Linear, RmsNorm, Sequential};
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -4,7 +4,7 @@
 
 mod cache;
 
-pub use cache::gpt2_bin;
+pub use cache::{cache_paths, gpt2_bin};
 
 use tiktoken_rs::CoreBPE;
 
@@ -48,7 +48,16 @@ impl Tokenizer {
     /// # Errors
     /// An id outside the vocabulary.
     pub fn decode(self, ids: &[u32]) -> Result<String, String> {
-        let bytes = match self {
+        Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
+    }
+
+    /// The bytes of `ids` (a GPT-2 token may hold part of a UTF-8 character: text streamed
+    /// token by token is decoded from the bytes, see `sample`).
+    ///
+    /// # Errors
+    /// An id outside the vocabulary.
+    pub fn decode_bytes(self, ids: &[u32]) -> Result<Vec<u8>, String> {
+        Ok(match self {
             Tokenizer::Bytes => ids
                 .iter()
                 .map(|&i| u8::try_from(i).map_err(|_| format!("token id {i} is not a byte")))
@@ -56,8 +65,7 @@ impl Tokenizer {
             Tokenizer::Gpt2 => gpt2()?
                 .decode_bytes(ids)
                 .map_err(|e| format!("GPT-2 decoding: {e}"))?,
-        };
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        })
     }
 }
 

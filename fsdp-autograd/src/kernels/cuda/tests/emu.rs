@@ -12,15 +12,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
-use crate::kernels::attention::flash::{
-    plan_flash_backward_in, plan_flash_in, FlashLayout, FlashType,
-};
+use crate::kernels::attention::flash::{plan_flash, plan_flash_backward, FlashType};
 use crate::kernels::attention::unfused::{plan_attention, plan_attention_backward};
 use crate::kernels::cuda::desc::view_desc;
 use crate::kernels::cuda::kernel::ArgKind;
 use crate::kernels::cuda::plan::{GemmType, PArg, Plan, Ptr, Step};
 use crate::kernels::cuda::typed::{type_code, types_word};
 use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::dropout::gpu::plan_dropout_t;
 use crate::kernels::elementwise::axpy::gpu::{
     plan_add_row_bias_inplace, plan_add_row_bias_inplace_t, plan_axpy, plan_axpy_t,
 };
@@ -464,6 +463,14 @@ impl EmuExec {
                 *eps,
                 [x.0, gamma.0, y.0, *rstd].map(d),
             ),
+            TypedOp::Dropout { x, y, cols, mask } => plan_dropout_t(
+                types_word(&[c(x), c(y)]),
+                n(x) / *cols as u64,
+                *cols as u64,
+                mask,
+                d(x.0),
+                d(y.0),
+            ),
             TypedOp::RmsNormBackward {
                 x,
                 gamma,
@@ -726,11 +733,14 @@ impl Exec for EmuExec {
                 v,
                 out,
                 probs,
-                batch,
-                heads,
-                t,
-                d: dd,
-            } => plan_attention(batch * heads, *t, *dd, [*q, *k, *v, *out, *probs].map(d)),
+                a,
+            } => plan_attention(
+                a.batch * a.heads,
+                a.t,
+                a.d,
+                a.scale,
+                [*q, *k, *v, *out, *probs].map(d),
+            ),
             Op::AttentionBackward {
                 q,
                 k,
@@ -740,14 +750,12 @@ impl Exec for EmuExec {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d: dd,
+                a,
             } => plan_attention_backward(
-                batch * heads,
-                *t,
-                *dd,
+                a.batch * a.heads,
+                a.t,
+                a.d,
+                a.scale,
                 [*q, *k, *v, *probs, *dout, *dq, *dk, *dv].map(d),
             ),
             Op::Bmm {
@@ -784,20 +792,9 @@ impl Exec for EmuExec {
                 v,
                 out,
                 lse,
-                batch,
-                heads,
-                t,
-                d: dd,
-                packed,
-            } => FlashType::of("flash_attention", *dtype).and_then(|ty| {
-                let lay = if *packed {
-                    FlashLayout::packed(*heads)
-                } else {
-                    FlashLayout::HEADS
-                };
-                let ptrs = [*q, *k, *v, *out, *lse].map(d);
-                plan_flash_in(ty, batch * heads, *t, *dd, lay, ptrs)
-            }),
+                a,
+            } => FlashType::of("flash_attention", *dtype)
+                .and_then(|ty| plan_flash(ty, a, [*q, *k, *v, *out, *lse].map(d))),
             Op::FlashBackward {
                 dtype,
                 q,
@@ -809,25 +806,10 @@ impl Exec for EmuExec {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d: dd,
-                packed,
+                a,
             } => FlashType::of("flash_attention_backward", *dtype).and_then(|ty| {
-                let lay = if *packed {
-                    FlashLayout::packed(*heads)
-                } else {
-                    FlashLayout::HEADS
-                };
-                plan_flash_backward_in(
-                    ty,
-                    batch * heads,
-                    *t,
-                    *dd,
-                    lay,
-                    [*q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv].map(d),
-                )
+                let ptrs = [*q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv].map(d);
+                plan_flash_backward(ty, a, ptrs)
             }),
             Op::Cast { kind, src, dst } => {
                 let (kernel, n) = match kind {
