@@ -48,6 +48,8 @@ pub struct CliPaths<'a> {
     pub plot: Option<&'a Path>,
     /// `--cluster` (a file, or a preset name when no such file exists).
     pub cluster: Option<&'a Path>,
+    /// `--tensorboard` (a directory of event files).
+    pub tensorboard: Option<&'a Path>,
     /// `--overwrite`: replace an existing `--metrics` file or `--export-hf` model.
     pub overwrite: bool,
 }
@@ -59,6 +61,7 @@ impl<'a> CliPaths<'a> {
             metrics: cli.logging.metrics.as_deref(),
             plot: cli.logging.plot.as_deref(),
             cluster: cli.planning.cluster.as_deref(),
+            tensorboard: cli.logging.tensorboard.as_deref(),
             overwrite: cli.logging.overwrite,
         }
     }
@@ -103,6 +106,7 @@ pub fn outputs<'a>(c: &'a TrainConfig, x: &CliPaths<'a>) -> Vec<Output<'a>> {
             .as_deref()
             .map(|p| dir("--export-hf", p)),
     );
+    v.extend(x.tensorboard.map(|p| dir("--tensorboard", p)));
     v
 }
 
@@ -456,6 +460,10 @@ pub fn check_writable(c: &TrainConfig, x: &CliPaths<'_>) -> Result<(), String> {
             CheckpointManager::new(o.path, c.keep_checkpoints)
                 .and_then(|m| m.check_target())
                 .map_err(|e| format!("--checkpoint-dir: {e}"))?;
+        } else if o.flag == "--tensorboard" {
+            // Event files get fresh names; writability of the directory is what matters.
+            check_save_target(o.path.join("events.out.tfevents.probe"), None)
+                .map_err(|e| format!("{}: {e}", o.flag))?;
         } else if o.dir {
             check_save_target(o.path.join(HF_FILES[0]), None)
                 .map_err(|e| format!("{}: {e}", o.flag))?;
@@ -495,6 +503,9 @@ mod tests {
         );
         let e = check_args(&["--data", d, "--save", d]).unwrap_err();
         assert!(e.contains("--save"), "{e}");
+        // --tensorboard is an output like the others (regression: it was outside the list).
+        let e = check_args(&["--data", d, "--tensorboard", d]).unwrap_err();
+        assert!(e.contains("--tensorboard"), "{e}");
         // Another spelling and a hard link are the same file.
         let dotted = format!("{}/./precious.txt", dir.path().display());
         assert!(check_args(&["--data", d, "--plot", &format!("{dotted}.svg")]).is_ok());

@@ -152,6 +152,22 @@ pub const STEPS: &[Step] = &[
     },
     Step {
         suite: "attention",
+        what: "tensor-core flash attention forward (mma.sync, flash_mma.cu) vs the CPU kernels: \
+               bf16/f16, d 64/128, GQA, scale, packed == head-split bit for bit, outputs \
+               poisoned before the run, the backward from its out/lse; needs compute \
+               capability 8.0+ (kernels::cuda::tests::on_gpu::flash_attention_mma)",
+        min_gpus: 1,
+        exec: Exec::Test {
+            pkg: "fsdp-autograd",
+            test: None,
+            args: &[
+                "kernels::cuda::tests::on_gpu::flash_attention_mma",
+                "--include-ignored",
+            ],
+        },
+    },
+    Step {
+        suite: "attention",
         what: "attention memory scaling: peak memory of attention forward+backward at t = \
                1024, 2048, 4096 grows linearly in t (fsdp-autograd/tests/gpu_attention.rs, \
                attention_memory_linear_in_t)",
@@ -165,9 +181,11 @@ pub const STEPS: &[Step] = &[
     Step {
         suite: "attention",
         what: "fused attention kernel times: forward and backward at batch 4, 12 heads, t = 1024, \
-               d = 64 in f32 and bf16 (register-tiled kernels) and at d = 63 (the generic \
-               kernels, the same run's baseline), CUDA events, one JSON line (fwd_ms, bwd_ms, \
-               tflops) per case (fsdp-autograd/tests/gpu_attention.rs, attention_kernel_times)",
+               d = 64 in f32 and bf16 (register-tiled kernels), bf16 with the tensor-core \
+               forward and without it (`_cuda_cores`), bf16 at d = 128 (6 heads), and at d = 63 \
+               (the generic kernels, the same run's baseline), CUDA events, one JSON line \
+               (fwd_kernel, fwd_ms, bwd_ms, tflops, fwd_tflops) per case \
+               (fsdp-autograd/tests/gpu_attention.rs, attention_kernel_times)",
         min_gpus: 1,
         exec: Exec::Test {
             pkg: "fsdp-autograd",

@@ -14,6 +14,7 @@ use super::exec::{
     down_f32, down_u16, down_u64, nan_f32, run, up_f32, up_i64, up_u16, up_u64, CastKind, Exec, Op,
     TypedOp, H, TH,
 };
+pub(super) use super::flash_mma::flash_attention_mma;
 pub(super) use super::fused::{
     flash_attention_f32, flash_attention_grouped, flash_attention_half, flash_attention_packed,
     gemm_half, gemm_tf32,

@@ -13,6 +13,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
 use crate::kernels::attention::flash::{plan_flash, plan_flash_backward, FlashType};
+use crate::kernels::attention::flash_mma::plan_flash_mma;
 use crate::kernels::attention::unfused::{plan_attention, plan_attention_backward};
 use crate::kernels::cuda::desc::view_desc;
 use crate::kernels::cuda::kernel::ArgKind;
@@ -795,6 +796,15 @@ impl Exec for EmuExec {
                 a,
             } => FlashType::of("flash_attention", *dtype)
                 .and_then(|ty| plan_flash(ty, a, [*q, *k, *v, *out, *lse].map(d))),
+            Op::FlashMma {
+                dtype,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                a,
+            } => plan_flash_mma(*dtype, a, [*q, *k, *v, *out, *lse].map(d)),
             Op::FlashBackward {
                 dtype,
                 q,
