@@ -143,8 +143,8 @@ pub struct ParallelArgs {
     /// between them, a GPU each, or with more ranks than GPUs all sharing cuda:0 through GPU
     /// memory), mpi (one process per rank under mpirun/srun; with --device cuda each on its
     /// local rank's GPU modulo the visible ones, collectives staged through host memory; needs a
-    /// build with --features fsdp-core/mpi) or nccl (one process per GPU under
-    /// torchrun/mpirun/srun; needs --device cuda)
+    /// build with `cargo build --release -p fsdp-train --features mpi`) or nccl (one process per
+    /// GPU under torchrun/mpirun/srun; needs --device cuda)
     #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
     pub backend: BackendArg,
     /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (GPU ranks, see
@@ -319,7 +319,7 @@ pub struct LoggingArgs {
     pub profile: Option<PathBuf>,
     /// With --profile: print each kernel's share of the profiled step's device time (GPU
     /// kernels from CUDA events on --device cuda, CPU stream kernels otherwise)
-    #[arg(long, requires = "profile")]
+    #[arg(long)]
     pub kernel_times: bool,
     /// Write one JSON object per step to PATH (JSON lines)
     #[arg(long, value_name = "PATH")]
@@ -336,7 +336,8 @@ pub struct LoggingArgs {
     #[arg(long, value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
     pub log_every: Option<u64>,
-    /// No progress bar even on a terminal (plain step lines)
+    /// No progress bar even on a terminal (plain step lines). Without a terminal on stdout and
+    /// stderr, or under a launcher (--backend mpi or nccl), there is never one
     #[arg(long)]
     pub no_progress: bool,
     /// Write TensorBoard event files into DIR (created if missing; open with `tensorboard
@@ -655,8 +656,8 @@ impl Cli {
         let mpi = p.backend == BackendArg::Mpi;
         if mpi && !cfg!(feature = "mpi") {
             return usage(
-                "--backend mpi: this binary was built without MPI; build it with \
-                 `--features fsdp-core/mpi` and launch it with mpirun",
+                "--backend mpi: this binary was built without MPI; build it with `cargo build \
+                 --release -p fsdp-train --features mpi --bin train_gpt` and launch it with mpirun",
             );
         }
         let ranks = if mpi {
@@ -796,6 +797,12 @@ impl Cli {
             }
         }
         let l = &self.logging;
+        if l.kernel_times && l.profile.is_none() {
+            return usage(
+                "--kernel-times needs --profile PATH (the kernel times are read from the profiled \
+                 step's trace)",
+            );
+        }
         if let Some(plot) = &l.plot {
             crate::report::plot_kind(plot).map_err(UsageError)?;
         }
@@ -1130,6 +1137,28 @@ mod tests {
                 .unwrap_err()
                 .contains("--backend mpi"));
         }
+    }
+
+    #[test]
+    fn kernel_times_without_profile_names_the_missing_flag() {
+        // Regression (#41): clap's `requires` printed "required arguments were not provided:"
+        // and the one-line usage error dropped the names that followed.
+        let e = parse(&["--kernel-times"]).unwrap_err();
+        assert!(e.contains("--kernel-times needs --profile PATH"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        assert!(parse(&["--kernel-times", "--profile", "t.json"]).is_ok());
+    }
+
+    #[test]
+    fn built_without_mpi_names_the_build_that_works() {
+        // Regression (#41): `--features fsdp-core/mpi` builds a binary that still refuses.
+        if cfg!(feature = "mpi") || std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+            return;
+        }
+        let e = parse(&["--backend", "mpi"]).unwrap_err();
+        assert!(e.contains("-p fsdp-train --features mpi"), "{e}");
+        assert!(!e.contains("fsdp-core/mpi"), "{e}");
+        assert!(!e.contains("  ") && !e.contains('\n'), "one line: {e}");
     }
 
     #[test]

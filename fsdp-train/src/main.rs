@@ -8,7 +8,8 @@
 //! cargo run --release --bin train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
 //! cargo run --release --bin train_gpt -- --plan --apply --steps 20  # train with the top plan
 //! cargo build --release -p fsdp-train --features mpi --bin train_gpt &&
-//!     mpirun -n 4 target/release/train_gpt --backend mpi   # one process per rank
+//!     mpirun -n 4 target/release/train_gpt --backend mpi   # one process per rank (as root:
+//!                                                          # mpirun --allow-run-as-root …)
 //! ```
 //!
 //! A run is four steps, one function each below: **parse** the command line ([`cli`]),
@@ -27,6 +28,8 @@ mod out;
 mod ckpt;
 mod cleanup;
 mod cli;
+#[cfg(test)]
+mod cli_doc;
 mod cuda;
 mod data;
 mod hf;
@@ -140,7 +143,14 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         .logging
         .log_every
         .map_or((c.steps / 12).max(1), |n| n as usize);
-    let progress = primary && std::io::stdout().is_terminal() && !cli.logging.no_progress;
+    let launched = c.mpi || c.cuda == Some(crate::job::CudaLaunch::Processes);
+    let progress = primary
+        && report::wants_progress_bar(
+            std::io::stdout().is_terminal(),
+            std::io::stderr().is_terminal(),
+            cli.logging.no_progress,
+            launched,
+        );
     let console = Console::new(progress, every, metrics);
     let observer: Box<dyn job::Observer> =
         match cli.logging.tensorboard.as_ref().filter(|_| primary) {

@@ -110,6 +110,21 @@ pub fn step_line(r: &StepRecord) -> String {
     line
 }
 
+/// Whether rank 0 draws a progress bar: both stdout and stderr are terminals, `--no-progress`
+/// was not given, and the ranks are not processes under a launcher (`launched`: `--backend mpi`
+/// or `nccl`). A launcher forwards a rank's output through its own pipes or pseudo-terminal
+/// (OpenMPI gives each rank's stdout a pseudo-terminal even when `mpirun`'s own output goes to a
+/// file), so a rank cannot tell where its lines end up: there, plain step lines, never escape
+/// codes.
+pub fn wants_progress_bar(
+    stdout_tty: bool,
+    stderr_tty: bool,
+    no_progress: bool,
+    launched: bool,
+) -> bool {
+    stdout_tty && stderr_tty && !no_progress && !launched
+}
+
 /// Opens the `--metrics` file: appending to it (`--resume`: the resumed run's lines follow the
 /// earlier ones) or replacing it. Whether an existing file may be replaced was decided before
 /// (`paths::check_existing`).
@@ -141,7 +156,7 @@ pub struct Console {
 }
 
 impl Console {
-    /// `progress`: draw a bar (stdout is a terminal and it was not turned off).
+    /// `progress`: draw a bar (see [`wants_progress_bar`]).
     pub fn new(progress: bool, every: usize, metrics: Option<(PathBuf, File)>) -> Console {
         let bar = progress.then(|| {
             let b = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stdout());
@@ -694,6 +709,29 @@ pub fn summary(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (#41): under `mpirun` a rank's stdout may be a pseudo-terminal while the job's
+    /// output goes to a file; the bar's escape codes landed in the log.
+    #[test]
+    fn progress_bar_only_on_two_terminals_without_a_launcher() {
+        assert!(wants_progress_bar(true, true, false, false));
+        assert!(
+            !wants_progress_bar(true, true, true, false),
+            "--no-progress"
+        );
+        assert!(
+            !wants_progress_bar(true, true, false, true),
+            "mpi/nccl processes"
+        );
+        assert!(
+            !wants_progress_bar(true, false, false, false),
+            "stderr redirected"
+        );
+        assert!(
+            !wants_progress_bar(false, true, false, false),
+            "stdout redirected"
+        );
+    }
 
     fn history() -> Vec<Value> {
         (1..=30)

@@ -58,10 +58,25 @@ pub fn parse_failure(prog: &str, e: clap::Error) -> ExitCode {
     if e.kind() == ErrorKind::InvalidUtf8 {
         return Exit::usage(non_utf8_line(std::env::args_os())).exit(prog);
     }
-    let msg = e.to_string();
-    let line = msg.lines().find(|l| !l.trim().is_empty());
-    let line = line.unwrap_or("usage error").trim_start_matches("error: ");
-    Exit::usage(format!("{line} (see --help)")).exit(prog)
+    Exit::usage(format!("{} (see --help)", one_line(&e.to_string()))).exit(prog)
+}
+
+/// A clap error message as one line: its first line with the indented lines right below it
+/// (e.g. the names after "the following required arguments were not provided:"), without the
+/// usage block and the "For more information" tip.
+fn one_line(msg: &str) -> String {
+    let mut lines = msg.lines().skip_while(|l| l.trim().is_empty());
+    let mut out = lines
+        .next()
+        .unwrap_or("usage error")
+        .trim_start_matches("error: ")
+        .trim_end()
+        .to_string();
+    for l in lines.take_while(|l| l.starts_with(' ') && !l.trim().is_empty()) {
+        out.push(' ');
+        out.push_str(l.trim());
+    }
+    out
 }
 
 /// The one line for an argument that is not valid UTF-8 where text is expected (paths may be
@@ -303,6 +318,24 @@ mod tests {
             .unwrap();
         assert!(r.probe.is_none() && r.primary);
         assert_eq!((r.config.steps, r.config.lr), (7, 1e-3));
+    }
+
+    /// Regression (#41): a clap error whose names follow on indented lines keeps them on the
+    /// one line printed (it said "required arguments were not provided:" and named none).
+    #[test]
+    fn clap_errors_keep_the_names_that_follow() {
+        use clap::{Arg, Command};
+        let e = Command::new("t")
+            .arg(Arg::new("a").long("a").required(true))
+            .arg(Arg::new("b").long("b").required(true))
+            .try_get_matches_from(["t"])
+            .unwrap_err();
+        let line = one_line(&e.to_string());
+        assert!(line.contains("not provided") && line.contains("--a") && line.contains("--b"));
+        assert!(!line.contains("Usage") && !line.contains('\n'), "{line}");
+        let e = Cli::try_parse_from(["train_gpt", "--steps", "x"]).unwrap_err();
+        let line = one_line(&e.to_string());
+        assert!(line.starts_with("invalid value 'x' for '--steps"), "{line}");
     }
 
     /// `--plan` alone trains nothing; `--plan --apply` trains with the top plan's settings and

@@ -2,11 +2,11 @@
 //!
 //! - `ci`: format check, clippy with `-D warnings` (default, `cuda` and `mpi` features), the
 //!   `cuda` compile check, the CUDA kernels (fsdp-autograd's and the shared-GPU collectives')
-//!   on the host emulator, the workspace tests, the FSDP parity tests under each forced CPU
-//!   instruction-set level (`FSDP_CPU_ISA`), the MPI suite (`mpi-test`), NVRTC compilation of
-//!   every kernel, the docs with warnings denied and the packaging check. The MPI and NVRTC
-//!   steps need tools `.ci/run` installs; without them (and without `CI=true`) they are skipped
-//!   with a message.
+//!   on the host emulator, the workspace tests, README.md's commands (`readme`), the FSDP
+//!   parity tests under each forced CPU instruction-set level (`FSDP_CPU_ISA`), the MPI suite
+//!   (`mpi-test`), NVRTC compilation of every kernel, the docs with warnings denied and the
+//!   packaging check. The MPI and NVRTC steps need tools `.ci/run` installs; without them (and
+//!   without `CI=true`) they are skipped with a message.
 //! - `gpu-test`: looks for a CUDA driver and a GPU without panicking; runs the GPU suite (ops,
 //!   attention memory scaling, NCCL, thread ranks sharing one GPU, FSDP parity and memory, clean
 //!   teardown, the train_gpt bench, the kernel-time bench; the list is `gpu_test::STEPS`) if
@@ -31,6 +31,11 @@
 //! - `soak`: runs the slow `#[ignore]`d tests.
 //! - `doc`: `cargo doc --workspace --no-deps` with rustdoc warnings denied (broken intra-doc
 //!   links, missing docs), without and with the `cuda` feature.
+//! - `readme`: README.md's ```` ```sh ```` commands run in a smoke form in scratch directories
+//!   (short steps, a tiny model; GPU and absent-launcher commands skipped, each named) and the
+//!   file paths README.md and `docs/*.md` name checked (see `readme.rs`); a step of `ci`.
+//! - `cli-doc`: rewrites `docs/CLI.md`, the flags reference, from `train_gpt`'s clap
+//!   definitions (`cargo test` fails while it is out of date).
 //! - `house`: the import-circle checker (see `house.rs`): fails on any file-level import cycle
 //!   inside a crate and on `use super::*;` outside `#[cfg(test)]`; printed with the files on
 //!   each cycle and the import lines that close it. `ci` runs it after the format check.
@@ -48,6 +53,7 @@ mod house;
 mod mpi;
 mod nodes;
 mod peer;
+mod readme;
 mod train_compare;
 mod util;
 
@@ -148,6 +154,7 @@ fn ci() -> Result<(), String> {
             .env("FSDP_EMU_REQUIRED", "1"),
     )?;
     run("tests", cargo().args(["test", "--workspace"]))?;
+    readme::readme()?;
     forced_isa_parity()?;
     // The multi-process suite: FSDP over MPI against the thread backend under `mpirun`, and the
     // kill test. Every CUDA kernel source compiled by NVRTC (no GPU needed). Both need tools from
@@ -309,10 +316,26 @@ fn soak() -> Result<(), String> {
     )
 }
 
-const USAGE: &str = "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | \
-                     gpu-peer [--train-gpt BIN] [--script PY] | \
+const USAGE: &str = "usage: cargo xtask <ci | house | readme | cli-doc | gpu-test [--list] | \
+                     gpu-bundle DIR | gpu-peer [--train-gpt BIN] [--script PY] | \
                      gpu-train-compare shared-gpu|mpi-gpu [--train-gpt BIN] [--out DIR] | nvrtc | \
                      bench [NAME | cpu-peer] | soak | doc | mpi-test [--nodes 2]>";
+
+/// `cargo xtask cli-doc`: rewrites `docs/CLI.md` from the clap definitions (the test that
+/// otherwise fails when the file differs, run with `UPDATE_CLI_DOC=1`).
+fn cli_doc() -> Result<(), String> {
+    run(
+        "cli-doc",
+        cargo().env("UPDATE_CLI_DOC", "1").args([
+            "test",
+            "-p",
+            "fsdp-train",
+            "--bin",
+            "train_gpt",
+            "cli_reference",
+        ]),
+    )
+}
 
 /// `gpu-peer`'s options: `--train-gpt BIN` and `--script PY`, each at most once.
 fn peer_args<'a>(rest: &[&'a str]) -> Result<(Option<&'a str>, Option<&'a str>), String> {
@@ -378,6 +401,8 @@ fn main() {
         ["soak"] => soak(),
         ["doc"] => doc(),
         ["house"] => house::house(&root()),
+        ["readme"] => readme::readme(),
+        ["cli-doc"] => cli_doc(),
         _ => Err(USAGE.to_string()),
     };
     if let Err(e) = result {
