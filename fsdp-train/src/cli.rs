@@ -8,12 +8,14 @@ use std::path::PathBuf;
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
 use fsdp_autograd::nn::{Gelu, GptConfig};
+
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
 use fsdp_core::{ShardOver, STRATEGIES};
 
 use crate::data::DataFormat;
 use crate::job::UsageError;
 use crate::job::{CudaLaunch, DataSpec, TrainConfig, MAX_STEPS};
+use crate::model::{ModelSpec, ShapeFlags};
 use crate::optim::{OptimHyper, OptimizerArg};
 
 /// Largest model `--model`/overrides may build (parameters); `--plan` alone (no training)
@@ -504,63 +506,44 @@ fn usage<T>(msg: impl Into<String>) -> Result<T, UsageError> {
 }
 
 impl ModelPreset {
-    fn config(self) -> GptConfig {
+    /// The preset's model.
+    pub fn config(self) -> ModelSpec {
         match self {
-            ModelPreset::Mini => GptConfig::mini(),
-            ModelPreset::Small => GptConfig::new(256, 512, 8, 8, 256),
+            ModelPreset::Mini => GptConfig::mini().into(),
+            ModelPreset::Small => GptConfig::new(256, 512, 8, 8, 256).into(),
             // GPT-2 ties its token embedding and LM head (124M parameters).
-            ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024).with_tied(true),
+            ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024)
+                .with_tied(true)
+                .into(),
         }
     }
-}
-
-/// Parameters of a GPT of this shape (token + position embeddings, blocks, final norm, head).
-pub fn gpt_params(c: &GptConfig) -> u64 {
-    let (v, d, l, t) = (
-        c.vocab as u64,
-        c.d_model as u64,
-        c.n_layers as u64,
-        c.seq_len as u64,
-    );
-    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
-    let head = if c.tied { 0 } else { v * d };
-    v * d + t * d + l * block + 2 * d + head
-}
-
-/// Applies `--gelu` to the model configuration.
-fn apply_gelu(cfg: &mut GptConfig, gelu: GeluArg) {
-    cfg.gelu = match gelu {
-        GeluArg::Exact => Gelu::Exact,
-        GeluArg::Tanh => Gelu::Tanh,
-    };
 }
 
 impl Cli {
     /// Checks the combination of flags and resolves presets and defaults.
     pub fn into_config(self) -> Result<TrainConfig, UsageError> {
         let m = &self.model;
-        let mut gpt = m.model.config();
-        if let Some(d) = m.d_model {
-            gpt.d_model = d as usize;
-        }
-        if let Some(l) = m.layers {
-            gpt.n_layers = l as usize;
-        }
-        if let Some(h) = m.heads {
-            gpt.n_heads = h as usize;
-        }
+        let mut model = m.model.config();
+        model
+            .apply_flags(&ShapeFlags {
+                d_model: m.d_model.map(|d| d as usize),
+                layers: m.layers.map(|l| l as usize),
+                heads: m.heads.map(|h| h as usize),
+                kv_heads: None,
+                ffn_dim: None,
+                gelu: match m.gelu {
+                    GeluArg::Exact => Gelu::Exact,
+                    GeluArg::Tanh => Gelu::Tanh,
+                },
+                tied: m.tied,
+                checkpoint: m.activation_checkpointing,
+            })
+            .map_err(UsageError)?;
         if let Some(t) = m.seq_len {
-            gpt.seq_len = t as usize;
+            model.set_seq_len(t as usize);
         }
         if let Some(v) = m.vocab {
-            gpt.vocab = v as usize;
-        }
-        if m.tied {
-            gpt = gpt.with_tied(true);
-        }
-        apply_gelu(&mut gpt, m.gelu);
-        if m.activation_checkpointing {
-            gpt = gpt.with_checkpoint(true);
+            model.set_vocab(v as usize);
         }
         // `--plan` without `--apply` builds nothing: any model size and rank count may be planned.
         let plan_only = self.planning.plan && !self.planning.apply;
@@ -571,15 +554,10 @@ impl Cli {
             || m.gelu != GeluArg::Exact;
         let interop = self
             .interop
-            .resolve(&mut gpt, m.vocab, m.seq_len, shaped)
+            .resolve(&mut model, m.vocab, m.seq_len, shaped)
             .map_err(UsageError)?;
-        if gpt.d_model % gpt.n_heads != 0 {
-            return usage(format!(
-                "--d-model {} is not divisible by --heads {}",
-                gpt.d_model, gpt.n_heads
-            ));
-        }
-        let params = gpt_params(&gpt);
+        model.validate().map_err(UsageError)?;
+        let params = model.params();
         if params > MAX_PARAMS && !plan_only {
             return usage(format!(
                 "the model would have {params} parameters (more than {MAX_PARAMS}); pick a smaller \
@@ -602,12 +580,12 @@ impl Cli {
                         }
                     }
                 };
-                if format == DataFormat::Text && gpt.vocab < interop.tokenizer.vocab() {
+                if format == DataFormat::Text && model.vocab() < interop.tokenizer.vocab() {
                     return usage(format!(
                         "--data {} is read as bytes (ids 0..=255) but --vocab is {}; use --vocab 256 \
                          or more",
                         path.display(),
-                        gpt.vocab
+                        model.vocab()
                     ));
                 }
                 DataSpec::File {
@@ -761,7 +739,7 @@ impl Cli {
             crate::report::plot_kind(plot).map_err(UsageError)?;
         }
         Ok(TrainConfig {
-            gpt,
+            model,
             data,
             eval_every: d.eval_every as usize,
             eval_seqs: d.eval_seqs as usize,
@@ -883,9 +861,11 @@ mod tests {
         assert_eq!(c.steps, 60);
         assert_eq!(c.batch, 4);
         assert_eq!(c.lr, 0.05);
-        assert_eq!(c.gpt.d_model, GptConfig::mini().d_model);
-        assert_eq!(c.gpt.gelu, Gelu::Exact);
-        assert_eq!(parse(&["--gelu", "tanh"]).unwrap().gpt.gelu, Gelu::Tanh);
+        let g = *c.model.as_gpt().unwrap();
+        assert_eq!(g.d_model, GptConfig::mini().d_model);
+        assert_eq!(g.gelu, Gelu::Exact);
+        let tanh = parse(&["--gelu", "tanh"]).unwrap().model;
+        assert_eq!(tanh.as_gpt().unwrap().gelu, Gelu::Tanh);
         assert_eq!(c.strategy, ShardingStrategy::FullShard);
         // The adaptive limiter: off until the allocator has to free and retry (no host waits
         // for the limiter in a step that has memory to spare).
@@ -974,7 +954,7 @@ mod tests {
         assert_eq!(c.mixed_precision, Some(DType::BF16));
         assert_eq!((c.grad_accum, c.no_sync), (2, true));
         assert_eq!(c.clip_grad_norm, Some(1.5));
-        assert!(c.gpt.tied && c.cpu_offload && c.checked);
+        assert!(c.model.tied() && c.cpu_offload && c.checked);
         assert_eq!((c.batch, c.seed), (3, 9));
         assert_eq!(parse(&["--optimizer", "adamw"]).unwrap().lr, 1e-3);
     }
@@ -1016,21 +996,20 @@ mod tests {
 
     #[test]
     fn presets_and_overrides() {
-        let g = parse(&["--model", "gpt2"]).unwrap().gpt;
+        let g = *parse(&["--model", "gpt2"]).unwrap().model.as_gpt().unwrap();
         assert_eq!(
             (g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len),
             (50257, 768, 12, 12, 1024)
         );
         // GPT-2 small: 124,439,808 parameters (tied head).
         assert!(g.tied);
-        assert_eq!(gpt_params(&g), 124_439_808);
-        let s = parse(&["--model", "small"]).unwrap().gpt;
-        let p = gpt_params(&s);
+        assert_eq!(crate::model::ModelSpec::Gpt(g).params(), 124_439_808);
+        let p = parse(&["--model", "small"]).unwrap().model.params();
         assert!((20_000_000..30_000_000).contains(&p), "{p}");
         let o = parse(&["--model", "gpt2", "--seq-len", "256", "--vocab", "1000"])
             .unwrap()
-            .gpt;
-        assert_eq!((o.seq_len, o.vocab), (256, 1000));
+            .model;
+        assert_eq!((o.seq_len(), o.vocab()), (256, 1000));
         assert!(parse(&["--d-model", "100", "--heads", "3"]).is_err());
     }
 
@@ -1116,10 +1095,10 @@ mod tests {
     #[test]
     fn tokenizer_and_init_from_flags() {
         let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt"]).unwrap();
-        assert_eq!(c.gpt.vocab, 50257, "vocab set automatically");
+        assert_eq!(c.model.vocab(), 50257, "vocab set automatically");
         assert_eq!(c.interop.tokenizer, crate::tokenizer::Tokenizer::Gpt2);
         let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50304"]).unwrap();
-        assert_eq!(c.gpt.vocab, 50304);
+        assert_eq!(c.model.vocab(), 50304);
         assert!(
             parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50000"])
                 .unwrap_err()

@@ -5,12 +5,11 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_core::{state_dict, Fsdp};
 
 use crate::data::DataFormat;
-use crate::hf::{self, HfCheckpoint};
 use crate::job::{DataSpec, Interop, TrainConfig, MAX_STEPS};
+use crate::model::{Model, ModelSpec};
 use crate::sample::{self, SampleOpts};
 use crate::tokenizer::Tokenizer;
 
@@ -56,7 +55,7 @@ impl InteropArgs {
     /// A usage message.
     pub fn resolve(
         &self,
-        gpt: &mut GptConfig,
+        model: &mut ModelSpec,
         explicit_vocab: Option<u64>,
         explicit_seq: Option<u64>,
         shape_overridden: bool,
@@ -74,7 +73,10 @@ impl InteropArgs {
                     ))
                 }
                 Some(_) => {}
-                None => gpt.vocab = gpt.vocab.max(tokenizer.vocab()),
+                None => {
+                    let v = model.vocab().max(tokenizer.vocab());
+                    model.set_vocab(v);
+                }
             }
         }
         if self.init_from.is_some() && shape_overridden {
@@ -106,29 +108,21 @@ impl InteropArgs {
 pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
     let mut notes = Vec::new();
     let i = &c.interop;
-    let gpt = match &i.init_from {
-        None => c.gpt,
+    let model = match &i.init_from {
+        None => c.model,
         Some(p) => {
-            let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
-            let mut g = ck.config.gpt().with_checkpoint(c.gpt.checkpoint);
+            let (mut m, note) = ModelSpec::from_hf(p)?;
+            m.set_checkpointed(c.model.checkpointed());
             let text = i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. });
             let floor = if text { i.tokenizer.vocab() } else { 0 };
-            g.vocab = i.vocab.unwrap_or(g.vocab).max(g.vocab).max(floor);
+            let file_vocab = m.vocab();
+            m.set_vocab(i.vocab.unwrap_or(file_vocab).max(file_vocab).max(floor));
             if let Some(t) = i.seq_len {
-                g.seq_len = t;
+                m.set_seq_len(t);
             }
-            hf::check_model(&ck, &g).map_err(|e| e.to_string())?;
-            notes.push(format!(
-                "init-from: {} (GPT-2 vocab {} d {} layers {} heads {} positions {}, gelu {})",
-                ck.path().display(),
-                ck.config.vocab,
-                ck.config.d_model,
-                ck.config.n_layers,
-                ck.config.n_heads,
-                ck.config.n_positions,
-                g.gelu.name()
-            ));
-            g
+            m.hf_check(p)?;
+            notes.push(format!("init-from: {note}"));
+            m
         }
     };
     let data = match &c.data {
@@ -151,31 +145,30 @@ pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
         }
         other => other.clone(),
     };
-    Ok((TrainConfig { gpt, data, ..c }, notes))
+    Ok((TrainConfig { model, data, ..c }, notes))
 }
 
 /// A rank's `--init-from`: loads its own pieces of the checkpoint.
 ///
 /// # Errors
-/// [`hf::HfError`] as a line.
-pub fn init_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<bool, String> {
+/// The checkpoint's problem, as one line.
+pub fn init_rank(fsdp: &Fsdp<Model>, c: &TrainConfig) -> Result<bool, String> {
     let Some(p) = &c.interop.init_from else {
         return Ok(false);
     };
-    let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
-    hf::load_into(fsdp, &ck).map_err(|e| e.to_string())?;
+    c.model.hf_load(fsdp, p)?;
     Ok(true)
 }
 
 /// A rank's `--export-hf` after training (a collective).
 ///
 /// # Errors
-/// [`hf::HfError`] as a line.
-pub fn export_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<Option<PathBuf>, String> {
+/// The checkpoint's problem, as one line.
+pub fn export_rank(fsdp: &Fsdp<Model>, c: &TrainConfig) -> Result<Option<PathBuf>, String> {
     let Some(dir) = &c.interop.export_hf else {
         return Ok(None);
     };
-    hf::export(fsdp, dir).map_err(|e| format!("--export-hf: {e}"))?;
+    c.model.hf_export(fsdp, dir)?;
     Ok(Some(dir.clone()))
 }
 
@@ -185,7 +178,7 @@ pub fn export_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<Option<PathBuf>,
 /// # Errors
 /// Gather or sampling errors as a line.
 pub fn sample_rank(
-    fsdp: &Fsdp<Gpt>,
+    fsdp: &Fsdp<Model>,
     c: &TrainConfig,
     step: usize,
 ) -> Result<Option<String>, String> {
@@ -202,7 +195,7 @@ pub fn sample_rank(
     } else {
         Some(c.interop.tokenizer)
     };
-    let model = sample::model_from(&c.gpt, &full)?;
+    let mut dec = c.model.decoder(&full)?;
     let prompt = match tok {
         Some(t) => sample::prompt_ids(t, "")?,
         None => vec![3],
@@ -212,9 +205,9 @@ pub fn sample_rank(
         temperature: 0.8,
         top_k: Some(40),
         seed: 0,
-        max_id: tok.map_or(c.gpt.vocab, |t| t.vocab().min(c.gpt.vocab)),
+        max_id: tok.map_or(c.model.vocab(), |t| t.vocab().min(c.model.vocab())),
     };
-    let out = sample::generate(&model, &prompt, &o)?;
+    let out = sample::generate(dec.as_mut(), &prompt, &o)?;
     let text = match tok {
         Some(t) => format!("{:?}", t.decode(&out)?),
         None => format!("{out:?}"),

@@ -27,6 +27,7 @@ mod hf;
 mod interop;
 mod job;
 mod kernel_times;
+mod model;
 mod optim;
 mod paths;
 mod plan;
@@ -110,7 +111,7 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         .matmul_threads
         .map_or((cores / c.ranks).max(1), |t| t as usize);
     fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
-    let params = cli::gpt_params(&c.gpt);
+    let params = c.model.params();
     let data = train::open_data(&c).map_err(Exit::error)?;
     if primary {
         let banner = report::banner(&c, &data.describe(), cores, threads, params);

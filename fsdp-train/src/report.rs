@@ -371,7 +371,7 @@ where
 /// whatever is switched on. `data`: the data set's description; `params`: the model's own
 /// parameter count (no padding); `threads`: matmul threads per rank.
 pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64) -> String {
-    let g = &c.gpt;
+    let g = &c.model;
     let shard = if c.strategy.spec().shard_over == ShardOver::ShardGroup {
         format!(" (shard groups of {})", c.shard_size.unwrap_or(c.ranks))
     } else {
@@ -396,7 +396,7 @@ pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params:
     if let Some(m) = c.min_lr {
         extras.push_str(&format!(" | cosine decay to {m}"));
     }
-    if g.tied {
+    if g.tied() {
         extras.push_str(" | tied embedding/head");
     }
     if let Some(launch) = c.cuda {
@@ -418,20 +418,16 @@ pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params:
         extras.push_str(&format!(" | int8 collectives (block {block})"));
     }
     format!(
-        "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} gelu {} ({} parameters) | data: {data} | \
-         {} ranks × batch {} | {}{shard}, Block units, backward prefetch {}, forward prefetch {}, \
+        "train_gpt: {} ({} parameters) | data: {data} | \
+         {} ranks × batch {} | {}{shard}, {} units, backward prefetch {}, forward prefetch {}, \
          limit all-gathers {} | {} lr {} | {} steps | seed {} | {cores} cores, {threads} matmul \
          thread(s)/rank{extras}",
-        g.vocab,
-        g.d_model,
-        g.n_layers,
-        g.n_heads,
-        g.seq_len,
-        g.gelu.name(),
+        g.describe(),
         thousands(params),
         c.ranks,
         c.batch,
         strategy_name(c.strategy),
+        g.unit_type(),
         prefetch_name(c.backward_prefetch),
         if c.forward_prefetch { "on" } else { "off" },
         limit_name(c),
@@ -581,8 +577,9 @@ pub fn summary(
         thousands(tokens_per_s.round() as u64),
         wall
     );
-    let g = &c.gpt;
-    let flops_per_token = 6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64;
+    let g = &c.model;
+    let attention = g.n_layers() * g.d_model() * g.seq_len();
+    let flops_per_token = 6.0 * params as f64 + 12.0 * attention as f64;
     let model_flops = flops_per_token * tokens_per_s;
     println!(
         "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s {} \

@@ -1,12 +1,8 @@
 //! Text generation with a KV cache: `train_gpt sample` and `--sample-every N`.
 //!
-//! [`Decoder`] runs a plain (unwrapped) [`Gpt`] one token at a time. Each block's layer norms,
-//! `qkv` and output projections and MLP are the model's own modules, called on the one new
-//! position (so they run on the model's device with its kernels); the attention of that
-//! position over all earlier ones is computed on the host from the cached keys and values of
-//! every layer (`2 · layers · t · d` floats), so a step costs one position's forward instead of
-//! the whole prefix's. When the context is full (`seq_len` tokens), the cache is rebuilt from the
-//! last `seq_len / 2` tokens.
+//! The model family's decoder ([`crate::model::Family::decoder`], e.g. GPT's
+//! `GptDecoder` in `model/gpt.rs`) runs a plain (unwrapped) model one token at a time with a KV
+//! cache; this module feeds it the prompt and picks the next tokens.
 //!
 //! Sampling is deterministic for a seed: logits divided by the temperature, the `top_k` largest
 //! kept, softmax in f64, and one uniform draw per token from a SplitMix64 stream of the seed
@@ -15,167 +11,16 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use fsdp_alloc::Device;
-use fsdp_autograd::nn::{Gelu, Gpt, GptConfig, Module};
-use fsdp_autograd::{no_grad, InitContext, Tensor};
 use fsdp_core::checkpoint;
 use fsdp_core::state_dict::{FullStateDict, ShardedStateDict, TensorEntry};
 
+use crate::model::{Decode, ModelSpec};
 use crate::tokenizer::{Tokenizer, GPT2_EOT};
-
-/// The named child of `m`.
-fn child<'a>(m: &'a dyn Module, name: &str) -> Result<&'a dyn Module, String> {
-    let mut found = None;
-    m.visit_children(&mut |n, c| {
-        if n == name {
-            found = Some(c);
-        }
-    });
-    found.ok_or_else(|| format!("{} has no child `{name}`", m.type_name()))
-}
-
-/// One block's modules.
-struct BlockParts<'m> {
-    ln1: &'m dyn Module,
-    qkv: &'m dyn Module,
-    proj: &'m dyn Module,
-    ln2: &'m dyn Module,
-    mlp: &'m dyn Module,
-}
-
-/// Incremental decoding of a [`Gpt`] with a KV cache.
-pub struct Decoder<'m> {
-    model: &'m Gpt,
-    blocks: Vec<BlockParts<'m>>,
-    dev: Device,
-    /// Per layer: keys and values, `[t, d]` each, row-major.
-    cache: Vec<(Vec<f32>, Vec<f32>)>,
-    /// The tokens in the cache.
-    tokens: Vec<u32>,
-}
 
 type Res<T> = Result<T, String>;
 
 fn e(err: impl std::fmt::Display) -> String {
     err.to_string()
-}
-
-impl<'m> Decoder<'m> {
-    /// A decoder over `model` (its parameters must be materialized).
-    ///
-    /// # Errors
-    /// A model that is not shaped like `nn::Gpt`'s blocks.
-    pub fn new(model: &'m Gpt) -> Res<Decoder<'m>> {
-        let mut blocks = Vec::new();
-        for i in 0..model.config.n_layers {
-            let b = child(&model.blocks, &i.to_string())?;
-            let attn = child(b, "attn")?;
-            blocks.push(BlockParts {
-                ln1: child(b, "ln1")?,
-                qkv: child(attn, "qkv")?,
-                proj: child(attn, "proj")?,
-                ln2: child(b, "ln2")?,
-                mlp: child(b, "mlp")?,
-            });
-        }
-        let dev = model.tok_emb.weight.get().map_err(e)?.device().clone();
-        Ok(Decoder {
-            model,
-            blocks,
-            dev,
-            cache: vec![(Vec::new(), Vec::new()); model.config.n_layers],
-            tokens: Vec::new(),
-        })
-    }
-
-    /// Appends `token` at the next position and returns the logits of the token after it
-    /// (`vocab` values). A full context is first shrunk to its last half.
-    ///
-    /// # Errors
-    /// A token outside the vocabulary; tensor errors.
-    pub fn step(&mut self, token: u32) -> Res<Vec<f32>> {
-        let g = &self.model.config;
-        if token as usize >= g.vocab {
-            return Err(format!(
-                "token id {token} is outside the model's vocab {}",
-                g.vocab
-            ));
-        }
-        if self.tokens.len() == g.seq_len {
-            let keep = self.tokens.split_off(g.seq_len - g.seq_len / 2);
-            self.tokens.clear();
-            for c in &mut self.cache {
-                c.0.clear();
-                c.1.clear();
-            }
-            for t in keep {
-                self.step(t)?;
-            }
-        }
-        no_grad(|| self.forward_one(token))
-    }
-
-    fn forward_one(&mut self, token: u32) -> Res<Vec<f32>> {
-        let g = self.model.config;
-        let (d, h) = (g.d_model, g.n_heads);
-        let dh = d / h;
-        let pos = self.tokens.len();
-        let ids = Tensor::from_vec(vec![token as i64], &[1, 1], &self.dev).map_err(e)?;
-        let at = Tensor::from_vec(vec![pos as i64], &[1], &self.dev).map_err(e)?;
-        let mut x = self
-            .model
-            .tok_emb
-            .call(&ids)
-            .and_then(|t| t.add(&self.model.pos_emb.call(&at)?))
-            .map_err(e)?;
-        let scale = 1.0 / (dh as f32).sqrt();
-        for (b, (keys, values)) in self.blocks.iter().zip(&mut self.cache) {
-            let qkv = b
-                .qkv
-                .call(&b.ln1.call(&x).map_err(e)?)
-                .and_then(|t| t.to_vec::<f32>())
-                .map_err(e)?;
-            let (q, kv) = qkv.split_at(d);
-            keys.extend_from_slice(&kv[..d]);
-            values.extend_from_slice(&kv[d..]);
-            let t = pos + 1;
-            let mut y = vec![0.0f32; d];
-            let mut p = vec![0.0f32; t];
-            for head in 0..h {
-                let o = head * dh;
-                let qh = &q[o..o + dh];
-                let mut max = f32::NEG_INFINITY;
-                for (i, s) in p.iter_mut().enumerate() {
-                    let k = &keys[i * d + o..i * d + o + dh];
-                    *s = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0.0f32;
-                for s in p.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let yh = &mut y[o..o + dh];
-                for (i, s) in p.iter().enumerate() {
-                    let v = &values[i * d + o..i * d + o + dh];
-                    for (yy, vv) in yh.iter_mut().zip(v) {
-                        *yy += s / sum * vv;
-                    }
-                }
-            }
-            let y = Tensor::from_vec(y, &[1, 1, d], &self.dev).map_err(e)?;
-            x = x.add(&b.proj.call(&y).map_err(e)?).map_err(e)?;
-            let m = b.mlp.call(&b.ln2.call(&x).map_err(e)?).map_err(e)?;
-            x = x.add(&m).map_err(e)?;
-        }
-        self.tokens.push(token);
-        let x = self.model.ln_f.call(&x).map_err(e)?;
-        self.model
-            .head
-            .call(&x)
-            .and_then(|t| t.to_vec::<f32>())
-            .map_err(e)
-    }
 }
 
 /// How to pick tokens.
@@ -230,16 +75,15 @@ fn pick(logits: &[f32], o: &SampleOpts, rng: &mut u64) -> u32 {
     *idx.last().expect("at least one candidate") as u32
 }
 
-/// Feeds `prompt` (at least one token) and generates `o.max_new_tokens` more; returns the new
-/// tokens.
+/// Feeds `prompt` (at least one token) to a fresh decoder `dec` and generates
+/// `o.max_new_tokens` more; returns the new tokens.
 ///
 /// # Errors
-/// An empty prompt; [`Decoder::step`]'s errors.
-pub fn generate(model: &Gpt, prompt: &[u32], o: &SampleOpts) -> Res<Vec<u32>> {
+/// An empty prompt; [`Decode::step`]'s errors.
+pub fn generate(dec: &mut dyn Decode, prompt: &[u32], o: &SampleOpts) -> Res<Vec<u32>> {
     let (&last, head) = prompt
         .split_last()
         .ok_or("the prompt must hold at least one token")?;
-    let mut dec = Decoder::new(model)?;
     for &t in head {
         dec.step(t)?;
     }
@@ -270,41 +114,9 @@ pub fn prompt_ids(tok: Tokenizer, text: &str) -> Res<Vec<u32>> {
     })
 }
 
-/// A plain CPU `Gpt` of `g` holding `full`'s values.
-pub fn model_from(g: &GptConfig, full: &FullStateDict) -> Res<Gpt> {
-    let dev = Device::cpu(0);
-    let model = Gpt::new(&InitContext::eager(&dev, 0), &g.with_checkpoint(false)).map_err(e)?;
-    full.load_into_module(&model).map_err(e)?;
-    Ok(model)
-}
-
-/// Parses the model string of `train_gpt`'s checkpoint fingerprint
-/// (`vocab V d D layers L heads H seq T tied B gelu G`).
-fn parse_model(s: &str) -> Res<GptConfig> {
-    let w: Vec<&str> = s.split_whitespace().collect();
-    let get = |k: &str| -> Res<&str> {
-        w.iter()
-            .position(|x| *x == k)
-            .and_then(|i| w.get(i + 1).copied())
-            .ok_or_else(|| format!("the checkpoint's model `{s}` has no `{k}`"))
-    };
-    let num =
-        |k: &str| -> Res<usize> { get(k)?.parse().map_err(|_| format!("bad `{k}` in `{s}`")) };
-    let gelu: Gelu = get("gelu")?.parse()?;
-    Ok(GptConfig::new(
-        num("vocab")?,
-        num("d")?,
-        num("layers")?,
-        num("heads")?,
-        num("seq")?,
-    )
-    .with_tied(get("tied")? == "true")
-    .with_gelu(gelu))
-}
-
 /// The model of the newest complete checkpoint in `root`: its config (from `train_gpt`'s
 /// metadata) and parameters (every rank's pieces of the sharded model directory, assembled).
-pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, GptConfig, FullStateDict)> {
+pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, ModelSpec, FullStateDict)> {
     let dir = checkpoint::latest_complete(root)
         .map_err(e)?
         .ok_or_else(|| {
@@ -317,7 +129,7 @@ pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, GptConfig, FullStateDict)> 
     let model = meta["fingerprint"]["model"]
         .as_str()
         .ok_or_else(|| format!("{}: no model in the checkpoint's metadata", dir.display()))?;
-    let g = parse_model(model)?;
+    let g = ModelSpec::parse(model)?;
     let sd = ShardedStateDict::load_dir(dir.join("model")).map_err(e)?;
     let mut entries = Vec::with_capacity(sd.params.len());
     for p in &sd.params {
@@ -406,26 +218,26 @@ pub fn run(cli: SampleCli) -> Res<()> {
             (dir.display().to_string(), g, full)
         }
         (None, Some(p)) => {
-            let ck = crate::hf::HfCheckpoint::open(p).map_err(e)?;
-            let g = ck.config.gpt();
-            (ck.path().display().to_string(), g, ck.full_state_dict())
+            let (g, note) = ModelSpec::from_hf(p)?;
+            let full = g.hf_full(p)?;
+            (note, g, full)
         }
         _ => return Err("give --checkpoint-dir DIR or --init-from PATH".into()),
     };
     let tok = match cli.tokenizer.as_deref() {
         Some("gpt2") => Tokenizer::Gpt2,
         Some(_) => Tokenizer::Bytes,
-        None if g.vocab >= Tokenizer::Gpt2.vocab() => Tokenizer::Gpt2,
+        None if g.vocab() >= Tokenizer::Gpt2.vocab() => Tokenizer::Gpt2,
         None => Tokenizer::Bytes,
     };
-    if g.vocab < tok.vocab() {
+    if g.vocab() < tok.vocab() {
         return Err(format!(
             "the model's vocab {} is smaller than the {tok:?} tokenizer's {}",
-            g.vocab,
+            g.vocab(),
             tok.vocab()
         ));
     }
-    let model = model_from(&g, &full)?;
+    let mut dec = g.decoder(&full)?;
     let prompt = prompt_ids(tok, &cli.prompt)?;
     let o = SampleOpts {
         max_new_tokens: cli.max_new_tokens as usize,
@@ -434,12 +246,13 @@ pub fn run(cli: SampleCli) -> Res<()> {
         seed: cli.seed,
         max_id: tok.vocab(),
     };
-    let out = generate(&model, &prompt, &o)?;
+    let out = generate(dec.as_mut(), &prompt, &o)?;
     eprintln!(
-        "sample: {source} (vocab {} d {} layers {}), {:?} tokenizer, {} prompt + {} new tokens, temperature {}, top-k {}, seed {}",
-        g.vocab,
-        g.d_model,
-        g.n_layers,
+        "sample: {source} ({} vocab {} d {} layers {}), {:?} tokenizer, {} prompt + {} new tokens, temperature {}, top-k {}, seed {}",
+        g.name(),
+        g.vocab(),
+        g.d_model(),
+        g.n_layers(),
         tok,
         prompt.len(),
         out.len(),
@@ -454,41 +267,20 @@ pub fn run(cli: SampleCli) -> Res<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::GptDecoder;
+    use fsdp_alloc::Device;
+    use fsdp_autograd::nn::{Gpt, GptConfig};
+    use fsdp_autograd::InitContext;
 
-    fn model(gelu: Gelu, tied: bool) -> Gpt {
+    /// A fresh decoder over the same (seed 5) GPT.
+    fn dec() -> GptDecoder {
         let dev = Device::cpu(0);
-        let g = GptConfig::new(48, 32, 2, 4, 12)
-            .with_gelu(gelu)
-            .with_tied(tied);
-        Gpt::new(&InitContext::eager(&dev, 5), &g).unwrap()
-    }
-
-    /// The KV-cache decoder's logits at every position equal the full forward's (within 1e-5
-    /// of the row's largest |logit|), for both GELUs and tied/untied heads.
-    #[test]
-    fn cached_steps_match_the_full_forward() {
-        for (gelu, tied) in [(Gelu::Exact, false), (Gelu::Tanh, true)] {
-            let m = model(gelu, tied);
-            let toks: Vec<u32> = vec![3, 17, 5, 40, 2, 2, 9, 33, 1, 0];
-            let ids: Vec<i64> = toks.iter().map(|&t| t as i64).collect();
-            let dev = m.tok_emb.weight.get().unwrap().device().clone();
-            let x = Tensor::from_vec(ids, &[1, toks.len()], &dev).unwrap();
-            let full = no_grad(|| m.forward(&x)).unwrap().to_vec::<f32>().unwrap();
-            let mut dec = Decoder::new(&m).unwrap();
-            for (t, &tok) in toks.iter().enumerate() {
-                let step = dec.step(tok).unwrap();
-                let row = &full[t * 48..(t + 1) * 48];
-                let scale = row.iter().fold(0.0f32, |a, x| a.max(x.abs()));
-                for (a, b) in step.iter().zip(row) {
-                    assert!((a - b).abs() <= 1e-5 * scale, "pos {t}: {a} vs {b}");
-                }
-            }
-        }
+        let g = GptConfig::new(48, 32, 2, 4, 12);
+        GptDecoder::new(Gpt::new(&InitContext::eager(&dev, 5), &g).unwrap()).unwrap()
     }
 
     #[test]
     fn sampling_is_deterministic_per_seed_and_greedy_at_zero() {
-        let m = model(Gelu::Exact, false);
         let mut o = SampleOpts {
             max_new_tokens: 30, // more than seq_len 12: the context wraps
             temperature: 1.0,
@@ -496,32 +288,20 @@ mod tests {
             seed: 7,
             max_id: 40,
         };
-        let a = generate(&m, &[1, 2], &o).unwrap();
-        assert_eq!(a, generate(&m, &[1, 2], &o).unwrap());
+        let a = generate(&mut dec(), &[1, 2], &o).unwrap();
+        assert_eq!(a, generate(&mut dec(), &[1, 2], &o).unwrap());
         assert_eq!(a.len(), 30);
         assert!(a.iter().all(|&t| t < 40));
         o.seed = 8;
-        assert_ne!(a, generate(&m, &[1, 2], &o).unwrap());
+        assert_ne!(a, generate(&mut dec(), &[1, 2], &o).unwrap());
         o.temperature = 0.0;
-        let g = generate(&m, &[1, 2], &o).unwrap();
-        let mut dec = Decoder::new(&m).unwrap();
-        dec.step(1).unwrap();
-        let l = dec.step(2).unwrap();
+        let g = generate(&mut dec(), &[1, 2], &o).unwrap();
+        let mut d = dec();
+        d.step(1).unwrap();
+        let l = d.step(2).unwrap();
         let best = (0..40)
             .max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a)))
             .unwrap();
         assert_eq!(g[0], best as u32);
-    }
-
-    #[test]
-    fn fingerprint_models_parse() {
-        let g = parse_model("vocab 256 d 64 layers 2 heads 4 seq 32 tied true gelu tanh").unwrap();
-        assert_eq!(
-            g,
-            GptConfig::new(256, 64, 2, 4, 32)
-                .with_tied(true)
-                .with_gelu(Gelu::Tanh)
-        );
-        assert!(parse_model("vocab 256").is_err());
     }
 }

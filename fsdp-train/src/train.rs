@@ -1,6 +1,7 @@
 //! The training loop: the ranks of this process ([`run_job`], one path for every collective
 //! backend: thread ranks, MPI processes, GPU ranks over NCCL), each with its own [`Device`] and
-//! its handle to the group, wrap the same GPT with [`Fsdp`] and train it ([`Rank`]).
+//! its handle to the group, wrap the same model (any family of [`crate::model`], one FSDP unit
+//! per block) with [`Fsdp`] and train it ([`Rank`]).
 //!
 //! A rank's run has three phases: restore the starting state (`--load`, `--init-from`,
 //! `--resume`), the steps, and finish (`--save`, `--export-hf`, the report). Per step every
@@ -16,7 +17,6 @@ use std::time::Instant;
 
 use fsdp_alloc::trace;
 use fsdp_alloc::{DType, Device, DeviceConfig};
-use fsdp_autograd::nn::Gpt;
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
 use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
 use fsdp_core::checkpoint::{self, CheckpointManager};
@@ -31,19 +31,18 @@ use serde_json::{json, Value};
 use crate::ckpt::{self, CheckpointError};
 use crate::data::{DataError, Dataset};
 use crate::job::{DataSpec, Observer, Quiet, Report, StepRecord, TrainConfig, TrainError};
+use crate::model::Model;
 
 /// Settings a resumed run must share with the checkpoint: the model, optimizer, global batch,
 /// data and seed, and the learning-rate schedule (`--lr`, `--warmup-steps`, `--min-lr`, and
 /// `--steps` where the schedule depends on it: the cosine decay of `--min-lr`).
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
-    let g = &cfg.gpt;
     json!({
         "lr": cfg.lr,
         "warmup_steps": cfg.warmup_steps,
         "min_lr": cfg.min_lr,
         "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
-        "model": format!("vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
-                         g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len, g.tied, g.gelu.name()),
+        "model": cfg.model.fingerprint(),
         "optimizer": format!("{:?} {:?}", cfg.optimizer, cfg.optim_hyper),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
@@ -58,13 +57,19 @@ pub fn fingerprint(cfg: &TrainConfig) -> Value {
 pub fn open_data(cfg: &TrainConfig) -> Result<Dataset, DataError> {
     match &cfg.data {
         DataSpec::Synthetic => Ok(Dataset::Synthetic {
-            vocab: cfg.gpt.vocab,
+            vocab: cfg.model.vocab(),
         }),
         DataSpec::File {
             path,
             format,
             val_fraction,
-        } => Dataset::open(path, *format, *val_fraction, cfg.gpt.seq_len, cfg.gpt.vocab),
+        } => Dataset::open(
+            path,
+            *format,
+            *val_fraction,
+            cfg.model.seq_len(),
+            cfg.model.vocab(),
+        ),
     }
 }
 
@@ -177,7 +182,7 @@ struct Rank {
     data: Dataset,
     dev: Device,
     host: Option<Device>,
-    fsdp: Fsdp<Gpt>,
+    fsdp: Fsdp<Model>,
     /// The optimizer (`--optimizer`), at the peak learning rate until a step sets its own.
     opt: Box<dyn ShardedOptimizer>,
     observer: Box<dyn Observer>,
@@ -217,7 +222,10 @@ impl Rank {
             // on their host device (FSDP then uploads only the shards it gathers).
             InitContext::eager(crate::cuda::init_device(cfg, &dev, host.as_ref()), cfg.seed)
         };
-        let model = Gpt::new(&init, &cfg.gpt)
+        let model = cfg
+            .model
+            .build(&init)
+            .map(Model::new)
             .map_err(|e| fsdp_err("building the model")(FsdpError::from(e)))?;
         let comm: Comm = if cfg.strategy.replicates() {
             let f = cfg.shard_size.unwrap_or(world);
@@ -229,7 +237,8 @@ impl Rank {
         };
         let config = FsdpConfig {
             strategy: cfg.strategy,
-            wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
+            // One unit per block of the family (GPT's `Block`, Llama's decoder layer).
+            wrap_policy: WrapPolicy::ModuleTypes(vec![cfg.model.unit_type().into()]),
             backward_prefetch: cfg.backward_prefetch,
             forward_prefetch: cfg.forward_prefetch,
             limit_all_gathers: cfg.limit_all_gathers,
@@ -354,14 +363,15 @@ impl Rank {
         let c = &self.cfg;
         let g = (c.ranks * c.batch) as u64;
         let first = (s * c.grad_accum + micro) as u64 * g + (self.rank * c.batch) as u64;
-        let mut ids = Vec::with_capacity(c.batch * c.gpt.seq_len);
-        let mut tg = Vec::with_capacity(c.batch * c.gpt.seq_len);
+        let seq = c.model.seq_len();
+        let mut ids = Vec::with_capacity(c.batch * seq);
+        let mut tg = Vec::with_capacity(c.batch * seq);
         for b in 0..c.batch as u64 {
-            let (i, t) = self.data.train_sequence(first + b, c.gpt.seq_len, c.seed)?;
+            let (i, t) = self.data.train_sequence(first + b, seq, c.seed)?;
             ids.extend(i);
             tg.extend(t);
         }
-        let shape = [c.batch, c.gpt.seq_len];
+        let shape = [c.batch, seq];
         let x =
             Tensor::from_vec(ids, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
         let y = Tensor::from_vec(tg, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
@@ -371,7 +381,7 @@ impl Rank {
     /// Mean validation loss over the fixed evaluation set (all ranks; every rank gets it).
     fn evaluate(&self) -> Result<f32, TrainError> {
         let c = &self.cfg;
-        let (n, b, w, seq) = (c.eval_seqs, c.batch, c.ranks, c.gpt.seq_len);
+        let (n, b, w, seq) = (c.eval_seqs, c.batch, c.ranks, c.model.seq_len());
         let rounds = n.div_ceil(w * b);
         let mut sum = 0.0f32;
         let mut count = 0.0f32;
@@ -399,7 +409,7 @@ impl Rank {
                 let x = Tensor::from_vec(ids, &[k, seq], &self.dev)?;
                 let y = Tensor::from_vec(tg, &[k * seq], &self.dev)?;
                 let logits = self.fsdp.forward(&x)?;
-                let vocab = c.gpt.vocab;
+                let vocab = c.model.vocab();
                 let flat = logits.reshape(&[k * seq, vocab])?;
                 Ok(cross_entropy(&flat, &y)?.item()?)
             })
@@ -572,7 +582,7 @@ impl Rank {
         let init = crate::interop::init_rank(&self.fsdp, &self.cfg);
         if self.agree(init.map_err(TrainError::Interop), "--init-from")? && self.rank == 0 {
             self.observer
-                .note("loaded the Hugging Face GPT-2 weights (--init-from)");
+                .note("loaded the Hugging Face weights (--init-from)");
         }
         if self.cfg.resume {
             self.resume()
@@ -757,7 +767,7 @@ impl Rank {
         {
             if rank == 0 {
                 self.observer.note(&format!(
-                    "exported Hugging Face GPT-2 weights to {}",
+                    "exported Hugging Face weights to {}",
                     dir.display()
                 ));
             }
@@ -803,7 +813,7 @@ impl Rank {
         let syncs_before = fsdp_alloc::stream::host_syncs();
         let accum = batches.len();
         let world = self.cfg.ranks;
-        let vocab = self.cfg.gpt.vocab;
+        let vocab = self.cfg.model.vocab();
         let mut scaled = 0.0f32;
         for (micro, (x, y)) in batches.into_iter().enumerate() {
             let fsdp = &self.fsdp;
@@ -1388,8 +1398,9 @@ mod tests {
             out.to_str().unwrap(),
         ]);
         let (c, _notes) = crate::interop::prepare(c).unwrap();
-        assert_eq!((c.gpt.vocab, c.gpt.d_model, c.gpt.seq_len), (50257, 64, 16));
-        assert!(c.gpt.tied);
+        let m = &c.model;
+        assert_eq!((m.vocab(), m.d_model(), m.seq_len()), (50257, 64, 16));
+        assert!(m.tied());
         let r = run_job(&c, Box::new(Quiet), true).unwrap();
         assert!(r.steps.iter().all(|s| s.loss.is_finite()));
         let ck = crate::hf::HfCheckpoint::open(&out).unwrap();

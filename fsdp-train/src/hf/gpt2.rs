@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 
 use super::{missing, write_model_dir, HfError, HfTensor, CONFIG, WEIGHTS};
 
-use fsdp_autograd::nn::{Gelu, Gpt, GptConfig};
+use fsdp_autograd::nn::{Gelu, GptConfig, Module};
 use fsdp_core::state_dict::{self, FullStateDict, ShardedStateDict};
 use fsdp_core::Fsdp;
 use memmap2::Mmap;
@@ -499,13 +499,17 @@ pub fn check_model(ck: &HfCheckpoint, g: &GptConfig) -> Result<(), HfError> {
     Ok(())
 }
 
-/// Loads `ck` into the wrapped model through the sharded path: this rank reads only the
-/// elements of its own pieces. Rank-local (no communication).
+/// Loads `ck` into the wrapped model (an `nn::Gpt` of config `g`) through the sharded path: this
+/// rank reads only the elements of its own pieces. Rank-local (no communication).
 ///
 /// # Errors
 /// [`HfError::Model`] when the model's shape does not fit; state-dict errors.
-pub fn load_into(fsdp: &Fsdp<Gpt>, ck: &HfCheckpoint) -> Result<(), HfError> {
-    check_model(ck, &fsdp.module().config)?;
+pub fn load_into<M: Module + 'static>(
+    fsdp: &Fsdp<M>,
+    ck: &HfCheckpoint,
+    g: &GptConfig,
+) -> Result<(), HfError> {
+    check_model(ck, g)?;
     let sd_err = |context: &str| {
         let context = context.to_string();
         move |e| HfError::StateDict {
@@ -577,12 +581,17 @@ pub fn write_dir(full: &FullStateDict, g: &GptConfig, dir: &Path) -> Result<(), 
     write_model_dir(dir, tensors, &config)
 }
 
-/// `--export-hf DIR`: gathers the parameters to rank 0 and writes them there (a collective:
-/// every rank calls it; only rank 0 of the shard group writes).
+/// `--export-hf DIR`: gathers the parameters of the wrapped `nn::Gpt` of config `g` to rank 0
+/// and writes them there (a collective: every rank calls it; only rank 0 of the shard group
+/// writes).
 ///
 /// # Errors
 /// State-dict errors of the gather; [`write_dir`]'s on the writing rank.
-pub fn export(fsdp: &Fsdp<Gpt>, dir: &Path) -> Result<(), HfError> {
+pub fn export<M: Module + 'static>(
+    fsdp: &Fsdp<M>,
+    g: &GptConfig,
+    dir: &Path,
+) -> Result<(), HfError> {
     let full = state_dict::full_state_dict(fsdp, true).map_err(|e| HfError::StateDict {
         context: format!("--export-hf {}: gathering the parameters", dir.display()),
         source: Box::new(e),
@@ -590,7 +599,7 @@ pub fn export(fsdp: &Fsdp<Gpt>, dir: &Path) -> Result<(), HfError> {
     if full.is_empty() {
         return Ok(());
     }
-    write_dir(&full, &fsdp.module().config, dir)
+    write_dir(&full, g, dir)
 }
 
 #[cfg(test)]
@@ -600,6 +609,7 @@ mod tests {
     use std::sync::Arc;
 
     use fsdp_alloc::Device;
+    use fsdp_autograd::nn::Gpt;
     use fsdp_autograd::{InitContext, Tensor};
     use fsdp_collectives::{ProcessGroup, ThreadGroup};
     use fsdp_core::{FsdpConfig, WrapPolicy};
@@ -708,7 +718,7 @@ mod tests {
             let toks = tokens.clone();
             let got = on_ranks(2, g, move |dev, fsdp| {
                 let ck = HfCheckpoint::open(&fixture()).unwrap();
-                load_into(fsdp, &ck).unwrap();
+                load_into(fsdp, &ck, &fsdp.module().config).unwrap();
                 logits(dev, fsdp, &toks)
             });
             assert_eq!(got[0], got[1], "ranks agree");
@@ -754,7 +764,7 @@ mod tests {
             on_ranks(1, g.with_gelu(gelu), {
                 let toks = toks.clone();
                 move |dev, fsdp| {
-                    load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap()).unwrap();
+                    load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap(), &g).unwrap();
                     logits(dev, fsdp, &toks)
                 }
             })
@@ -778,8 +788,8 @@ mod tests {
         let g = HfCheckpoint::open(&fixture()).unwrap().config.gpt();
         let d2 = dir.clone();
         let first = on_ranks(2, g, move |_, fsdp| {
-            load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap()).unwrap();
-            export(fsdp, &d2).unwrap();
+            load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap(), &g).unwrap();
+            export(fsdp, &g, &d2).unwrap();
             state_dict::full_state_dict(fsdp, false).unwrap()
         });
         let orig = std::fs::read(fixture().join(WEIGHTS)).unwrap();
@@ -800,7 +810,7 @@ mod tests {
         assert_eq!(cfg, HfCheckpoint::open(&fixture()).unwrap().config);
         let d3 = dir.clone();
         let second = on_ranks(3, g, move |_, fsdp| {
-            load_into(fsdp, &HfCheckpoint::open(&d3).unwrap()).unwrap();
+            load_into(fsdp, &HfCheckpoint::open(&d3).unwrap(), &g).unwrap();
             state_dict::full_state_dict(fsdp, false).unwrap()
         });
         for (a, b) in first[0].entries.iter().zip(&second[0].entries) {
