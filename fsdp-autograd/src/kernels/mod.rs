@@ -10,7 +10,8 @@
 //!   (`operand.rs`). Every tensor operation, fill, copy, upload and readback goes through it.
 //! - The ops, one file each, grouped by family: [`gemm`] (matrix products), [`elementwise`],
 //!   [`reduce`], [`norm`] (softmax, layer norm), [`embedding`], [`loss`] (cross-entropy),
-//!   [`attention`], [`layout`] (strided copies), [`optim`] (optimizer, clipping, grad scaler).
+//!   [`attention`], [`layout`] (strided copies), [`optim`] (optimizer, clipping, grad scaler),
+//!   [`rope`] (rotary position embedding).
 //!   An op's file holds its shape struct, its check, its CPU launch and (feature `cuda`) its
 //!   CUDA launch.
 //! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices, and
@@ -44,6 +45,7 @@ pub mod optim;
 #[cfg(feature = "cuda")]
 pub(crate) mod program;
 pub mod reduce;
+pub mod rope;
 mod select;
 
 pub use backend::{Backend, ReadFn};

@@ -84,6 +84,8 @@ on_both!(
     softmax,
     layer_norm,
     rms_norm,
+    silu_mul,
+    rope,
     embedding,
     embedding_bad_ids,
     cross_entropy,
