@@ -7,8 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::{Gelu, GptConfig};
-
+use fsdp_autograd::nn::{Gelu, GptConfig, Llama3Scaling, LlamaConfig};
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
 use fsdp_core::{ShardOver, STRATEGIES};
 
@@ -61,9 +60,14 @@ pub struct Cli {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Model")]
 pub struct ModelArgs {
-    /// Model preset: mini (vocab 256, d 256, 4 layers, 4 heads, seq 128), small (~25M: vocab
-    /// 256, d 512, 8 layers, 8 heads, seq 256), gpt2 (124M: vocab 50257, d 768, 12 layers, 12
-    /// heads, seq 1024, embedding tied to the head as in GPT-2)
+    /// Model preset: GPTs mini (vocab 256, d 256, 4 layers, 4 heads, seq 128), small (~25M:
+    /// vocab 256, d 512, 8 layers, 8 heads, seq 256), gpt2 (124M: vocab 50257, d 768, 12 layers,
+    /// 12 heads, seq 1024, embedding tied to the head as in GPT-2); Llamas (RMSNorm, RoPE,
+    /// grouped-query attention, SwiGLU, no biases) llama-tiny (0.8M: vocab 256, d 128, 4 layers,
+    /// 4 heads over 2 key/value heads, ffn 352, seq 128), llama-small (~24M: vocab 256, d 512,
+    /// 8 layers, 8/4 heads, ffn 1408, seq 256), llama-1b (Llama 3.2 1B's shape, 1.24B: vocab
+    /// 128256, d 2048, 16 layers, 32/8 heads, ffn 8192, seq 2048, θ 500000 with llama3 scaling,
+    /// tied), llama-8b (Llama 3.1 8B's shape, 8.0B, untied: for --plan)
     #[arg(long, value_enum, default_value_t = ModelPreset::Mini)]
     pub model: ModelPreset,
     /// Override the preset's model width (divisible by --heads)
@@ -72,9 +76,17 @@ pub struct ModelArgs {
     /// Override the preset's number of transformer blocks
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=512))]
     pub layers: Option<u64>,
-    /// Override the preset's attention heads per block
+    /// Override the preset's attention heads per block (a Llama's key/value heads follow unless
+    /// --kv-heads is given)
     #[arg(long, value_name = "H", value_parser = clap::value_parser!(u64).range(1..=512))]
     pub heads: Option<u64>,
+    /// Key/value heads of a Llama's grouped-query attention (dividing --heads; = --heads is
+    /// multi-head attention, 1 multi-query)
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub kv_heads: Option<u64>,
+    /// Feed-forward (SwiGLU) width of a Llama
+    #[arg(long, value_name = "F", value_parser = clap::value_parser!(u64).range(1..=262_144))]
+    pub ffn_dim: Option<u64>,
     /// Override the preset's sequence length (tokens per sequence)
     #[arg(long, value_name = "T", value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub seq_len: Option<u64>,
@@ -85,7 +97,8 @@ pub struct ModelArgs {
     /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
     #[arg(long, value_enum, default_value_t = GeluArg::Exact)]
     pub gelu: GeluArg,
-    /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
+    /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2 and
+    /// llama-1b)
     #[arg(long)]
     pub tied: bool,
     /// Activation checkpointing of every transformer block (recomputed in backward; the
@@ -338,6 +351,18 @@ pub enum ModelPreset {
     Small,
     /// GPT-2 small: vocab 50257, d 768, 12 layers, 12 heads, seq 1024, tied head (124M)
     Gpt2,
+    /// Llama, vocab 256, d 128, 4 layers, 4 heads / 2 kv heads, ffn 352, seq 128 (0.8M)
+    LlamaTiny,
+    /// Llama, vocab 256, d 512, 8 layers, 8 heads / 4 kv heads, ffn 1408, seq 256 (24M)
+    LlamaSmall,
+    /// Llama 3.2 1B's shape: vocab 128256, d 2048, 16 layers, 32/8 heads, ffn 8192, seq 2048,
+    /// θ 500000 + llama3 scaling, tied (1.24B)
+    #[value(name = "llama-1b")]
+    Llama1b,
+    /// Llama 3.1 8B's shape: vocab 128256, d 4096, 32 layers, 32/8 heads, ffn 14336, seq 8192,
+    /// θ 500000 + llama3 scaling, untied (8.0B; more than train_gpt trains: --plan)
+    #[value(name = "llama-8b")]
+    Llama8b,
 }
 
 /// `--gelu`.
@@ -505,6 +530,16 @@ fn usage<T>(msg: impl Into<String>) -> Result<T, UsageError> {
     Err(UsageError(msg.into()))
 }
 
+/// Llama 3's `llama3` rotary scaling with `factor` (8 for 3.1, 32 for 3.2).
+fn llama3_scaling(factor: f64) -> Llama3Scaling {
+    Llama3Scaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 8192,
+    }
+}
+
 impl ModelPreset {
     /// The preset's model.
     pub fn config(self) -> ModelSpec {
@@ -514,6 +549,19 @@ impl ModelPreset {
             // GPT-2 ties its token embedding and LM head (124M parameters).
             ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024)
                 .with_tied(true)
+                .into(),
+            ModelPreset::LlamaTiny => LlamaConfig::new(256, 128, 4, 4, 2, 352, 128).into(),
+            ModelPreset::LlamaSmall => LlamaConfig::new(256, 512, 8, 8, 4, 1408, 256).into(),
+            // Llama 3.2 1B and Llama 3.1 8B (their config.json): θ 500000, rms eps 1e-5,
+            // rope_type llama3 with low/high frequency factors 1/4 over 8192 positions.
+            ModelPreset::Llama1b => LlamaConfig::new(128_256, 2048, 16, 32, 8, 8192, 2048)
+                .with_rope_theta(500_000.0)
+                .with_rope_scaling(Some(llama3_scaling(32.0)))
+                .with_tied(true)
+                .into(),
+            ModelPreset::Llama8b => LlamaConfig::new(128_256, 4096, 32, 32, 8, 14_336, 8192)
+                .with_rope_theta(500_000.0)
+                .with_rope_scaling(Some(llama3_scaling(8.0)))
                 .into(),
         }
     }
@@ -529,8 +577,8 @@ impl Cli {
                 d_model: m.d_model.map(|d| d as usize),
                 layers: m.layers.map(|l| l as usize),
                 heads: m.heads.map(|h| h as usize),
-                kv_heads: None,
-                ffn_dim: None,
+                kv_heads: m.kv_heads.map(|k| k as usize),
+                ffn_dim: m.ffn_dim.map(|f| f as usize),
                 gelu: match m.gelu {
                     GeluArg::Exact => Gelu::Exact,
                     GeluArg::Tanh => Gelu::Tanh,
@@ -550,6 +598,8 @@ impl Cli {
         let shaped = m.d_model.is_some()
             || m.layers.is_some()
             || m.heads.is_some()
+            || m.kv_heads.is_some()
+            || m.ffn_dim.is_some()
             || m.tied
             || m.gelu != GeluArg::Exact;
         let interop = self

@@ -82,7 +82,7 @@ impl InteropArgs {
         if self.init_from.is_some() && shape_overridden {
             return Err(
                 "--init-from takes the model's shape from its config.json; drop --d-model, \
-                 --layers, --heads, --tied and --gelu"
+                 --layers, --heads, --kv-heads, --ffn-dim, --tied and --gelu"
                     .into(),
             );
         }

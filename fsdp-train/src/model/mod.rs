@@ -6,6 +6,8 @@
 //! configuration type in its own file:
 //!
 //! - `gpt.rs`: `nn::Gpt` (`--model mini|small|gpt2`), Hugging Face `GPT2LMHeadModel`.
+//! - `llama.rs`: `nn::Llama` (`--model llama-tiny|llama-small|llama-1b|llama-8b`), Hugging Face
+//!   `LlamaForCausalLM`.
 //!
 //! A new family is one file here implementing [`Family`] (with its decoder), one [`ModelSpec`]
 //! variant (its arms in [`ModelSpec::family`], [`ModelSpec::family_mut`], [`ModelSpec::parse`]
@@ -14,6 +16,7 @@
 
 mod family;
 mod gpt;
+mod llama;
 
 pub use family::{Decode, Family, Model, ShapeFlags};
 #[cfg(test)]
@@ -22,15 +25,17 @@ pub use gpt::GptDecoder;
 use std::ops::{Deref, DerefMut};
 use std::path::Path;
 
-use fsdp_autograd::nn::GptConfig;
+use fsdp_autograd::nn::{GptConfig, LlamaConfig};
 
-use crate::hf::HfCheckpoint;
+use crate::hf::{self, Arch, HfCheckpoint, LlamaCheckpoint};
 
 /// The model a run trains: one variant per family.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelSpec {
     /// `nn::Gpt`.
     Gpt(GptConfig),
+    /// `nn::Llama`.
+    Llama(LlamaConfig),
 }
 
 impl ModelSpec {
@@ -38,6 +43,7 @@ impl ModelSpec {
     pub fn family(&self) -> &(dyn Family + 'static) {
         match self {
             ModelSpec::Gpt(g) => g,
+            ModelSpec::Llama(l) => l,
         }
     }
 
@@ -45,6 +51,7 @@ impl ModelSpec {
     pub fn family_mut(&mut self) -> &mut (dyn Family + 'static) {
         match self {
             ModelSpec::Gpt(g) => g,
+            ModelSpec::Llama(l) => l,
         }
     }
 
@@ -53,6 +60,7 @@ impl ModelSpec {
     pub fn as_gpt(&self) -> Option<&GptConfig> {
         match self {
             ModelSpec::Gpt(g) => Some(g),
+            ModelSpec::Llama(_) => None,
         }
     }
 
@@ -62,7 +70,10 @@ impl ModelSpec {
     /// # Errors
     /// A missing or malformed field, naming it.
     pub fn parse(s: &str) -> Result<ModelSpec, String> {
-        Ok(ModelSpec::Gpt(gpt::parse(s)?))
+        match s.split_whitespace().next() {
+            Some("llama") => Ok(ModelSpec::Llama(llama::parse(s)?)),
+            _ => Ok(ModelSpec::Gpt(gpt::parse(s)?)),
+        }
     }
 
     /// The model a Hugging Face checkpoint at `path` (a directory, or its weights file)
@@ -71,6 +82,29 @@ impl ModelSpec {
     /// # Errors
     /// The checkpoint cannot be read or is of no supported layout, as one line.
     pub fn from_hf(path: &Path) -> Result<(ModelSpec, String), String> {
+        if hf::detect(path) == Arch::Llama {
+            let ck = LlamaCheckpoint::open(path).map_err(|e| format!("--init-from: {e}"))?;
+            let (c, max) = (ck.config.model, ck.config.max_positions);
+            let note = format!(
+                "{} (Llama vocab {} d {} layers {} heads {} kv heads {} ffn {} positions {max}, \
+                 seq {}, θ {}{})",
+                ck.path().display(),
+                c.vocab,
+                c.d_model,
+                c.n_layers,
+                c.n_heads,
+                c.n_kv_heads,
+                c.ffn_dim,
+                c.seq_len,
+                c.rope_theta,
+                if c.rope_scaling.is_some() {
+                    ", llama3 scaling"
+                } else {
+                    ""
+                }
+            );
+            return Ok((ModelSpec::Llama(c), note));
+        }
         let ck = HfCheckpoint::open(path).map_err(|e| format!("--init-from: {e}"))?;
         let c = &ck.config;
         let note = format!(
@@ -103,5 +137,11 @@ impl DerefMut for ModelSpec {
 impl From<GptConfig> for ModelSpec {
     fn from(g: GptConfig) -> ModelSpec {
         ModelSpec::Gpt(g)
+    }
+}
+
+impl From<LlamaConfig> for ModelSpec {
+    fn from(c: LlamaConfig) -> ModelSpec {
+        ModelSpec::Llama(c)
     }
 }
