@@ -1420,6 +1420,114 @@ mod tests {
         );
     }
 
+    /// `--model llama-tiny` (shrunk) on W thread ranks equals one rank with W-way gradient
+    /// accumulation bit for bit (losses and final parameters), with deferred init and activation
+    /// checkpointing on the sharded run; and it trains (the loss falls).
+    #[test]
+    fn llama_on_ranks_equals_one_rank_accumulating() {
+        let run = |extra: &[&str]| {
+            let mut a = vec![
+                "--model",
+                "llama-tiny",
+                "--d-model",
+                "32",
+                "--layers",
+                "2",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--ffn-dim",
+                "48",
+                "--seq-len",
+                "16",
+                "--steps",
+                "6",
+                "--batch",
+                "1",
+                "--lr",
+                "0.01",
+            ];
+            a.extend_from_slice(extra);
+            run_job(&config(&a), Box::new(Quiet), true).unwrap()
+        };
+        let one = run(&["--ranks", "1", "--grad-accum", "4"]);
+        let four = run(&[
+            "--ranks",
+            "4",
+            "--deferred-init",
+            "--activation-checkpointing",
+        ]);
+        assert_eq!(losses(&one), losses(&four));
+        let bits = |r: &Report| {
+            r.final_params
+                .as_ref()
+                .unwrap()
+                .entries
+                .iter()
+                .map(|e| {
+                    (
+                        e.name.clone(),
+                        e.values.iter().map(|x| x.to_bits()).collect(),
+                    )
+                })
+                .collect::<Vec<(String, Vec<u32>)>>()
+        };
+        assert_eq!(bits(&one), bits(&four));
+        let l: Vec<f32> = one.steps.iter().map(|s| s.loss).collect();
+        assert!(l[5] < l[0], "{l:?}");
+    }
+
+    /// `--init-from` a Hugging Face Llama directory (the fixture) trains on 2 ranks and
+    /// `--export-hf` writes what was trained.
+    #[test]
+    fn llama_init_from_trains_and_exports() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama-tiny");
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("hf");
+        let c = config(&[
+            "--init-from",
+            fixture,
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--ranks",
+            "2",
+            "--batch",
+            "1",
+            "--export-hf",
+            out.to_str().unwrap(),
+        ]);
+        let (c, _notes) = crate::interop::prepare(c).unwrap();
+        let m = &c.model;
+        assert_eq!(
+            (m.name(), m.vocab(), m.d_model(), m.seq_len()),
+            ("llama", 384, 64, 16)
+        );
+        let r = run_job(&c, Box::new(Quiet), true).unwrap();
+        assert!(r.steps.iter().all(|s| s.loss.is_finite()));
+        let ck = crate::hf::LlamaCheckpoint::open(&out).unwrap();
+        let spec = crate::model::ModelSpec::from(ck.config.model);
+        let exported = ck.full_state_dict(&ck.config.model);
+        let trained = r.final_params.unwrap();
+        for e in &trained.entries {
+            assert_eq!(
+                exported.get(&e.name).unwrap().values,
+                e.values,
+                "{}",
+                e.name
+            );
+        }
+        assert_eq!(spec.seq_len(), 16);
+        let orig = crate::hf::LlamaCheckpoint::open(std::path::Path::new(fixture)).unwrap();
+        let orig = orig.full_state_dict(&orig.config.model);
+        assert_ne!(
+            orig.get("layers.0.mlp.up_proj.weight"),
+            exported.get("layers.0.mlp.up_proj.weight")
+        );
+    }
+
     /// Resident set size of this process, in bytes (Linux `/proc/self/statm`).
     fn rss_bytes() -> u64 {
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
