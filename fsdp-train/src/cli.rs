@@ -377,12 +377,14 @@ pub enum GeluArg {
 /// `--data-format`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataFormatArg {
-    /// .bin: u16 token ids; any other file: text bytes
+    /// .u32.bin: u32 token ids; .bin: u16 token ids; any other file: text bytes
     Auto,
     /// every byte is a token (vocab 256)
     Text,
     /// little-endian u16 token ids (nanoGPT's train.bin/val.bin)
     U16,
+    /// little-endian u32 token ids (vocabularies over 65,536 ids, e.g. Llama 3's)
+    U32,
 }
 
 /// `--backend`.
@@ -622,8 +624,11 @@ impl Cli {
                 let format = match d.data_format {
                     DataFormatArg::Text => DataFormat::Text,
                     DataFormatArg::U16 => DataFormat::U16,
+                    DataFormatArg::U32 => DataFormat::U32,
                     DataFormatArg::Auto => {
-                        if path.extension().is_some_and(|e| e == "bin") {
+                        if path.to_string_lossy().ends_with(".u32.bin") {
+                            DataFormat::U32
+                        } else if path.extension().is_some_and(|e| e == "bin") {
                             DataFormat::U16
                         } else {
                             DataFormat::Text

@@ -2,9 +2,9 @@
 //! `--sample-every` (their flags, their resolution before training, and what a rank does with
 //! them). The formats live in [`crate::tokenizer`], [`crate::hf`] and [`crate::sample`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 use fsdp_core::{state_dict, Fsdp};
 
 use crate::data::DataFormat;
@@ -17,19 +17,23 @@ use crate::tokenizer::Tokenizer;
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Ecosystem")]
 pub struct InteropArgs {
-    /// How text --data becomes tokens: bytes (vocab 256) or gpt2 (GPT-2's BPE, vocab 50257, set
-    /// automatically; a larger --vocab such as 50304 is allowed). gpt2 caches the tokens next to
-    /// the text as FILE.gpt2.bin (nanoGPT's u16 format) and reuses them while the text is
-    /// unchanged
-    #[arg(long, value_enum, default_value_t = TokenizerArg::Bytes)]
-    pub tokenizer: TokenizerArg,
-    /// Start from Hugging Face GPT-2 weights: a directory with model.safetensors and config.json
-    /// (GPT2LMHeadModel's layout), or its model.safetensors. The model's shape and GELU come
-    /// from config.json (--vocab may be larger, --seq-len shorter)
+    /// How text --data becomes tokens: bytes (vocab 256), gpt2 (GPT-2's BPE, vocab 50257, set
+    /// automatically; a larger --vocab such as 50304 is allowed), or PATH/tokenizer.json (a
+    /// Hugging Face tokenizer, e.g. Llama 3's; the vocab is raised to its ids). gpt2 caches the
+    /// tokens next to the text as FILE.gpt2.bin (nanoGPT's u16 format), a tokenizer.json as
+    /// FILE.tok-HASH.bin (u16, or FILE.tok-HASH.u32.bin past 65,536 ids), reused while the text
+    /// and the tokenizer are unchanged. Default: the --init-from directory's tokenizer.json
+    /// when there is one, else bytes
+    #[arg(long, value_name = "bytes|gpt2|PATH", value_parser = parse_tokenizer)]
+    pub tokenizer: Option<TokenizerArg>,
+    /// Start from Hugging Face weights: a directory with model.safetensors (or the shards of
+    /// model.safetensors.index.json) and config.json, of GPT2LMHeadModel or LlamaForCausalLM
+    /// (F32, F16 or BF16), or its weights file. The model's shape comes from config.json
+    /// (--vocab may be larger, --seq-len shorter)
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
-    /// After training, write the model as a Hugging Face GPT-2 directory (model.safetensors +
-    /// config.json, loadable by GPT2LMHeadModel.from_pretrained)
+    /// After training, write the model as a Hugging Face directory (model.safetensors +
+    /// config.json, loadable by GPT2LMHeadModel or LlamaForCausalLM.from_pretrained)
     #[arg(long, value_name = "DIR")]
     pub export_hf: Option<PathBuf>,
     /// Print a short sample (48 tokens, temperature 0.8, top-k 40, seed 0) every N steps
@@ -39,12 +43,47 @@ pub struct InteropArgs {
 }
 
 /// `--tokenizer`.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenizerArg {
     /// every byte is a token (vocab 256)
     Bytes,
     /// GPT-2's byte-pair encoding (r50k_base, vocab 50257)
     Gpt2,
+    /// a Hugging Face `tokenizer.json`
+    Json(PathBuf),
+}
+
+/// `bytes`, `gpt2`, or a path (which must name a file).
+pub fn parse_tokenizer(s: &str) -> Result<TokenizerArg, String> {
+    match s {
+        "bytes" => Ok(TokenizerArg::Bytes),
+        "gpt2" => Ok(TokenizerArg::Gpt2),
+        p if Path::new(p).is_file() => Ok(TokenizerArg::Json(PathBuf::from(p))),
+        p => Err(format!(
+            "`{p}` is neither bytes, gpt2 nor a tokenizer.json file"
+        )),
+    }
+}
+
+impl TokenizerArg {
+    /// The tokenizer (a `tokenizer.json` is read and parsed).
+    ///
+    /// # Errors
+    /// An unreadable or malformed `tokenizer.json`.
+    pub fn load(&self) -> Result<Tokenizer, String> {
+        match self {
+            TokenizerArg::Bytes => Ok(Tokenizer::Bytes),
+            TokenizerArg::Gpt2 => Ok(Tokenizer::Gpt2),
+            TokenizerArg::Json(p) => Tokenizer::json(p),
+        }
+    }
+}
+
+/// The `tokenizer.json` beside a Hugging Face checkpoint at `path` (a directory or a file in
+/// it), if there is one.
+pub fn beside(path: &Path) -> Option<PathBuf> {
+    let dir = if path.is_dir() { path } else { path.parent()? };
+    Some(dir.join("tokenizer.json")).filter(|p| p.is_file())
 }
 
 impl InteropArgs {
@@ -60,15 +99,17 @@ impl InteropArgs {
         explicit_seq: Option<u64>,
         shape_overridden: bool,
     ) -> Result<Interop, String> {
-        let tokenizer = match self.tokenizer {
-            TokenizerArg::Bytes => Tokenizer::Bytes,
-            TokenizerArg::Gpt2 => Tokenizer::Gpt2,
+        let tokenizer = match (&self.tokenizer, self.init_from.as_deref().and_then(beside)) {
+            (Some(t), _) => t.load()?,
+            (None, Some(p)) => Tokenizer::json(&p)?,
+            (None, None) => Tokenizer::Bytes,
         };
-        if tokenizer == Tokenizer::Gpt2 {
+        if tokenizer != Tokenizer::Bytes {
             match explicit_vocab {
                 Some(v) if (v as usize) < tokenizer.vocab() => {
                     return Err(format!(
-                        "--tokenizer gpt2 needs --vocab {} or more (got {v})",
+                        "--tokenizer {} needs --vocab {} or more (got {v})",
+                        tokenizer.name(),
                         tokenizer.vocab()
                     ))
                 }
@@ -98,8 +139,8 @@ impl InteropArgs {
 }
 
 /// Before training (exit 1 on error): with `--init-from`, opens and checks the checkpoint and
-/// takes the model's shape from it; with `--tokenizer gpt2` and text data, tokenizes it into
-/// (or reuses) the cached `.bin` and trains on that. Returns the configuration to train with
+/// takes the model's shape from it; with `--tokenizer gpt2` or a `tokenizer.json` and text data,
+/// tokenizes it into (or reuses) the cached `.bin` and trains on that. Returns the configuration to train with
 /// and notes to print.
 ///
 /// # Errors
@@ -113,7 +154,7 @@ pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
         Some(p) => {
             let (mut m, note) = ModelSpec::from_hf(p)?;
             m.set_checkpointed(c.model.checkpointed());
-            let text = i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. });
+            let text = i.tokenizer != Tokenizer::Bytes || matches!(c.data, DataSpec::File { .. });
             let floor = if text { i.tokenizer.vocab() } else { 0 };
             let file_vocab = m.vocab();
             m.set_vocab(i.vocab.unwrap_or(file_vocab).max(file_vocab).max(floor));
@@ -130,16 +171,18 @@ pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
             path,
             format: DataFormat::Text,
             val_fraction,
-        } if i.tokenizer == Tokenizer::Gpt2 => {
-            let (bin, reused) = crate::tokenizer::gpt2_bin(path)?;
+        } if i.tokenizer != Tokenizer::Bytes => {
+            let (bin, format, reused) = crate::tokenizer::token_bin(path, &i.tokenizer)?;
             notes.push(format!(
-                "tokenizer: gpt2; {} {}",
+                "tokenizer: {} (vocab {}); {} {}",
+                i.tokenizer.name(),
+                i.tokenizer.vocab(),
                 if reused { "reusing" } else { "wrote" },
                 bin.display()
             ));
             DataSpec::File {
                 path: bin,
-                format: DataFormat::U16,
+                format,
                 val_fraction: *val_fraction,
             }
         }
@@ -193,7 +236,7 @@ pub fn sample_rank(
     let tok = if matches!(c.data, DataSpec::Synthetic) {
         None
     } else {
-        Some(c.interop.tokenizer)
+        Some(&c.interop.tokenizer)
     };
     let mut dec = c.model.decoder(&full)?;
     let prompt = match tok {

@@ -14,8 +14,9 @@ use clap::Parser;
 use fsdp_core::checkpoint;
 use fsdp_core::state_dict::{FullStateDict, ShardedStateDict, TensorEntry};
 
+use crate::interop::{beside, parse_tokenizer, TokenizerArg};
 use crate::model::{Decode, ModelSpec};
-use crate::tokenizer::{Tokenizer, GPT2_EOT};
+use crate::tokenizer::Tokenizer;
 
 type Res<T> = Result<T, String>;
 
@@ -100,15 +101,12 @@ pub fn generate(dec: &mut dyn Decode, prompt: &[u32], o: &SampleOpts) -> Res<Vec
     Ok(out)
 }
 
-/// The prompt's ids: `text` encoded, or one start token (`<|endoftext|>` for GPT-2, a newline
-/// for bytes) when empty.
-pub fn prompt_ids(tok: Tokenizer, text: &str) -> Res<Vec<u32>> {
+/// The prompt's ids: `text` encoded, or one start token ([`Tokenizer::start`]: `<|endoftext|>`
+/// for GPT-2, a newline for bytes, a `tokenizer.json`'s start-of-text token) when empty.
+pub fn prompt_ids(tok: &Tokenizer, text: &str) -> Res<Vec<u32>> {
     let ids = tok.encode(text)?;
     Ok(if ids.is_empty() {
-        vec![match tok {
-            Tokenizer::Gpt2 => GPT2_EOT,
-            Tokenizer::Bytes => u32::from(b'\n'),
-        }]
+        vec![tok.start()?]
     } else {
         ids
     })
@@ -163,19 +161,19 @@ pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, ModelSpec, FullStateDict)> 
     ))
 }
 
-/// `train_gpt sample`: generates text from a checkpoint or Hugging Face GPT-2 weights.
+/// `train_gpt sample`: generates text from a checkpoint or Hugging Face GPT-2 or Llama weights.
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "train_gpt sample",
     bin_name = "train_gpt sample",
-    about = "Generates text from the newest complete checkpoint of --checkpoint-dir, or from Hugging Face GPT-2 weights (--init-from), with a KV cache, on the CPU",
+    about = "Generates text from the newest complete checkpoint of --checkpoint-dir, or from Hugging Face GPT-2 or Llama weights (--init-from), with a KV cache, on the CPU",
     max_term_width = 100
 )]
 pub struct SampleCli {
     /// Checkpoint root (train_gpt --checkpoint-dir): its newest complete checkpoint
     #[arg(long, value_name = "DIR", conflicts_with = "init_from")]
     pub checkpoint_dir: Option<PathBuf>,
-    /// A Hugging Face GPT-2 model directory (model.safetensors + config.json) or its
+    /// A Hugging Face GPT-2 or Llama model directory (weights + config.json) or its
     /// model.safetensors
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
@@ -195,9 +193,10 @@ pub struct SampleCli {
     /// Seed of the draws (same seed, same text)
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    /// bytes or gpt2 (default: gpt2 when the model's vocab holds GPT-2's 50257 ids, else bytes)
-    #[arg(long, value_name = "NAME", value_parser = ["bytes", "gpt2"])]
-    pub tokenizer: Option<String>,
+    /// bytes, gpt2 or PATH/tokenizer.json (default: the --init-from directory's tokenizer.json
+    /// when there is one, else gpt2 when the model's vocab holds GPT-2's 50257 ids, else bytes)
+    #[arg(long, value_name = "bytes|gpt2|PATH", value_parser = parse_tokenizer)]
+    pub tokenizer: Option<TokenizerArg>,
 }
 
 fn parse_temperature(s: &str) -> Result<f32, String> {
@@ -224,21 +223,22 @@ pub fn run(cli: SampleCli) -> Res<()> {
         }
         _ => return Err("give --checkpoint-dir DIR or --init-from PATH".into()),
     };
-    let tok = match cli.tokenizer.as_deref() {
-        Some("gpt2") => Tokenizer::Gpt2,
-        Some(_) => Tokenizer::Bytes,
-        None if g.vocab() >= Tokenizer::Gpt2.vocab() => Tokenizer::Gpt2,
-        None => Tokenizer::Bytes,
+    let tok = match (&cli.tokenizer, cli.init_from.as_deref().and_then(beside)) {
+        (Some(t), _) => t.load()?,
+        (None, Some(p)) => Tokenizer::json(&p)?,
+        (None, None) if g.vocab() >= Tokenizer::Gpt2.vocab() => Tokenizer::Gpt2,
+        (None, None) => Tokenizer::Bytes,
     };
     if g.vocab() < tok.vocab() {
         return Err(format!(
-            "the model's vocab {} is smaller than the {tok:?} tokenizer's {}",
+            "the model's vocab {} is smaller than the tokenizer {}'s {}",
             g.vocab(),
+            tok.name(),
             tok.vocab()
         ));
     }
     let mut dec = g.decoder(&full)?;
-    let prompt = prompt_ids(tok, &cli.prompt)?;
+    let prompt = prompt_ids(&tok, &cli.prompt)?;
     let o = SampleOpts {
         max_new_tokens: cli.max_new_tokens as usize,
         temperature: cli.temperature,
@@ -248,12 +248,12 @@ pub fn run(cli: SampleCli) -> Res<()> {
     };
     let out = generate(dec.as_mut(), &prompt, &o)?;
     eprintln!(
-        "sample: {source} ({} vocab {} d {} layers {}), {:?} tokenizer, {} prompt + {} new tokens, temperature {}, top-k {}, seed {}",
+        "sample: {source} ({} vocab {} d {} layers {}), tokenizer {}, {} prompt + {} new tokens, temperature {}, top-k {}, seed {}",
         g.name(),
         g.vocab(),
         g.d_model(),
         g.n_layers(),
-        tok,
+        tok.name(),
         prompt.len(),
         out.len(),
         o.temperature,

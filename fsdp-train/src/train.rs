@@ -1478,6 +1478,72 @@ mod tests {
         assert!(l[5] < l[0], "{l:?}");
     }
 
+    /// `--model llama-tiny --tokenizer tokenizer.json` on a text file: the text is tokenized
+    /// into the cache (u16: the fixture's vocabulary is 384), the vocabulary raised to the
+    /// tokenizer's, and the loss falls.
+    #[test]
+    fn llama_trains_on_text_through_a_tokenizer_json() {
+        let tok = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/llama-tiny/tokenizer.json"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let text = dir.path().join("t.txt");
+        let mut s = String::new();
+        for i in 0..400 {
+            s.push_str(&format!(
+                "The quick brown fox {} shards the parameters.\n",
+                i % 5
+            ));
+        }
+        std::fs::write(&text, s).unwrap();
+        let c = config(&[
+            "--model",
+            "llama-tiny",
+            "--d-model",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--seq-len",
+            "16",
+            "--steps",
+            "20",
+            "--ranks",
+            "2",
+            "--batch",
+            "2",
+            "--lr",
+            "0.01",
+            "--tokenizer",
+            tok,
+            "--data",
+            text.to_str().unwrap(),
+        ]);
+        assert_eq!(c.model.vocab(), 384);
+        let (c, notes) = crate::interop::prepare(c).unwrap();
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("tokenizer.json (vocab 384); wrote")),
+            "{notes:?}"
+        );
+        let DataSpec::File { path, format, .. } = &c.data else {
+            panic!("{:?}", c.data)
+        };
+        assert_eq!(*format, crate::data::DataFormat::U16);
+        assert!(
+            path.to_string_lossy().contains(".tok-"),
+            "{}",
+            path.display()
+        );
+        let r = run_job(&c, Box::new(Quiet), false).unwrap();
+        let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+        let (first, last) = (l[..5].iter().sum::<f32>(), l[15..].iter().sum::<f32>());
+        assert!(last < first - 5.0 * 0.2, "the loss falls: {l:?}");
+    }
+
     /// `--init-from` a Hugging Face Llama directory (the fixture) trains on 2 ranks and
     /// `--export-hf` writes what was trained.
     #[test]

@@ -1,10 +1,16 @@
-//! `--tokenizer bytes|gpt2`: text as bytes (vocab 256), or GPT-2's byte-pair encoding
+//! `--tokenizer bytes|gpt2|PATH`: text as bytes (vocab 256), GPT-2's byte-pair encoding
 //! (r50k_base, vocab 50257, the ranks shipped inside the `tiktoken-rs` crate: nothing is fetched
-//! at run time). A tokenized text file is cached beside it (`cache.rs`).
+//! at run time), or a Hugging Face `tokenizer.json` (`json.rs`, through the `tokenizers` crate).
+//! A tokenized text file is cached beside it (`cache.rs`).
 
 mod cache;
+mod json;
 
-pub use cache::gpt2_bin;
+pub use cache::token_bin;
+pub use json::JsonTokenizer;
+
+use std::path::Path;
+use std::sync::Arc;
 
 use tiktoken_rs::CoreBPE;
 
@@ -14,21 +20,62 @@ pub const GPT2_VOCAB: usize = 50257;
 pub const GPT2_EOT: u32 = 50256;
 
 /// Which tokenizer reads text.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Tokenizer {
     /// Every byte is a token (vocab 256).
     #[default]
     Bytes,
     /// GPT-2's r50k_base byte-pair encoding (vocab 50257).
     Gpt2,
+    /// A Hugging Face `tokenizer.json`.
+    Json(Arc<JsonTokenizer>),
 }
 
 impl Tokenizer {
+    /// The tokenizer of a `tokenizer.json` at `path`.
+    ///
+    /// # Errors
+    /// [`JsonTokenizer::open`]'s.
+    pub fn json(path: &Path) -> Result<Tokenizer, String> {
+        Ok(Tokenizer::Json(Arc::new(JsonTokenizer::open(path)?)))
+    }
+
     /// The smallest vocabulary a model needs for this tokenizer's ids.
-    pub fn vocab(self) -> usize {
+    pub fn vocab(&self) -> usize {
         match self {
             Tokenizer::Bytes => 256,
             Tokenizer::Gpt2 => GPT2_VOCAB,
+            Tokenizer::Json(t) => t.vocab(),
+        }
+    }
+
+    /// `bytes`, `gpt2`, or the `tokenizer.json`'s path (for messages).
+    pub fn name(&self) -> String {
+        match self {
+            Tokenizer::Bytes => "bytes".into(),
+            Tokenizer::Gpt2 => "gpt2".into(),
+            Tokenizer::Json(t) => t.path().display().to_string(),
+        }
+    }
+
+    /// The token a prompt starts with when it is empty: `<|endoftext|>` for GPT-2, a newline
+    /// for bytes, a `tokenizer.json`'s start-of-text token (or its encoding of a newline).
+    ///
+    /// # Errors
+    /// A `tokenizer.json` with neither.
+    pub fn start(&self) -> Result<u32, String> {
+        match self {
+            Tokenizer::Bytes => Ok(u32::from(b'\n')),
+            Tokenizer::Gpt2 => Ok(GPT2_EOT),
+            Tokenizer::Json(t) => match t.bos() {
+                Some(b) => Ok(b),
+                None => t.encode("\n")?.first().copied().ok_or_else(|| {
+                    format!(
+                        "{}: no start token and no id for a newline",
+                        t.path().display()
+                    )
+                }),
+            },
         }
     }
 
@@ -36,10 +83,11 @@ impl Tokenizer {
     ///
     /// # Errors
     /// The encoder could not be built (it is built from the crate's embedded ranks).
-    pub fn encode(self, text: &str) -> Result<Vec<u32>, String> {
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
         match self {
             Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Tokenizer::Gpt2 => Ok(gpt2()?.encode_ordinary(text)),
+            Tokenizer::Json(t) => t.encode(text),
         }
     }
 
@@ -47,8 +95,9 @@ impl Tokenizer {
     ///
     /// # Errors
     /// An id outside the vocabulary.
-    pub fn decode(self, ids: &[u32]) -> Result<String, String> {
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         let bytes = match self {
+            Tokenizer::Json(t) => return t.decode(ids),
             Tokenizer::Bytes => ids
                 .iter()
                 .map(|&i| u8::try_from(i).map_err(|_| format!("token id {i} is not a byte")))
