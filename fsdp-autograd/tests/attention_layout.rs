@@ -11,7 +11,8 @@ use common::{dev, Rng};
 use fsdp_alloc::{DType, Device};
 use fsdp_autograd::nn::{named_parameters, Gpt, GptConfig, Module};
 use fsdp_autograd::{
-    causal_attention, causal_attention_qkv, cross_entropy, profile, InitContext, Tensor,
+    causal_attention, causal_attention_qkv, causal_attention_qkv_grouped, causal_attention_scaled,
+    cross_entropy, profile, AutogradError, InitContext, Tensor,
 };
 
 /// The profiler is process-wide: tests of this file that use it run one at a time.
@@ -208,6 +209,87 @@ fn qkv_attention_equals_split_attend_merge() {
     let x = Tensor::zeros(&[2, 3, 10], DType::F32, &dev()).unwrap();
     assert!(causal_attention_qkv(&x, 2).is_err());
     assert!(causal_attention_qkv(&x.view(&[6, 10]).unwrap(), 1).is_err());
+}
+
+/// Grouped heads split out of a `[b, t, (heads + 2·kv_heads)·dh]` qkv by copies (queries,
+/// then keys, then values per position: one `[b, heads + 2·kv_heads, t, dh]` copy split along
+/// the heads), attended with `causal_attention_scaled`, merged back.
+fn split_attend_merge_grouped(qkv: &Tensor, heads: usize, kv: usize, scale: f32) -> Tensor {
+    let (b, t, w) = (qkv.shape()[0], qkv.shape()[1], heads + 2 * kv);
+    let dh = qkv.shape()[2] / w;
+    let x = qkv
+        .view(&[b, t, w, dh])
+        .unwrap()
+        .permute(&[0, 2, 1, 3])
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let parts = x.split_dim(&[heads, kv, kv], 1).unwrap();
+    causal_attention_scaled(&parts[0], &parts[1], &parts[2], scale)
+        .unwrap()
+        .permute(&[0, 2, 1, 3])
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .view(&[b, t, heads * dh])
+        .unwrap()
+}
+
+/// `causal_attention_qkv_grouped` (packed kernels on the CPU: `[b, t, heads + 2·kv_heads,
+/// dh]`, no copies) equals the head split / attend / merge composition bit for bit, forward and
+/// gradient, in f32 and bf16; with `kv_heads == heads` and the default scale it is
+/// `causal_attention_qkv`, bit for bit.
+#[test]
+fn grouped_qkv_attention_equals_split_attend_merge() {
+    let _g = PROFILER.lock().unwrap_or_else(|e| e.into_inner());
+    for (dtype, (b, t, heads, kv, dh, scale)) in [
+        (DType::F32, (2, 37, 4, 2, 5, 0.3f32)),
+        (DType::F32, (1, 1, 3, 1, 64, 0.125)),
+        (DType::F32, (1, 70, 6, 3, 8, 1.0)),
+        (DType::BF16, (2, 33, 4, 1, 8, 0.35)),
+    ] {
+        let w = (heads + 2 * kv) * dh;
+        let mut r = Rng::new(11 + t as u64);
+        let qkv = r.vec(b * t * w);
+        let cot = r.vec(b * t * heads * dh);
+        let shape = [b, t, w];
+        let f = |x: &Tensor| causal_attention_qkv_grouped(x, heads, kv, scale).unwrap();
+        let packed = run(f, &qkv, shape, dtype, &cot);
+        let g = |x: &Tensor| split_attend_merge_grouped(x, heads, kv, scale);
+        let split = run(g, &qkv, shape, dtype, &cot);
+        let what = format!("{dtype:?} b={b} t={t} heads={heads} kv_heads={kv} dh={dh}");
+        assert_eq!(packed.0, split.0, "{what}: output");
+        assert_eq!(packed.1, split.1, "{what}: dqkv");
+    }
+    // kv_heads == heads with the default scale is the GPT call.
+    let (b, t, heads, dh) = (2, 19, 3, 4);
+    let mut r = Rng::new(3);
+    let (qkv, cot) = (r.vec(b * t * 3 * heads * dh), r.vec(b * t * heads * dh));
+    let shape = [b, t, 3 * heads * dh];
+    let scale = (1.0 / (dh as f64).sqrt()) as f32;
+    let grouped = |x: &Tensor| causal_attention_qkv_grouped(x, heads, heads, scale).unwrap();
+    let gpt = |x: &Tensor| causal_attention_qkv(x, heads).unwrap();
+    assert_eq!(
+        run(grouped, &qkv, shape, DType::F32, &cot),
+        run(gpt, &qkv, shape, DType::F32, &cot)
+    );
+    // Bad shapes and scales are typed errors.
+    let x = Tensor::zeros(&[2, 3, 16], DType::F32, &dev()).unwrap();
+    assert!(causal_attention_qkv_grouped(&x, 4, 2, 0.5).is_ok());
+    for (h, kv, s) in [
+        (4, 3, 0.5),
+        (4, 0, 0.5),
+        (0, 2, 0.5),
+        (5, 1, 0.5),
+        (4, 2, 0.0),
+        (4, 2, f32::NAN),
+    ] {
+        let e = causal_attention_qkv_grouped(&x, h, kv, s).unwrap_err();
+        assert!(
+            matches!(e, AutogradError::Shape { .. }),
+            "{h} {kv} {s}: {e}"
+        );
+    }
 }
 
 /// GPT-mini (batch 2) on the CPU: the loss and a digest of every gradient, as bits. Printed so

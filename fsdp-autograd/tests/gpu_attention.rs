@@ -18,6 +18,7 @@ mod common;
 
 use common::Rng;
 use fsdp_alloc::{Buffer, DType, Device};
+use fsdp_autograd::kernels::attention::{Attention, AttentionLayout};
 use fsdp_autograd::kernels::cuda::{set_fused_attention, CudaKernels};
 use fsdp_autograd::{causal_attention, Tensor};
 
@@ -154,45 +155,26 @@ fn time_attention(
         let host = bytes(r.vec(3 * n));
         k.upload(&stream, &host, qkv.data()).expect("upload");
     }
+    let at = Attention::new(batch, heads, t, d);
+    let pat = Attention {
+        layout: AttentionLayout::Packed,
+        ..at
+    };
     let fwd = || {
         if packed {
             let (o, l) = (out.data(), lse.data());
             return k
-                .flash_attention_packed(&stream, dtype, qkv.data(), o, l, batch, heads, t, d)
+                .flash_attention_packed(&stream, dtype, qkv.data(), o, l, &pat)
                 .expect("flash_attention_packed");
         }
-        k.flash_attention(
-            &stream,
-            dtype,
-            q,
-            kk,
-            v,
-            out.data(),
-            lse.data(),
-            batch,
-            heads,
-            t,
-            d,
-        )
-        .expect("flash_attention")
+        k.flash_attention(&stream, dtype, q, kk, v, out.data(), lse.data(), &at)
+            .expect("flash_attention")
     };
     let bwd = || {
         if packed {
             let (o, l, g) = (out.data(), lse.data(), dqkv.data());
             return k
-                .flash_attention_packed_backward(
-                    &stream,
-                    dtype,
-                    qkv.data(),
-                    o,
-                    l,
-                    dout,
-                    g,
-                    batch,
-                    heads,
-                    t,
-                    d,
-                )
+                .flash_attention_packed_backward(&stream, dtype, qkv.data(), o, l, dout, g, &pat)
                 .expect("flash_attention_packed_backward");
         }
         k.flash_attention_backward(
@@ -207,10 +189,7 @@ fn time_attention(
             dq.data(),
             dk.data(),
             dv.data(),
-            batch,
-            heads,
-            t,
-            d,
+            &at,
         )
         .expect("flash_attention_backward")
     };

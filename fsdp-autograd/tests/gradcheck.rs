@@ -5,7 +5,10 @@ mod common;
 
 use common::{gradcheck, gradcheck_opts, Rng};
 use fsdp_alloc::DType;
-use fsdp_autograd::{causal_attention, cross_entropy, embedding, layer_norm, linear, Tensor};
+use fsdp_autograd::{
+    causal_attention, causal_attention_qkv_grouped, causal_attention_scaled, cross_entropy,
+    embedding, layer_norm, linear, Tensor,
+};
 
 fn inp(rng: &mut Rng, shape: &[usize]) -> (Vec<f32>, Vec<usize>) {
     (rng.vec(common::numel(shape)), shape.to_vec())
@@ -170,6 +173,29 @@ fn layer_norm_rms_norm_embedding_attention_cross_entropy() {
             inp(&mut r, &[1, 2, 3, 4]),
         ],
         |x| causal_attention(&x[0], &x[1], &x[2]),
+    );
+    gradcheck(
+        "causal_attention_scaled, grouped heads (4 query heads, 2 key/value heads)",
+        &[
+            inp(&mut r, &[2, 4, 3, 4]),
+            inp(&mut r, &[2, 2, 3, 4]),
+            inp(&mut r, &[2, 2, 3, 4]),
+        ],
+        |x| causal_attention_scaled(&x[0], &x[1], &x[2], 0.7),
+    );
+    gradcheck(
+        "causal_attention_scaled, one key/value head, scale 1",
+        &[
+            inp(&mut r, &[1, 3, 4, 2]),
+            inp(&mut r, &[1, 1, 4, 2]),
+            inp(&mut r, &[1, 1, 4, 2]),
+        ],
+        |x| causal_attention_scaled(&x[0], &x[1], &x[2], 1.0),
+    );
+    gradcheck(
+        "causal_attention_qkv_grouped (4 heads, 2 key/value heads, head dim 2)",
+        &[inp(&mut r, &[2, 3, 16])],
+        |x| causal_attention_qkv_grouped(&x[0], 4, 2, 0.4),
     );
     gradcheck("cross_entropy", &[inp(&mut r, &[2, 3, 5])], |x| {
         let t = Tensor::from_vec(vec![0i64, 4, 2, 2, 1, 3], &[2, 3], &dev)?;

@@ -233,13 +233,8 @@ fn attention_statistics_are_the_backends_choice() {
     let dev = Device::cpu(0);
     let k = Kernels::for_device(&dev).unwrap();
     let s = dev.default_stream();
-    let a = Attention {
-        batch: 1,
-        heads: 2,
-        t: 3,
-        d: 4,
-        layout: AttentionLayout::Heads,
-    };
+    let a = Attention::new(1, 2, 3, 4);
+    assert_eq!(a.layout, AttentionLayout::Heads);
     assert_eq!(k.attention_save(&a), AttentionSave::Probs);
     assert_eq!(AttentionSave::Probs.shape(&a), vec![1, 2, 3, 3]);
     assert_eq!(AttentionSave::Lse.shape(&a), vec![1, 2, 3]);
@@ -300,5 +295,49 @@ fn attention_statistics_are_the_backends_choice() {
     assert!(e.to_string().contains("same operand"), "{e}");
     let e = packed(&q, &q).unwrap_err();
     assert!(matches!(e, AutogradError::Kernel(_)), "{e}");
+    // Grouped-query attention: k and v have kv_heads heads. A kv_heads that does not divide
+    // heads, or a scale that is not finite and positive, is a typed error before any backend
+    // runs.
+    let kv_t = Tensor::zeros(&[1, 1, 3, 4], DType::F32, &dev).unwrap();
+    let kv = kv_t.operand().unwrap();
+    let grouped = |a: Attention, kk: &Operand| {
+        k.launch(
+            s,
+            &CausalAttention {
+                a,
+                q: &q,
+                k: kk,
+                v: kk,
+                out: &out,
+                stats: AttentionStats::Probs(&probs),
+            },
+        )
+    };
+    let g = Attention {
+        kv_heads: 1,
+        scale: 0.5,
+        ..a
+    };
+    grouped(g, &kv).unwrap();
+    let e = grouped(g, &q).unwrap_err();
+    assert!(e.to_string().contains("kv_heads=1"), "{e}");
+    for bad in [
+        Attention { kv_heads: 0, ..g },
+        Attention { kv_heads: 3, ..g },
+        Attention { scale: 0.0, ..g },
+        Attention {
+            scale: f32::NAN,
+            ..g
+        },
+    ] {
+        let e = grouped(bad, &kv).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                AutogradError::Kernel(fsdp_autograd::kernels::KernelError::InvalidShape { .. })
+            ),
+            "{e}"
+        );
+    }
     s.synchronize().unwrap();
 }

@@ -96,9 +96,9 @@ pub fn llama_modules(cfg: &LlamaConfig) -> Vec<ModuleInfo> {
 /// The forward leaves of a Llama, in order (the tuple of [`ModelDesc::from_tree`]). As for the
 /// GPT, a saved tensor is charged to the op that saves it: an RMSNorm saves its input and the
 /// per-row rstd; a linear its input (charged once when several projections read one tensor:
-/// q/k/v, gate/up); RoPE nothing (its tables are constants); attention its contiguous q and the
-/// key/value heads repeated for the query heads (each `[b, heads, t, dh]`) and the `[b, h, t, t]`
-/// probabilities; SiLU·mul the gate and up projections; the down projection the product.
+/// q/k/v, gate/up); RoPE nothing (its tables are constants); attention its contiguous q, k and v
+/// (k and v with the key/value heads only: grouped-query attention repeats nothing) and the
+/// `[b, h, t, t]` probabilities; SiLU·mul the gate and up projections; the down projection the product.
 fn llama_leaves(cfg: &LlamaConfig) -> Vec<(String, f64, f64, f64, usize, f64)> {
     let (v, d, h, t, ff) = (
         cfg.vocab as f64,
@@ -159,15 +159,15 @@ fn llama_leaves(cfg: &LlamaConfig) -> Vec<(String, f64, f64, f64, usize, f64)> {
             0,
             f * 2.0 * (d + kv),
         ));
-        // Attention saves q, the repeated k and v and the probabilities; backward holds dq, dk,
-        // dv and the probabilities' gradient.
+        // Attention saves q, k and v (the key/value heads only) and the probabilities; backward
+        // holds dq, dk, dv and the probabilities' gradient.
         out.push((
             format!("{l}.self_attn"),
             2.0 * t * d + 5.0 * h * t,
-            f * 3.0 * d + f * h * t,
-            (f * (5.0 * d) + f * h * t).max(f * 7.0 * d),
+            f * (d + 2.0 * kv) + f * h * t,
+            (f * (3.0 * d + 2.0 * kv) + f * h * t).max(f * (5.0 * d + 2.0 * kv)),
             0,
-            f * (7.0 * d + 4.0 * h * t),
+            f * (5.0 * d + 2.0 * kv + 4.0 * h * t),
         ));
         out.push((
             format!("{l}.self_attn.o_proj"),

@@ -376,21 +376,6 @@ impl LlamaAttention {
             hooks: ModuleHooks::new(),
         })
     }
-
-    /// `[b, kvh, t, dh]` keys or values repeated for the query heads sharing them
-    /// (`[b, kvh · rep, t, dh]`, head `i` from key/value head `i / rep`, as transformers'
-    /// `repeat_kv`). The repeat is a broadcast on a leading dimension, so its gradient is a
-    /// column sum (on every backend).
-    fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-        if rep == 1 {
-            return Ok(x.clone());
-        }
-        let [b, kvh, t, dh] = [x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]];
-        x.unsqueeze(0)?
-            .expand(&[rep, b, kvh, t, dh])?
-            .permute(&[1, 2, 0, 3, 4])?
-            .reshape(&[b, kvh * rep, t, dh])
-    }
 }
 
 impl Module for LlamaAttention {
@@ -411,8 +396,8 @@ impl Module for LlamaAttention {
         let k = ops::rope(&k, &cos, &sin, 0)?;
         let v = self.v_proj.call(x)?.reshape(&[b, t, kvh, dh])?;
         let v = v.transpose(1, 2)?;
-        let rep = h / kvh;
-        let (k, v) = (Self::repeat_kv(&k, rep)?, Self::repeat_kv(&v, rep)?);
+        // Grouped-query attention in the kernel: query head i reads key/value head
+        // i / (h / kvh) in place (no repeated K/V).
         let y = ops::causal_attention(&q, &k, &v)?; // [b, h, t, dh]
         let y = y.transpose(1, 2)?.reshape(&[b, t, h * dh])?;
         self.o_proj.call(&y)

@@ -4,7 +4,8 @@
 //!
 //! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
 //! ([`linear`], [`layer_norm`], [`rms_norm`], [`embedding`], [`causal_attention`],
-//! [`causal_attention_qkv`], [`cross_entropy`], [`rope`], [`silu_mul`]).
+//! [`causal_attention_scaled`], [`causal_attention_qkv`], [`causal_attention_qkv_grouped`],
+//! [`cross_entropy`], [`rope`], [`silu_mul`]).
 //! Half-precision tensors are computed in `f32` and rounded on output; binary operations need
 //! equal dtypes.
 
@@ -18,9 +19,11 @@ pub(crate) mod shape;
 pub(crate) mod swiglu;
 pub(crate) mod transfer;
 
-pub use attention_qkv::causal_attention_qkv;
+pub use attention_qkv::{causal_attention_qkv, causal_attention_qkv_grouped};
 pub use matmul::linear;
-pub use nn::{causal_attention, cross_entropy, embedding, layer_norm, rms_norm};
+pub use nn::{
+    causal_attention, causal_attention_scaled, cross_entropy, embedding, layer_norm, rms_norm,
+};
 pub use rope::rope;
 pub use swiglu::silu_mul;
 

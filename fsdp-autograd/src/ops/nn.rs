@@ -6,7 +6,7 @@ use fsdp_alloc::DType;
 use crate::autograd::{needs_grad, record, record1, single_grad, SavedTensor};
 use crate::error::{shape_err, AutogradError, Result};
 use crate::kernels::attention::{
-    Attention, AttentionLayout, AttentionSave, AttentionSaved, AttentionStats, CausalAttention,
+    Attention, AttentionSave, AttentionSaved, AttentionStats, CausalAttention,
     CausalAttentionBackward,
 };
 use crate::kernels::embedding::{Embedding, EmbeddingBackward, EmbeddingShape};
@@ -398,20 +398,58 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     }))
 }
 
-/// Causal scaled-dot-product attention: `q`, `k`, `v` `[batch, heads, t, d]` →
-/// `softmax(q·kᵀ/√d + causal mask) · v`, same shape. Saves for backward what the device's
-/// kernels ask for ([`Kernels::attention_save`](crate::kernels::Kernels::attention_save)):
+/// Causal scaled-dot-product attention with the default scale `1/√d`:
+/// [`causal_attention_scaled`]`(q, k, v, `[`Attention::default_scale`]`(d))`. `q` is
+/// `[batch, heads, t, d]`; `k`, `v` are `[batch, kv_heads, t, d]` with `kv_heads` dividing
+/// `heads` (`kv_heads == heads`: multi-head attention; fewer: grouped-query attention) →
+/// `softmax(q·kᵀ/√d + causal mask) · v`, `[batch, heads, t, d]`. Saves for backward what the
+/// device's kernels ask for ([`Kernels::attention_save`](crate::kernels::Kernels::attention_save)):
 /// on the CPU the probabilities (`[batch, heads, t, t]`, `f32`); on CUDA, with the fused
 /// kernels (the default), the per-query log-sum-exp (`[batch, heads, t]`, `f32`) and the output,
 /// so memory stays linear in `t`.
+///
+/// # Errors
+/// As [`causal_attention_scaled`].
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let d = q.shape().last().copied().unwrap_or(0);
+    causal_attention_scaled(q, k, v, Attention::default_scale(d))
+}
+
+/// Causal attention with scale `scale` applied to `q·kᵀ` before the softmax:
+/// `softmax(scale·q·kᵀ + causal mask) · v`, per query head `h`, reading key/value head
+/// `h / (heads / kv_heads)` (grouped-query attention, nothing repeated in memory; the
+/// gradient of a key/value head sums its group's query heads in a fixed order, so results are
+/// deterministic). Shapes and saved statistics as [`causal_attention`]; the number of key/value
+/// heads is `k`'s second dimension.
+///
+/// ```
+/// use fsdp_alloc::{DType, Device};
+/// use fsdp_autograd::{causal_attention, causal_attention_scaled, Tensor};
+/// let dev = Device::cpu(0);
+/// // 4 query heads share 2 key/value heads; GPT-2's `scale_attn_weights: false` is scale 1.
+/// let q = Tensor::zeros(&[1, 4, 3, 8], DType::F32, &dev).unwrap();
+/// let kv = Tensor::zeros(&[1, 2, 3, 8], DType::F32, &dev).unwrap();
+/// let y = causal_attention_scaled(&q, &kv, &kv, 1.0).unwrap();
+/// assert_eq!(y.shape(), &[1, 4, 3, 8]);
+/// assert!(causal_attention(&q, &q.narrow(1, 0, 3).unwrap(), &q.narrow(1, 0, 3).unwrap()).is_err());
+/// ```
+///
+/// # Errors
+/// [`AutogradError::Shape`](crate::AutogradError::Shape) unless `q` is `[batch, heads, t, d]`
+/// and `k`, `v` are both `[batch, kv_heads, t, d]` with `kv_heads ≥ 1` dividing `heads`, or
+/// for a `scale` that is not finite and positive; dtype/device mismatches; on CUDA with the
+/// fused kernels off (or `d > 128`), [`AutogradError::Unsupported`](crate::AutogradError::Unsupported)
+/// for grouped-query attention.
+pub fn causal_attention_scaled(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
     check_pair("causal_attention", q, k)?;
     check_pair("causal_attention", q, v)?;
-    if q.dim() != 4 || k.shape() != q.shape() || v.shape() != q.shape() {
+    let (qs, ks) = (q.shape(), k.shape());
+    if q.dim() != 4 || k.dim() != 4 || v.shape() != ks || ks[0] != qs[0] || ks[2..] != qs[2..] {
         return Err(shape_err(
             "causal_attention",
             format!(
-                "q, k, v must all be [batch, heads, t, d]; got {:?}, {:?}, {:?}",
+                "q must be [batch, heads, t, d] and k, v both [batch, kv_heads, t, d] with \
+                 kv_heads dividing heads; got {:?}, {:?}, {:?}",
                 q.shape(),
                 k.shape(),
                 v.shape()
@@ -419,15 +457,15 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         ));
     }
     let (b, h, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    let at = Attention {
+        kv_heads: ks[1],
+        scale,
+        ..Attention::new(b, h, t, d)
+    };
+    at.check("causal_attention")
+        .map_err(|e| shape_err("causal_attention", e.to_string()))?;
     let ctx = Ctx::of(q);
     let (qc, kc, vc) = (q.contig()?, k.contig()?, v.contig()?);
-    let at = Attention {
-        batch: b,
-        heads: h,
-        t,
-        d,
-        layout: AttentionLayout::Heads,
-    };
     let (out, stats, save) = attention_forward(&ctx, at, &[&qc, &kc, &vc], q.shape())?;
     if !needs_grad(&[q, k, v]) {
         return Ok(out);
@@ -459,8 +497,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
             let fwd_out = saved_out.as_mut().map(|o| o.unpack(op)).transpose()?;
             let ctx = Ctx::of(&dout);
             let dq = ctx.empty(q.shape(), q.dtype())?;
-            let dk = ctx.empty(q.shape(), q.dtype())?;
-            let dv = ctx.empty(q.shape(), q.dtype())?;
+            let dk = ctx.empty(k.shape(), k.dtype())?;
+            let dv = ctx.empty(v.shape(), v.dtype())?;
             let grads = [&dq, &dk, &dv];
             attention_backward(&ctx, at, &[&q, &k, &v], &p, fwd_out.as_ref(), &dout, &grads)?;
             Ok(vec![
@@ -485,7 +523,7 @@ fn qkv_of<T>(ops: &[T]) -> (&T, &T, &T) {
 /// The attention forward through the seam (shared by [`causal_attention`] and
 /// [`causal_attention_qkv`](crate::ops::attention_qkv::causal_attention_qkv)): `ins` is the
 /// contiguous q, k, v, or the one qkv tensor read as all three under
-/// [`AttentionLayout::Packed`]. Returns the output (`out_shape`, the inputs' dtype), the
+/// [`AttentionLayout::Packed`](crate::kernels::attention::AttentionLayout::Packed). Returns the output (`out_shape`, the inputs' dtype), the
 /// statistics the device's kernels save for backward, and which statistics they are.
 pub(crate) fn attention_forward(
     ctx: &Ctx,

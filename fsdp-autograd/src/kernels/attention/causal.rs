@@ -55,21 +55,45 @@ pub struct CausalAttentionBackward<'a> {
     pub dv: &'a Operand,
 }
 
-/// Elements of q-shaped operands, of the probabilities and of the log-sum-exp.
-fn sizes(op: &'static str, a: Attention) -> Result<(usize, usize, usize)> {
-    let bh = mul(op, a.batch, a.heads)?;
-    let rows = mul(op, bh, a.t)?;
-    Ok((mul(op, rows, a.d)?, mul(op, rows, a.t)?, rows))
+/// The element counts of `a`'s operands (after [`Attention::check`]).
+struct Lens {
+    /// q and dq: `[batch, heads, t, d]`, or packed the whole qkv tensor.
+    q: usize,
+    /// k, v, dk, dv: `[batch, kv_heads, t, d]`, or packed the whole qkv tensor (q = k = v and
+    /// dq = dk = dv must then be one operand each, checked by [`packed_same`]).
+    kv: usize,
+    /// out and dout (and the saved forward output): `[batch, heads, t, d]` elements.
+    out: usize,
+    /// The probabilities, `[batch, heads, t, t]`.
+    probs: usize,
+    /// The log-sum-exp, `[batch, heads, t]`.
+    lse: usize,
 }
 
-/// Elements of each q / k / v (and dq / dk / dv) operand: `n` (one head-split tensor) or,
-/// packed, the whole qkv tensor, 3·`n`; packed, q = k = v and dq = dk = dv must be one
-/// operand each (checked by [`packed_same`]).
-fn qkv_len(op: &'static str, a: Attention, n: usize) -> Result<usize> {
-    match a.layout {
-        AttentionLayout::Heads => Ok(n),
-        AttentionLayout::Packed => mul(op, n, 3),
-    }
+fn lens(op: &'static str, a: Attention) -> Result<Lens> {
+    a.check(op)?;
+    let rows = mul(op, mul(op, a.batch, a.heads)?, a.t)?;
+    let out = mul(op, rows, a.d)?;
+    let (q, kv) = match a.layout {
+        AttentionLayout::Heads => (
+            out,
+            mul(op, mul(op, mul(op, a.batch, a.kv_heads)?, a.t)?, a.d)?,
+        ),
+        AttentionLayout::Packed => {
+            let n = a.packed_len().ok_or_else(|| AutogradError::Argument {
+                op,
+                detail: format!("attention sizes overflow: {}", a.describe()),
+            })?;
+            (n, n)
+        }
+    };
+    Ok(Lens {
+        q,
+        kv,
+        out,
+        probs: mul(op, rows, a.t)?,
+        lse: rows,
+    })
 }
 
 /// Packed layout: the three operands must be one range (the whole qkv tensor or its
@@ -86,7 +110,7 @@ fn packed_same(op: &'static str, a: Attention, ops: [(&'static str, &Operand); 3
     Err(AutogradError::Argument {
         op,
         detail: format!(
-            "packed attention layout: `{n0}`, `{n1}` and `{n2}` must be the same operand (the whole [batch, t, 3, heads, d] tensor); pass it three times"
+            "packed attention layout: `{n0}`, `{n1}` and `{n2}` must be the same operand (the whole [batch, t, heads + 2·kv_heads, d] tensor); pass it three times"
         ),
     })
 }
@@ -110,23 +134,22 @@ impl Op for CausalAttention<'_> {
     fn check(&self, c: &Check) -> Result<bool> {
         let (op, a) = (self.name(), self.a);
         let (q, k, v) = (self.q, self.k, self.v);
-        let (n, np, nl) = sizes(op, a)?;
+        let l = lens(op, a)?;
         let st = match self.stats {
-            AttentionStats::Probs(p) => Spec::exact("probs", p, DType::F32, PROBS, np),
-            AttentionStats::Lse(l) => Spec::exact("lse", l, DType::F32, LSE, nl),
+            AttentionStats::Probs(p) => Spec::exact("probs", p, DType::F32, PROBS, l.probs),
+            AttentionStats::Lse(s) => Spec::exact("lse", s, DType::F32, LSE, l.lse),
         };
         let stats_n = st.len();
         packed_same(op, a, [("q", q), ("k", k), ("v", v)])?;
-        let nqkv = qkv_len(op, a, n)?;
         let table = [
-            Spec::float("q", q, nqkv),
-            Spec::float("k", k, nqkv),
-            Spec::float("v", v, nqkv),
-            Spec::float("out", self.out, n),
+            Spec::float("q", q, l.q),
+            Spec::float("k", k, l.kv),
+            Spec::float("v", v, l.kv),
+            Spec::float("out", self.out, l.out),
             st,
         ];
-        c.args(op, || format!("{a:?}"), &table)?;
-        Ok(n > 0 || stats_n > 0)
+        c.args(op, || a.describe(), &table)?;
+        Ok(l.out > 0 || stats_n > 0)
     }
 
     fn cpu(&self, s: &Stream) -> Result<()> {
@@ -139,7 +162,7 @@ impl Op for CausalAttention<'_> {
             // q = k = v: the whole qkv tensor (checked by the seam's front).
             let (ins, outs) = ([q], [out, probs]);
             launch_f32(s, "attention", ins, outs, false, move |[qkv], [o, p]| {
-                cpu::causal_attention_packed(qkv, o, p, a.batch, a.heads, a.t, a.d)
+                cpu::causal_attention_packed_with(qkv, o, p, &a)
             });
             return Ok(());
         }
@@ -150,9 +173,7 @@ impl Op for CausalAttention<'_> {
             ins,
             outs,
             false,
-            move |[q, k, v], [o, p]| {
-                cpu::causal_attention(q, k, v, o, p, a.batch, a.heads, a.t, a.d)
-            },
+            move |[q, k, v], [o, p]| cpu::causal_attention_with(q, k, v, o, p, &a),
         );
         Ok(())
     }
@@ -162,7 +183,6 @@ impl Op for CausalAttention<'_> {
         use crate::kernels::cuda::launcher::{err, one_dtype};
         let (op, kk, a) = ("attention", b.kernels(), self.a);
         let (q, k, v, out) = (self.q, self.k, self.v, self.out);
-        let (bs, h, t, d) = (a.batch, a.heads, a.t, a.d);
         let probs = match self.stats {
             AttentionStats::Probs(p) => p,
             AttentionStats::Lse(lse) => {
@@ -171,28 +191,28 @@ impl Op for CausalAttention<'_> {
                     // q = k = v: the whole qkv tensor (checked by the seam's front).
                     let dt = one_dtype(&[q, out]).ok_or_else(|| packed_mixed(op))?;
                     return kk
-                        .flash_attention_packed(s, dt, &q.buf, &out.buf, l, bs, h, t, d)
+                        .flash_attention_packed(s, dt, &q.buf, &out.buf, l, &a)
                         .map_err(err(op));
                 }
                 if let Some(dt) = one_dtype(&[q, k, v, out]) {
                     let [q, k, v, o] = [q, k, v, out].map(|o| &o.buf);
                     return kk
-                        .flash_attention(s, dt, q, k, v, o, l, bs, h, t, d)
+                        .flash_attention(s, dt, q, k, v, o, l, &a)
                         .map_err(err(op));
                 }
                 let mut f = b.scope(op, s);
                 let [q, k, v] = f.inputs([q, k, v])?;
                 let o = f.output(out, false)?;
-                kk.flash_attention(s, DType::F32, &q, &k, &v, &o, l, bs, h, t, d)
+                kk.flash_attention(s, DType::F32, &q, &k, &v, &o, l, &a)
                     .map_err(err(op))?;
                 return f.finish();
             }
         };
-        packed_unsupported(op, &a)?;
+        unfused_unsupported(op, &a)?;
         let mut f = b.scope(op, s);
         let [q, k, v] = f.inputs([q, k, v])?;
         let o = f.output(out, false)?;
-        kk.causal_attention(s, &q, &k, &v, &o, &probs.buf, bs, h, t, d)
+        kk.causal_attention(s, &q, &k, &v, &o, &probs.buf, &a)
             .map_err(err(op))?;
         f.finish()
     }
@@ -207,30 +227,29 @@ impl Op for CausalAttentionBackward<'_> {
         let (op, a) = (self.name(), self.a);
         let (q, k, v) = (self.q, self.k, self.v);
         let (dq, dk, dv) = (self.dq, self.dk, self.dv);
-        let (n, np, nl) = sizes(op, a)?;
+        let l = lens(op, a)?;
         let (st, fwd_out) = match self.saved {
-            AttentionSaved::Probs(p) => (Spec::exact("probs", p, DType::F32, PROBS, np), None),
+            AttentionSaved::Probs(p) => (Spec::exact("probs", p, DType::F32, PROBS, l.probs), None),
             AttentionSaved::Lse { lse, out } => (
-                Spec::exact("lse", lse, DType::F32, LSE, nl),
-                Some(Spec::float("out", out, n)),
+                Spec::exact("lse", lse, DType::F32, LSE, l.lse),
+                Some(Spec::float("out", out, l.out)),
             ),
         };
         packed_same(op, a, [("q", q), ("k", k), ("v", v)])?;
         packed_same(op, a, [("dq", dq), ("dk", dk), ("dv", dv)])?;
-        let nqkv = qkv_len(op, a, n)?;
         let mut table = vec![
-            Spec::float("q", q, nqkv),
-            Spec::float("k", k, nqkv),
-            Spec::float("v", v, nqkv),
+            Spec::float("q", q, l.q),
+            Spec::float("k", k, l.kv),
+            Spec::float("v", v, l.kv),
             st,
-            Spec::float("dout", self.dout, n),
-            Spec::float("dq", dq, nqkv),
-            Spec::float("dk", dk, nqkv),
-            Spec::float("dv", dv, nqkv),
+            Spec::float("dout", self.dout, l.out),
+            Spec::float("dq", dq, l.q),
+            Spec::float("dk", dk, l.kv),
+            Spec::float("dv", dv, l.kv),
         ];
         table.extend(fwd_out);
-        c.args(op, || format!("{a:?}"), &table)?;
-        Ok(n > 0 || np > 0)
+        c.args(op, || a.describe(), &table)?;
+        Ok(l.out > 0 || l.probs > 0)
     }
 
     fn cpu(&self, s: &Stream) -> Result<()> {
@@ -245,8 +264,7 @@ impl Op for CausalAttentionBackward<'_> {
             // q = k = v and dq = dk = dv: whole tensors (checked by the seam's front).
             let (ins, outs) = ([q, probs, dout], [dq]);
             launch_f32(s, op, ins, outs, false, move |[qkv, p, g], [dqkv]| {
-                let (b, h, t, d) = (a.batch, a.heads, a.t, a.d);
-                cpu::causal_attention_packed_backward(qkv, p, g, dqkv, b, h, t, d)
+                cpu::causal_attention_packed_backward_with(qkv, p, g, dqkv, &a)
             });
             return Ok(());
         }
@@ -258,8 +276,7 @@ impl Op for CausalAttentionBackward<'_> {
             outs,
             false,
             move |[q, k, v, p, g], [dq, dk, dv]| {
-                let (b, h, t, d) = (a.batch, a.heads, a.t, a.d);
-                cpu::causal_attention_backward(q, k, v, p, g, dq, dk, dv, b, h, t, d)
+                cpu::causal_attention_backward_with(q, k, v, p, g, dq, dk, dv, &a)
             },
         );
         Ok(())
@@ -271,7 +288,6 @@ impl Op for CausalAttentionBackward<'_> {
         let (op, kk, a) = ("attention_backward", b.kernels(), self.a);
         let (q, k, v, dout) = (self.q, self.k, self.v, self.dout);
         let (dq, dk, dv) = (self.dq, self.dk, self.dv);
-        let (bs, h, t, d) = (a.batch, a.heads, a.t, a.d);
         let probs = match self.saved {
             AttentionSaved::Probs(p) => p,
             AttentionSaved::Lse { lse, out } => {
@@ -281,14 +297,14 @@ impl Op for CausalAttentionBackward<'_> {
                     let dt = one_dtype(&[q, out, dout, dq]).ok_or_else(|| packed_mixed(op))?;
                     let [q, o, g, dqkv] = [q, out, dout, dq].map(|o| &o.buf);
                     return kk
-                        .flash_attention_packed_backward(s, dt, q, o, l, g, dqkv, bs, h, t, d)
+                        .flash_attention_packed_backward(s, dt, q, o, l, g, dqkv, &a)
                         .map_err(err(op));
                 }
                 let all = [q, k, v, out, dout, dq, dk, dv];
                 if let Some(dt) = one_dtype(&all) {
                     let [q, k, v, o, g, dq, dk, dv] = all.map(|o| &o.buf);
                     return kk
-                        .flash_attention_backward(s, dt, q, k, v, o, l, g, dq, dk, dv, bs, h, t, d)
+                        .flash_attention_backward(s, dt, q, k, v, o, l, g, dq, dk, dv, &a)
                         .map_err(err(op));
                 }
                 let mut f = b.scope(op, s);
@@ -306,34 +322,47 @@ impl Op for CausalAttentionBackward<'_> {
                     &dq,
                     &dk,
                     &dv,
-                    bs,
-                    h,
-                    t,
-                    d,
+                    &a,
                 )
                 .map_err(err(op))?;
                 return f.finish();
             }
         };
-        packed_unsupported(op, &a)?;
+        unfused_unsupported(op, &a)?;
         let mut f = b.scope(op, s);
         let [q, k, v, g] = f.inputs([q, k, v, dout])?;
         let [dq, dk, dv] = f.outputs([dq, dk, dv])?;
-        kk.causal_attention_backward(s, &q, &k, &v, &probs.buf, &g, &dq, &dk, &dv, bs, h, t, d)
+        kk.causal_attention_backward(s, &q, &k, &v, &probs.buf, &g, &dq, &dk, &dv, &a)
             .map_err(err(op))?;
         f.finish()
     }
 }
 
-/// The unfused CUDA kernels (probabilities saved) take [`AttentionLayout::Heads`] only
-/// (`attention_packed` says false for them, so `causal_attention_qkv` splits the heads
-/// itself); a packed launch there is a typed error.
+/// The unfused CUDA kernels (probabilities saved) take multi-head attention in
+/// [`AttentionLayout::Heads`] only: `attention_packed` says false for them, so
+/// `causal_attention_qkv` splits the heads itself; grouped-query attention (`kv_heads < heads`)
+/// there is a typed [`AutogradError::Unsupported`] (the fused kernels, on by default for head
+/// dims up to 128, take it).
 #[cfg(feature = "cuda")]
-fn packed_unsupported(op: &'static str, a: &Attention) -> Result<()> {
+fn unfused_unsupported(op: &'static str, a: &Attention) -> Result<()> {
     if a.layout == AttentionLayout::Packed {
         return Err(AutogradError::Argument {
             op,
             detail: "the unfused CUDA attention kernels take the head-split layout only (AttentionLayout::Heads); split the heads first (ops::causal_attention_qkv does where Kernels::attention_packed is false)".into(),
+        });
+    }
+    if a.kv_heads != a.heads {
+        return Err(AutogradError::Unsupported {
+            op,
+            detail: format!(
+                "grouped-query attention (kv_heads = {} < heads = {}) runs on the fused CUDA \
+                 kernels only, and they are off here (set_fused_attention(false), or head \
+                 dimension {} above {}); turn them on, or repeat the key/value heads yourself",
+                a.kv_heads,
+                a.heads,
+                a.d,
+                crate::kernels::cuda::FUSED_ATTENTION_MAX_D
+            ),
         });
     }
     Ok(())

@@ -14,15 +14,21 @@
 //! in a fixed order); other head dims take generic kernels that read the head dim at run time.
 //! Both families multiply on the CUDA cores in f32, not on tensor cores.
 //!
-//! Layouts ([`FlashLayout`]): every operand `[batch, heads, t, d]`
-//! ([`flash_attention`](CudaKernels::flash_attention)), or the packed layout of a GPT's qkv
+//! The shape is an [`Attention`]: its `scale` multiplies the scores, and its `kv_heads` makes
+//! grouped-query attention (query head `h` reads key/value head `h / (heads / kv_heads)` in
+//! place; the dk/dv pass sums a key/value head's gradient over its group's query heads in
+//! ascending order inside one thread, so it stays deterministic).
+//!
+//! Layouts ([`FlashLayout`]): q, out `[batch, heads, t, d]` and k, v `[batch, kv_heads, t, d]`
+//! ([`flash_attention`](CudaKernels::flash_attention)), or the packed layout of a fused qkv
 //! projection ([`flash_attention_packed`](CudaKernels::flash_attention_packed): q, k, v slices of
-//! `[batch, t, 3, heads, d]`, out `[batch, t, heads, d]`, one dqkv gradient) that spares the head
-//! split / merge copies around attention. Same kernels, same arithmetic per element.
+//! `[batch, t, heads + 2·kv_heads, d]`, out `[batch, t, heads, d]`, one dqkv gradient) that
+//! spares the head split / merge copies around attention. Same kernels, same arithmetic per
+//! element.
 
 use fsdp_alloc::{BufferRef, DType, Stream};
 
-use super::unfused::softmax_scale;
+use super::shape::{Attention, AttentionLayout};
 use crate::kernels::cuda::context::{mul, CudaKernels, Elem};
 use crate::kernels::cuda::error::Result;
 use crate::kernels::cuda::kernel::{Kernel, MAX_GRID};
@@ -31,45 +37,45 @@ use crate::kernels::cuda::FUSED_ATTENTION_MAX_D;
 use crate::kernels::KernelError;
 
 crate::kernels::cuda::kernel::declare_kernels! {
-    FLASH_FWD_F32_LE64 = "flash_fwd_f32_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_BF16_LE64 = "flash_fwd_bf16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_F16_LE64 = "flash_fwd_f16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_F32_LE128 = "flash_fwd_f32_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_BF16_LE128 = "flash_fwd_bf16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_F16_LE128 = "flash_fwd_f16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F32_LE64 = "flash_fwd_f32_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_LE64 = "flash_fwd_bf16_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_LE64 = "flash_fwd_f16_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F32_LE128 = "flash_fwd_f32_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_LE128 = "flash_fwd_bf16_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_LE128 = "flash_fwd_f16_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
     FLASH_BWD_PRE_F32 = "flash_bwd_pre_f32" [U64, U64, U64, U64, U64, Ptr, Ptr, Ptr];
     FLASH_BWD_PRE_BF16 = "flash_bwd_pre_bf16" [U64, U64, U64, U64, U64, Ptr, Ptr, Ptr];
     FLASH_BWD_PRE_F16 = "flash_bwd_pre_f16" [U64, U64, U64, U64, U64, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F32_LE64 = "flash_bwd_dkdv_f32_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_BF16_LE64 = "flash_bwd_dkdv_bf16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F16_LE64 = "flash_bwd_dkdv_f16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F32_LE128 = "flash_bwd_dkdv_f32_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_BF16_LE128 = "flash_bwd_dkdv_bf16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F16_LE128 = "flash_bwd_dkdv_f16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F32_LE64 = "flash_bwd_dq_f32_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_BF16_LE64 = "flash_bwd_dq_bf16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F16_LE64 = "flash_bwd_dq_f16_le64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F32_LE128 = "flash_bwd_dq_f32_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_BF16_LE128 = "flash_bwd_dq_bf16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F16_LE128 = "flash_bwd_dq_f16_le128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_F32_D64 = "flash_fwd_f32_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_BF16_D64 = "flash_fwd_bf16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_F16_D64 = "flash_fwd_f16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_F32_D128 = "flash_fwd_f32_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_BF16_D128 = "flash_fwd_bf16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_FWD_F16_D128 = "flash_fwd_f16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F32_D64 = "flash_bwd_dkdv_f32_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_BF16_D64 = "flash_bwd_dkdv_bf16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F16_D64 = "flash_bwd_dkdv_f16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F32_D128 = "flash_bwd_dkdv_f32_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_BF16_D128 = "flash_bwd_dkdv_bf16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DKDV_F16_D128 = "flash_bwd_dkdv_f16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F32_D64 = "flash_bwd_dq_f32_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_BF16_D64 = "flash_bwd_dq_bf16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F16_D64 = "flash_bwd_dq_f16_d64" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F32_D128 = "flash_bwd_dq_f32_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_BF16_D128 = "flash_bwd_dq_bf16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
-    FLASH_BWD_DQ_F16_D128 = "flash_bwd_dq_f16_d128" [U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_LE64 = "flash_bwd_dkdv_f32_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_LE64 = "flash_bwd_dkdv_bf16_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_LE64 = "flash_bwd_dkdv_f16_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_LE128 = "flash_bwd_dkdv_f32_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_LE128 = "flash_bwd_dkdv_bf16_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_LE128 = "flash_bwd_dkdv_f16_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_LE64 = "flash_bwd_dq_f32_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_LE64 = "flash_bwd_dq_bf16_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_LE64 = "flash_bwd_dq_f16_le64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_LE128 = "flash_bwd_dq_f32_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_LE128 = "flash_bwd_dq_bf16_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_LE128 = "flash_bwd_dq_f16_le128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F32_D64 = "flash_fwd_f32_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_D64 = "flash_fwd_bf16_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_D64 = "flash_fwd_f16_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F32_D128 = "flash_fwd_f32_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_BF16_D128 = "flash_fwd_bf16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_FWD_F16_D128 = "flash_fwd_f16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_D64 = "flash_bwd_dkdv_f32_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_D64 = "flash_bwd_dkdv_bf16_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_D64 = "flash_bwd_dkdv_f16_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F32_D128 = "flash_bwd_dkdv_f32_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_BF16_D128 = "flash_bwd_dkdv_bf16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DKDV_F16_D128 = "flash_bwd_dkdv_f16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_D64 = "flash_bwd_dq_f32_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_D64 = "flash_bwd_dq_bf16_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_D64 = "flash_bwd_dq_f16_d64" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F32_D128 = "flash_bwd_dq_f32_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_BF16_D128 = "flash_bwd_dq_bf16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+    FLASH_BWD_DQ_F16_D128 = "flash_bwd_dq_f16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
 }
 
 /// The element type of the fused kernels' tensors.
@@ -116,38 +122,38 @@ fn tiles(d: usize) -> (usize, usize) {
     }
 }
 
-/// How the fused kernels find a head's rows (their `heads`, `packed` arguments; `flash.cu`'s
-/// `fa_rows`): every operand `[batch·heads, t, d]`, or the packed layout of a GPT's qkv
-/// projection ([`AttentionLayout::Packed`](crate::kernels::attention::AttentionLayout::Packed)):
-/// q, k, v (and dq, dk, dv) slices of one `[batch, t, 3, heads, d]` tensor, out and dout
-/// `[batch, t, heads, d]`.
+/// How the fused kernels find a head's rows (their `heads`, `kv_heads`, `packed` arguments;
+/// `flash.cu`'s `fa_rows`): q, out `[batch·heads, t, d]` and k, v `[batch·kv_heads, t, d]`, or
+/// the packed layout of a fused qkv projection
+/// ([`AttentionLayout::Packed`]): q, k, v (and dq, dk, dv) slices of one
+/// `[batch, t, heads + 2·kv_heads, d]` tensor, out and dout `[batch, t, heads, d]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct FlashLayout {
-    /// Heads per batch entry (used by the packed layout only).
+    /// Query heads per batch entry.
     pub(crate) heads: usize,
+    /// Key/value heads per batch entry (divides `heads`).
+    pub(crate) kv_heads: usize,
     /// The packed layout.
     pub(crate) packed: bool,
 }
 
 impl FlashLayout {
-    /// Every operand its own `[batch·heads, t, d]` tensor.
-    pub(crate) const HEADS: FlashLayout = FlashLayout {
-        heads: 1,
-        packed: false,
-    };
-
-    /// The packed layout with `heads` heads.
-    pub(crate) fn packed(heads: usize) -> FlashLayout {
+    /// The layout of `a`.
+    pub(crate) fn of(a: &Attention) -> FlashLayout {
         FlashLayout {
-            heads,
-            packed: true,
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            packed: a.layout == AttentionLayout::Packed,
         }
     }
 
     /// The largest row stride of an operand (elements), `None` on overflow.
     fn max_row_stride(self, d: usize) -> Option<usize> {
         if self.packed {
-            self.heads.checked_mul(3)?.checked_mul(d)
+            self.kv_heads
+                .checked_mul(2)?
+                .checked_add(self.heads)?
+                .checked_mul(d)
         } else {
             Some(d)
         }
@@ -257,93 +263,57 @@ fn tile_grid(bh: usize, t: usize, rows: usize) -> u32 {
     ((bh as u64) * (t.div_ceil(rows) as u64)).clamp(1, MAX_GRID as u64) as u32
 }
 
-fn head_args(bh: usize, t: usize, d: usize, lay: FlashLayout) -> Vec<PArg> {
+fn head_args(a: &Attention, bh: usize, lay: FlashLayout) -> Vec<PArg> {
     vec![
         PArg::U64(bh as u64),
-        PArg::U64(t as u64),
-        PArg::U64(d as u64),
+        PArg::U64(a.t as u64),
+        PArg::U64(a.d as u64),
         PArg::U64(lay.heads as u64),
+        PArg::U64(lay.kv_heads as u64),
         PArg::U64(lay.packed as u64),
-        PArg::F32(softmax_scale(d)),
+        PArg::F32(a.scale),
     ]
 }
 
-/// A packed layout needs `heads ≥ 1` dividing `bh`.
-fn check_layout(op: &'static str, bh: usize, lay: FlashLayout) -> Result<()> {
-    if lay.packed && (lay.heads == 0 || bh % lay.heads != 0) {
-        return Err(KernelError::InvalidShape {
-            op,
-            reason: format!(
-                "packed attention layout: heads = {} must be positive and divide batch·heads = {bh}",
-                lay.heads
-            ),
-        }
-        .into());
-    }
-    Ok(())
-}
-
-/// The fused forward: `out = softmax(q·kᵀ/√d + causal mask)·v` and `lse` per query row.
-#[cfg(test)]
+/// The fused forward for shape `a` (either layout): `out = softmax(scale·q·kᵀ + causal
+/// mask)·v` and `lse` per query row.
 pub(crate) fn plan_flash(
     ty: FlashType,
-    bh: usize,
-    t: usize,
-    d: usize,
-    ptrs: [Ptr; 5],
-) -> Result<Plan> {
-    plan_flash_in(ty, bh, t, d, FlashLayout::HEADS, ptrs)
-}
-
-/// [`plan_flash`] in layout `lay`.
-pub(crate) fn plan_flash_in(
-    ty: FlashType,
-    bh: usize,
-    t: usize,
-    d: usize,
-    lay: FlashLayout,
+    a: &Attention,
     [q, k, v, out, lse]: [Ptr; 5],
 ) -> Result<Plan> {
+    let op = "flash_attention";
     let mut plan = Plan::new();
-    if bh == 0 || t == 0 {
+    a.check(op)?;
+    let bh = mul(op, a.batch, a.heads)?;
+    if bh == 0 || a.t == 0 {
         return Ok(plan);
     }
-    check_d("flash_attention", d)?;
-    check_layout("flash_attention", bh, lay)?;
-    let [fwd, ..] = kernels(ty, t, d, lay.max_row_stride(d));
-    let mut args = head_args(bh, t, d, lay);
+    check_d(op, a.d)?;
+    let lay = FlashLayout::of(a);
+    let [fwd, ..] = kernels(ty, a.t, a.d, lay.max_row_stride(a.d));
+    let mut args = head_args(a, bh, lay);
     args.extend([q, k, v, out, lse].map(PArg::Ptr));
-    plan.launch(fwd, tile_grid(bh, t, tiles(d).0), args);
+    plan.launch(fwd, tile_grid(bh, a.t, tiles(a.d).0), args);
     Ok(plan)
 }
 
-/// The fused backward from the forward's `out` and `lse`; overwrites `dq`, `dk`, `dv`.
-#[cfg(test)]
+/// The fused backward for shape `a` (either layout) from the forward's `out` and `lse`;
+/// overwrites `dq`, `dk`, `dv`. The dk/dv pass has one block per key/value head and key tile.
 pub(crate) fn plan_flash_backward(
     ty: FlashType,
-    bh: usize,
-    t: usize,
-    d: usize,
-    ptrs: [Ptr; 9],
-) -> Result<Plan> {
-    plan_flash_backward_in(ty, bh, t, d, FlashLayout::HEADS, ptrs)
-}
-
-/// [`plan_flash_backward`] in layout `lay`.
-pub(crate) fn plan_flash_backward_in(
-    ty: FlashType,
-    bh: usize,
-    t: usize,
-    d: usize,
-    lay: FlashLayout,
+    a: &Attention,
     [q, k, v, out, lse, dout, dq, dk, dv]: [Ptr; 9],
 ) -> Result<Plan> {
+    let op = "flash_attention_backward";
     let mut plan = Plan::new();
-    if bh == 0 || t == 0 {
+    a.check(op)?;
+    let bh = mul(op, a.batch, a.heads)?;
+    if bh == 0 || a.t == 0 {
         return Ok(plan);
     }
-    check_d("flash_attention_backward", d)?;
-    check_layout("flash_attention_backward", bh, lay)?;
+    check_d(op, a.d)?;
+    let (t, d, lay) = (a.t, a.d, FlashLayout::of(a));
     let [_, pre, dkdv, dqk] = kernels(ty, t, d, lay.max_row_stride(d));
     let rows = bh * t;
     let delta = Ptr::scratch(plan.scratch(rows, Elem::F32));
@@ -362,29 +332,51 @@ pub(crate) fn plan_flash_backward_in(
         ],
     );
     let b = tiles(d).1;
-    let mut args = head_args(bh, t, d, lay);
+    let mut args = head_args(a, bh, lay);
     args.extend([q, k, v, dout, lse, delta, dk, dv].map(PArg::Ptr));
-    plan.launch(dkdv, tile_grid(bh, t, b), args);
-    let mut args = head_args(bh, t, d, lay);
+    plan.launch(dkdv, tile_grid(bh / a.group(), t, b), args);
+    let mut args = head_args(a, bh, lay);
     args.extend([q, k, v, dout, lse, delta, dq].map(PArg::Ptr));
     plan.launch(dqk, tile_grid(bh, t, b), args);
     Ok(plan)
 }
 
+/// `a` must be in `layout` (each public method takes one layout).
+fn expect_layout(op: &'static str, a: &Attention, layout: AttentionLayout) -> Result<()> {
+    if a.layout != layout {
+        return Err(KernelError::InvalidShape {
+            op,
+            reason: format!(
+                "this method takes AttentionLayout::{layout:?}, got {:?}; use the {} method",
+                a.layout,
+                if layout == AttentionLayout::Packed {
+                    "head-split"
+                } else {
+                    "packed"
+                }
+            ),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 impl CudaKernels {
-    /// Fused causal attention per (batch, head), FlashAttention-2 style: `out =
-    /// softmax(q·kᵀ/√d + causal mask)·v` with `q`, `k`, `v`, `out` `[batch, heads, t, d]` of
-    /// element type `dtype` (f32, bf16 or f16; arithmetic in f32), and `lse` (`[batch, heads,
-    /// t]`, f32) the log-sum-exp of each query's scaled scores, saved for
+    /// Fused causal attention of shape `a` (layout [`AttentionLayout::Heads`]) per (batch,
+    /// query head), FlashAttention-2 style: `out = softmax(a.scale·q·kᵀ + causal mask)·v` with
+    /// `q`, `out` `[batch, heads, t, d]` and `k`, `v` `[batch, kv_heads, t, d]` (query head `h`
+    /// reads key/value head `h / (heads / kv_heads)`, nothing repeated) of element type `dtype`
+    /// (f32, bf16 or f16; arithmetic in f32), and `lse` (`[batch, heads, t]`, f32) the
+    /// log-sum-exp of each query's scaled scores, saved for
     /// [`flash_attention_backward`](CudaKernels::flash_attention_backward). No `t×t` buffer:
     /// memory is linear in `t`. Agrees with [`causal_attention`](CudaKernels::causal_attention)
     /// to f32 rounding (different summation order and `exp` arguments), not bitwise.
     ///
     /// # Errors
     /// Shape errors as [`causal_attention`](CudaKernels::causal_attention) (with `lse` in place
-    /// of `probs`); [`KernelError::InvalidShape`] for `d` outside `1..=`[`FUSED_ATTENTION_MAX_D`]
-    /// (when there is work) or a non-float `dtype`; buffer/stream errors; `out`/`lse`
-    /// overlapping any other argument.
+    /// of `probs`); [`KernelError::InvalidShape`] for a shape [`Attention::check`] rejects, the
+    /// packed layout, `d` outside `1..=`[`FUSED_ATTENTION_MAX_D`] (when there is work) or a
+    /// non-float `dtype`; buffer/stream errors; `out`/`lse` overlapping any other argument.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_attention(
         &self,
@@ -395,23 +387,22 @@ impl CudaKernels {
         v: &BufferRef,
         out: &BufferRef,
         lse: &BufferRef,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
+        a: &Attention,
     ) -> Result<()> {
-        let dims = [batch, heads, t, d];
-        self.flash_fwd_in(stream, dtype, [q, k, v, out, lse], dims, FlashLayout::HEADS)
+        expect_layout("flash_attention", a, AttentionLayout::Heads)?;
+        self.flash_fwd_in(stream, dtype, [q, k, v, out, lse], a)
     }
 
-    /// [`flash_attention`](CudaKernels::flash_attention) on the packed layout of a GPT's qkv
-    /// projection, without head split / merge copies: `qkv` `[batch, t, 3, heads, d]` (queries,
-    /// keys, values), `out` `[batch, t, heads, d]`, `lse` `[batch, heads, t]`. Same kernels and
-    /// arithmetic as the head-split layout (bit for bit the same numbers per element).
+    /// [`flash_attention`](CudaKernels::flash_attention) on the packed layout of a fused qkv
+    /// projection (`a.layout` [`AttentionLayout::Packed`]), without head split / merge copies:
+    /// `qkv` `[batch, t, heads + 2·kv_heads, d]` (queries, keys, values; GPT's `[batch, t, 3,
+    /// heads, d]` when `kv_heads == heads`), `out` `[batch, t, heads, d]`, `lse` `[batch,
+    /// heads, t]`. Same kernels and arithmetic as the head-split layout (bit for bit the same
+    /// numbers per element).
     ///
     /// # Errors
-    /// As [`flash_attention`](CudaKernels::flash_attention), with `qkv` of `3·batch·heads·t·d`
-    /// elements.
+    /// As [`flash_attention`](CudaKernels::flash_attention), with `qkv` of
+    /// `batch·t·(heads + 2·kv_heads)·d` elements and the head-split layout the error.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_attention_packed(
         &self,
@@ -420,14 +411,10 @@ impl CudaKernels {
         qkv: &BufferRef,
         out: &BufferRef,
         lse: &BufferRef,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
+        a: &Attention,
     ) -> Result<()> {
-        let dims = [batch, heads, t, d];
-        let lay = FlashLayout::packed(heads);
-        self.flash_fwd_in(stream, dtype, [qkv, qkv, qkv, out, lse], dims, lay)
+        expect_layout("flash_attention", a, AttentionLayout::Packed)?;
+        self.flash_fwd_in(stream, dtype, [qkv, qkv, qkv, out, lse], a)
     }
 
     fn flash_fwd_in(
@@ -435,24 +422,20 @@ impl CudaKernels {
         stream: &Stream,
         dtype: DType,
         [q, k, v, out, lse]: [&BufferRef; 5],
-        [batch, heads, t, d]: [usize; 4],
-        lay: FlashLayout,
+        a: &Attention,
     ) -> Result<()> {
         let op = "flash_attention";
         let ty = FlashType::of(op, dtype)?;
         let c = self.call(op, stream)?;
-        let bh = mul(op, batch, heads)?;
-        let (n, nl) = (mul(op, bh, mul(op, t, d)?)?, mul(op, bh, t)?);
-        // q, k, v: each the whole qkv tensor when packed.
-        let nqkv = if lay.packed { mul(op, n, 3)? } else { n };
-        let shape = || format!("batch={batch}, heads={heads}, t={t}, d={d}, {lay:?}");
+        let [nq, nkv, n, nl] = operand_lens(op, a)?;
+        let shape = || a.describe();
         let e = ty.elem();
         let ptrs = c
             .sized(
                 [
-                    ("q", q, nqkv, e),
-                    ("k", k, nqkv, e),
-                    ("v", v, nqkv, e),
+                    ("q", q, nq, e),
+                    ("k", k, nkv, e),
+                    ("v", v, nkv, e),
                     ("out", out, n, e),
                     ("lse", lse, nl, Elem::F32),
                 ],
@@ -463,21 +446,23 @@ impl CudaKernels {
             &[("out", out), ("lse", lse)],
             &[("q", q), ("k", k), ("v", v)],
         )?;
-        let plan = plan_flash_in(ty, bh, t, d, lay, ptrs)?;
-        // SAFETY: q, k, v hold bh·t·d elements of `dtype` (3·bh·t·d packed: the whole qkv
-        // tensor), out bh·t·d and lse bh·t f32 on this device (checked above); out and lse
-        // overlap no other argument; the kernel reads and writes head h's t rows only (rows of
-        // d elements at fa_rows' base and stride, inside those lengths for either layout, with
-        // heads dividing bh: checked by the plan), with d ≤ FUSED_ATTENTION_MAX_D (checked by
-        // the plan) matching its shared-memory tiles.
+        let plan = plan_flash(ty, a, ptrs)?;
+        // SAFETY: q and out hold batch·heads·t·d elements of `dtype`, k and v
+        // batch·kv_heads·t·d (packed: q, k, v are each the whole batch·t·(heads + 2·kv_heads)·d
+        // qkv tensor), lse batch·heads·t f32 on this device (checked above); out and lse overlap
+        // no other argument; the kernel reads and writes head h's t rows only (rows of d
+        // elements at fa_rows' base and stride, inside those lengths for either layout, with
+        // kv_heads dividing heads: checked by the plan through Attention::check), with d ≤
+        // FUSED_ATTENTION_MAX_D (checked by the plan) matching its shared-memory tiles.
         unsafe { c.exec(&plan) }.map(drop)
     }
 
     /// Gradient of [`flash_attention`](CudaKernels::flash_attention) from `q`, `k`, `v`, the
-    /// forward's `out` and `lse`, and `dout`; overwrites `dq`, `dk`, `dv` (all of `dtype`
-    /// except `lse`). Three kernels: `delta = rowsum(dout ⊙ out)` (scratch, `[batch, heads,
-    /// t]` f32), a pass over key tiles for `dk` and `dv`, a pass over query tiles for `dq`; no
-    /// atomics, so bit-reproducible.
+    /// forward's `out` and `lse`, and `dout`; overwrites `dq` (like `q`), `dk`, `dv` (like `k`;
+    /// all of `dtype` except `lse`). Three kernels: `delta = rowsum(dout ⊙ out)` (scratch,
+    /// `[batch, heads, t]` f32), a pass over key tiles of each key/value head for `dk` and `dv`
+    /// (summing its group's query heads in ascending order), a pass over query tiles for `dq`;
+    /// no atomics, so bit-reproducible.
     ///
     /// # Errors
     /// As [`flash_attention`](CudaKernels::flash_attention); `dq`, `dk`, `dv` overlapping any
@@ -496,21 +481,17 @@ impl CudaKernels {
         dq: &BufferRef,
         dk: &BufferRef,
         dv: &BufferRef,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
+        a: &Attention,
     ) -> Result<()> {
-        let dims = [batch, heads, t, d];
+        expect_layout("flash_attention_backward", a, AttentionLayout::Heads)?;
         let bufs = [q, k, v, out, lse, dout, dq, dk, dv];
-        self.flash_bwd_in(stream, dtype, bufs, dims, FlashLayout::HEADS)
+        self.flash_bwd_in(stream, dtype, bufs, a)
     }
 
     /// [`flash_attention_backward`](CudaKernels::flash_attention_backward) on the packed layout
     /// of [`flash_attention_packed`](CudaKernels::flash_attention_packed): reads `qkv`, the
     /// forward's `out` and `lse`, and `dout` (`[batch, t, heads, d]`), overwrites all of `dqkv`
-    /// (`[batch, t, 3, heads, d]`: dq, dk, dv side by side, as the qkv projection's backward
-    /// reads them).
+    /// (the qkv shape: dq, dk, dv side by side, as the qkv projection's backward reads them).
     ///
     /// # Errors
     /// As [`flash_attention_backward`](CudaKernels::flash_attention_backward).
@@ -524,14 +505,11 @@ impl CudaKernels {
         lse: &BufferRef,
         dout: &BufferRef,
         dqkv: &BufferRef,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
+        a: &Attention,
     ) -> Result<()> {
-        let dims = [batch, heads, t, d];
+        expect_layout("flash_attention_backward", a, AttentionLayout::Packed)?;
         let bufs = [qkv, qkv, qkv, out, lse, dout, dqkv, dqkv, dqkv];
-        self.flash_bwd_in(stream, dtype, bufs, dims, FlashLayout::packed(heads))
+        self.flash_bwd_in(stream, dtype, bufs, a)
     }
 
     fn flash_bwd_in(
@@ -539,30 +517,26 @@ impl CudaKernels {
         stream: &Stream,
         dtype: DType,
         [q, k, v, out, lse, dout, dq, dk, dv]: [&BufferRef; 9],
-        [batch, heads, t, d]: [usize; 4],
-        lay: FlashLayout,
+        a: &Attention,
     ) -> Result<()> {
         let op = "flash_attention_backward";
         let ty = FlashType::of(op, dtype)?;
         let c = self.call(op, stream)?;
-        let bh = mul(op, batch, heads)?;
-        let (n, nl) = (mul(op, bh, mul(op, t, d)?)?, mul(op, bh, t)?);
-        // q, k, v and dq, dk, dv: each the whole qkv tensor / its gradient when packed.
-        let nqkv = if lay.packed { mul(op, n, 3)? } else { n };
-        let shape = || format!("batch={batch}, heads={heads}, t={t}, d={d}, {lay:?}");
+        let [nq, nkv, n, nl] = operand_lens(op, a)?;
+        let shape = || a.describe();
         let e = ty.elem();
         let ptrs = c
             .sized(
                 [
-                    ("q", q, nqkv, e),
-                    ("k", k, nqkv, e),
-                    ("v", v, nqkv, e),
+                    ("q", q, nq, e),
+                    ("k", k, nkv, e),
+                    ("v", v, nkv, e),
                     ("out", out, n, e),
                     ("lse", lse, nl, Elem::F32),
                     ("dout", dout, n, e),
-                    ("dq", dq, nqkv, e),
-                    ("dk", dk, nqkv, e),
-                    ("dv", dv, nqkv, e),
+                    ("dq", dq, nq, e),
+                    ("dk", dk, nkv, e),
+                    ("dv", dv, nkv, e),
                 ],
                 shape,
             )?
@@ -575,7 +549,7 @@ impl CudaKernels {
             ("lse", lse),
             ("dout", dout),
         ];
-        if lay.packed {
+        if a.layout == AttentionLayout::Packed {
             // dq = dk = dv: one gradient tensor, each kernel writing its own slice.
             c.disjoint(&[("dqkv", dq)], &inputs)?;
             if dk.location() != dq.location() || dv.location() != dq.location() {
@@ -588,13 +562,34 @@ impl CudaKernels {
         } else {
             c.disjoint(&[("dq", dq), ("dk", dk), ("dv", dv)], &inputs)?;
         }
-        let plan = plan_flash_backward_in(ty, bh, t, d, lay, ptrs)?;
-        // SAFETY: q, k, v, dq, dk, dv hold bh·t·d elements of `dtype` (3·bh·t·d packed: the
-        // whole qkv tensor / its gradient, dq = dk = dv), out and dout bh·t·d, lse bh·t f32 on
-        // this device (checked above); the gradients overlap no input; delta is the plan's bh·t
-        // f32 scratch; every kernel stays within head h's rows (fa_rows' base and stride, inside
-        // those lengths; packed, dq / dk / dv write disjoint slices: parts 0 / 1 / 2), with d ≤
+        let plan = plan_flash_backward(ty, a, ptrs)?;
+        // SAFETY: q, dq hold batch·heads·t·d elements of `dtype`, k, v, dk, dv
+        // batch·kv_heads·t·d (packed: each is the whole batch·t·(heads + 2·kv_heads)·d qkv
+        // tensor / its gradient, dq = dk = dv), out and dout batch·heads·t·d, lse
+        // batch·heads·t f32 on this device (checked above); the gradients overlap no input;
+        // delta is the plan's batch·heads·t f32 scratch; every kernel stays within its head's
+        // rows (fa_rows' base and stride, inside those lengths with kv_heads dividing heads:
+        // checked by the plan; packed, dq / dk / dv write disjoint head slots), with d ≤
         // FUSED_ATTENTION_MAX_D (checked by the plan).
         unsafe { c.exec(&plan) }.map(drop)
     }
+}
+
+/// The element counts of `a`'s operands for the fused kernels: q and dq, k and v (and dk, dv;
+/// packed: each of the six is the whole qkv tensor), out and dout, lse.
+fn operand_lens(op: &'static str, a: &Attention) -> Result<[usize; 4]> {
+    a.check(op)?;
+    let overflow = || KernelError::InvalidShape {
+        op,
+        reason: format!("attention sizes overflow: {}", a.describe()),
+    };
+    let (n, nkv) = a.head_split_lens().ok_or_else(overflow)?;
+    let nl = mul(op, mul(op, a.batch, a.heads)?, a.t)?;
+    Ok(match a.layout {
+        AttentionLayout::Heads => [n, nkv, n, nl],
+        AttentionLayout::Packed => {
+            let p = a.packed_len().ok_or_else(overflow)?;
+            [p, p, n, nl]
+        }
+    })
 }

@@ -1,14 +1,17 @@
-//! Causal attention: the shape ([`Attention`], [`AttentionLayout`]), what the forward saves for
+//! Causal attention: the shape ([`Attention`]: sizes, grouped-query `kv_heads`, `scale`;
+//! [`AttentionLayout`]), what the forward saves for
 //! the backward ([`AttentionSave`], [`AttentionStats`], [`AttentionSaved`]; the backend
 //! chooses), and the ops [`CausalAttention`] and [`CausalAttentionBackward`].
 
 mod causal;
 #[cfg(feature = "cuda")]
 pub(crate) mod flash;
+mod shape;
 #[cfg(feature = "cuda")]
 pub(crate) mod unfused;
 
 pub use causal::{CausalAttention, CausalAttentionBackward};
+pub use shape::{Attention, AttentionLayout};
 
 use super::operand::Operand;
 
@@ -19,38 +22,6 @@ pub(crate) const FAMILY: super::cuda::kernel::Family = super::cuda::kernel::Fami
     sources: &[include_str!("attention.cu"), include_str!("flash.cu")],
     kernels: &[unfused::KERNELS, flash::KERNELS],
 };
-
-/// Causal attention over `[batch, heads, t, d]` tensors (or the packed layout, see
-/// [`AttentionLayout`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Attention {
-    /// Batch size.
-    pub batch: usize,
-    /// Heads.
-    pub heads: usize,
-    /// Sequence length.
-    pub t: usize,
-    /// Head dimension.
-    pub d: usize,
-    /// How q, k, v, out and their gradients are laid out.
-    pub layout: AttentionLayout,
-}
-
-/// The memory layout of causal attention's operands (the statistics are always
-/// `[batch, heads, t(, t)]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AttentionLayout {
-    /// q, k, v, out, dout, dq, dk, dv: each its own contiguous `[batch, heads, t, d]` tensor.
-    #[default]
-    Heads,
-    /// The layout of a GPT's qkv projection, without head split/merge copies: q, k and v are
-    /// each the *whole* `[batch, t, 3, heads, d]` tensor (the same operand three times; the
-    /// kernels read the query, key and value slices `[.., 0|1|2, ..]`), out and dout are
-    /// `[batch, t, heads, d]` (= `[batch, t, heads·d]`), and dq, dk, dv are each the whole
-    /// `[batch, t, 3, heads, d]` gradient (the same operand three times; each slice is written
-    /// by exactly one of them, so together they write every element).
-    Packed,
-}
 
 /// What causal attention keeps for its backward; the backend decides
 /// ([`Kernels::attention_save`](crate::kernels::Kernels::attention_save)).
@@ -93,7 +64,7 @@ pub enum AttentionSaved<'a> {
     Lse {
         /// Log-sum-exp (`f32`, `[batch, heads, t]`).
         lse: &'a Operand,
-        /// The forward's output (`[batch, heads, t, d]`).
+        /// The forward's output (`[batch, heads, t, d]`, or `[batch, t, heads, d]` packed).
         out: &'a Operand,
     },
 }

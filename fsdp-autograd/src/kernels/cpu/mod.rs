@@ -7,7 +7,7 @@
 //! | reductions / broadcasts | [`sum`], [`mean`], [`add_row_bias`], [`add_row_bias_inplace`], [`col_sums`] |
 //! | row-wise | [`softmax_rows`], [`softmax_rows_backward`], [`layer_norm`], [`layer_norm_backward`] |
 //! | lookup / loss | [`embedding`], [`embedding_backward`], [`cross_entropy`], [`cross_entropy_backward`] |
-//! | attention | [`causal_attention`], [`causal_attention_backward`], [`causal_attention_packed`], [`causal_attention_packed_backward`] |
+//! | attention | [`causal_attention`], [`causal_attention_backward`], [`causal_attention_packed`], [`causal_attention_packed_backward`]; any [`Attention`](crate::kernels::attention::Attention) (grouped-query `kv_heads`, `scale`): the `*_with` forms |
 //! | layout (views) | [`strided_copy`], [`strided_add_assign`] |
 //! | optimizer, clipping, scaler (in [`kernels::optim`](crate::kernels::optim), with their ops) | [`sgd_step`](crate::kernels::optim::sgd_step), [`adamw_step`](crate::kernels::optim::adamw_step), [`lamb_direction`](crate::kernels::optim::lamb_direction), [`lamb_apply`](crate::kernels::optim::lamb_apply), [`sum_sq`](crate::kernels::optim::sum_sq), [`unscale`](crate::kernels::optim::unscale) |
 //! | casts (`half`) | [`cast_f32_to_f16`], [`cast_f16_to_f32`], [`cast_f32_to_bf16`], [`cast_bf16_to_f32`] |
@@ -55,8 +55,14 @@ mod math;
 mod matmul;
 mod norm;
 
-pub use attention::{causal_attention, causal_attention_backward};
-pub use attention_packed::{causal_attention_packed, causal_attention_packed_backward};
+pub use attention::{
+    causal_attention, causal_attention_backward, causal_attention_backward_with,
+    causal_attention_with,
+};
+pub use attention_packed::{
+    causal_attention_packed, causal_attention_packed_backward,
+    causal_attention_packed_backward_with, causal_attention_packed_with,
+};
 pub use cast::{cast_bf16_to_f32, cast_f16_to_f32, cast_f32_to_bf16, cast_f32_to_f16};
 pub use elementwise::{
     add, add_row_bias, add_row_bias_inplace, add_scaled, col_sums, gelu, gelu_backward, gelu_exact,

@@ -5,6 +5,7 @@
 use fsdp_alloc::DType;
 use half::{bf16, f16};
 
+use crate::kernels::attention::Attention;
 use crate::kernels::cpu;
 use crate::kernels::cuda::CudaKernelError;
 use crate::kernels::{Gelu, KernelError};
@@ -14,7 +15,8 @@ use super::exec::{
     TypedOp, H, TH,
 };
 pub(super) use super::fused::{
-    flash_attention_f32, flash_attention_half, flash_attention_packed, gemm_half, gemm_tf32,
+    flash_attention_f32, flash_attention_grouped, flash_attention_half, flash_attention_packed,
+    gemm_half, gemm_tf32,
 };
 
 /// SplitMix64: a small deterministic generator.
@@ -611,16 +613,23 @@ pub(super) fn cross_entropy(e: &mut dyn Exec) {
         .all(|v| v.is_finite()));
 }
 
-/// Causal attention forward and backward (the backward is fed the CPU's probabilities).
+/// Causal attention forward and backward (the backward is fed the CPU's probabilities), with
+/// the default scale and, on two shapes, another one.
 pub(super) fn attention(e: &mut dyn Exec) {
     let mut r = Rng::new(10);
-    for (batch, heads, t, d) in [
-        (1usize, 1usize, 1usize, 1usize),
-        (2, 3, 5, 4),
-        (1, 2, 17, 8),
-        (1, 1, 40, 16),
-        (1, 1, 3, 0),
+    for (batch, heads, t, d, scale) in [
+        (1usize, 1usize, 1usize, 1usize, None),
+        (2, 3, 5, 4, None),
+        (1, 2, 17, 8, None),
+        (1, 1, 40, 16, None),
+        (1, 1, 3, 0, None),
+        (2, 3, 5, 4, Some(1.0f32)),
+        (1, 2, 17, 8, Some(0.07)),
     ] {
+        let a = Attention {
+            scale: scale.unwrap_or(Attention::default_scale(d)),
+            ..Attention::new(batch, heads, t, d)
+        };
         let n = batch * heads * t * d;
         let np = batch * heads * t * t;
         let (q, k, v) = (r.vec(n, 1.0), r.vec(n, 1.0), r.vec(n, 1.0));
@@ -634,14 +643,11 @@ pub(super) fn attention(e: &mut dyn Exec) {
                 v: hv,
                 out,
                 probs,
-                batch,
-                heads,
-                t,
-                d,
+                a,
             },
         );
         let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
-        cpu::causal_attention(&q, &k, &v, &mut wo, &mut wp, batch, heads, t, d).unwrap();
+        cpu::causal_attention_with(&q, &k, &v, &mut wo, &mut wp, &a).unwrap();
         let gp = down_f32(e, probs);
         assert_close("attention probs", &gp, &wp, 1e-5, 1e-6);
         for (i, (&g, &w)) in gp.iter().zip(&wp).enumerate() {
@@ -669,15 +675,12 @@ pub(super) fn attention(e: &mut dyn Exec) {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d,
+                a,
             },
         );
         let (mut wdq, mut wdk, mut wdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        cpu::causal_attention_backward(
-            &q, &k, &v, &wp, &dout, &mut wdq, &mut wdk, &mut wdv, batch, heads, t, d,
+        cpu::causal_attention_backward_with(
+            &q, &k, &v, &wp, &dout, &mut wdq, &mut wdk, &mut wdv, &a,
         )
         .unwrap();
         for (name, h, w) in [("dq", dq, &wdq), ("dk", dk, &wdk), ("dv", dv, &wdv)] {

@@ -12,9 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
-use crate::kernels::attention::flash::{
-    plan_flash_backward_in, plan_flash_in, FlashLayout, FlashType,
-};
+use crate::kernels::attention::flash::{plan_flash, plan_flash_backward, FlashType};
 use crate::kernels::attention::unfused::{plan_attention, plan_attention_backward};
 use crate::kernels::cuda::desc::view_desc;
 use crate::kernels::cuda::kernel::ArgKind;
@@ -755,11 +753,14 @@ impl Exec for EmuExec {
                 v,
                 out,
                 probs,
-                batch,
-                heads,
-                t,
-                d: dd,
-            } => plan_attention(batch * heads, *t, *dd, [*q, *k, *v, *out, *probs].map(d)),
+                a,
+            } => plan_attention(
+                a.batch * a.heads,
+                a.t,
+                a.d,
+                a.scale,
+                [*q, *k, *v, *out, *probs].map(d),
+            ),
             Op::AttentionBackward {
                 q,
                 k,
@@ -769,14 +770,12 @@ impl Exec for EmuExec {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d: dd,
+                a,
             } => plan_attention_backward(
-                batch * heads,
-                *t,
-                *dd,
+                a.batch * a.heads,
+                a.t,
+                a.d,
+                a.scale,
                 [*q, *k, *v, *probs, *dout, *dq, *dk, *dv].map(d),
             ),
             Op::Bmm {
@@ -813,20 +812,9 @@ impl Exec for EmuExec {
                 v,
                 out,
                 lse,
-                batch,
-                heads,
-                t,
-                d: dd,
-                packed,
-            } => FlashType::of("flash_attention", *dtype).and_then(|ty| {
-                let lay = if *packed {
-                    FlashLayout::packed(*heads)
-                } else {
-                    FlashLayout::HEADS
-                };
-                let ptrs = [*q, *k, *v, *out, *lse].map(d);
-                plan_flash_in(ty, batch * heads, *t, *dd, lay, ptrs)
-            }),
+                a,
+            } => FlashType::of("flash_attention", *dtype)
+                .and_then(|ty| plan_flash(ty, a, [*q, *k, *v, *out, *lse].map(d))),
             Op::FlashBackward {
                 dtype,
                 q,
@@ -838,25 +826,10 @@ impl Exec for EmuExec {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d: dd,
-                packed,
+                a,
             } => FlashType::of("flash_attention_backward", *dtype).and_then(|ty| {
-                let lay = if *packed {
-                    FlashLayout::packed(*heads)
-                } else {
-                    FlashLayout::HEADS
-                };
-                plan_flash_backward_in(
-                    ty,
-                    batch * heads,
-                    *t,
-                    *dd,
-                    lay,
-                    [*q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv].map(d),
-                )
+                let ptrs = [*q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv].map(d);
+                plan_flash_backward(ty, a, ptrs)
             }),
             Op::Cast { kind, src, dst } => {
                 let (kernel, n) = match kind {

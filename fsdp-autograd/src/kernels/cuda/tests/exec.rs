@@ -4,6 +4,7 @@
 
 use fsdp_alloc::DType;
 
+use crate::kernels::attention::Attention;
 use crate::kernels::cuda::CudaKernelError;
 
 /// A buffer handle of an executor.
@@ -136,16 +137,14 @@ pub(super) enum Op {
         dlogits: H,
         cols: usize,
     },
+    /// The unfused kernels (`a` multi-head, head-split).
     Attention {
         q: H,
         k: H,
         v: H,
         out: H,
         probs: H,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
+        a: Attention,
     },
     AttentionBackward {
         q: H,
@@ -156,10 +155,7 @@ pub(super) enum Op {
         dq: H,
         dk: H,
         dv: H,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
+        a: Attention,
     },
     Bmm {
         a: H,
@@ -180,6 +176,9 @@ pub(super) enum Op {
         g: crate::kernels::gemm::Gemm,
         p: crate::kernels::gemm::GemmPrecision,
     },
+    /// The fused kernels for shape `a`; `a.layout` [`AttentionLayout::Packed`]
+    /// (crate::kernels::attention::AttentionLayout::Packed): q = k = v the whole
+    /// `[batch, t, heads + 2·kv_heads, d]` qkv, out / dout `[batch, t, heads, d]`, dq = dk = dv.
     Flash {
         dtype: DType,
         q: H,
@@ -187,13 +186,7 @@ pub(super) enum Op {
         v: H,
         out: H,
         lse: H,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
-        /// The packed layout (`FlashLayout::packed(heads)`): q = k = v the whole
-        /// `[batch, t, 3, heads, d]` qkv, out / dout `[batch, t, heads, d]`, dq = dk = dv.
-        packed: bool,
+        a: Attention,
     },
     FlashBackward {
         dtype: DType,
@@ -206,13 +199,7 @@ pub(super) enum Op {
         dq: H,
         dk: H,
         dv: H,
-        batch: usize,
-        heads: usize,
-        t: usize,
-        d: usize,
-        /// The packed layout (`FlashLayout::packed(heads)`): q = k = v the whole
-        /// `[batch, t, 3, heads, d]` qkv, out / dout `[batch, t, heads, d]`, dq = dk = dv.
-        packed: bool,
+        a: Attention,
     },
     Cast {
         kind: CastKind,

@@ -5,6 +5,7 @@
 use fsdp_alloc::DType;
 use half::{bf16, f16};
 
+use crate::kernels::attention::{Attention, AttentionLayout};
 use crate::kernels::cpu;
 use crate::kernels::gemm::Gemm;
 use crate::kernels::gemm::GemmPrecision;
@@ -273,11 +274,7 @@ pub(super) fn flash_attention_f32(e: &mut dyn Exec) {
                 v: hv,
                 out,
                 lse,
-                batch,
-                heads,
-                t,
-                d,
-                packed: false,
+                a: Attention::new(batch, heads, t, d),
             },
         );
         let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
@@ -310,10 +307,7 @@ pub(super) fn flash_attention_f32(e: &mut dyn Exec) {
                 v: vv,
                 out: uo,
                 probs: up,
-                batch,
-                heads,
-                t,
-                d,
+                a: Attention::new(batch, heads, t, d),
             },
         );
         let unfused = down_f32(e, uo);
@@ -341,11 +335,7 @@ pub(super) fn flash_attention_f32(e: &mut dyn Exec) {
                     dq,
                     dk,
                     dv,
-                    batch,
-                    heads,
-                    t,
-                    d,
-                    packed: false,
+                    a: Attention::new(batch, heads, t, d),
                 },
             );
             let grads: Vec<Vec<f32>> = [dq, dk, dv].iter().map(|&h| down_f32(e, h)).collect();
@@ -405,11 +395,7 @@ pub(super) fn flash_attention_half(e: &mut dyn Exec) {
                 v: hv,
                 out,
                 lse,
-                batch,
-                heads,
-                t,
-                d,
-                packed: false,
+                a: Attention::new(batch, heads, t, d),
             },
         );
         let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; np]);
@@ -438,11 +424,7 @@ pub(super) fn flash_attention_half(e: &mut dyn Exec) {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d,
-                packed: false,
+                a: Attention::new(batch, heads, t, d),
             },
         );
         let (mut wdq, mut wdk, mut wdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
@@ -494,18 +476,33 @@ pub(super) fn flash_attention_half(e: &mut dyn Exec) {
     }
 }
 
-/// Part `part` of a packed `[batch, t, parts, heads, d]` tensor as `[batch·heads, t, d]`.
-fn unpack<T: Copy>(x: &[T], [b, h, t, d]: [usize; 4], parts: usize, part: usize) -> Vec<T> {
-    let mut out = Vec::with_capacity(b * h * t * d);
+/// Heads `first..first + count` of a packed `[batch, t, width, d]` tensor as
+/// `[batch·count, t, d]`.
+fn unpack<T: Copy>(
+    x: &[T],
+    [b, t, d]: [usize; 3],
+    width: usize,
+    first: usize,
+    count: usize,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(b * count * t * d);
     for bi in 0..b {
-        for hi in 0..h {
+        for hi in 0..count {
             for i in 0..t {
-                let at = (((bi * t + i) * parts + part) * h + hi) * d;
+                let at = ((bi * t + i) * width + first + hi) * d;
                 out.extend_from_slice(&x[at..at + d]);
             }
         }
     }
     out
+}
+
+/// `a` in the packed layout.
+fn packed(a: Attention) -> Attention {
+    Attention {
+        layout: AttentionLayout::Packed,
+        ..a
+    }
 }
 
 fn up<T: bytemuck::Pod>(e: &mut dyn Exec, v: &[T]) -> H {
@@ -519,32 +516,37 @@ fn down<T: bytemuck::Pod>(e: &mut dyn Exec, h: H) -> Vec<T> {
     v
 }
 
-/// One packed-layout case with element bits `T` (f32 bits or half bits): the fused kernels on
-/// the packed layout (`qkv` `[batch, t, 3, heads, d]`, `dout` `[batch, t, heads, d]`) against
-/// the same kernels on the head-split tensors gathered on the host: out, lse and every slice of
-/// dqkv equal bit for bit, and every element of the outputs written (`nan` fill gone).
-#[allow(clippy::too_many_arguments)]
+/// One packed-layout case of shape `a` (head-split layout; any `kv_heads` and scale) with
+/// element bits `T` (f32 bits or half bits): the fused kernels on the packed layout (`qkv`
+/// `[batch, t, heads + 2·kv_heads, d]`, `dout` `[batch, t, heads, d]`) against the same kernels
+/// on the head-split tensors gathered on the host: out, lse and every slice of dqkv equal bit
+/// for bit, and every element of the outputs written (`nan` fill gone).
 fn packed_case<T: bytemuck::Pod + PartialEq + std::fmt::Debug>(
     e: &mut dyn Exec,
     dtype: DType,
-    (batch, heads, t, d): (usize, usize, usize, usize),
+    a: Attention,
     qkv: &[T],
     dout: &[T],
     nan: T,
 ) {
-    let what = format!("packed {dtype:?} batch={batch} heads={heads} t={t} d={d}");
-    let (n, bh) = (batch * heads * t * d, batch * heads);
-    let dims = [batch, heads, t, d];
-    let [q, k, v] = [0, 1, 2].map(|p| unpack(qkv, dims, 3, p));
-    let g = unpack(dout, dims, 1, 0);
+    let what = format!("packed {dtype:?} {}", a.describe());
+    let (batch, heads, kv, t, d) = (a.batch, a.heads, a.kv_heads, a.t, a.d);
+    let (n, nkv, bh) = (batch * heads * t * d, batch * kv * t * d, batch * heads);
+    let (dims, w) = ([batch, t, d], heads + 2 * kv);
+    let (q, k, v) = (
+        unpack(qkv, dims, w, 0, heads),
+        unpack(qkv, dims, w, heads, kv),
+        unpack(qkv, dims, w, heads + kv, kv),
+    );
+    let g = unpack(dout, dims, heads, 0, heads);
     let [hq, hk, hv, hg] = [&q, &k, &v, &g].map(|x| up(e, x));
     let (hqkv, hgp) = (up(e, qkv), up(e, dout));
     // Head-split layout.
     let (out, lse) = (up(e, &vec![nan; n]), nan_f32(e, bh * t));
     let (dq, dk, dv) = (
         up(e, &vec![nan; n]),
-        up(e, &vec![nan; n]),
-        up(e, &vec![nan; n]),
+        up(e, &vec![nan; nkv]),
+        up(e, &vec![nan; nkv]),
     );
     run(
         e,
@@ -555,11 +557,7 @@ fn packed_case<T: bytemuck::Pod + PartialEq + std::fmt::Debug>(
             v: hv,
             out,
             lse,
-            batch,
-            heads,
-            t,
-            d,
-            packed: false,
+            a,
         },
     );
     run(
@@ -575,18 +573,14 @@ fn packed_case<T: bytemuck::Pod + PartialEq + std::fmt::Debug>(
             dq,
             dk,
             dv,
-            batch,
-            heads,
-            t,
-            d,
-            packed: false,
+            a,
         },
     );
     // Packed layout.
     let (pout, plse, dqkv) = (
         up(e, &vec![nan; n]),
         nan_f32(e, bh * t),
-        up(e, &vec![nan; 3 * n]),
+        up(e, &vec![nan; qkv.len()]),
     );
     run(
         e,
@@ -597,11 +591,7 @@ fn packed_case<T: bytemuck::Pod + PartialEq + std::fmt::Debug>(
             v: hqkv,
             out: pout,
             lse: plse,
-            batch,
-            heads,
-            t,
-            d,
-            packed: true,
+            a: packed(a),
         },
     );
     run(
@@ -617,16 +607,16 @@ fn packed_case<T: bytemuck::Pod + PartialEq + std::fmt::Debug>(
             dq: dqkv,
             dk: dqkv,
             dv: dqkv,
-            batch,
-            heads,
-            t,
-            d,
-            packed: true,
+            a: packed(a),
         },
     );
     let po: Vec<T> = down(e, pout);
     assert!(!po.contains(&nan), "{what}: out not fully written");
-    assert_eq!(unpack(&po, dims, 1, 0), down::<T>(e, out), "{what}: out");
+    assert_eq!(
+        unpack(&po, dims, heads, 0, heads),
+        down::<T>(e, out),
+        "{what}: out"
+    );
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
     assert_eq!(
         bits(down_f32(e, plse)),
@@ -635,40 +625,255 @@ fn packed_case<T: bytemuck::Pod + PartialEq + std::fmt::Debug>(
     );
     let pg: Vec<T> = down(e, dqkv);
     assert!(!pg.contains(&nan), "{what}: dqkv not fully written");
-    for (p, (name, h)) in [("dq", dq), ("dk", dk), ("dv", dv)].into_iter().enumerate() {
-        assert_eq!(unpack(&pg, dims, 3, p), down::<T>(e, h), "{what}: {name}");
+    for (name, h, first, count) in [
+        ("dq", dq, 0, heads),
+        ("dk", dk, heads, kv),
+        ("dv", dv, heads + kv, kv),
+    ] {
+        assert_eq!(
+            unpack(&pg, dims, w, first, count),
+            down::<T>(e, h),
+            "{what}: {name}"
+        );
     }
 }
 
-/// The fused kernels on the packed layout of a GPT's qkv projection (`FlashLayout::packed`: no
-/// head split / merge copies) equal, bit for bit, the same kernels on the head-split tensors,
-/// whose numerics [`flash_attention_f32`] / [`flash_attention_half`] check against the CPU:
-/// f32 on both kernel families (generic d = 4, 33; register-tiled d = 64, 128; t = 1 and t not
-/// a multiple of any tile; several batches and heads), bf16 and f16 on both families.
+/// The fused kernels on the packed layout of a GPT's qkv projection (`FlashLayout::of` a packed
+/// shape: no head split / merge copies) equal, bit for bit, the same kernels on the head-split
+/// tensors, whose numerics [`flash_attention_f32`] / [`flash_attention_half`] check against the
+/// CPU: f32 on both kernel families (generic d = 4, 33; register-tiled d = 64, 128; t = 1 and t
+/// not a multiple of any tile; several batches and heads), bf16 and f16 on both families.
 pub(super) fn flash_attention_packed(e: &mut dyn Exec) {
     let mut r = Rng::new(255);
-    for shape in [
+    for (b, h, t, d) in [
         (2, 3, 5, 4),
         (1, 1, 1, 64),
         (2, 2, 37, 64),
         (1, 2, 21, 33),
         (2, 1, 19, 128),
     ] {
-        let (b, h, t, d) = shape;
         let (qkv, dout) = (r.vec(3 * b * h * t * d, 1.0), r.vec(b * h * t * d, 1.0));
         let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         let nan = f32::NAN.to_bits();
-        packed_case(e, DType::F32, shape, &to_bits(&qkv), &to_bits(&dout), nan);
+        let a = Attention::new(b, h, t, d);
+        packed_case(e, DType::F32, a, &to_bits(&qkv), &to_bits(&dout), nan);
     }
-    for (half, shape) in [
+    for (half, (b, h, t, d)) in [
         (BF16, (2, 3, 5, 4)),
         (BF16, (2, 2, 37, 64)),
         (F16, (1, 2, 21, 128)),
     ] {
-        let (b, h, t, d) = shape;
         let (qkv, dout) = (r.vec(3 * b * h * t * d, 1.0), r.vec(b * h * t * d, 1.0));
         let to_bits = |v: &[f32]| v.iter().map(|&x| half.bits(x)).collect::<Vec<u16>>();
         let nan = half.bits(f32::NAN);
-        packed_case(e, half.dtype, shape, &to_bits(&qkv), &to_bits(&dout), nan);
+        let a = Attention::new(b, h, t, d);
+        packed_case(e, half.dtype, a, &to_bits(&qkv), &to_bits(&dout), nan);
+    }
+}
+
+/// Shapes of the grouped-query cases: (batch, heads, kv_heads, t, d, scale) over both kernel
+/// families (generic d = 4, 33, 100; register-tiled d = 64, 128), groups of 2, 3 and 4 and a
+/// single key/value head, t = 1 and t not a multiple of any tile, default and other scales.
+const GQA_SHAPES: [(usize, usize, usize, usize, usize, Option<f32>); 7] = [
+    (2, 4, 2, 5, 4, None),
+    (1, 6, 2, 37, 33, Some(0.5)),
+    (1, 4, 1, 1, 64, None),
+    (2, 4, 2, 37, 64, Some(0.2)),
+    (1, 3, 1, 19, 128, None),
+    (1, 2, 2, 21, 100, Some(1.0)),
+    (1, 8, 2, 70, 64, None),
+];
+
+/// Grouped-query attention and non-default scales on the fused kernels (f32): forward and
+/// backward against the CPU kernels (`causal_attention_with`, the tolerances of
+/// [`flash_attention_f32`]), the backward repeating bit for bit; the forward and dq equal, bit
+/// for bit, the same kernels on keys/values repeated per query head (multi-head: the same
+/// arithmetic per query head), and dk/dv the group sums of that run's gradients to f32
+/// rounding; the packed layout `[batch, t, heads + 2·kv_heads, d]` equals the head-split one
+/// bit for bit (f32 and bf16).
+pub(super) fn flash_attention_grouped(e: &mut dyn Exec) {
+    let mut r = Rng::new(256);
+    for (batch, heads, kv, t, d, scale) in GQA_SHAPES {
+        let a = Attention {
+            kv_heads: kv,
+            scale: scale.unwrap_or(Attention::default_scale(d)),
+            ..Attention::new(batch, heads, t, d)
+        };
+        let what = a.describe();
+        let (g, td) = (heads / kv, t * d);
+        let (n, nkv, bh) = (batch * heads * td, batch * kv * td, batch * heads);
+        let (q, k, v, dout) = (
+            r.vec(n, 1.0),
+            r.vec(nkv, 1.0),
+            r.vec(nkv, 1.0),
+            r.vec(n, 1.0),
+        );
+        let [hq, hk, hv, hg] = [&q, &k, &v, &dout].map(|x| up_f32(e, x));
+        let (out, lse) = (nan_f32(e, n), nan_f32(e, bh * t));
+        let dtype = DType::F32;
+        run(
+            e,
+            Op::Flash {
+                dtype,
+                q: hq,
+                k: hk,
+                v: hv,
+                out,
+                lse,
+                a,
+            },
+        );
+        let (mut wo, mut wp) = (vec![0.0; n], vec![0.0; bh * t * t]);
+        cpu::causal_attention_with(&q, &k, &v, &mut wo, &mut wp, &a).unwrap();
+        let got = down_f32(e, out);
+        let tol = |w: &[f32]| 1e-5 * max_abs(w);
+        assert_close(
+            &format!("gqa out vs cpu, {what}"),
+            &got,
+            &wo,
+            1e-5,
+            tol(&wo),
+        );
+        let mut first: Option<Vec<Vec<f32>>> = None;
+        for _ in 0..2 {
+            let (dq, dk, dv) = (nan_f32(e, n), nan_f32(e, nkv), nan_f32(e, nkv));
+            run(
+                e,
+                Op::FlashBackward {
+                    dtype,
+                    q: hq,
+                    k: hk,
+                    v: hv,
+                    out,
+                    lse,
+                    dout: hg,
+                    dq,
+                    dk,
+                    dv,
+                    a,
+                },
+            );
+            let grads: Vec<Vec<f32>> = [dq, dk, dv].iter().map(|&h| down_f32(e, h)).collect();
+            match &first {
+                None => first = Some(grads),
+                Some(f) => {
+                    let same = f.iter().flatten().zip(grads.iter().flatten());
+                    assert!(
+                        same.clone().all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "gqa backward is not deterministic, {what}"
+                    );
+                }
+            }
+        }
+        let grads = first.expect("ran");
+        let (mut wdq, mut wdk, mut wdv) = (vec![0.0; n], vec![0.0; nkv], vec![0.0; nkv]);
+        cpu::causal_attention_backward_with(
+            &q, &k, &v, &wp, &dout, &mut wdq, &mut wdk, &mut wdv, &a,
+        )
+        .unwrap();
+        for (name, got, w) in [
+            ("dq", &grads[0], &wdq),
+            ("dk", &grads[1], &wdk),
+            ("dv", &grads[2], &wdv),
+        ] {
+            assert_close(&format!("gqa {name} vs cpu, {what}"), got, w, 1e-5, tol(w));
+        }
+
+        // The same kernels on keys and values repeated per query head.
+        let kv_of = |h: usize| (h / heads) * kv + (h % heads) / g;
+        let repeat = |x: &[f32]| -> Vec<f32> {
+            (0..bh)
+                .flat_map(|h| x[kv_of(h) * td..(kv_of(h) + 1) * td].to_vec())
+                .collect()
+        };
+        let m = Attention {
+            kv_heads: heads,
+            ..a
+        };
+        let (hkr, hvr) = (up_f32(e, &repeat(&k)), up_f32(e, &repeat(&v)));
+        let (mout, mlse) = (nan_f32(e, n), nan_f32(e, bh * t));
+        let (mdq, mdk, mdv) = (nan_f32(e, n), nan_f32(e, n), nan_f32(e, n));
+        run(
+            e,
+            Op::Flash {
+                dtype,
+                q: hq,
+                k: hkr,
+                v: hvr,
+                out: mout,
+                lse: mlse,
+                a: m,
+            },
+        );
+        run(
+            e,
+            Op::FlashBackward {
+                dtype,
+                q: hq,
+                k: hkr,
+                v: hvr,
+                out: mout,
+                lse: mlse,
+                dout: hg,
+                dq: mdq,
+                dk: mdk,
+                dv: mdv,
+                a: m,
+            },
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&down_f32(e, mout)),
+            bits(&got),
+            "gqa out vs repeated, {what}"
+        );
+        assert_eq!(
+            bits(&down_f32(e, mlse)),
+            bits(&down_f32(e, lse)),
+            "gqa lse, {what}"
+        );
+        assert_eq!(
+            bits(&down_f32(e, mdq)),
+            bits(&grads[0]),
+            "gqa dq vs repeated, {what}"
+        );
+        for (name, h, got) in [("dk", mdk, &grads[1]), ("dv", mdv, &grads[2])] {
+            let per_head = down_f32(e, h);
+            let mut sum = vec![0.0f32; nkv];
+            for hh in 0..bh {
+                for i in 0..td {
+                    sum[kv_of(hh) * td + i] += per_head[hh * td + i];
+                }
+            }
+            assert_close(
+                &format!("gqa {name} = group sum, {what}"),
+                got,
+                &sum,
+                1e-5,
+                tol(&sum),
+            );
+        }
+
+        // The packed layout, f32 and bf16.
+        let w = heads + 2 * kv;
+        let (qkv, gd) = (r.vec(batch * t * w * d, 1.0), r.vec(n, 1.0));
+        let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        packed_case(
+            e,
+            dtype,
+            a,
+            &to_bits(&qkv),
+            &to_bits(&gd),
+            f32::NAN.to_bits(),
+        );
+        let to_half = |v: &[f32]| v.iter().map(|&x| BF16.bits(x)).collect::<Vec<u16>>();
+        packed_case(
+            e,
+            BF16.dtype,
+            a,
+            &to_half(&qkv),
+            &to_half(&gd),
+            BF16.bits(f32::NAN),
+        );
     }
 }

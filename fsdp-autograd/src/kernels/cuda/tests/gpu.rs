@@ -3,6 +3,7 @@
 
 use fsdp_alloc::{Buffer, Device, Stream};
 
+use crate::kernels::attention::AttentionLayout;
 use crate::kernels::cuda::{CudaKernelError, CudaKernels};
 use crate::kernels::gemm::Gemm;
 
@@ -331,22 +332,8 @@ impl Exec for GpuExec {
                 v,
                 out,
                 probs,
-                batch,
-                heads,
-                t,
-                d,
-            } => k.causal_attention(
-                s,
-                b(q),
-                b(kk),
-                b(v),
-                b(out),
-                b(probs),
-                *batch,
-                *heads,
-                *t,
-                *d,
-            ),
+                a,
+            } => k.causal_attention(s, b(q), b(kk), b(v), b(out), b(probs), a),
             Op::AttentionBackward {
                 q,
                 k: kk,
@@ -356,10 +343,7 @@ impl Exec for GpuExec {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d,
+                a,
             } => k.causal_attention_backward(
                 s,
                 b(q),
@@ -370,10 +354,7 @@ impl Exec for GpuExec {
                 b(dq),
                 b(dk),
                 b(dv),
-                *batch,
-                *heads,
-                *t,
-                *d,
+                a,
             ),
             Op::Bmm {
                 a,
@@ -396,66 +377,19 @@ impl Exec for GpuExec {
             Op::Flash {
                 dtype,
                 q,
-                out,
-                lse,
-                batch,
-                heads,
-                t,
-                d,
-                packed: true,
-                ..
-            } => k.flash_attention_packed(s, *dtype, b(q), b(out), b(lse), *batch, *heads, *t, *d),
-            Op::Flash {
-                dtype,
-                q,
                 k: kk,
                 v,
                 out,
                 lse,
-                batch,
-                heads,
-                t,
-                d,
-                packed: false,
-            } => k.flash_attention(
-                s,
-                *dtype,
-                b(q),
-                b(kk),
-                b(v),
-                b(out),
-                b(lse),
-                *batch,
-                *heads,
-                *t,
-                *d,
-            ),
-            Op::FlashBackward {
-                dtype,
-                q,
-                out,
-                lse,
-                dout,
-                dq,
-                batch,
-                heads,
-                t,
-                d,
-                packed: true,
-                ..
-            } => k.flash_attention_packed_backward(
-                s,
-                *dtype,
-                b(q),
-                b(out),
-                b(lse),
-                b(dout),
-                b(dq),
-                *batch,
-                *heads,
-                *t,
-                *d,
-            ),
+                a,
+            } => match a.layout {
+                AttentionLayout::Packed => {
+                    k.flash_attention_packed(s, *dtype, b(q), b(out), b(lse), a)
+                }
+                AttentionLayout::Heads => {
+                    k.flash_attention(s, *dtype, b(q), b(kk), b(v), b(out), b(lse), a)
+                }
+            },
             Op::FlashBackward {
                 dtype,
                 q,
@@ -467,28 +401,33 @@ impl Exec for GpuExec {
                 dq,
                 dk,
                 dv,
-                batch,
-                heads,
-                t,
-                d,
-                packed: false,
-            } => k.flash_attention_backward(
-                s,
-                *dtype,
-                b(q),
-                b(kk),
-                b(v),
-                b(out),
-                b(lse),
-                b(dout),
-                b(dq),
-                b(dk),
-                b(dv),
-                *batch,
-                *heads,
-                *t,
-                *d,
-            ),
+                a,
+            } => match a.layout {
+                AttentionLayout::Packed => k.flash_attention_packed_backward(
+                    s,
+                    *dtype,
+                    b(q),
+                    b(out),
+                    b(lse),
+                    b(dout),
+                    b(dq),
+                    a,
+                ),
+                AttentionLayout::Heads => k.flash_attention_backward(
+                    s,
+                    *dtype,
+                    b(q),
+                    b(kk),
+                    b(v),
+                    b(out),
+                    b(lse),
+                    b(dout),
+                    b(dq),
+                    b(dk),
+                    b(dv),
+                    a,
+                ),
+            },
             Op::Cast { kind, src, dst } => match kind {
                 CastKind::F32ToF16 => k.cast_f32_to_f16(s, b(src), b(dst)),
                 CastKind::F16ToF32 => k.cast_f16_to_f32(s, b(src), b(dst)),

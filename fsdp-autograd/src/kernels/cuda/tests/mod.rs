@@ -100,6 +100,7 @@ on_both!(
     flash_attention_f32,
     flash_attention_half,
     flash_attention_packed,
+    flash_attention_grouped,
     optimizer_steps,
     sum_squares_and_unscale,
     typed_kernels,
@@ -432,6 +433,7 @@ fn launch_grids_are_bounded() {
 fn plans_are_well_formed() {
     use crate::kernels::attention::flash::{plan_flash, plan_flash_backward, FlashType};
     use crate::kernels::attention::unfused::{plan_attention, plan_attention_backward};
+    use crate::kernels::attention::{Attention, AttentionLayout};
     use crate::kernels::elementwise::binary::gpu::plan_binary;
     use crate::kernels::elementwise::gelu::gpu::plan_gelu_backward;
     use crate::kernels::embedding::gpu::{plan_embedding, plan_embedding_backward};
@@ -443,6 +445,14 @@ fn plans_are_well_formed() {
     use crate::kernels::reduce::sum::gpu::plan_sum;
 
     let p = |i: u64| Ptr::Dev(i << 20);
+    // `bh` heads of one batch entry (multi-head, default scale).
+    let at = |bh: usize, t: usize, d: usize| Attention::new(1, bh, t, d);
+    let gqa = Attention {
+        kv_heads: 2,
+        scale: 0.3,
+        layout: AttentionLayout::Packed,
+        ..Attention::new(3, 8, 40, 64)
+    };
     let plans: Vec<Plan> = vec![
         plan_binary(EW_ADD, 1000, p(1), p(2), p(3)),
         plan_col_sums(7, 3, p(1), p(2)),
@@ -459,19 +469,25 @@ fn plans_are_well_formed() {
         plan_embedding_backward(0, 4, 5, p(1), p(2), p(3)).0,
         plan_cross_entropy(3, 4, p(1), p(2), p(3), p(4)).0,
         plan_cross_entropy_backward(3, 4, p(1), p(2), p(3), p(4), p(5)).0,
-        plan_attention(6, 5, 4, [1, 2, 3, 4, 5].map(p)).unwrap(),
-        plan_attention(6, 5, 0, [1, 2, 3, 4, 5].map(p)).unwrap(),
-        plan_attention_backward(6, 5, 4, [1, 2, 3, 4, 5, 6, 7, 8].map(p)).unwrap(),
-        plan_flash(FlashType::Bf16, 6, 5, 4, [1, 2, 3, 4, 5].map(p)).unwrap(),
-        plan_flash(FlashType::F32, 100_000, 4096, 128, [1, 2, 3, 4, 5].map(p)).unwrap(),
+        plan_attention(6, 5, 4, 0.5, [1, 2, 3, 4, 5].map(p)).unwrap(),
+        plan_attention(6, 5, 0, 1.0, [1, 2, 3, 4, 5].map(p)).unwrap(),
+        plan_attention_backward(6, 5, 4, 0.5, [1, 2, 3, 4, 5, 6, 7, 8].map(p)).unwrap(),
+        plan_flash(FlashType::Bf16, &at(6, 5, 4), [1, 2, 3, 4, 5].map(p)).unwrap(),
+        plan_flash(
+            FlashType::F32,
+            &at(100_000, 4096, 128),
+            [1, 2, 3, 4, 5].map(p),
+        )
+        .unwrap(),
         plan_flash_backward(
             FlashType::F16,
-            6,
-            70,
-            100,
+            &at(6, 70, 100),
             [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p),
         )
         .unwrap(),
+        // Grouped-query attention, packed, register-tiled.
+        plan_flash(FlashType::F32, &gqa, [1, 2, 3, 4, 5].map(p)).unwrap(),
+        plan_flash_backward(FlashType::Bf16, &gqa, [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p)).unwrap(),
     ];
     for plan in &plans {
         assert!(!plan.steps.is_empty());
@@ -499,26 +515,26 @@ fn plans_are_well_formed() {
     // Empty work enqueues nothing.
     assert!(plan_binary(EW_ADD, 0, p(1), p(2), p(3)).steps.is_empty());
     assert!(plan_softmax(0, 3, p(1), p(2)).steps.is_empty());
-    assert!(plan_attention(0, 5, 4, [1, 2, 3, 4, 5].map(p))
+    assert!(plan_attention(0, 5, 4, 0.5, [1, 2, 3, 4, 5].map(p))
         .unwrap()
         .steps
         .is_empty());
     assert!(plan_embedding(0, 4, 5, p(1), p(2), p(3)).1.is_none());
     let five = [1, 2, 3, 4, 5].map(p);
-    assert!(plan_flash(FlashType::F32, 0, 5, 4, five)
+    assert!(plan_flash(FlashType::F32, &at(0, 5, 4), five)
         .unwrap()
         .steps
         .is_empty());
     // Head dimensions outside the fused kernels' tiles are shape errors, not launches.
     for d in [0, 129] {
-        let err = plan_flash(FlashType::F32, 1, 5, d, five).unwrap_err();
+        let err = plan_flash(FlashType::F32, &at(1, 5, d), five).unwrap_err();
         assert!(err.to_string().contains("1..=128"), "{err}");
         let nine = [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p);
-        assert!(plan_flash_backward(FlashType::F32, 1, 5, d, nine).is_err());
+        assert!(plan_flash_backward(FlashType::F32, &at(1, 5, d), nine).is_err());
     }
     // The fused backward: delta, then the dk/dv and dq passes, with one bh·t f32 scratch slot.
     let nine = [1, 2, 3, 4, 5, 6, 7, 8, 9].map(p);
-    let b = plan_flash_backward(FlashType::Bf16, 2, 40, 64, nine).unwrap();
+    let b = plan_flash_backward(FlashType::Bf16, &at(2, 40, 64), nine).unwrap();
     assert_eq!(b.scratch, vec![(80, super::context::Elem::F32)]);
     let kernels: Vec<super::kernel::Kernel> = b
         .steps
@@ -537,7 +553,7 @@ fn plans_are_well_formed() {
         ]
     );
     // Head dims other than 64 and 128 take the generic kernels (head dim read at run time).
-    let b = plan_flash_backward(FlashType::F32, 2, 40, 63, nine).unwrap();
+    let b = plan_flash_backward(FlashType::F32, &at(2, 40, 63), nine).unwrap();
     let kernels: Vec<super::kernel::Kernel> = b
         .steps
         .iter()
@@ -554,6 +570,35 @@ fn plans_are_well_formed() {
             FLASH_BWD_DQ_F32_LE64
         ]
     );
+    // Grouped-query attention: the dk/dv pass has a block per key/value head and key tile (the
+    // kernels loop over the group's query heads); dq keeps one per query head and query tile;
+    // every fused kernel gets heads and kv_heads, and the scale as given.
+    let b = plan_flash_backward(FlashType::F32, &gqa, nine).unwrap();
+    let launches: Vec<(u32, Vec<PArg>)> = b
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Launch { grid, args, .. } => Some((*grid, args.clone())),
+            _ => None,
+        })
+        .collect();
+    let (tiles, kv_blocks) = (40usize.div_ceil(32) as u32, 3 * 2);
+    assert_eq!(launches[1].0, tiles * kv_blocks);
+    assert_eq!(launches[2].0, tiles * 3 * 8);
+    for (_, args) in &launches[1..] {
+        assert!(
+            matches!(args[..7], [PArg::U64(24), PArg::U64(40), PArg::U64(64), PArg::U64(8), PArg::U64(2), PArg::U64(1), PArg::F32(s)] if s == 0.3)
+        );
+    }
+    // Shapes Attention::check rejects are errors before any launch.
+    for bad in [
+        Attention { kv_heads: 3, ..gqa },
+        Attention { kv_heads: 0, ..gqa },
+        Attention { scale: -1.0, ..gqa },
+    ] {
+        assert!(plan_flash(FlashType::F32, &bad, five).is_err());
+        assert!(plan_flash_backward(FlashType::F32, &bad, nine).is_err());
+    }
 }
 
 #[test]
