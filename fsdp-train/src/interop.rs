@@ -2,7 +2,7 @@
 //! `--sample-every` (their flags, their resolution before training, and what a rank does with
 //! them). The formats live in [`crate::tokenizer`], [`crate::hf`] and [`crate::sample`].
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::Args;
 use fsdp_core::{state_dict, Fsdp};
@@ -11,7 +11,7 @@ use crate::data::DataFormat;
 use crate::job::{DataSpec, Interop, TrainConfig, MAX_STEPS};
 use crate::model::{Model, ModelSpec};
 use crate::sample::{self, SampleOpts};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{beside, parse_tokenizer, Tokenizer, TokenizerArg};
 
 /// Tokenizer, Hugging Face weights and samples.
 #[derive(Args, Debug, Clone)]
@@ -40,50 +40,6 @@ pub struct InteropArgs {
     #[arg(long, value_name = "N", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub sample_every: u64,
-}
-
-/// `--tokenizer`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TokenizerArg {
-    /// every byte is a token (vocab 256)
-    Bytes,
-    /// GPT-2's byte-pair encoding (r50k_base, vocab 50257)
-    Gpt2,
-    /// a Hugging Face `tokenizer.json`
-    Json(PathBuf),
-}
-
-/// `bytes`, `gpt2`, or a path (which must name a file).
-pub fn parse_tokenizer(s: &str) -> Result<TokenizerArg, String> {
-    match s {
-        "bytes" => Ok(TokenizerArg::Bytes),
-        "gpt2" => Ok(TokenizerArg::Gpt2),
-        p if Path::new(p).is_file() => Ok(TokenizerArg::Json(PathBuf::from(p))),
-        p => Err(format!(
-            "`{p}` is neither bytes, gpt2 nor a tokenizer.json file"
-        )),
-    }
-}
-
-impl TokenizerArg {
-    /// The tokenizer (a `tokenizer.json` is read and parsed).
-    ///
-    /// # Errors
-    /// An unreadable or malformed `tokenizer.json`.
-    pub fn load(&self) -> Result<Tokenizer, String> {
-        match self {
-            TokenizerArg::Bytes => Ok(Tokenizer::Bytes),
-            TokenizerArg::Gpt2 => Ok(Tokenizer::Gpt2),
-            TokenizerArg::Json(p) => Tokenizer::json(p),
-        }
-    }
-}
-
-/// The `tokenizer.json` beside a Hugging Face checkpoint at `path` (a directory or a file in
-/// it), if there is one.
-pub fn beside(path: &Path) -> Option<PathBuf> {
-    let dir = if path.is_dir() { path } else { path.parent()? };
-    Some(dir.join("tokenizer.json")).filter(|p| p.is_file())
 }
 
 impl InteropArgs {

@@ -14,9 +14,8 @@ use clap::Parser;
 use fsdp_core::checkpoint;
 use fsdp_core::state_dict::{FullStateDict, ShardedStateDict, TensorEntry};
 
-use crate::interop::{beside, parse_tokenizer, TokenizerArg};
 use crate::model::{Decode, ModelSpec};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{beside, parse_tokenizer, Tokenizer, TokenizerArg};
 
 type Res<T> = Result<T, String>;
 

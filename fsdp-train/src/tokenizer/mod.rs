@@ -9,7 +9,7 @@ mod json;
 pub use cache::token_bin;
 pub use json::JsonTokenizer;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tiktoken_rs::CoreBPE;
@@ -108,6 +108,50 @@ impl Tokenizer {
         };
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
+}
+
+/// `--tokenizer`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerArg {
+    /// every byte is a token (vocab 256)
+    Bytes,
+    /// GPT-2's byte-pair encoding (r50k_base, vocab 50257)
+    Gpt2,
+    /// a Hugging Face `tokenizer.json`
+    Json(PathBuf),
+}
+
+/// `bytes`, `gpt2`, or a path (which must name a file).
+pub fn parse_tokenizer(s: &str) -> Result<TokenizerArg, String> {
+    match s {
+        "bytes" => Ok(TokenizerArg::Bytes),
+        "gpt2" => Ok(TokenizerArg::Gpt2),
+        p if Path::new(p).is_file() => Ok(TokenizerArg::Json(PathBuf::from(p))),
+        p => Err(format!(
+            "`{p}` is neither bytes, gpt2 nor a tokenizer.json file"
+        )),
+    }
+}
+
+impl TokenizerArg {
+    /// The tokenizer (a `tokenizer.json` is read and parsed).
+    ///
+    /// # Errors
+    /// An unreadable or malformed `tokenizer.json`.
+    pub fn load(&self) -> Result<Tokenizer, String> {
+        match self {
+            TokenizerArg::Bytes => Ok(Tokenizer::Bytes),
+            TokenizerArg::Gpt2 => Ok(Tokenizer::Gpt2),
+            TokenizerArg::Json(p) => Tokenizer::json(p),
+        }
+    }
+}
+
+/// The `tokenizer.json` beside a Hugging Face checkpoint at `path` (a directory or a file in
+/// it), if there is one.
+pub fn beside(path: &Path) -> Option<PathBuf> {
+    let dir = if path.is_dir() { path } else { path.parent()? };
+    Some(dir.join("tokenizer.json")).filter(|p| p.is_file())
 }
 
 /// The r50k_base encoder (built once per process from the embedded ranks).
