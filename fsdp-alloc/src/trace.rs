@@ -6,7 +6,11 @@
 //!
 //! Three kinds of intervals are recorded, all as complete (`"ph": "X"`) events with
 //! `pid` = the rank (the device index) and one `tid` per stream or thread (named by metadata
-//! events, so both viewers show the stream or thread name):
+//! events, so both viewers show the stream or thread name). Where ranks share a device index —
+//! thread ranks sharing one GPU, whose devices are all `cuda:0` — each rank thread sets its
+//! [`lane`]: what that thread records (host spans, and the GPU intervals of the work it
+//! enqueues) goes to `pid` = the lane instead, so every rank's streams are tracks of its own
+//! timeline:
 //!
 //! - **stream work** (`cat` `"work"`): every job a CPU stream's worker runs. Its name is the one
 //!   given to [`crate::Stream::launch_named`], else the innermost [`span`] open on the thread
@@ -53,7 +57,7 @@
 //! ```
 
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
@@ -83,6 +87,32 @@ pub type Label = Arc<str>;
 thread_local! {
     /// The spans open on this thread, innermost last (only maintained while recording).
     static OPEN: RefCell<Vec<Label>> = const { RefCell::new(Vec::new()) };
+    /// The timeline this thread's records go to, when set with [`lane`].
+    static LANE: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Sends what this thread records — host spans, and the GPU intervals of work it enqueues on
+/// CUDA streams — to timeline `pid` (the trace's "process" `rank {pid}`) instead of its
+/// device's index, until the returned guard is dropped (the previous lane, if any, comes back).
+/// For ranks whose devices share an index: W thread ranks on one GPU each set `lane(rank)`, so
+/// their identically named streams (`default`, `fsdp-unshard`, …) stay apart. Work recorded by
+/// CPU stream workers keeps its device's index (CPU devices have distinct indices anyway).
+pub fn lane(pid: usize) -> Lane {
+    Lane {
+        prev: LANE.with(|l| l.replace(Some(pid))),
+    }
+}
+
+/// Restores the thread's previous [`lane`] when dropped.
+#[must_use = "the lane applies while the guard lives: bind it with `let _lane = ...`"]
+pub struct Lane {
+    prev: Option<usize>,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        LANE.with(|l| l.set(self.prev));
+    }
 }
 
 /// True while recording is on. One relaxed atomic load: cheap enough for every launch.
@@ -124,11 +154,12 @@ pub fn stop() -> Trace {
     Trace { events }
 }
 
-/// The pid a device's events use: its index (the rank on thread-rank runs).
+/// The pid a record made on this thread for `device` uses: the thread's [`lane`] if set, else
+/// the device's index (the rank on thread-rank runs).
 fn pid_of(device: DeviceId) -> usize {
-    match device {
+    LANE.with(Cell::get).unwrap_or(match device {
         DeviceId::Cpu(i) | DeviceId::Cuda(i) => i,
-    }
+    })
 }
 
 /// Records one interval `[begin, end)` if recording is on (no-op otherwise).
@@ -273,6 +304,8 @@ pub fn gpu_time_shares(trace: &Trace, cat: &str) -> Vec<(String, f64, f64)> {
 #[cfg(feature = "cuda")]
 pub struct GpuMark {
     device: DeviceId,
+    /// The timeline it goes to (the issuing thread's [`lane`], else the device index).
+    pid: usize,
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
     start: cudarc::driver::CudaEvent,
 }
@@ -314,6 +347,7 @@ mod gpu {
 
     pub(super) struct Pending {
         device: DeviceId,
+        pid: usize,
         track: String,
         cat: &'static str,
         name: Label,
@@ -352,6 +386,7 @@ mod gpu {
         let start = timing_event(stream)?;
         Some(GpuMark {
             device,
+            pid: pid_of(device),
             stream: std::sync::Arc::clone(stream),
             start,
         })
@@ -365,6 +400,7 @@ mod gpu {
         if let Some(r) = s.as_mut() {
             r.gpu.push(Pending {
                 device: m.device,
+                pid: m.pid,
                 track: format!("gpu {track}"),
                 cat,
                 name,
@@ -388,13 +424,7 @@ mod gpu {
             };
             let anchor_us = us(at.saturating_duration_since(r.epoch));
             events.push(place_gpu_interval(
-                anchor_us,
-                a,
-                b,
-                pid_of(p.device),
-                p.track,
-                p.cat,
-                p.name,
+                anchor_us, a, b, p.pid, p.track, p.cat, p.name,
             ));
         }
         events
@@ -407,9 +437,9 @@ pub struct TraceEvent {
     /// What ran: the op or span name.
     pub name: Label,
     /// `"work"` (stream work), `"wait"` (a stream blocked on an event), `"host"` (a span), or
-    /// on a `"gpu …"` track `"kernel"`, `"copy"`, `"nccl"` (GPU intervals).
+    /// on a `"gpu …"` track `"kernel"`, `"copy"`, `"nccl"`, `"shared-gpu"` (GPU intervals).
     pub cat: &'static str,
-    /// The device index (the rank).
+    /// The timeline: the recording thread's [`lane`], else the device index (the rank).
     pub pid: usize,
     /// The stream name (stream work and waits) or `"host <thread name>"` (spans).
     pub track: String,

@@ -142,3 +142,48 @@ fn nothing_is_recorded_while_off_and_spans_may_close_out_of_order() {
     // A stopped recorder hands back an empty trace.
     assert!(trace::stop().events().is_empty());
 }
+
+#[test]
+fn lanes_keep_ranks_that_share_a_device_index_apart() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Two rank threads whose devices have the same index (as thread ranks sharing cuda:0 do):
+    // with a lane each, their spans land on their own timelines; without, both on pid 5.
+    trace::start();
+    std::thread::scope(|s| {
+        for rank in 0..2usize {
+            s.spawn(move || {
+                let dev = Device::cpu(5);
+                {
+                    let _lane = trace::lane(rank);
+                    let _s = trace::span(dev.id(), format!("rank {rank} step"));
+                    {
+                        // Nested lanes restore the outer one.
+                        let _inner = trace::lane(7);
+                        let _n = trace::span(dev.id(), format!("rank {rank} inner"));
+                    }
+                }
+                let _plain = trace::span(dev.id(), format!("rank {rank} unlaned"));
+            });
+        }
+    });
+    let t = trace::stop();
+    let pid = |name: &str| {
+        t.events()
+            .iter()
+            .find(|e| &*e.name == name)
+            .unwrap_or_else(|| panic!("no {name} in {:?}", t.events()))
+            .pid
+    };
+    for rank in 0..2 {
+        assert_eq!(pid(&format!("rank {rank} step")), rank);
+        assert_eq!(pid(&format!("rank {rank} inner")), 7);
+        assert_eq!(pid(&format!("rank {rank} unlaned")), 5);
+    }
+    let json = t.to_chrome_json();
+    for p in [0, 1, 5, 7] {
+        assert!(
+            json.contains(&format!("\"args\":{{\"name\":\"rank {p}\"}}")),
+            "timeline {p} is named"
+        );
+    }
+}

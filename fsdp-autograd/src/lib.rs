@@ -68,7 +68,7 @@ pub use error::{AutogradError, HookError, Result};
 pub use kernels::Gelu;
 pub use ops::{
     causal_attention, causal_attention_qkv, causal_attention_qkv_grouped, causal_attention_scaled,
-    cross_entropy, embedding, layer_norm, linear, rms_norm, rope, silu_mul,
+    cross_entropy, dropout, embedding, layer_norm, linear, rms_norm, rope, silu_mul,
 };
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

@@ -7,7 +7,10 @@
 //! - `attention_kernel_times`: the fused kernels' forward and backward times at GPT-2's shape
 //!   (batch 4, 12 heads, t = 1024, d = 64) in f32 and bf16, with CUDA events around the kernel
 //!   launches only, the same kernels on the packed qkv layout (`_packed`, what GPT blocks run),
-//!   and the generic kernels' at d = 63 as the same run's baseline; one JSON line.
+//!   the generic kernels' at d = 63 as the same run's baseline, and bf16 at d = 128 (6 heads);
+//!   each bf16 case with the tensor-core forward (`flash_mma.cu`, on compute capability 8.0+)
+//!   and, as `_cuda_cores`, with it switched off (`set_tensor_core_attention(false)`), so one
+//!   run shows the gain; each row names its forward kernel (`fwd_kernel`). One JSON line.
 //!
 //! The test is `#[ignore]`d and also needs
 //! `FSDP_GPU_TESTS=1` (set by `cargo xtask gpu-test`); without it the test says so and returns.
@@ -19,7 +22,7 @@ mod common;
 use common::Rng;
 use fsdp_alloc::{Buffer, DType, Device};
 use fsdp_autograd::kernels::attention::{Attention, AttentionLayout};
-use fsdp_autograd::kernels::cuda::{set_fused_attention, CudaKernels};
+use fsdp_autograd::kernels::cuda::{set_fused_attention, set_tensor_core_attention, CudaKernels};
 use fsdp_autograd::{causal_attention, Tensor};
 
 fn gpu() -> Option<Device> {
@@ -105,11 +108,14 @@ struct Timing {
     fwd_ms: f64,
     bwd_ms: f64,
     tflops: f64,
+    /// Model TFLOP/s of the forward alone.
+    fwd_tflops: f64,
 }
 
 /// Times `iters` fused forwards, then `iters` fused backwards, of causal attention at
 /// `[batch, heads, t, d]` in `dtype` on the default stream of `k`'s device, with CUDA events
-/// recorded on that stream around the launches (after two untimed warm-up rounds). FLOPs are
+/// recorded on that stream around the launches (after two untimed warm-up rounds), with the
+/// tensor-core forward allowed when `tensor_cores` (then restored to the default, on). FLOPs are
 /// the usual model count: forward `4·bh·d·t(t+1)/2` (two causal products), backward 2.5× that
 /// (five products; the kernels recompute two more, which are not counted).
 fn time_attention(
@@ -117,8 +123,10 @@ fn time_attention(
     dtype: DType,
     (batch, heads, t, d): (usize, usize, usize, usize),
     packed: bool,
+    tensor_cores: bool,
     iters: usize,
 ) -> Timing {
+    set_tensor_core_attention(tensor_cores);
     let dev = k.device().clone();
     let stream = dev.default_stream().clone();
     let cs = stream
@@ -221,12 +229,14 @@ fn time_attention(
             .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
         "non-finite log-sum-exp after the timed runs ({dtype})"
     );
+    set_tensor_core_attention(true);
     let fwd_flops = 4.0 * (batch * heads * d) as f64 * (t * (t + 1) / 2) as f64;
     let tflops = 3.5 * fwd_flops / ((fwd_ms + bwd_ms) * 1e-3) / 1e12;
     Timing {
         fwd_ms,
         bwd_ms,
         tflops,
+        fwd_tflops: fwd_flops / (fwd_ms * 1e-3) / 1e12,
     }
 }
 
@@ -239,22 +249,41 @@ fn attention_kernel_times() {
     // d = 63 takes the generic kernels (head dim read at run time, same tiles as d = 64): the
     // same run's baseline for the register-tiled d = 64 kernels. `_packed`: the same kernels on
     // the packed layout of a GPT's qkv projection (what GPT blocks run, no head split copies).
-    for (name, dtype, d, packed) in [
-        ("f32", DType::F32, D, false),
-        ("bf16", DType::BF16, D, false),
-        ("f32_packed", DType::F32, D, true),
-        ("bf16_packed", DType::BF16, D, true),
-        ("f32_generic_d63", DType::F32, 63, false),
-        ("bf16_generic_d63", DType::BF16, 63, false),
+    // bf16 rows without `_cuda_cores` allow the tensor-core forward (flash_mma.cu; taken on
+    // compute capability 8.0+ at d 64 and 128); the backward is the same kernels in both.
+    for (name, dtype, heads, d, packed, tc) in [
+        ("f32", DType::F32, HEADS, D, false, true),
+        ("bf16", DType::BF16, HEADS, D, false, true),
+        ("bf16_cuda_cores", DType::BF16, HEADS, D, false, false),
+        ("f32_packed", DType::F32, HEADS, D, true, true),
+        ("bf16_packed", DType::BF16, HEADS, D, true, true),
+        ("bf16_packed_cuda_cores", DType::BF16, HEADS, D, true, false),
+        ("f32_generic_d63", DType::F32, HEADS, 63, false, true),
+        ("bf16_generic_d63", DType::BF16, HEADS, 63, false, true),
+        ("bf16_d128", DType::BF16, HEADS / 2, 128, false, true),
+        (
+            "bf16_d128_cuda_cores",
+            DType::BF16,
+            HEADS / 2,
+            128,
+            false,
+            false,
+        ),
     ] {
-        let tm = time_attention(&k, dtype, (4, HEADS, 1024, d), packed, 10);
+        let tm = time_attention(&k, dtype, (4, heads, 1024, d), packed, tc, 10);
         assert!(
             tm.fwd_ms > 0.0 && tm.bwd_ms > 0.0,
             "{name}: no time measured"
         );
+        let mma = tc && k.tensor_cores() && dtype != DType::F32 && (d == 64 || d == 128);
         parts.push(format!(
-            "\"{name}\": {{\"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"tflops\": {:.2}}}",
-            tm.fwd_ms, tm.bwd_ms, tm.tflops
+            "\"{name}\": {{\"heads\": {heads}, \"d\": {d}, \"fwd_kernel\": \"{}\", \
+             \"fwd_ms\": {:.3}, \"bwd_ms\": {:.3}, \"tflops\": {:.2}, \"fwd_tflops\": {:.2}}}",
+            if mma { "tensor_cores" } else { "cuda_cores" },
+            tm.fwd_ms,
+            tm.bwd_ms,
+            tm.tflops,
+            tm.fwd_tflops
         ));
     }
     println!(

@@ -330,3 +330,31 @@ fn rope_and_silu_mul() {
         |x| x[0].silu_mul(&x[1]),
     );
 }
+
+/// Dropout (the mask is a function of key, site, sample and element, so the finite differences
+/// see the same mask) and the composite attention with dropout on the probabilities.
+#[test]
+fn dropout_and_attention_with_dropped_probabilities() {
+    use fsdp_autograd::kernels::dropout::DropoutKey;
+    use fsdp_autograd::ops::{causal_attention_qkv_dropout, ProbDropout};
+    let mut r = Rng::new(12);
+    let key = DropoutKey {
+        seed: 4,
+        step: 2,
+        sample: 17,
+    };
+    gradcheck("dropout", &[inp(&mut r, &[3, 2, 5])], |x| {
+        x[0].dropout(0.3, key, 5)
+    });
+    let drop = ProbDropout {
+        p: 0.25,
+        key,
+        site: 7,
+    };
+    gradcheck("attention with dropout", &[inp(&mut r, &[2, 4, 12])], |x| {
+        causal_attention_qkv_dropout(&x[0], 2, 0.7, Some(drop))
+    });
+    gradcheck("attention scale 1", &[inp(&mut r, &[1, 3, 6])], |x| {
+        causal_attention_qkv_dropout(&x[0], 1, 1.0, None)
+    });
+}

@@ -13,13 +13,16 @@
 //! checks over MPI collectives instead of the shared-memory window; on ranks spread over
 //! several nodes the group takes the hierarchical path (`FSDP_MPI_HIER=0`: the flat MPI path),
 //! and `FSDP_EXPECT_LAYOUT=hierarchical|flat` makes it fail unless the group took that path.
-//! Exits non-zero on failure.
+//! The same checks run through [`HostStaged`] (the host staging GPU ranks use, here on CPU
+//! devices: every collective copied to a staging device and back on the caller's stream), and
+//! through a staged hybrid-sharding mesh. Exits non-zero on failure.
 
 use std::sync::Arc;
 
 use fsdp_alloc::{DType, Device, Stream};
 use fsdp_collectives::{
-    CollectiveError, DeviceMesh, DeviceSlice, MpiGroup, ProcessGroup, ReduceOp, ThreadGroup,
+    CollectiveError, DeviceMesh, DeviceSlice, HostStaged, MpiGroup, ProcessGroup, ReduceOp,
+    ThreadGroup,
 };
 use half::{bf16, f16};
 
@@ -301,6 +304,82 @@ fn main() {
             reference(w / f, rr, op, DType::F32, 6, f),
             "rank {r}: replicate all-reduce (F={f})"
         );
+        checked += 2;
+    }
+    // Host staging (what GPU ranks on a host backend use), on CPU devices: every op, the
+    // in-place forms, a large output, a mismatched call, and a staged mesh.
+    {
+        let staged = HostStaged::new(Arc::new(mpi.clone()), Device::cpu(20_000 + r))
+            .unwrap_or_else(|e| panic!("rank {r}: host staging: {e}"));
+        let big = (9 << 20) / 4 / w + 3;
+        let mut ops = vec![
+            (Op::AllGather, DType::F32, 7),
+            (Op::AllGather, DType::BF16, 3000),
+            (Op::AllGatherInPlace, DType::F32, 7),
+            (Op::AllGatherInPlace, DType::F32, big),
+            (Op::Broadcast(w - 1), DType::F16, 33),
+            (Op::AllToAll, DType::F32, 9),
+        ];
+        for rop in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+            ops.push((Op::ReduceScatter(rop, DType::F32), DType::BF16, 11));
+            ops.push((Op::ReduceScatter(rop, DType::BF16), DType::BF16, 11));
+            ops.push((Op::AllReduce(rop, DType::F32), DType::F32, 3000));
+            ops.push((Op::ReduceScatterInPlace(rop, DType::F32), DType::F32, 5));
+        }
+        for (k, (op, dtype, n)) in ops.into_iter().enumerate() {
+            let salt = n * 13 + k;
+            let got = run(&staged, op, dtype, n, salt);
+            let want = reference(w, r, op, dtype, n, salt);
+            assert!(
+                got == want,
+                "rank {r} (host-staged, {path}): {op:?} {dtype} n={n} differs from the thread \
+                 backend"
+            );
+            checked += 1;
+        }
+        let dev = Device::cpu(r);
+        let st = dev.new_stream("comm");
+        let n = if r == w - 1 { 5 } else { 4 };
+        let a = dev.alloc(n * 4, &st).unwrap();
+        let b = dev.alloc((w * n + usize::from(w == 1)) * 4, &st).unwrap();
+        let e = staged
+            .all_gather_into(
+                &DeviceSlice::from_buffer(&a, DType::F32).unwrap(),
+                &DeviceSlice::from_buffer(&b, DType::F32).unwrap(),
+                &st,
+            )
+            .wait()
+            .unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CollectiveError::InconsistentArgs { .. } | CollectiveError::SizeMismatch { .. }
+            ),
+            "rank {r}: host-staged mismatched all-gather: {e}"
+        );
+        assert!(
+            st.synchronize().is_err(),
+            "rank {r}: the failed collective fails its stream"
+        );
+        let op = Op::AllReduce(ReduceOp::Sum, DType::F32);
+        assert_eq!(
+            run(&staged, op, DType::F32, 9, 2),
+            reference(w, r, op, DType::F32, 9, 2),
+            "rank {r}: host staging after a failed collective"
+        );
+        if w % 2 == 0 {
+            let mesh = DeviceMesh::new(Arc::new(staged), 2)
+                .unwrap_or_else(|e| panic!("rank {r}: staged mesh: {e}"));
+            let s = mesh.shard_group().rank();
+            assert!(mesh.shard_group().name().contains("host-staged"));
+            let got = run(mesh.shard_group().as_ref(), Op::AllGather, DType::F32, 5, 3);
+            assert_eq!(got, reference(2, s, Op::AllGather, DType::F32, 5, 3));
+            let rr = mesh.replicate_group().rank();
+            let op = Op::AllReduce(ReduceOp::Avg, DType::F32);
+            let got = run(mesh.replicate_group().as_ref(), op, DType::F32, 6, 3);
+            assert_eq!(got, reference(w / 2, rr, op, DType::F32, 6, 3));
+            checked += 2;
+        }
         checked += 2;
     }
     // A rank that is late by more than the timeout: the others get a typed timeout naming it.

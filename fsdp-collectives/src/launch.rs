@@ -17,6 +17,16 @@
 //! - [`CollectiveBackend::Nccl`]: one rank per process under a launcher (torchrun-style
 //!   `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, `mpirun` or `srun`; read by
 //!   [`crate::RendezvousEnv`]), on GPU [`crate::RendezvousEnv::device_ordinal`]. Needs `cuda`.
+//! - [`CollectiveBackend::SharedGpu`]: W ranks as W threads of this process whose devices are
+//!   **one** GPU (NCCL refuses that), the handles of one [`SharedGpuGroup`]: collectives move
+//!   through the GPU's memory, so a W-rank job runs on the one GPU at hand (link speeds are not
+//!   modelled). Needs `cuda`.
+//!
+//! **Device buffers on a host backend.** The thread and MPI backends run their collectives on
+//! host threads. A rank that computes on a GPU with one of them (`mpirun -n 2 train_gpt
+//! --backend mpi --device cuda`: processes sharing a GPU) joins with [`Seat::join_for`], which
+//! wraps the group in [`HostStaged`]: each collective is copied to page-locked host memory,
+//! run there and copied back, in the order of the stream it is issued on.
 //!
 //! A backend whose feature is off is still a choice: its launch is a typed error that says how
 //! to rebuild. Adding a backend is a variant (with its [`CollectiveBackend::name`] and
@@ -27,8 +37,12 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use fsdp_alloc::{Device, DeviceConfig, DeviceId};
+
 use crate::error::{CollectiveError, Result};
 use crate::group::ProcessGroup;
+use crate::shared_gpu::SharedGpuGroup;
+use crate::staged::HostStaged;
 use crate::store::TcpStore;
 use crate::thread::ThreadGroup;
 
@@ -49,15 +63,22 @@ pub enum CollectiveBackend {
     NcclThreads,
     /// One rank per process under a launcher, over NCCL (`NcclGroup`, feature `cuda`).
     Nccl,
+    /// W ranks as W threads of this process sharing GPU `ordinal` ([`SharedGpuGroup`], feature
+    /// `cuda`); parsed from `shared-gpu` (GPU 0).
+    SharedGpu {
+        /// The GPU every rank computes on.
+        ordinal: usize,
+    },
 }
 
 impl CollectiveBackend {
-    /// Every backend, in the order of the docs.
-    pub const ALL: [CollectiveBackend; 4] = [
+    /// Every backend, in the order of the docs (the shared-GPU one on GPU 0).
+    pub const ALL: [CollectiveBackend; 5] = [
         CollectiveBackend::Thread,
         CollectiveBackend::Mpi,
         CollectiveBackend::NcclThreads,
         CollectiveBackend::Nccl,
+        CollectiveBackend::SharedGpu { ordinal: 0 },
     ];
 
     /// The name used on command lines and in messages.
@@ -67,14 +88,24 @@ impl CollectiveBackend {
             CollectiveBackend::Mpi => "mpi",
             CollectiveBackend::NcclThreads => "nccl-threads",
             CollectiveBackend::Nccl => "nccl",
+            CollectiveBackend::SharedGpu { .. } => "shared-gpu",
         }
+    }
+
+    /// Whether the backend's collectives run on host threads over host memory (thread, MPI):
+    /// ranks computing on a GPU join such a group through host staging
+    /// ([`Seat::join_for`]).
+    pub const fn host_only(self) -> bool {
+        matches!(self, CollectiveBackend::Thread | CollectiveBackend::Mpi)
     }
 
     /// Whether all ranks are threads of this process (their seats are joined on threads the
     /// caller spawns); otherwise this process is one rank of a multi-process job.
     pub const fn in_process(self) -> bool {
         match self {
-            CollectiveBackend::Thread | CollectiveBackend::NcclThreads => true,
+            CollectiveBackend::Thread
+            | CollectiveBackend::NcclThreads
+            | CollectiveBackend::SharedGpu { .. } => true,
             CollectiveBackend::Mpi | CollectiveBackend::Nccl => false,
         }
     }
@@ -86,7 +117,10 @@ impl CollectiveBackend {
     ///
     /// # Errors
     /// No rank ([`CollectiveError::InvalidGroup`]); a backend whose feature is off (a typed
-    /// error saying how to rebuild); the launcher's environment, the rendezvous store, MPI.
+    /// error saying how to rebuild); the launcher's environment, the rendezvous store, MPI;
+    /// for the shared-GPU backend no CUDA driver, device or NVRTC
+    /// ([`CollectiveError::CudaUnavailable`]) or more than
+    /// [`MAX_SHARED_GPU_RANKS`](crate::shared_gpu::MAX_SHARED_GPU_RANKS) ranks.
     pub fn launch(self, thread_ranks: usize) -> Result<Launched> {
         if self.in_process() && thread_ranks == 0 {
             return Err(CollectiveError::InvalidGroup {
@@ -100,17 +134,25 @@ impl CollectiveBackend {
                 let seats = ThreadGroup::new(thread_ranks)
                     .into_iter()
                     .enumerate()
-                    .map(|(rank, g)| Seat::ready(rank, thread_ranks, Arc::new(g)))
+                    .map(|(rank, g)| Seat::ready(self, rank, thread_ranks, Arc::new(g)))
                     .collect();
                 Ok(Launched::new(self, seats, None))
             }
             CollectiveBackend::Mpi => {
                 let g = launch_mpi()?;
-                let seat = Seat::ready(g.rank(), g.size(), g);
+                let seat = Seat::ready(self, g.rank(), g.size(), g);
                 Ok(Launched::new(self, vec![seat], None))
             }
             CollectiveBackend::NcclThreads => nccl::threads(thread_ranks),
             CollectiveBackend::Nccl => nccl::process(),
+            CollectiveBackend::SharedGpu { ordinal } => {
+                let seats = SharedGpuGroup::new(thread_ranks, ordinal)?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, g)| Seat::ready(self, rank, thread_ranks, Arc::new(g)))
+                    .collect();
+                Ok(Launched::new(self, seats, None))
+            }
         }
     }
 }
@@ -136,8 +178,10 @@ impl FromStr for CollectiveBackend {
 
     fn from_str(s: &str) -> std::result::Result<CollectiveBackend, String> {
         let s = s.trim().to_ascii_lowercase();
-        if s == "threads" {
-            return Ok(CollectiveBackend::Thread);
+        match s.as_str() {
+            "threads" => return Ok(CollectiveBackend::Thread),
+            "shared-gpu" => return Ok(CollectiveBackend::SharedGpu { ordinal: 0 }),
+            _ => {}
         }
         CollectiveBackend::ALL
             .into_iter()
@@ -205,10 +249,19 @@ impl Launched {
 
 /// One rank's place in a launched job: its rank, the world size and how it joins the group.
 pub struct Seat {
+    backend: CollectiveBackend,
     rank: usize,
     world: usize,
     join: Join,
 }
+
+/// The environment variable that makes [`Seat::join_for`] stage CPU ranks through host memory
+/// too (`FSDP_HOST_STAGING=1`): the host-staging path of GPU ranks, exercised on CPU devices
+/// (`cargo xtask mpi-test`).
+pub const HOST_STAGING_ENV: &str = "FSDP_HOST_STAGING";
+
+/// CPU device index base of the staging devices [`Seat::join_for`] makes (index base + rank).
+pub const STAGING_DEVICE_BASE: usize = 20_000;
 
 /// How a seat becomes a group.
 enum Join {
@@ -222,6 +275,7 @@ enum Join {
 impl std::fmt::Debug for Seat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Seat")
+            .field("backend", &self.backend)
             .field("rank", &self.rank)
             .field("world", &self.world)
             .finish()
@@ -229,8 +283,14 @@ impl std::fmt::Debug for Seat {
 }
 
 impl Seat {
-    fn ready(rank: usize, world: usize, group: Arc<dyn ProcessGroup>) -> Seat {
+    fn ready(
+        backend: CollectiveBackend,
+        rank: usize,
+        world: usize,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Seat {
         Seat {
+            backend,
             rank,
             world,
             join: Join::Ready(group),
@@ -245,6 +305,49 @@ impl Seat {
     /// The world size.
     pub fn world_size(&self) -> usize {
         self.world
+    }
+
+    /// The backend this seat joins.
+    pub fn backend(&self) -> CollectiveBackend {
+        self.backend
+    }
+
+    /// Whether [`Seat::join_for`] on `device` stages the collectives through host memory: a
+    /// host backend (thread, MPI) with a GPU `device`, or any device with
+    /// `FSDP_HOST_STAGING=1` ([`HOST_STAGING_ENV`]).
+    pub fn stages_for(&self, device: &Device) -> bool {
+        self.backend.host_only()
+            && (matches!(device.id(), DeviceId::Cuda(_))
+                || std::env::var(HOST_STAGING_ENV).is_ok_and(|v| v.trim() == "1"))
+    }
+
+    /// The rank's group for computing on `device`, on the thread that runs the rank: as
+    /// [`Seat::join`], but where the backend's collectives run on host threads (thread, MPI)
+    /// and `device` is a GPU ([`Seat::stages_for`]) the group is wrapped in [`HostStaged`]
+    /// with a page-locked staging device for `device` (`Device::cpu_pinned`, CPU index
+    /// [`STAGING_DEVICE_BASE`] + rank; a plain CPU device for CPU ranks under
+    /// `FSDP_HOST_STAGING=1`).
+    ///
+    /// # Errors
+    /// As [`Seat::join`]; the staging device (page-locked memory needs the GPU's driver).
+    pub fn join_for(self, device: &Device) -> Result<Arc<dyn ProcessGroup>> {
+        let stage = self.stages_for(device);
+        let (rank, config) = (self.rank, DeviceConfig::default());
+        let group = self.join()?;
+        if !stage {
+            return Ok(group);
+        }
+        let index = STAGING_DEVICE_BASE + rank;
+        let staging = match device.id() {
+            DeviceId::Cuda(_) => Device::cpu_pinned(index, config, device).map_err(|e| {
+                CollectiveError::CudaUnavailable(format!(
+                    "host staging for {}: page-locked staging memory: {e}",
+                    device.id()
+                ))
+            })?,
+            DeviceId::Cpu(_) => Device::cpu_with(index, config),
+        };
+        Ok(Arc::new(HostStaged::new(group, staging)?))
     }
 
     /// The rank's group. Call it on the thread that runs the rank: for NCCL this creates the
@@ -305,8 +408,15 @@ mod nccl {
         }
     }
 
-    fn seat(rank: usize, world: usize, store: Store, ordinal: usize) -> Seat {
+    fn seat(
+        backend: CollectiveBackend,
+        rank: usize,
+        world: usize,
+        store: Store,
+        ordinal: usize,
+    ) -> Seat {
         Seat {
+            backend,
             rank,
             world,
             join: Join::Nccl(Pending { store, ordinal }),
@@ -323,7 +433,7 @@ mod nccl {
                     0 => Store::Shared(Arc::clone(&store)),
                     _ => Store::Connect(addr.clone()),
                 };
-                seat(rank, world, s, rank)
+                seat(CollectiveBackend::NcclThreads, rank, world, s, rank)
             })
             .collect();
         Ok(Launched::new(
@@ -338,6 +448,7 @@ mod nccl {
         let env = RendezvousEnv::from_env()?;
         let store = Arc::new(TcpStore::rendezvous(&env, LAUNCH_TIMEOUT)?);
         let s = seat(
+            CollectiveBackend::Nccl,
             env.rank,
             env.world_size,
             Store::Shared(Arc::clone(&store)),
@@ -406,6 +517,53 @@ mod tests {
         }
         assert!(CollectiveBackend::Thread.launch(0).is_err());
         assert!(CollectiveBackend::NcclThreads.launch(0).is_err());
+        assert!(CollectiveBackend::SharedGpu { ordinal: 0 }
+            .launch(0)
+            .is_err());
+    }
+
+    #[test]
+    fn shared_gpu_is_an_in_process_device_backend() {
+        let b = CollectiveBackend::SharedGpu { ordinal: 0 };
+        assert_eq!(b.name(), "shared-gpu");
+        assert_eq!("Shared-GPU".parse::<CollectiveBackend>(), Ok(b));
+        assert!(b.in_process() && !b.host_only());
+        for (b, host) in [
+            (CollectiveBackend::Thread, true),
+            (CollectiveBackend::Mpi, true),
+            (CollectiveBackend::NcclThreads, false),
+            (CollectiveBackend::Nccl, false),
+        ] {
+            assert_eq!(b.host_only(), host, "{b}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn shared_gpu_without_cuda_is_a_typed_error() {
+        let e = CollectiveBackend::SharedGpu { ordinal: 0 }
+            .launch(2)
+            .unwrap_err();
+        assert!(
+            matches!(e, CollectiveError::CudaUnavailable(_)) && e.to_string().contains("cuda:0"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn cpu_seats_join_unstaged_unless_asked() {
+        // FSDP_HOST_STAGING is not set by the test harness: CPU ranks get the plain group.
+        if std::env::var(HOST_STAGING_ENV).is_ok() {
+            return;
+        }
+        let mut l = CollectiveBackend::Thread.launch(2).unwrap();
+        let dev = Device::cpu(0);
+        for s in l.take_seats() {
+            assert!(!s.stages_for(&dev));
+            assert_eq!(s.backend(), CollectiveBackend::Thread);
+            let g = s.join_for(&dev).unwrap();
+            assert!(!g.name().contains("host-staged"), "{}", g.name());
+        }
     }
 
     #[cfg(not(feature = "mpi"))]

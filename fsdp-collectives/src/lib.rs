@@ -17,14 +17,18 @@
 //! - [`SharedGpuGroup`] ([`shared_gpu`]): W thread ranks whose devices are one GPU (which NCCL
 //!   refuses): device-to-device copies and a rank-ordered reduction kernel, bit-equal to the
 //!   thread backend in f32; a typed error without the `cuda` feature or a GPU.
+//! - [`HostStaged`] ([`staged`]): a thread or MPI group used from device buffers (MPI processes
+//!   sharing a GPU): every collective copied to page-locked host memory, run there and copied
+//!   back, in the order of the stream it is issued on.
 //! - [`ProcessGroup::all_to_all_into`]: the personalized exchange with equal chunks (thread and
 //!   MPI backends; NCCL through grouped `ncclSend`/`ncclRecv`), the wire
 //!   of quantized reduce-scatters.
 //! - [`Int8Codec`] ([`quant`]): int8 block quantization with a per-block f32 scale
 //!   (ZeRO++-style), the codec of fsdp-core's quantized collectives.
 //! - [`CollectiveBackend`], [`Launched`] and [`Seat`] ([`launch`]): one call that gives this
-//!   process its ranks for a backend choice (thread, MPI, NCCL threads, NCCL processes), each
-//!   rank joining its group on its own thread.
+//!   process its ranks for a backend choice (thread, MPI, NCCL threads, NCCL processes, thread
+//!   ranks sharing one GPU), each rank joining its group on its own thread (with host staging
+//!   where a host backend meets GPU ranks: [`Seat::join_for`]).
 //!
 //! ## Reduction precision, per backend
 //! - Thread backend: every (buffer, accumulation) pair in [`ReduceOp`]'s contract is computed
@@ -56,6 +60,7 @@ pub mod nccl;
 mod op;
 pub mod quant;
 pub mod shared_gpu;
+pub mod staged;
 pub mod store;
 pub mod thread;
 pub mod types;
@@ -70,6 +75,7 @@ pub use mpi::{mpi_launched, MpiConfig, MpiGroup};
 pub use nccl::{nccl_available, NcclConfig, NcclGroup};
 pub use quant::Int8Codec;
 pub use shared_gpu::{SharedGpuConfig, SharedGpuGroup};
+pub use staged::HostStaged;
 pub use store::{RendezvousEnv, StoreServer, TcpStore};
 pub use thread::{GroupConfig, LinkModel, ThreadGroup};
 pub use types::{default_accum, DeviceSlice, OpKind, ReduceOp, Work};

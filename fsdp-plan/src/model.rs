@@ -320,7 +320,7 @@ pub(crate) fn module(path: &str, ty: &str, params: &[(&str, usize, usize)]) -> M
 /// The module tree of `Gpt::new(cfg)` in pre-order, as `Fsdp::wrap` describes it (parameter
 /// identities numbered in visit order; the tied head reuses the token embedding's).
 pub fn gpt_modules(cfg: &GptConfig) -> Vec<ModuleInfo> {
-    let (v, d, t) = (cfg.vocab, cfg.d_model, cfg.seq_len);
+    let (v, d, t, inner) = (cfg.vocab, cfg.d_model, cfg.positions(), cfg.inner());
     let mut id = 0usize;
     let mut next = || {
         id += 1;
@@ -359,12 +359,12 @@ pub fn gpt_modules(cfg: &GptConfig) -> Vec<ModuleInfo> {
         out.push(module(
             &format!("{b}.mlp.fc"),
             "Linear",
-            &[("weight", next(), 4 * d * d), ("bias", next(), 4 * d)],
+            &[("weight", next(), inner * d), ("bias", next(), inner)],
         ));
         out.push(module(
             &format!("{b}.mlp.proj"),
             "Linear",
-            &[("weight", next(), 4 * d * d), ("bias", next(), d)],
+            &[("weight", next(), inner * d), ("bias", next(), d)],
         ));
     }
     out.push(module(
@@ -398,6 +398,8 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize, f64)> {
         cfg.n_heads as f64,
         cfg.seq_len as f64,
     );
+    // The MLP's hidden width and the position table's rows.
+    let (m, pos) = (cfg.inner() as f64, cfg.positions() as f64);
     let f = 4.0; // f32
     let bytes = |n: f64| n as usize * 4;
     let mut out = Vec::new();
@@ -415,7 +417,7 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize, f64)> {
         d,
         0.0,
         f * d,
-        bytes(t * d),
+        bytes(pos * d),
         f * 3.0 * d,
     ));
     for i in 0..cfg.n_layers {
@@ -470,26 +472,26 @@ fn gpt_leaves(cfg: &GptConfig) -> Vec<(String, f64, f64, f64, usize, f64)> {
         // fc saves ln2's output; GELU saves fc's output; proj saves GELU's output.
         out.push((
             format!("{b}.mlp.fc"),
-            2.0 * d * 4.0 * d,
+            2.0 * d * m,
             f * d,
-            f * (4.0 * d + d + d),
-            bytes(4.0 * d * d + 4.0 * d),
-            f * 5.0 * d,
+            f * (m + d + d),
+            bytes(m * d + m),
+            f * (d + m),
         ));
         out.push((
             format!("{b}.mlp.gelu"),
-            10.0 * 4.0 * d,
-            f * 4.0 * d,
-            f * (4.0 * d + 4.0 * d + d),
+            10.0 * m,
+            f * m,
+            f * (m + m + d),
             0,
-            f * 8.0 * d,
+            f * 2.0 * m,
         ));
         out.push((
             format!("{b}.mlp.proj"),
-            2.0 * 4.0 * d * d + d,
-            f * 4.0 * d,
-            f * (d + 4.0 * d),
-            bytes(4.0 * d * d + d),
+            2.0 * m * d + d,
+            f * m,
+            f * (d + m),
+            bytes(m * d + d),
             f * 8.0 * d,
         ));
     }

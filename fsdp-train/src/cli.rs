@@ -95,8 +95,9 @@ pub struct ModelArgs {
     #[arg(long, value_name = "V", value_parser = clap::value_parser!(u64).range(2..=1_048_576))]
     pub vocab: Option<u64>,
     /// GELU of the feed-forward blocks: exact (erf, PyTorch's default) or tanh (approximation)
-    #[arg(long, value_enum, default_value_t = GeluArg::Exact)]
-    pub gelu: GeluArg,
+    /// [default: exact; with --init-from: the model's, and a --gelu that differs is refused]
+    #[arg(long, value_enum)]
+    pub gelu: Option<GeluArg>,
     /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2 and
     /// llama-1b)
     #[arg(long)]
@@ -105,6 +106,11 @@ pub struct ModelArgs {
     /// planner models it too)
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// Dropout probability P in training, at GPT-2's three places (embeddings, attention
+    /// probabilities, residual branches); off in evaluation and sampling. With --init-from it
+    /// replaces config.json's resid_pdrop/embd_pdrop/attn_pdrop (used otherwise) [default: 0]
+    #[arg(long, value_name = "P", value_parser = parse_dropout)]
+    pub dropout: Option<f32>,
 }
 
 /// Training data.
@@ -143,20 +149,22 @@ pub struct DataArgs {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Parallelism")]
 pub struct ParallelArgs {
-    /// Number of thread ranks [default: 4; with --device cuda: every visible GPU] (with
-    /// --backend mpi or nccl: the launcher's process count instead); at most 64 to train, up to
-    /// 65,536 with --plan alone
+    /// Number of thread ranks [default: 4; with --device cuda: every visible GPU; more ranks than
+    /// GPUs share cuda:0] (with --backend mpi or nccl: the launcher's process count instead); at
+    /// most 64 to train, up to 65,536 with --plan alone
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub ranks: Option<u64>,
-    /// Collectives backend: thread (W thread ranks in this process; NCCL between them with
-    /// --device cuda), mpi (one process per CPU rank under mpirun/srun; needs a build with
-    /// --features fsdp-core/mpi) or nccl (one process per GPU under torchrun/mpirun/srun; needs
-    /// --device cuda)
+    /// Collectives backend: thread (W thread ranks in this process; with --device cuda NCCL
+    /// between them, a GPU each, or with more ranks than GPUs all sharing cuda:0 through GPU
+    /// memory), mpi (one process per rank under mpirun/srun; with --device cuda each on its
+    /// local rank's GPU modulo the visible ones, collectives staged through host memory; needs a
+    /// build with --features fsdp-core/mpi) or nccl (one process per GPU under
+    /// torchrun/mpirun/srun; needs --device cuda)
     #[arg(long, value_enum, default_value_t = BackendArg::Thread)]
     pub backend: BackendArg,
-    /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (one GPU per
-    /// rank, NCCL collectives; shards, sharded gradients and optimizer state stay on the GPU and
-    /// the optimizer runs there unless --cpu-offload; needs a build with --features
+    /// Compute device of every rank: cpu (each rank its own CPU device) or cuda (GPU ranks, see
+    /// --backend; shards, sharded gradients and optimizer state stay on the GPU and the
+    /// optimizer runs there unless --cpu-offload; needs a build with --features
     /// fsdp-train/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
@@ -234,9 +242,11 @@ pub enum QuantArg {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Optimizer")]
 pub struct OptimArgs {
-    /// Optimizer steps: the total of the run (with --resume, training continues up to it)
+    /// Optimizer steps: the total of the run (with --resume, training continues up to it).
+    /// 0 converts without training: with --init-from, --resume or --load, and --export-hf or
+    /// --save, it writes the model and exits
     #[arg(long, value_name = "N", default_value_t = 60,
-          value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
+          value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub steps: u64,
     /// Sharded optimizer (state sharded like the parameters)
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
@@ -333,6 +343,10 @@ pub struct LoggingArgs {
     /// text)
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
+    /// Replace an existing --metrics file or --export-hf model (both are refused otherwise;
+    /// with --resume, --metrics lines are appended)
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print a step line every N steps (default: about 12 lines per run)
     #[arg(long, value_name = "N",
           value_parser = clap::value_parser!(u64).range(1..=MAX_STEPS))]
@@ -340,6 +354,12 @@ pub struct LoggingArgs {
     /// No progress bar even on a terminal (plain step lines)
     #[arg(long)]
     pub no_progress: bool,
+    /// Write TensorBoard event files into DIR (created if missing; open with `tensorboard
+    /// --logdir DIR`): per step train/loss, train/lr, train/grad_norm, perf/tokens_per_s,
+    /// perf/mfu (when the GEMM rate is known before training: CPU ranks), the peak memory, and
+    /// val/loss at evaluations
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// `--model`.
@@ -392,7 +412,7 @@ pub enum DataFormatArg {
 pub enum BackendArg {
     /// in-process thread ranks
     Thread,
-    /// one MPI process per rank
+    /// one MPI process per rank (GPU ranks staged through host memory)
     Mpi,
     /// one process per GPU over NCCL (with --device cuda)
     Nccl,
@@ -425,6 +445,14 @@ fn parse_unit(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
         _ => Err(format!("`{s}` is not a number in [0, 1)")),
+    }
+}
+
+/// A dropout probability in `[0, 1)`.
+fn parse_dropout(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if (0.0..1.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a probability in [0, 1)")),
     }
 }
 
@@ -508,8 +536,7 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 /// The layout `--device` and `--backend` ask for; `None` for CPU ranks.
 ///
 /// # Errors
-/// A usage message for `--backend nccl` without `--device cuda` and for `--device cuda
-/// --backend mpi`.
+/// A usage message for `--backend nccl` without `--device cuda`.
 pub fn cuda_launch(device: DeviceArg, backend: BackendArg) -> Result<Option<CudaLaunch>, String> {
     match (device, backend) {
         (DeviceArg::Cpu, BackendArg::Thread | BackendArg::Mpi) => Ok(None),
@@ -520,11 +547,7 @@ pub fn cuda_launch(device: DeviceArg, backend: BackendArg) -> Result<Option<Cuda
         ),
         (DeviceArg::Cuda, BackendArg::Thread) => Ok(Some(CudaLaunch::Threads)),
         (DeviceArg::Cuda, BackendArg::Nccl) => Ok(Some(CudaLaunch::Processes)),
-        (DeviceArg::Cuda, BackendArg::Mpi) => Err(
-            "--backend mpi runs CPU ranks; for one process per GPU use --device cuda \
-             --backend nccl under torchrun, mpirun or srun"
-                .into(),
-        ),
+        (DeviceArg::Cuda, BackendArg::Mpi) => Ok(Some(CudaLaunch::Mpi)),
     }
 }
 
@@ -574,6 +597,10 @@ impl Cli {
     pub fn into_config(self) -> Result<TrainConfig, UsageError> {
         let m = &self.model;
         let mut model = m.model.config();
+        let gelu = m.gelu.map(|g| match g {
+            GeluArg::Exact => Gelu::Exact,
+            GeluArg::Tanh => Gelu::Tanh,
+        });
         model
             .apply_flags(&ShapeFlags {
                 d_model: m.d_model.map(|d| d as usize),
@@ -581,10 +608,8 @@ impl Cli {
                 heads: m.heads.map(|h| h as usize),
                 kv_heads: m.kv_heads.map(|k| k as usize),
                 ffn_dim: m.ffn_dim.map(|f| f as usize),
-                gelu: match m.gelu {
-                    GeluArg::Exact => Gelu::Exact,
-                    GeluArg::Tanh => Gelu::Tanh,
-                },
+                gelu,
+                dropout: m.dropout,
                 tied: m.tied,
                 checkpoint: m.activation_checkpointing,
             })
@@ -602,12 +627,14 @@ impl Cli {
             || m.heads.is_some()
             || m.kv_heads.is_some()
             || m.ffn_dim.is_some()
-            || m.tied
-            || m.gelu != GeluArg::Exact;
-        let interop = self
+            || m.tied;
+        let mut interop = self
             .interop
             .resolve(&mut model, m.vocab, m.seq_len, shaped)
             .map_err(UsageError)?;
+        // With --init-from the model's own GELU is used; a --gelu given is checked against it.
+        interop.gelu = gelu;
+        interop.dropout = m.dropout;
         model.validate().map_err(UsageError)?;
         let params = model.params();
         if params > MAX_PARAMS && !plan_only {
@@ -658,7 +685,7 @@ impl Cli {
                  CPU products are always full f32)",
             );
         }
-        let cuda = cuda_launch(p.device, p.backend).map_err(UsageError)?;
+        let mut cuda = cuda_launch(p.device, p.backend).map_err(UsageError)?;
         let mpi = p.backend == BackendArg::Mpi;
         if mpi && !cfg!(feature = "mpi") {
             return usage(
@@ -669,7 +696,10 @@ impl Cli {
         let ranks = if mpi {
             mpi_world_size()?
         } else if let Some(launch) = cuda {
-            crate::cuda::world_size(launch, p.ranks).map_err(UsageError)?
+            // More thread ranks than GPUs: the layout becomes shared-GPU ranks on cuda:0.
+            let (launch, ranks) = crate::cuda::world_size(launch, p.ranks).map_err(UsageError)?;
+            cuda = Some(launch);
+            ranks
         } else {
             p.ranks.unwrap_or(4) as usize
         };
@@ -789,6 +819,16 @@ impl Cli {
         if c.load.is_some() && self.interop.init_from.is_some() {
             return usage("--load and --init-from both set the starting state; pick one");
         }
+        if o.steps == 0 {
+            let start = self.interop.init_from.is_some() || c.resume.is_some() || c.load.is_some();
+            let out = self.interop.export_hf.is_some() || c.save.is_some();
+            if !(start && out) {
+                return usage(
+                    "--steps 0 converts without training: it needs a starting state (--init-from, \
+                     --resume or --load) and an output (--export-hf or --save)",
+                );
+            }
+        }
         let l = &self.logging;
         if let Some(plot) = &l.plot {
             crate::report::plot_kind(plot).map_err(UsageError)?;
@@ -883,16 +923,52 @@ mod tests {
         assert!(cuda_launch(Cpu, Nccl)
             .unwrap_err()
             .contains("--device cuda"));
-        assert!(cuda_launch(Cuda, Mpi)
-            .unwrap_err()
-            .contains("--backend nccl"));
-        assert_eq!(CudaLaunch::Threads.ordinal(3), 3);
+        assert_eq!(cuda_launch(Cuda, Mpi), Ok(Some(CudaLaunch::Mpi)));
+        assert_eq!(CudaLaunch::Threads.ordinal(3, 4), 3);
     }
 
     fn parse(args: &[&str]) -> Result<TrainConfig, String> {
         let cli = Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied()))
             .map_err(|e| e.to_string())?;
         cli.into_config().map_err(|e| e.0)
+    }
+
+    /// `--dropout P` sets GPT-2's three dropouts (P in [0, 1)) and is remembered for
+    /// `--init-from`; `--steps 0` needs a starting state and an output.
+    #[test]
+    fn dropout_and_steps_zero_flags() {
+        let c = parse(&["--dropout", "0.1"]).unwrap();
+        assert_eq!(
+            c.model.as_gpt().unwrap().dropout,
+            fsdp_autograd::nn::GptDropout::all(0.1)
+        );
+        assert_eq!(c.interop.dropout, Some(0.1));
+        assert!(parse(&[]).unwrap().model.as_gpt().unwrap().dropout.is_off());
+        for bad in ["1", "1.5", "-0.1", "x", "NaN"] {
+            let e = parse(&[&format!("--dropout={bad}")]).unwrap_err();
+            assert!(e.contains("--dropout"), "{e}");
+        }
+        for args in [
+            &["--steps", "0"][..],
+            &["--steps", "0", "--save", "x.safetensors"],
+            &["--steps", "0", "--init-from", "m"],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert!(e.contains("--steps 0 converts without training"), "{e}");
+        }
+        let c = parse(&["--steps", "0", "--init-from", "m", "--export-hf", "out"]).unwrap();
+        assert_eq!(c.steps, 0);
+        let c = parse(&[
+            "--steps",
+            "0",
+            "--checkpoint-dir",
+            "ck",
+            "--resume",
+            "--save",
+            "s.safetensors",
+        ])
+        .unwrap();
+        assert!(c.resume);
     }
 
     #[test]

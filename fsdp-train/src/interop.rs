@@ -5,9 +5,12 @@
 use std::path::PathBuf;
 
 use clap::Args;
+use fsdp_alloc::Device;
+use fsdp_autograd::nn::GptDropout;
 use fsdp_core::{state_dict, Fsdp};
 
 use crate::data::DataFormat;
+use crate::hf::HfCheckpoint;
 use crate::job::{DataSpec, Interop, TrainConfig, MAX_STEPS};
 use crate::model::{Model, ModelSpec};
 use crate::sample::{self, SampleOpts};
@@ -21,19 +24,23 @@ pub struct InteropArgs {
     /// automatically; a larger --vocab such as 50304 is allowed), or PATH/tokenizer.json (a
     /// Hugging Face tokenizer, e.g. Llama 3's; the vocab is raised to its ids). gpt2 caches the
     /// tokens next to the text as FILE.gpt2.bin (nanoGPT's u16 format), a tokenizer.json as
-    /// FILE.tok-HASH.bin (u16, or FILE.tok-HASH.u32.bin past 65,536 ids), reused while the text
-    /// and the tokenizer are unchanged. Default: the --init-from directory's tokenizer.json
-    /// when there is one, else bytes
+    /// FILE.tok-HASH.bin (u16, or FILE.tok-HASH.u32.bin past 65,536 ids), each with a verified
+    /// header beside it, reused while the text and the tokenizer are unchanged. Default: the
+    /// --init-from directory's tokenizer.json when there is one, else bytes
     #[arg(long, value_name = "bytes|gpt2|PATH", value_parser = parse_tokenizer)]
     pub tokenizer: Option<TokenizerArg>,
     /// Start from Hugging Face weights: a directory with model.safetensors (or the shards of
     /// model.safetensors.index.json) and config.json, of GPT2LMHeadModel or LlamaForCausalLM
-    /// (F32, F16 or BF16), or its weights file. The model's shape comes from config.json
-    /// (--vocab may be larger, --seq-len shorter)
+    /// (F32, F16 or BF16), or its weights file. The model's shape comes from config.json (for
+    /// GPT-2 also its GELU, layer-norm epsilon, attention scaling and dropout; --dropout replaces
+    /// the dropout; a key train_gpt does not know is refused); --vocab may be larger, --seq-len
+    /// shorter
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// After training, write the model as a Hugging Face directory (model.safetensors +
-    /// config.json, loadable by GPT2LMHeadModel or LlamaForCausalLM.from_pretrained)
+    /// config.json, loadable by GPT2LMHeadModel or LlamaForCausalLM.from_pretrained; a GPT-2
+    /// export keeps the whole position table, the settings trained with, and --init-from's
+    /// other config keys)
     #[arg(long, value_name = "DIR")]
     pub export_hf: Option<PathBuf>,
     /// Print a short sample (48 tokens, temperature 0.8, top-k 40, seed 0) every N steps
@@ -79,7 +86,7 @@ impl InteropArgs {
         if self.init_from.is_some() && shape_overridden {
             return Err(
                 "--init-from takes the model's shape from its config.json; drop --d-model, \
-                 --layers, --heads, --kv-heads, --ffn-dim, --tied and --gelu"
+                 --layers, --heads, --kv-heads, --ffn-dim and --tied"
                     .into(),
             );
         }
@@ -90,8 +97,34 @@ impl InteropArgs {
             seq_len: explicit_seq.map(|t| t as usize),
             export_hf: self.export_hf.clone(),
             sample_every: self.sample_every as usize,
+            gelu: None,
+            dropout: None,
         })
     }
+}
+
+/// With `--init-from` and `--gelu`: refuses a `--gelu` that is not the model's
+/// (`activation_function` of its config.json), either way round. `Err` is a usage message;
+/// a model that cannot be opened is left to [`prepare`] to report.
+pub fn check_gelu(c: &TrainConfig) -> Result<(), String> {
+    let (Some(p), Some(want)) = (&c.interop.init_from, c.interop.gelu) else {
+        return Ok(());
+    };
+    let Ok(ck) = HfCheckpoint::open(p) else {
+        return Ok(());
+    };
+    let has = ck.config.gelu;
+    if has != want {
+        return Err(format!(
+            "--gelu {} but the --init-from model {} uses the {} GELU (config.json); drop \
+             --gelu (the model's own is used) or give --gelu {}",
+            want.name(),
+            ck.path().display(),
+            has.name(),
+            has.name()
+        ));
+    }
+    Ok(())
 }
 
 /// Before training (exit 1 on error): with `--init-from`, opens and checks the checkpoint and
@@ -114,11 +147,36 @@ pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
             let floor = if text { i.tokenizer.vocab() } else { 0 };
             let file_vocab = m.vocab();
             m.set_vocab(i.vocab.unwrap_or(file_vocab).max(file_vocab).max(floor));
+            // Training at a shorter --seq-len uses the first rows; a GPT's table stays whole.
             if let Some(t) = i.seq_len {
                 m.set_seq_len(t);
             }
+            match (&mut m, i.dropout) {
+                (ModelSpec::Gpt(g), Some(p)) => *g = g.with_dropout(GptDropout::all(p)),
+                (ModelSpec::Llama(_), Some(_)) => {
+                    return Err("--dropout: the --init-from model is a Llama, which has no \
+                                dropout; drop --dropout"
+                        .into())
+                }
+                _ => {}
+            }
             m.hf_check(p)?;
             notes.push(format!("init-from: {note}"));
+            if let ModelSpec::Gpt(g) = &m {
+                let d = g.dropout;
+                notes.push(format!(
+                    "dropout in training: embeddings {}, attention probabilities {}, residual {} \
+                     ({})",
+                    d.embd,
+                    d.attn,
+                    d.resid,
+                    if i.dropout.is_some() {
+                        "--dropout"
+                    } else {
+                        "config.json"
+                    }
+                ));
+            }
             m
         }
     };
@@ -128,12 +186,17 @@ pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
             format: DataFormat::Text,
             val_fraction,
         } if i.tokenizer != Tokenizer::Bytes => {
-            let (bin, format, reused) = crate::tokenizer::token_bin(path, &i.tokenizer)?;
+            let (bin, format, how) = crate::tokenizer::token_bin(path, &i.tokenizer, &mut |pid| {
+                let who = pid.map_or("another process".into(), |p| format!("process {p}"));
+                println!(
+                    "tokenizer: waiting for {who}, which is writing the token cache of {}",
+                    path.display()
+                );
+            })?;
             notes.push(format!(
-                "tokenizer: {} (vocab {}); {} {}",
+                "tokenizer: {} (vocab {}); {how} {}",
                 i.tokenizer.name(),
                 i.tokenizer.vocab(),
-                if reused { "reusing" } else { "wrote" },
                 bin.display()
             ));
             DataSpec::File {
@@ -167,7 +230,8 @@ pub fn export_rank(fsdp: &Fsdp<Model>, c: &TrainConfig) -> Result<Option<PathBuf
     let Some(dir) = &c.interop.export_hf else {
         return Ok(None);
     };
-    c.model.hf_export(fsdp, dir)?;
+    c.model
+        .hf_export(fsdp, c.interop.init_from.as_deref(), dir)?;
     Ok(Some(dir.clone()))
 }
 
@@ -194,7 +258,8 @@ pub fn sample_rank(
     } else {
         Some(&c.interop.tokenizer)
     };
-    let mut dec = c.model.decoder(&full)?;
+    // On the CPU, whatever the training device; nothing is dropped (no dropout key is set).
+    let mut dec = c.model.decoder(&full, &Device::cpu(0))?;
     let prompt = match tok {
         Some(t) => sample::prompt_ids(t, "")?,
         None => vec![3],

@@ -57,7 +57,8 @@ pub struct TrainConfig {
     pub ranks: usize,
     /// One MPI process per rank (`--backend mpi`) instead of thread ranks.
     pub mpi: bool,
-    /// GPU ranks over NCCL (`--device cuda`, see [`crate::cuda`]); `None`: CPU devices.
+    /// GPU ranks (`--device cuda`, see [`crate::cuda`]) and how they are laid out; `None`: CPU
+    /// devices.
     pub cuda: Option<CudaLaunch>,
     /// Sharding strategy.
     pub strategy: ShardingStrategy,
@@ -153,13 +154,17 @@ impl TrainConfig {
         self.optimizer.build(self.lr, &self.optim_hyper)
     }
 
-    /// The collective backend the ranks run on: NCCL for GPU ranks (a thread or a process
-    /// each), MPI for `--backend mpi`, else thread ranks.
+    /// The collective backend the ranks run on: MPI for `--backend mpi` (CPU ranks, or GPU
+    /// ranks staged through host memory); for GPU ranks NCCL (a thread or a process per GPU) or
+    /// the shared-GPU backend (more thread ranks than GPUs: all on `cuda:0`); else thread ranks.
     pub fn backend(&self) -> CollectiveBackend {
         match (self.cuda, self.mpi) {
+            (Some(CudaLaunch::Mpi), _) | (None, true) => CollectiveBackend::Mpi,
             (Some(CudaLaunch::Threads), _) => CollectiveBackend::NcclThreads,
+            (Some(CudaLaunch::SharedGpu), _) => CollectiveBackend::SharedGpu {
+                ordinal: SHARED_GPU_ORDINAL,
+            },
             (Some(CudaLaunch::Processes), _) => CollectiveBackend::Nccl,
-            (None, true) => CollectiveBackend::Mpi,
             (None, false) => CollectiveBackend::Thread,
         }
     }
@@ -315,25 +320,65 @@ pub struct Report {
     pub final_params: Option<FullStateDict>,
 }
 
+/// The GPU every rank of a shared-GPU run computes on (the first visible one; pick another
+/// with `CUDA_VISIBLE_DEVICES`).
+pub const SHARED_GPU_ORDINAL: usize = 0;
+
 /// How the ranks of a CUDA run are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CudaLaunch {
-    /// One process, a thread per GPU (`--device cuda`).
+    /// One process, a thread per GPU, NCCL between them (`--device cuda`, at most as many
+    /// ranks as visible GPUs).
     Threads,
-    /// One process per GPU under a launcher (`--device cuda --backend nccl`).
+    /// One process, W thread ranks sharing `cuda:0`, collectives through the GPU's memory
+    /// (`--device cuda --ranks W` with fewer than W visible GPUs; fsdp-collectives'
+    /// `SharedGpuGroup`).
+    SharedGpu,
+    /// One process per GPU under a launcher, NCCL (`--device cuda --backend nccl`).
     Processes,
+    /// One MPI process per rank, each on its local rank's GPU modulo the visible GPUs (several
+    /// on one GPU when there are fewer GPUs than processes), collectives staged through host
+    /// memory (`--device cuda --backend mpi`; fsdp-collectives' `HostStaged`).
+    Mpi,
 }
 
 impl CudaLaunch {
-    /// The GPU of `rank`: the rank itself for threads, the launcher's local rank (else the
-    /// rank) for processes.
-    pub fn ordinal(self, rank: usize) -> usize {
-        match self {
-            CudaLaunch::Threads => rank,
-            CudaLaunch::Processes => RendezvousEnv::from_env()
+    /// The GPU of `rank` when `visible` GPUs are visible: the rank itself for a thread per GPU;
+    /// [`SHARED_GPU_ORDINAL`] for shared-GPU thread ranks; the launcher's local rank (else the
+    /// rank) for processes, modulo `visible` under MPI.
+    pub fn ordinal(self, rank: usize, visible: usize) -> usize {
+        let local = || {
+            RendezvousEnv::from_env()
                 .ok()
                 .and_then(|e| e.local_rank)
-                .unwrap_or(rank),
+                .or_else(|| {
+                    fsdp_collectives::store::LaunchEnv::from_env()
+                        .ok()?
+                        .local_rank
+                })
+                .unwrap_or(rank)
+        };
+        match self {
+            CudaLaunch::Threads => rank,
+            CudaLaunch::SharedGpu => SHARED_GPU_ORDINAL,
+            CudaLaunch::Processes => local(),
+            CudaLaunch::Mpi => local() % visible.max(1),
+        }
+    }
+
+    /// One phrase for the banner: where the ranks run and which backend moves their data.
+    pub fn describe(self, ranks: usize) -> String {
+        match self {
+            CudaLaunch::Threads => "CUDA: a thread per GPU, NCCL".into(),
+            CudaLaunch::SharedGpu => format!(
+                "backend: shared-gpu ({ranks} thread ranks on cuda:{SHARED_GPU_ORDINAL}; \
+                 collectives through GPU memory, link speeds not shown)"
+            ),
+            CudaLaunch::Processes => "CUDA: a process per GPU, NCCL".into(),
+            CudaLaunch::Mpi => "CUDA: a process per rank on its local rank's GPU (modulo the \
+                                visible GPUs), MPI with host staging (across GPUs --backend \
+                                nccl moves the data on the device)"
+                .into(),
         }
     }
 }
@@ -353,6 +398,10 @@ pub struct Interop {
     pub export_hf: Option<PathBuf>,
     /// `--sample-every` (0: never).
     pub sample_every: usize,
+    /// `--gelu` when given (with `--init-from`: it must be the model's).
+    pub gelu: Option<fsdp_autograd::nn::Gelu>,
+    /// An explicit `--dropout` (with `--init-from`: replaces config.json's probabilities).
+    pub dropout: Option<f32>,
 }
 
 /// A command line that parses but does not make sense (exit 2, like clap's own errors).

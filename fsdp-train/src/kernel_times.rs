@@ -2,10 +2,12 @@
 //! `--profile` Chrome trace.
 //!
 //! On `--device cuda` the trace holds GPU intervals (CUDA events around every kernel, cuBLAS
-//! call, copy and NCCL collective; `fsdp_alloc::trace`): the table is their kernel time by
-//! name, with copies and NCCL time summed apart. On CPU devices it is the CPU streams' named
-//! work (`"work"` intervals) by name. Shares are of the summed time, over all ranks' streams;
-//! concurrent streams overlap, so the sum can exceed the step's wall time.
+//! call, copy and collective; `fsdp_alloc::trace`): the table is their kernel time by name,
+//! with copies and collective time summed apart — NCCL's (`"nccl"`) and the shared-GPU
+//! backend's (`"shared-gpu"`: thread ranks on one GPU; its intervals include the wait for the
+//! peers to reach the collective, as an NCCL kernel's do). On CPU devices it is the CPU streams'
+//! named work (`"work"` intervals) by name. Shares are of the summed time, over all ranks'
+//! streams; concurrent streams overlap, so the sum can exceed the step's wall time.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -47,6 +49,7 @@ pub fn parse_trace(text: &str) -> Result<Trace, String> {
             Some("kernel") => "kernel",
             Some("copy") => "copy",
             Some("nccl") => "nccl",
+            Some("shared-gpu") => "shared-gpu",
             Some("work") => "work",
             Some("wait") => "wait",
             _ => "host",
@@ -62,6 +65,10 @@ pub fn parse_trace(text: &str) -> Result<Trace, String> {
     }
     Ok(Trace::from_events(out))
 }
+
+/// The GPU categories summed apart from the kernel shares: copies and the collectives of each
+/// backend that times them on the GPU.
+pub const COLLECTIVE_AND_COPY: [&str; 3] = ["copy", "nccl", "shared-gpu"];
 
 /// The kernel table: (source, rows of (name, µs, share)). GPU kernels when the trace has any,
 /// else the CPU streams' work.
@@ -105,7 +112,7 @@ pub fn print(path: &Path) -> Result<(), String> {
             rows.len() - 20
         );
     }
-    for cat in ["copy", "nccl"] {
+    for cat in COLLECTIVE_AND_COPY {
         let us: f64 = gpu_time_shares(&t, cat).iter().map(|r| r.1).sum();
         if us > 0.0 {
             println!(
@@ -154,6 +161,39 @@ mod tests {
         assert_eq!(rows[0].0, "sgemm");
         assert!((rows[0].1 - 600.0).abs() < 1e-3, "{rows:?}");
         assert!((rows[0].2 - 0.75).abs() < 1e-6 && (rows[1].2 - 0.25).abs() < 1e-6);
+    }
+
+    #[test]
+    fn shared_gpu_collectives_are_read_back_and_kept_out_of_the_kernel_shares() {
+        let gpu = |n: &str, cat: &'static str, pid: usize, a: f32, b: f32| {
+            place_gpu_interval(
+                10.0,
+                a,
+                b,
+                pid,
+                "gpu fsdp-unshard".into(),
+                cat,
+                Arc::from(n),
+            )
+        };
+        let t = Trace::from_events(vec![
+            gpu("all_gather", "shared-gpu", 0, 0.0, 0.5),
+            gpu("all_gather", "shared-gpu", 1, 0.1, 0.5),
+            gpu("reduce_scatter", "shared-gpu", 1, 0.6, 0.8),
+            gpu("sgemm", "kernel", 0, 0.0, 0.4),
+        ]);
+        let back = parse_trace(&t.to_chrome_json()).unwrap();
+        assert!(back.events().iter().all(|e| e.cat != "host"), "{back:?}");
+        // Each rank's interval keeps its own timeline.
+        let pids: Vec<usize> = back.events().iter().map(|e| e.pid).collect();
+        assert!(pids.contains(&0) && pids.contains(&1), "{pids:?}");
+        let (_, rows) = shares(&back);
+        assert_eq!(rows.len(), 1, "collectives are not kernels: {rows:?}");
+        let sg = gpu_time_shares(&back, "shared-gpu");
+        assert_eq!(sg[0].0, "all_gather");
+        assert!((sg[0].1 - 900.0).abs() < 1e-3, "{sg:?}");
+        assert!((sg[1].1 - 200.0).abs() < 1e-3, "{sg:?}");
+        assert!(COLLECTIVE_AND_COPY.contains(&"shared-gpu"));
     }
 
     #[test]

@@ -19,14 +19,22 @@
 //! from [`data`], checkpointing through [`ckpt`]), and **report** it ([`report`](mod@report): banner, step
 //! lines, summary, `--json`; [`kernel_times`]).
 
+// First, so that its never-panicking `print!`/`println!`/`eprintln!` shadow the standard ones in
+// every module below (issue #37, 9: a closed stdout must not stop training).
+#[macro_use]
+mod out;
+
 mod ckpt;
+mod cleanup;
 mod cli;
 mod cuda;
 mod data;
 mod hf;
+mod input;
 mod interop;
 mod job;
 mod kernel_times;
+mod lock;
 mod model;
 mod optim;
 mod paths;
@@ -35,6 +43,7 @@ mod probe;
 mod report;
 mod resolve;
 mod sample;
+mod tensorboard;
 mod tokenizer;
 mod train;
 
@@ -52,7 +61,8 @@ use crate::resolve::{Exit, Resolved};
 
 fn main() -> ExitCode {
     // `train_gpt sample …`: generation (module `sample`), its own flags.
-    if std::env::args().nth(1).as_deref() == Some("sample") {
+    // OS strings: a non-UTF-8 argument is clap's to report (one line, exit 2), never a panic.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "sample") {
         return sample_main();
     }
     let cli = match Cli::try_parse() {
@@ -78,6 +88,8 @@ struct Done {
     probe: Option<Probe>,
     /// The model's own parameter count.
     params: u64,
+    /// The outputs' locks, held until the last output (`--plot`) is written.
+    _locks: paths::Locks,
 }
 
 /// Prints the banner and trains: the GEMM probe first on CPU ranks, each rank's matmul threads,
@@ -88,12 +100,14 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         config: c,
         probe,
         primary,
+        locks,
     } = job;
     let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
+        // Appended to with --resume, replaced with --overwrite (`paths::check_existing` refused
+        // anything else that holds earlier lines).
         Some(p) => Some((
             p.clone(),
-            std::fs::File::create(p)
-                .map_err(|e| Exit::error(format!("--metrics {}: {e}", p.display())))?,
+            report::open_metrics(p, c.resume && !cli.logging.overwrite).map_err(Exit::error)?,
         )),
         None => None,
     };
@@ -101,7 +115,8 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
     // On CUDA the probe runs after training: the CUDA kernel backend is cached per device id,
     // and its first user's device would otherwise be the probe's.
     let probe = match (probe, c.cuda) {
-        (None, None) => Some(resolve::gemm_probe(&c)?),
+        // `--steps 0` converts: nothing to measure.
+        (None, None) if c.steps > 0 => Some(resolve::gemm_probe(&c)?),
         (probe, _) => probe,
     };
     // Ranks share the machine's cores: give each rank's matmuls an even share (unless
@@ -123,12 +138,29 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         .map_or((c.steps / 12).max(1), |n| n as usize);
     let progress = primary && std::io::stdout().is_terminal() && !cli.logging.no_progress;
     let console = Console::new(progress, every, metrics);
+    let observer: Box<dyn job::Observer> =
+        match cli.logging.tensorboard.as_ref().filter(|_| primary) {
+            Some(dir) => {
+                let w = tensorboard::EventWriter::create(dir)
+                    .map_err(|e| Exit::error(format!("--tensorboard: {e}")))?;
+                println!("tensorboard: {}", w.path().display());
+                let mfu = probe
+                    .as_ref()
+                    .map(|p| tensorboard::MfuBasis::new(&*c.model, params, p.flops_per_s));
+                Box::new(tensorboard::TensorBoard::new(Box::new(console), w, mfu))
+            }
+            None => Box::new(console),
+        };
     let start = Instant::now();
-    let mut rep = train::run_job(&c, Box::new(console), false).map_err(Exit::error)?;
+    let mut rep = train::run_job(&c, observer, false).map_err(Exit::error)?;
     let wall = start.elapsed().as_secs_f64();
-    rep.observer
-        .finish()
-        .map_err(|e| Exit::error(format!("--metrics: {e}")))?;
+    rep.observer.finish().map_err(|e| {
+        Exit::error(if e.starts_with("--tensorboard") {
+            e
+        } else {
+            format!("--metrics: {e}")
+        })
+    })?;
     // Another process of a multi-process job: rank 0 reports.
     Ok((rep.rank == 0).then_some(Done {
         config: c,
@@ -136,6 +168,7 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         wall,
         probe,
         params,
+        _locks: locks,
     }))
 }
 
@@ -147,6 +180,7 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
         wall,
         probe,
         params,
+        _locks,
     }) = done
     else {
         return Ok(());
@@ -154,6 +188,10 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
     if let Some(p) = &cli.logging.plot {
         report::plot(p, &rep.history).map_err(Exit::error)?;
         println!("plot: {}", p.display());
+    }
+    if c.steps == 0 {
+        println!("--steps 0: converted without training");
+        return Ok(());
     }
     if rep.steps.is_empty() {
         let done = rep.first_step - 1;
@@ -183,7 +221,7 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
 
 /// `train_gpt sample …` (module [`sample`]).
 fn sample_main() -> ExitCode {
-    let cli = match sample::SampleCli::try_parse_from(std::env::args().skip(1)) {
+    let cli = match sample::SampleCli::try_parse_from(std::env::args_os().skip(1)) {
         Ok(c) => c,
         Err(e) => return resolve::parse_failure("train_gpt sample", e),
     };

@@ -13,8 +13,10 @@ use clap::ValueEnum;
 use fsdp_core::optim::AdamParams;
 use fsdp_core::{AdamW, Lamb, Sgd, ShardedOptimizer};
 
-/// `--optimizer`. The variant's `Debug` spelling (`Sgd`, `AdamW`, `Lamb`) is part of the
-/// checkpoint fingerprint (`train::fingerprint`): renaming a variant refuses old checkpoints.
+/// `--optimizer`. Its `--optimizer` spelling (`sgd`, `adamw`, `lamb`) is part of the checkpoint
+/// fingerprint (`ckpt::optimizer_value`), and checkpoints of before issue #37 hold the
+/// variant's `Debug` spelling (`Sgd`, `AdamW`, `Lamb`, read back by `ckpt`): renaming either
+/// refuses old checkpoints.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OptimizerArg {
     /// plain SGD (no state)
@@ -122,7 +124,7 @@ mod tests {
         }
     }
 
-    /// `--optimizer`'s spellings, and the `Debug` names the checkpoint fingerprint holds.
+    /// `--optimizer`'s spellings, and the `Debug` names older checkpoint fingerprints hold.
     #[test]
     fn spellings_and_fingerprint_names_are_stable() {
         for (kind, flag, debug) in [

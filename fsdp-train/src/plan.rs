@@ -193,8 +193,13 @@ fn read_cluster_arg(path: &Path) -> Result<(FileCluster, Option<String>), String
 }
 
 fn read_cluster_file(path: &Path) -> Result<FileCluster, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("--cluster {}: {e}", path.display()))?;
+    // A regular file only (a FIFO would block the read forever).
+    let text = crate::input::read_regular(path)
+        .and_then(|b| {
+            String::from_utf8(b)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        })
+        .map_err(|e| format!("--cluster {}: {e}", path.display()))?;
     parse_cluster_toml(&text).map_err(|e| format!("--cluster {}: {e}", path.display()))
 }
 

@@ -15,6 +15,9 @@
 //! - `ag` / `rs` (`ar` where all-reduces run): bytes rank 0's FSDP collectives moved in the step.
 //! - `val loss` (with `--eval-every`): mean cross-entropy over the fixed validation set.
 //!
+//! `--json`'s `backend` names the collective backend the ranks ran on (`thread`, `mpi`,
+//! `nccl-threads`, `nccl`, `shared-gpu`: fsdp-collectives' `CollectiveBackend::name`).
+//!
 //! The summary and the `--json` line use the median step time of all steps but the first
 //! (warm-up); with one step, that step. `all_gather_bytes` / `reduce_scatter_bytes` are rank 0's
 //! totals over the run, in the dtype communicated (bf16/f16 under mixed precision). `params` is
@@ -48,7 +51,7 @@
 //! (`gemm_probe_device`: `"cpu"` or `"cuda:0"`) and dtype (`gemm_probe_dtype`).
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{LineWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -61,7 +64,7 @@ use serde_json::{json, Value};
 use fsdp_core::{BackwardPrefetch, Quantization, ShardOver};
 
 use crate::job::TrainConfig;
-use crate::job::{prefetch_name, strategy_name, CudaLaunch, Observer, Report, StepRecord};
+use crate::job::{prefetch_name, strategy_name, Observer, Report, StepRecord};
 
 /// `1234567` → `1,234,567`.
 pub fn thousands(n: u64) -> String {
@@ -101,13 +104,32 @@ pub fn step_line(r: &StepRecord) -> String {
     line
 }
 
+/// Opens the `--metrics` file: appending to it (`--resume`: the resumed run's lines follow the
+/// earlier ones) or replacing it. Whether an existing file may be replaced was decided before
+/// (`paths::check_existing`).
+///
+/// # Errors
+/// The path and the OS error.
+pub fn open_metrics(path: &Path, append: bool) -> Result<File, String> {
+    let mut o = std::fs::OpenOptions::new();
+    o.create(true);
+    if append {
+        o.append(true);
+    } else {
+        o.write(true).truncate(true);
+    }
+    o.open(path)
+        .map_err(|e| format!("--metrics {}: {e}", path.display()))
+}
+
 /// Rank 0's observer of the real program: progress bar on a terminal (else plain lines every
-/// `every` steps, on the first and on the last) and the metrics file.
+/// `every` steps, on the first and on the last) and the metrics file, each line written through
+/// to the file as the step ends (an interrupted run leaves every completed step's line).
 pub struct Console {
     bar: Option<ProgressBar>,
     every: usize,
     total: usize,
-    metrics: Option<(PathBuf, BufWriter<File>)>,
+    metrics: Option<(PathBuf, LineWriter<File>)>,
     /// First error writing the metrics file (reported at the end; training goes on).
     metrics_error: Option<String>,
 }
@@ -130,7 +152,7 @@ impl Console {
             bar,
             every: every.max(1),
             total: 0,
-            metrics: metrics.map(|(p, f)| (p, BufWriter::new(f))),
+            metrics: metrics.map(|(p, f)| (p, LineWriter::new(f))),
             metrics_error: None,
         }
     }
@@ -225,6 +247,12 @@ pub fn metrics_json(r: &StepRecord) -> Value {
         o["val_loss"] = f(v as f64);
     }
     o
+}
+
+/// Model FLOPs per trained token (see "Model FLOP/s" above): `6·Ψ` for a model of `params`
+/// parameters plus `12·L·d·T` for the attention products.
+pub fn flops_per_token(g: &dyn crate::model::Family, params: u64) -> f64 {
+    6.0 * params as f64 + 12.0 * (g.n_layers() * g.d_model() * g.seq_len()) as f64
 }
 
 /// Which backend `--plot PATH` uses, from its extension.
@@ -400,10 +428,7 @@ pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params:
         extras.push_str(" | tied embedding/head");
     }
     if let Some(launch) = c.cuda {
-        extras.push_str(match launch {
-            CudaLaunch::Threads => " | CUDA: a thread per GPU, NCCL",
-            CudaLaunch::Processes => " | CUDA: a process per GPU, NCCL",
-        });
+        extras.push_str(&format!(" | {}", launch.describe(c.ranks)));
     }
     if c.cpu_offload {
         extras.push_str(" | CPU offload");
@@ -577,10 +602,7 @@ pub fn summary(
         thousands(tokens_per_s.round() as u64),
         wall
     );
-    let g = &c.model;
-    let attention = g.n_layers() * g.d_model() * g.seq_len();
-    let flops_per_token = 6.0 * params as f64 + 12.0 * attention as f64;
-    let model_flops = flops_per_token * tokens_per_s;
+    let model_flops = flops_per_token(&*c.model, params) * tokens_per_s;
     println!(
         "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s {} \
          GEMM probe on {} ({:.0}%)",
@@ -623,6 +645,7 @@ pub fn summary(
         let val = vals.last().map(|v| v.1 as f64).unwrap_or(f64::NAN);
         let j = json!({
             "ranks": c.ranks,
+            "backend": c.backend().name(),
             "strategy": strategy_name(c.strategy),
             "tokens_per_s": json_num((tokens_per_s * 10.0).round() / 10.0),
             "step_ms_median": json_num(step_s * 1e3),
@@ -711,6 +734,44 @@ mod tests {
         assert!(svg.contains("tokens/s"));
         // Three line series (train, validation, tokens/s) plus the three legend samples.
         assert!(svg.matches("<polyline").count() >= 3, "{}", svg.len());
+    }
+
+    #[test]
+    fn the_banner_and_json_name_the_backend_of_gpu_ranks() {
+        use crate::job::CudaLaunch;
+        use clap::Parser;
+        let mut c = crate::cli::Cli::try_parse_from(["train_gpt", "--ranks", "4"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        let cases = [
+            (
+                CudaLaunch::SharedGpu,
+                false,
+                "shared-gpu",
+                " | backend: shared-gpu (4 thread ranks on cuda:0; collectives through GPU \
+                 memory, link speeds not shown)",
+            ),
+            (CudaLaunch::Mpi, true, "mpi", "MPI with host staging"),
+            (
+                CudaLaunch::Threads,
+                false,
+                "nccl-threads",
+                " | CUDA: a thread per GPU, NCCL",
+            ),
+            (
+                CudaLaunch::Processes,
+                false,
+                "nccl",
+                " | CUDA: a process per GPU, NCCL",
+            ),
+        ];
+        for (launch, mpi, name, phrase) in cases {
+            (c.cuda, c.mpi) = (Some(launch), mpi);
+            let b = banner(&c, "synthetic", 2, 1, 1000);
+            assert!(b.contains(phrase), "{launch:?}: {b}");
+            assert_eq!(c.backend().name(), name, "{launch:?}");
+        }
     }
 
     #[test]

@@ -8,9 +8,6 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use fsdp_core::checkpoint::CheckpointManager;
-use fsdp_core::state_dict::check_save_target;
-
 use crate::cli::Cli;
 use crate::job::{CudaLaunch, TrainConfig};
 use crate::probe::{self, Probe};
@@ -58,10 +55,40 @@ pub fn parse_failure(prog: &str, e: clap::Error) -> ExitCode {
         let _ = e.print();
         return ExitCode::SUCCESS;
     }
+    if e.kind() == ErrorKind::InvalidUtf8 {
+        return Exit::usage(non_utf8_line(std::env::args_os())).exit(prog);
+    }
     let msg = e.to_string();
     let line = msg.lines().find(|l| !l.trim().is_empty());
     let line = line.unwrap_or("usage error").trim_start_matches("error: ");
     Exit::usage(format!("{line} (see --help)")).exit(prog)
+}
+
+/// The one line for an argument that is not valid UTF-8 where text is expected (paths may be
+/// any bytes; a prompt, a number or a name may not): names the flag and shows the value with
+/// the bad bytes escaped.
+fn non_utf8_line(args: impl Iterator<Item = std::ffi::OsString>) -> String {
+    let args: Vec<std::ffi::OsString> = args.collect();
+    let Some(i) = args.iter().position(|a| a.to_str().is_none()) else {
+        return "an argument is not valid UTF-8 (see --help)".into();
+    };
+    let shown = format!("{:?}", args[i]);
+    let arg = args[i].to_string_lossy();
+    let flag = match arg.split_once('=') {
+        Some((f, _)) if f.starts_with("--") => Some(f.to_string()),
+        _ => args
+            .get(i.wrapping_sub(1))
+            .and_then(|p| p.to_str())
+            .filter(|p| p.starts_with("--"))
+            .map(str::to_string),
+    };
+    match flag {
+        Some(f) => format!(
+            "{f}: the value {shown} is not valid UTF-8; {f} takes text (only paths may be \
+             any bytes) (see --help)"
+        ),
+        None => format!("the argument {shown} is not valid UTF-8 (see --help)"),
+    }
 }
 
 /// A run ready to train.
@@ -72,6 +99,9 @@ pub struct Resolved {
     pub probe: Option<Probe>,
     /// Whether this process prints (see [`primary_process`]).
     pub primary: bool,
+    /// The locks of the outputs (the primary process's; empty on the others), held while the
+    /// run writes them.
+    pub locks: paths::Locks,
 }
 
 /// The run `cli` asks for; `None` when there is nothing to train (`--plan` without `--apply`,
@@ -101,27 +131,40 @@ pub fn resolve(cli: &Cli) -> Result<Option<Resolved>, Exit> {
         .into_config()
         .map_err(|e| Exit::usage(format!("{e} (see --help)")))?;
     // Outputs that would destroy inputs or each other, a directory as --save, a non-file as
-    // --data, a fresh run into a used checkpoint directory: usage errors before anything runs.
-    paths::check(
-        &config,
-        cli.logging.metrics.as_deref(),
-        cli.logging.plot.as_deref(),
-    )
-    .map_err(Exit::usage)?;
-    check_outputs(cli, &config).map_err(Exit::error)?;
-    fsdp_autograd::kernels::cuda::set_allow_tf32(config.tf32);
+    // an input, a fresh run into a used checkpoint directory: usage errors before anything runs.
+    let x = paths::CliPaths::of(cli);
+    paths::check(&config, &x).map_err(Exit::usage)?;
+    interop::check_gelu(&config).map_err(Exit::usage)?;
     let primary = primary_process(&config);
+    // The writing process locks every output (another run holding one: exit 2), then, with
+    // the locks held, refuses to lose earlier work and probes every output.
+    let locks = if primary {
+        let locks = paths::lock_outputs(&config, &x).map_err(|e| match e {
+            paths::LockFailure::Held(m) => Exit::usage(m),
+            paths::LockFailure::Io(m) => Exit::error(m),
+        })?;
+        paths::check_existing(&config, &x).map_err(Exit::usage)?;
+        locks
+    } else {
+        paths::Locks::default()
+    };
+    paths::check_writable(&config, &x).map_err(Exit::error)?;
+    fsdp_autograd::kernels::cuda::set_allow_tf32(config.tf32);
     let (config, notes) = interop::prepare(config).map_err(Exit::error)?;
     if primary {
         for note in notes {
             println!("{note}");
         }
+        // The model is known now (`--init-from` sets its shape): room for what holds it.
+        let slots = config.build_optimizer().state_slots() as u64;
+        paths::check_space(&config, config.model.params(), slots).map_err(Exit::error)?;
     }
     if !cli.planning.plan {
         return Ok(Some(Resolved {
             config,
             probe: None,
             primary,
+            locks,
         }));
     }
     // `--plan`: the ranked table (the primary process prints it); `--apply` trains with the
@@ -135,6 +178,7 @@ pub fn resolve(cli: &Cli) -> Result<Option<Resolved>, Exit> {
         config,
         probe: Some(probe),
         primary,
+        locks,
     }))
 }
 
@@ -198,28 +242,6 @@ pub fn cores() -> usize {
         .unwrap_or(1)
 }
 
-/// Checks every output location before step 1 (fsdp-core's fail-early checks: the directory
-/// exists or can be created, a file can be created in it, the target is not a symlink or device,
-/// and for checkpoints there is room for another one the size of the newest).
-fn check_outputs(cli: &Cli, c: &TrainConfig) -> Result<(), String> {
-    if let Some(d) = &c.checkpoint_dir {
-        CheckpointManager::new(d, c.keep_checkpoints)
-            .and_then(|m| m.check_target())
-            .map_err(|e| format!("--checkpoint-dir: {e}"))?;
-    }
-    for (flag, p) in [
-        ("--save", &c.save),
-        ("--plot", &cli.logging.plot),
-        ("--metrics", &cli.logging.metrics),
-        ("--profile", &c.profile),
-    ] {
-        if let Some(p) = p {
-            check_save_target(p, None).map_err(|e| format!("{flag}: {e}"))?;
-        }
-    }
-    Ok(())
-}
-
 /// Whether this process prints: always with thread ranks; with `--backend mpi` or one process
 /// per GPU, rank 0 (from the launcher's environment).
 pub fn primary_process(c: &TrainConfig) -> bool {
@@ -245,6 +267,25 @@ mod tests {
         let cli =
             Cli::try_parse_from(std::iter::once("train_gpt").chain(args.iter().copied())).unwrap();
         resolve(&cli)
+    }
+
+    /// Issue #37 (4): a non-UTF-8 value is named by its flag, with the bad bytes escaped.
+    #[test]
+    fn non_utf8_values_name_their_flag() {
+        use std::os::unix::ffi::OsStringExt;
+        let bad = std::ffi::OsString::from_vec(b"ab\xff".to_vec());
+        let args = ["train_gpt", "sample", "--prompt"]
+            .into_iter()
+            .map(std::ffi::OsString::from)
+            .chain([bad]);
+        let line = non_utf8_line(args);
+        assert!(
+            line.starts_with("--prompt: the value \"ab\\xFF\" is not valid UTF-8"),
+            "{line}"
+        );
+        let eq = std::ffi::OsString::from_vec(b"--steps=1\xfe".to_vec());
+        let line = non_utf8_line([std::ffi::OsString::from("train_gpt"), eq].into_iter());
+        assert!(line.starts_with("--steps:"), "{line}");
     }
 
     /// Usage errors exit 2 with the old one-line messages; a run without `--plan` is the parsed

@@ -2,7 +2,9 @@
 //!
 //! The model family's decoder ([`crate::model::Family::decoder`], e.g. GPT's
 //! `GptDecoder` in `model/gpt.rs`) runs a plain (unwrapped) model one token at a time with a KV
-//! cache; this module feeds it the prompt and picks the next tokens.
+//! cache; this module feeds it the prompt and picks the next tokens. The model may live on any
+//! device (`train_gpt sample --device cuda` puts it on the first GPU: its layers run there, the
+//! cached attention on the host); nothing is dropped (sampling never sets a dropout key).
 //!
 //! Sampling is deterministic for a seed: logits divided by the temperature, the `top_k` largest
 //! kept, softmax in f64, and one uniform draw per token from a SplitMix64 stream of the seed
@@ -11,9 +13,11 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use fsdp_alloc::Device;
 use fsdp_core::checkpoint;
 use fsdp_core::state_dict::{FullStateDict, ShardedStateDict, TensorEntry};
 
+use crate::job::CudaLaunch;
 use crate::model::{Decode, ModelSpec};
 use crate::tokenizer::{beside, parse_tokenizer, Tokenizer, TokenizerArg};
 
@@ -81,6 +85,25 @@ fn pick(logits: &[f32], o: &SampleOpts, rng: &mut u64) -> u32 {
 /// # Errors
 /// An empty prompt; [`Decode::step`]'s errors.
 pub fn generate(dec: &mut dyn Decode, prompt: &[u32], o: &SampleOpts) -> Res<Vec<u32>> {
+    let mut out = Vec::with_capacity(o.max_new_tokens);
+    generate_with(dec, prompt, o, &mut |t| {
+        out.push(t);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// [`generate`], handing each new token to `on_token` as soon as it is drawn (`train_gpt
+/// sample` prints it then: a long generation streams instead of printing at the end).
+///
+/// # Errors
+/// As [`generate`], and `on_token`'s.
+pub fn generate_with(
+    dec: &mut dyn Decode,
+    prompt: &[u32],
+    o: &SampleOpts,
+    on_token: &mut dyn FnMut(u32) -> Res<()>,
+) -> Res<()> {
     let (&last, head) = prompt
         .split_last()
         .ok_or("the prompt must hold at least one token")?;
@@ -89,15 +112,60 @@ pub fn generate(dec: &mut dyn Decode, prompt: &[u32], o: &SampleOpts) -> Res<Vec
     }
     let mut rng = o.seed;
     let mut logits = dec.step(last)?;
-    let mut out = Vec::with_capacity(o.max_new_tokens);
     for i in 0..o.max_new_tokens {
         let t = pick(&logits, o, &mut rng);
-        out.push(t);
+        on_token(t)?;
         if i + 1 < o.max_new_tokens {
             logits = dec.step(t)?;
         }
     }
-    Ok(out)
+    Ok(())
+}
+
+/// Text decoded from bytes that arrive in pieces (a GPT-2 token may end inside a UTF-8
+/// character): each [`Utf8Stream::push`] returns what can be shown so far, holding back an
+/// incomplete character; together with [`Utf8Stream::finish`] the pieces equal
+/// `String::from_utf8_lossy` of all the bytes.
+#[derive(Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Adds `bytes`; returns the text complete so far (invalid bytes as U+FFFD).
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let good = e.valid_up_to();
+                    out.push_str(std::str::from_utf8(&self.pending[..good]).unwrap_or_default());
+                    match e.error_len() {
+                        // An incomplete character at the end: wait for the rest.
+                        None => {
+                            self.pending.drain(..good);
+                            return out;
+                        }
+                        Some(bad) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..good + bad);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is left (an incomplete character at the very end, as U+FFFD).
+    pub fn finish(self) -> String {
+        String::from_utf8_lossy(&self.pending).into_owned()
+    }
 }
 
 /// The prompt's ids: `text` encoded, or one start token ([`Tokenizer::start`]: `<|endoftext|>`
@@ -111,18 +179,43 @@ pub fn prompt_ids(tok: &Tokenizer, text: &str) -> Res<Vec<u32>> {
     })
 }
 
-/// The model of the newest complete checkpoint in `root`: its config (from `train_gpt`'s
-/// metadata) and parameters (every rank's pieces of the sharded model directory, assembled).
-pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, ModelSpec, FullStateDict)> {
-    let dir = checkpoint::latest_complete(root)
-        .map_err(e)?
-        .ok_or_else(|| {
-            format!(
-                "--checkpoint-dir {}: no complete checkpoint",
-                root.display()
-            )
-        })?;
-    let meta = crate::ckpt::peek(&dir).map_err(e)?;
+/// The model of the newest checkpoint in `root` that loads: its config (from `train_gpt`'s
+/// metadata) and parameters (every rank's pieces of the sharded model directory, assembled,
+/// every tensor's CRC-32 checked). A damaged newer checkpoint is skipped and reported to
+/// `skipped` (its directory and problem); the one used is returned.
+///
+/// # Errors
+/// No checkpoint that loads (naming the newest problem), or a directory that cannot be listed.
+pub fn load_checkpoint(
+    root: &Path,
+    skipped: &mut dyn FnMut(&Path, &str),
+) -> Res<(PathBuf, ModelSpec, FullStateDict)> {
+    let dirs = checkpoint::candidates(root).map_err(e)?;
+    let mut newest_problem = None;
+    for dir in dirs {
+        let loaded = checkpoint::check_complete(&dir)
+            .map_err(e)
+            .and_then(|()| load_model_dir(&dir));
+        match loaded {
+            Ok((g, full)) => return Ok((dir, g, full)),
+            Err(why) => {
+                skipped(&dir, &why);
+                newest_problem.get_or_insert(why);
+            }
+        }
+    }
+    Err(match newest_problem {
+        None => format!("--checkpoint-dir {}: no checkpoint in it", root.display()),
+        Some(why) => format!(
+            "--checkpoint-dir {}: no checkpoint loads (the newest: {why})",
+            root.display()
+        ),
+    })
+}
+
+/// The model config and parameters of checkpoint `dir`.
+fn load_model_dir(dir: &Path) -> Res<(ModelSpec, FullStateDict)> {
+    let meta = crate::ckpt::peek(dir).map_err(e)?;
     let model = meta["fingerprint"]["model"]
         .as_str()
         .ok_or_else(|| format!("{}: no model in the checkpoint's metadata", dir.display()))?;
@@ -151,7 +244,6 @@ pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, ModelSpec, FullStateDict)> 
         });
     }
     Ok((
-        dir,
         g,
         FullStateDict {
             world_size: 1,
@@ -165,7 +257,7 @@ pub fn load_checkpoint(root: &Path) -> Res<(PathBuf, ModelSpec, FullStateDict)> 
 #[command(
     name = "train_gpt sample",
     bin_name = "train_gpt sample",
-    about = "Generates text from the newest complete checkpoint of --checkpoint-dir, or from Hugging Face GPT-2 or Llama weights (--init-from), with a KV cache, on the CPU",
+    about = "Generates text from the newest complete checkpoint of --checkpoint-dir, or from Hugging Face GPT-2 or Llama weights (--init-from), with a KV cache, on the CPU or (--device cuda) the first GPU",
     max_term_width = 100
 )]
 pub struct SampleCli {
@@ -196,6 +288,26 @@ pub struct SampleCli {
     /// when there is one, else gpt2 when the model's vocab holds GPT-2's 50257 ids, else bytes)
     #[arg(long, value_name = "bytes|gpt2|PATH", value_parser = parse_tokenizer)]
     pub tokenizer: Option<TokenizerArg>,
+    /// Where the model runs: cpu, or cuda (the first GPU; needs a build with --features
+    /// fsdp-train/cuda). Without a CUDA driver, cuda exits with one line naming what is missing
+    #[arg(long, value_name = "DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+}
+
+/// The device `--device` names: `cpu:0`, or `cuda:0` after the same preflight as training's
+/// (a typed error when the build has no CUDA support or there is no driver or GPU).
+///
+/// # Errors
+/// One line naming what is missing.
+pub fn sample_device(arg: &str) -> Res<Device> {
+    match arg {
+        "cuda" => {
+            crate::cuda::preflight(CudaLaunch::Threads)
+                .map_err(|err| format!("--device cuda: {err}"))?;
+            Device::cuda(0).map_err(|err| format!("--device cuda: {err}"))
+        }
+        _ => Ok(Device::cpu(0)),
+    }
 }
 
 fn parse_temperature(s: &str) -> Result<f32, String> {
@@ -212,10 +324,26 @@ fn parse_temperature(s: &str) -> Result<f32, String> {
 pub fn run(cli: SampleCli) -> Res<()> {
     let (source, g, full) = match (&cli.checkpoint_dir, &cli.init_from) {
         (Some(root), None) => {
-            let (dir, g, full) = load_checkpoint(root)?;
+            match std::fs::metadata(root) {
+                Ok(m) if m.is_dir() => {}
+                Ok(m) => {
+                    return Err(format!(
+                        "--checkpoint-dir {}: it is {}, not a directory; give train_gpt's \
+                         --checkpoint-dir",
+                        root.display(),
+                        crate::data::file_kind(m.file_type())
+                    ))
+                }
+                Err(err) => return Err(format!("--checkpoint-dir {}: {err}", root.display())),
+            }
+            let (dir, g, full) = load_checkpoint(root, &mut |dir, why| {
+                eprintln!("sample: skipped {}: {why}", dir.display());
+            })?;
+            eprintln!("sample: using checkpoint {}", dir.display());
             (dir.display().to_string(), g, full)
         }
         (None, Some(p)) => {
+            // Sampling drops nothing: the decoder's model gets no dropout key.
             let (g, note) = ModelSpec::from_hf(p)?;
             let full = g.hf_full(p)?;
             (note, g, full)
@@ -236,7 +364,8 @@ pub fn run(cli: SampleCli) -> Res<()> {
             tok.vocab()
         ));
     }
-    let mut dec = g.decoder(&full)?;
+    let dev = sample_device(&cli.device)?;
+    let mut dec = g.decoder(&full, &dev)?;
     let prompt = prompt_ids(&tok, &cli.prompt)?;
     let o = SampleOpts {
         max_new_tokens: cli.max_new_tokens as usize,
@@ -245,21 +374,30 @@ pub fn run(cli: SampleCli) -> Res<()> {
         seed: cli.seed,
         max_id: tok.vocab(),
     };
-    let out = generate(dec.as_mut(), &prompt, &o)?;
     eprintln!(
-        "sample: {source} ({} vocab {} d {} layers {}), tokenizer {}, {} prompt + {} new tokens, temperature {}, top-k {}, seed {}",
+        "sample: {source} ({} vocab {} d {} layers {}) on {}, tokenizer {}, {} prompt + {} new tokens, temperature {}, top-k {}, seed {}",
         g.name(),
         g.vocab(),
         g.d_model(),
         g.n_layers(),
+        dev.id(),
         tok.name(),
         prompt.len(),
-        out.len(),
+        o.max_new_tokens,
         o.temperature,
         o.top_k.map_or("all".into(), |k| k.to_string()),
         o.seed
     );
-    println!("{}{}", cli.prompt, tok.decode(&out)?);
+    // The prompt, then each token as it is drawn (a character split over tokens is printed
+    // when it is complete).
+    print!("{}", cli.prompt);
+    let mut text = Utf8Stream::default();
+    generate_with(dec.as_mut(), &prompt, &o, &mut |t| {
+        print!("{}", text.push(&tok.decode_bytes(&[t])?));
+        crate::out::flush_stdout();
+        Ok(())
+    })?;
+    println!("{}", text.finish());
     Ok(())
 }
 
@@ -267,7 +405,6 @@ pub fn run(cli: SampleCli) -> Res<()> {
 mod tests {
     use super::*;
     use crate::model::GptDecoder;
-    use fsdp_alloc::Device;
     use fsdp_autograd::nn::{Gpt, GptConfig};
     use fsdp_autograd::InitContext;
 
@@ -302,5 +439,41 @@ mod tests {
             .max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a)))
             .unwrap();
         assert_eq!(g[0], best as u32);
+    }
+
+    /// Issue #37 (10): text streamed token by token (a token may end inside a UTF-8
+    /// character, or hold invalid bytes) comes out exactly as decoding all the bytes at once.
+    #[test]
+    fn streamed_text_equals_the_whole_decode() {
+        let bytes: Vec<u8> = "héllo wörld — ✓ ok"
+            .bytes()
+            .chain([0xff, b'a', 0xe2, 0x9c])
+            .collect();
+        let whole = String::from_utf8_lossy(&bytes).into_owned();
+        for piece in [1, 2, 3, 5] {
+            let mut s = Utf8Stream::default();
+            let mut out = String::new();
+            for c in bytes.chunks(piece) {
+                out.push_str(&s.push(c));
+            }
+            out.push_str(&s.finish());
+            assert_eq!(out, whole, "pieces of {piece}");
+        }
+        let mut s = Utf8Stream::default();
+        assert_eq!(s.push(&[0xc3]), "", "half a character waits");
+        assert_eq!(s.push(&[0xa9]), "é");
+    }
+
+    /// `--device cuda` without a GPU (or built without CUDA) is one line naming what is
+    /// missing.
+    #[test]
+    fn a_missing_gpu_is_one_line() {
+        if Device::cuda(0).is_err() {
+            let err = sample_device("cuda").unwrap_err();
+            assert!(
+                err.starts_with("--device cuda: ") && !err.contains('\n'),
+                "{err}"
+            );
+        }
     }
 }

@@ -17,8 +17,9 @@ use std::time::Instant;
 
 use fsdp_alloc::trace;
 use fsdp_alloc::{DType, Device, DeviceConfig};
+use fsdp_autograd::kernels::dropout::DropoutKey;
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
-use fsdp_collectives::{DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
+use fsdp_collectives::{CollectiveBackend, DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
 use fsdp_core::checkpoint::{self, CheckpointManager};
 use fsdp_core::plumbing::tensor_slice;
 use fsdp_core::state_dict;
@@ -38,12 +39,12 @@ use crate::model::Model;
 /// `--steps` where the schedule depends on it: the cosine decay of `--min-lr`).
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
     json!({
-        "lr": cfg.lr,
+        "lr": ckpt::f32_value(cfg.lr),
         "warmup_steps": cfg.warmup_steps,
-        "min_lr": cfg.min_lr,
+        "min_lr": cfg.min_lr.map(ckpt::f32_value),
         "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
         "model": cfg.model.fingerprint(),
-        "optimizer": format!("{:?} {:?}", cfg.optimizer, cfg.optim_hyper),
+        "optimizer": ckpt::optimizer_value(cfg.optimizer, &cfg.optim_hyper),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
             DataSpec::Synthetic => "synthetic".to_string(),
@@ -100,11 +101,10 @@ pub fn run_job(
         .launch(cfg.ranks)
         .map_err(coll_err(0, format!("launching the {backend} ranks")))?;
     let run = |seat: Seat, observer: Box<dyn Observer>| -> Result<Report, TrainError> {
-        let rank = seat.rank();
-        let pg = seat
-            .join()
-            .map_err(coll_err(rank, format!("joining the {backend} group")))?;
-        Rank::new(rank, pg, cfg, data.clone(), observer)?.train(gather_final)
+        // Ranks sharing one GPU all compute on `cuda:0`: a timeline each in `--profile`.
+        let _lane = matches!(backend, CollectiveBackend::SharedGpu { .. })
+            .then(|| trace::lane(seat.rank()));
+        Rank::new(seat, cfg, data.clone(), observer)?.train(gather_final)
     };
     let mut observer = Some(observer);
     let mut observer_of = |rank: usize| -> Box<dyn Observer> {
@@ -164,14 +164,24 @@ pub fn run_job(
     }
     if !errors.is_empty() {
         // Every rank stops on the same non-finite value: report it once. Otherwise the first
-        // error that is not a peer's echo is the cause.
-        let pos = errors
-            .iter()
-            .position(|e| !matches!(e, TrainError::PeerFailed { .. }))
-            .unwrap_or(0);
+        // error that is not a peer's echo is the cause (a rank's full disk, say, rather than
+        // rank 0's "rank 1 failed to write its part: …").
+        let pos = errors.iter().position(|e| !is_echo(e)).unwrap_or(0);
         return Err(errors.swap_remove(pos));
     }
     report.ok_or_else(|| TrainError::Thread("no rank of this process returned a report".into()))
+}
+
+/// Whether `e` only passes on another rank's failure (that rank's own error is the cause).
+fn is_echo(e: &TrainError) -> bool {
+    use fsdp_core::StateDictError as S;
+    match e {
+        TrainError::PeerFailed { .. } => true,
+        TrainError::StateDict { source, .. } => {
+            matches!(**source, S::PeerFailed { .. } | S::PeerRejected { .. })
+        }
+        _ => false,
+    }
 }
 
 /// One rank's state.
@@ -195,13 +205,16 @@ fn slice_of(t: &Tensor) -> Result<DeviceSlice, FsdpError> {
 }
 
 impl Rank {
+    /// Opens the rank's devices, joins its group for them (`Seat::join_for`: GPU ranks on a
+    /// host backend, `--backend mpi --device cuda`, get host staging), builds and wraps the
+    /// model.
     fn new(
-        rank: usize,
-        pg: Arc<dyn ProcessGroup>,
+        seat: Seat,
         cfg: &TrainConfig,
         data: Dataset,
         observer: Box<dyn Observer>,
     ) -> Result<Rank, TrainError> {
+        let rank = seat.rank();
         let fsdp_err = |context: &str| {
             let context = context.to_string();
             move |source: FsdpError| TrainError::Fsdp {
@@ -215,6 +228,10 @@ impl Rank {
         // Rank `rank`'s compute device (CPU, or its GPU with --device cuda) and offload host.
         let (dev, host) = crate::cuda::rank_devices(rank, cfg, devices)
             .map_err(|e| fsdp_err("opening the device")(FsdpError::from(e)))?;
+        let backend = seat.backend();
+        let pg = seat
+            .join_for(&dev)
+            .map_err(|e| fsdp_err(&format!("joining the {backend} group"))(FsdpError::from(e)))?;
         let init = if cfg.deferred_init {
             InitContext::fake(cfg.seed)
         } else {
@@ -225,7 +242,6 @@ impl Rank {
         let model = cfg
             .model
             .build(&init)
-            .map(Model::new)
             .map_err(|e| fsdp_err("building the model")(FsdpError::from(e)))?;
         let comm: Comm = if cfg.strategy.replicates() {
             let f = cfg.shard_size.unwrap_or(world);
@@ -358,11 +374,19 @@ impl Rank {
         Ok((peer as usize, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
+    /// The global index of the first sequence of this rank's micro-batch `micro` of step `s`
+    /// (the data stream's index; also what dropout masks are keyed by, so a sequence gets the
+    /// same masks at every rank count and accumulation).
+    fn first_sample(&self, s: usize, micro: usize) -> u64 {
+        let c = &self.cfg;
+        let g = (c.ranks * c.batch) as u64;
+        (s * c.grad_accum + micro) as u64 * g + (self.rank * c.batch) as u64
+    }
+
     /// This rank's micro-batch `micro` of step `s` (0-based).
     fn batch(&self, s: usize, micro: usize) -> Result<(Tensor, Tensor), TrainError> {
         let c = &self.cfg;
-        let g = (c.ranks * c.batch) as u64;
-        let first = (s * c.grad_accum + micro) as u64 * g + (self.rank * c.batch) as u64;
+        let first = self.first_sample(s, micro);
         let seq = c.model.seq_len();
         let mut ids = Vec::with_capacity(c.batch * seq);
         let mut tg = Vec::with_capacity(c.batch * seq);
@@ -469,58 +493,67 @@ impl Rank {
         Ok(())
     }
 
-    /// Loads the newest complete checkpoint, if any: returns (steps done, history).
-    fn resume(&mut self) -> Result<(usize, Vec<Value>), TrainError> {
-        let Some(dir) = self.cfg.checkpoint_dir.clone() else {
-            return Ok((0, Vec::new()));
-        };
-        let found = if self.cfg.resume_latest_valid {
-            checkpoint::latest_valid(&dir).map(|(found, skipped)| {
-                if self.rank == 0 {
-                    for s in &skipped {
-                        self.observer.note(&format!(
-                            "resume latest-valid: skipped {}: {}",
-                            s.dir.display(),
-                            s.error
-                        ));
+    /// `--resume latest-valid`: loads the newest checkpoint that loads (fsdp-core's
+    /// `load_latest_valid`: past missing, stale and damaged files, tensors whose CRC-32 does not
+    /// match included), refusing one of another run (the fingerprint) before loading it. Rank 0
+    /// notes every checkpoint skipped and why. Returns the checkpoint and what it restored.
+    fn load_latest_valid(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> Result<Option<(std::path::PathBuf, checkpoint::LoadedCheckpoint)>, TrainError> {
+        let now = fingerprint(&self.cfg);
+        // This rank's own refusal, kept typed for the message (the others get its text).
+        let mut refusal = None;
+        let mut accept = |p: &std::path::Path| {
+            ckpt::peek(p)
+                .and_then(|meta| ckpt::check_fingerprint(p, &meta, &now))
+                .map_err(|e| {
+                    let reason = e.to_string();
+                    refusal = Some(e);
+                    fsdp_core::StateDictError::Refused {
+                        path: p.to_path_buf(),
+                        reason,
                     }
-                }
-                found
-            })
-        } else {
-            checkpoint::newest(&dir)
-        };
-        let found = found
-            .map_err(self.sd_err(format!(
-                "--resume: the newest checkpoint in {} is damaged or unreadable; nothing was \
-                 loaded (`--resume latest-valid` falls back to the newest undamaged one)",
-                dir.display()
-            )))
-            .and_then(|l| match l {
-                None => Ok(None),
-                Some(path) => {
-                    let meta = ckpt::peek(&path)?;
-                    ckpt::check_fingerprint(&path, &meta, &fingerprint(&self.cfg))?;
-                    Ok(Some(path))
-                }
-            });
-        let found = self.agree(found, "finding the checkpoint")?;
-        let Some(path) = found else {
-            if self.rank == 0 {
-                self.observer.note(&format!(
-                    "resume: no checkpoint in {}, starting at step 1",
-                    dir.display()
-                ));
-            }
-            return Ok((0, Vec::new()));
+                })
         };
         let opt: Option<&mut dyn ShardedOptimizer> = if self.opt.state_slots() > 0 {
             Some(&mut *self.opt)
         } else {
             None
         };
-        let loaded = checkpoint::load(&self.fsdp, &path, opt, None)
-            .map_err(self.sd_err(format!("loading {}", path.display())))?;
+        let r = checkpoint::load_latest_valid(&self.fsdp, dir, opt, None, &mut accept);
+        let r = match (r, refusal) {
+            (Err(_), Some(mine)) => return Err(mine.into()),
+            (r, _) => r.map_err(self.sd_err(format!(
+                "--resume latest-valid: {}: nothing was loaded",
+                dir.display()
+            )))?,
+        };
+        if self.rank == 0 {
+            for s in &r.skipped {
+                self.observer.note(&format!(
+                    "resume latest-valid: skipped {}: {}",
+                    s.dir.display(),
+                    s.error
+                ));
+            }
+        }
+        Ok(r.loaded)
+    }
+
+    /// Loads the newest complete checkpoint, if any: returns (steps done, history).
+    fn resume(&mut self) -> Result<(usize, Vec<Value>), TrainError> {
+        let Some(dir) = self.cfg.checkpoint_dir.clone() else {
+            return Ok((0, Vec::new()));
+        };
+        let found = if self.cfg.resume_latest_valid {
+            self.load_latest_valid(&dir)?
+        } else {
+            self.load_newest(&dir)?
+        };
+        let Some((path, loaded)) = found else {
+            return Ok(self.fresh_start(&dir));
+        };
         self.lineage = loaded.lineage.clone();
         let meta = ckpt::parse(
             &path,
@@ -544,6 +577,53 @@ impl Rank {
             ));
         }
         Ok((step, history))
+    }
+
+    /// No checkpoint to resume from: rank 0 says so; training starts at step 1.
+    fn fresh_start(&mut self, dir: &std::path::Path) -> (usize, Vec<Value>) {
+        if self.rank == 0 {
+            self.observer.note(&format!(
+                "resume: no checkpoint in {}, starting at step 1",
+                dir.display()
+            ));
+        }
+        (0, Vec::new())
+    }
+
+    /// `--resume` (newest): loads the newest checkpoint, refused when it is damaged or of
+    /// another run; `None` when there is none.
+    fn load_newest(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> Result<Option<(std::path::PathBuf, checkpoint::LoadedCheckpoint)>, TrainError> {
+        let dir = dir.to_path_buf();
+        let found = checkpoint::newest(&dir);
+        let found = found
+            .map_err(self.sd_err(format!(
+                "--resume: the newest checkpoint in {} is damaged or unreadable; nothing was \
+                 loaded (`--resume latest-valid` falls back to the newest undamaged one)",
+                dir.display()
+            )))
+            .and_then(|l| match l {
+                None => Ok(None),
+                Some(path) => {
+                    let meta = ckpt::peek(&path)?;
+                    ckpt::check_fingerprint(&path, &meta, &fingerprint(&self.cfg))?;
+                    Ok(Some(path))
+                }
+            });
+        let found = self.agree(found, "finding the checkpoint")?;
+        let Some(path) = found else {
+            return Ok(None);
+        };
+        let opt: Option<&mut dyn ShardedOptimizer> = if self.opt.state_slots() > 0 {
+            Some(&mut *self.opt)
+        } else {
+            None
+        };
+        let loaded = checkpoint::load(&self.fsdp, &path, opt, None)
+            .map_err(self.sd_err(format!("loading {}", path.display())))?;
+        Ok(Some((path, loaded)))
     }
 
     /// The optimizer as checkpoints save and load it: only when it keeps state (plain SGD
@@ -662,7 +742,7 @@ impl Rank {
         let batch_syncs = fsdp_alloc::stream::host_syncs() - syncs_before_batches;
         let batches = self.agree(batches, "reading training data")?;
         let (scaled, norm, step_syncs) = self
-            .step(batches, lr)
+            .step(s, batches, lr)
             .map_err(self.err(format!("step {step}")))?;
         let host_syncs = batch_syncs + step_syncs;
         if !norm.is_finite() {
@@ -807,6 +887,7 @@ impl Rank {
     /// global gradient norm, this thread's host waits until the optimizer step was launched).
     fn step(
         &mut self,
+        s: usize,
         batches: Vec<(Tensor, Tensor)>,
         lr: f32,
     ) -> Result<(f32, f64, u64), FsdpError> {
@@ -816,6 +897,15 @@ impl Rank {
         let vocab = self.cfg.model.vocab();
         let mut scaled = 0.0f32;
         for (micro, (x, y)) in batches.into_iter().enumerate() {
+            // Dropout (if the model has any) in this micro-batch's forward, keyed by its first
+            // sequence's global index; evaluation and sampling run without a key.
+            let sample = self.first_sample(s, micro);
+            let key = DropoutKey {
+                seed: self.cfg.seed,
+                step: s as u64,
+                sample,
+            };
+            self.fsdp.module().set_dropout_key(Some(key));
             let fsdp = &self.fsdp;
             let mut fwd_bwd = || -> Result<(), FsdpError> {
                 let logits = fsdp.forward(&x)?;
@@ -828,11 +918,13 @@ impl Rank {
                 scaled += loss.item()?;
                 Ok(())
             };
-            if self.cfg.no_sync && micro + 1 < accum {
-                self.fsdp.no_sync(fwd_bwd)?;
+            let done = if self.cfg.no_sync && micro + 1 < accum {
+                self.fsdp.no_sync(fwd_bwd)
             } else {
-                fwd_bwd()?;
-            }
+                fwd_bwd()
+            };
+            self.fsdp.module().set_dropout_key(None);
+            done?;
         }
         let norm = match self.cfg.clip_grad_norm {
             Some(max) => clip_grad_norm(&self.fsdp, max)?,
@@ -965,6 +1057,35 @@ mod tests {
             assert_eq!(context, &format!("launching the {backend} ranks"));
             assert!(e.to_string().contains(rebuild), "{e}");
         }
+    }
+
+    /// Issue #37 (10): the error reported is the failing rank's own, not another rank's echo
+    /// of it (rank 0's "rank 1 failed to write its part" comes after rank 1's full disk).
+    #[test]
+    fn the_cause_is_reported_not_the_echo() {
+        use fsdp_core::StateDictError as S;
+        let echo = TrainError::StateDict {
+            rank: 0,
+            context: "saving".into(),
+            source: Box::new(S::PeerFailed {
+                op: "checkpoint save",
+                rank: 1,
+                reason: "No space left on device".into(),
+            }),
+        };
+        let cause = TrainError::StateDict {
+            rank: 1,
+            context: "saving".into(),
+            source: Box::new(S::Io {
+                op: "write",
+                path: "ck/x".into(),
+                source: std::io::Error::from_raw_os_error(28),
+            }),
+        };
+        assert!(is_echo(&echo) && !is_echo(&cause));
+        assert!(echo
+            .to_string()
+            .contains("rank 1 failed to write its part: No space"));
     }
 
     #[test]
@@ -1284,6 +1405,75 @@ mod tests {
         }
     }
 
+    /// The project's strongest test with dropout on: FSDP on 3 ranks equals 1 rank with 3-way
+    /// gradient accumulation bit for bit (every loss and every final parameter), with all three
+    /// dropouts at 0.2, plain and with activation checkpointing (recomputed blocks redraw their
+    /// masks). The masks are keyed by each sequence's global index, so they follow the sequence.
+    /// Dropout acts: the losses differ from the same runs without it; and the validation loss
+    /// (no dropout) is the same with and without it at step 0's parameters.
+    #[test]
+    fn dropout_keeps_w_ranks_equal_to_w_way_accumulation() {
+        let run = |extra: &[&str]| {
+            let mut a = vec![
+                "--steps",
+                "3",
+                "--batch",
+                "2",
+                "--optimizer",
+                "adamw",
+                "--lr",
+                "0.01",
+            ];
+            a.extend_from_slice(extra);
+            run_job(&cfg_with(&a), Box::new(Quiet), true).unwrap()
+        };
+        let params = |r: &Report| -> Vec<(String, Vec<u32>)> {
+            let full = r.final_params.as_ref().unwrap();
+            full.entries
+                .iter()
+                .map(|e| {
+                    (
+                        e.name.clone(),
+                        e.values.iter().map(|x| x.to_bits()).collect(),
+                    )
+                })
+                .collect()
+        };
+        for ckpt in [&[][..], &["--activation-checkpointing"][..]] {
+            let with = |extra: &[&str]| {
+                let mut a = vec!["--dropout", "0.2"];
+                a.extend_from_slice(ckpt);
+                a.extend_from_slice(extra);
+                run(&a)
+            };
+            let w3 = with(&["--ranks", "3"]);
+            let acc = with(&["--ranks", "1", "--grad-accum", "3"]);
+            assert_eq!(losses(&w3), losses(&acc), "losses, {ckpt:?}");
+            assert!(params(&w3) == params(&acc), "final parameters, {ckpt:?}");
+            let plain = run(&[&["--ranks", "3"][..], ckpt].concat());
+            assert_ne!(losses(&plain), losses(&w3), "dropout changes training");
+        }
+        // Evaluation drops nothing: after one step at a negligible learning rate the validation
+        // loss with dropout 0.5 equals the one without (dropout in evaluation would move it).
+        let val = |d: &str| {
+            let a = [
+                "--ranks",
+                "1",
+                "--steps",
+                "1",
+                "--eval-every",
+                "1",
+                "--dropout",
+                d,
+            ];
+            let c = cfg_with(&[&a[..], &["--optimizer", "adamw", "--lr", "1e-9"]].concat());
+            run_job(&c, Box::new(Quiet), false).unwrap().steps[0]
+                .val_loss
+                .unwrap()
+        };
+        assert!((val("0.5") - val("0")).abs() < 1e-4);
+    }
+
     /// Validation loss is the same set of sequences on every rank count.
     #[test]
     fn validation_loss_does_not_depend_on_the_rank_count() {
@@ -1408,7 +1598,7 @@ mod tests {
         let trained = r.final_params.unwrap();
         for e in &trained.entries {
             let x = exported.get(&e.name).unwrap();
-            // Positional rows past --seq-len 16 are not exported (config n_positions 16).
+            // The whole table: the export has the fixture's 64 positions.
             assert_eq!(x.values, e.values, "{}", e.name);
         }
         let orig = crate::hf::HfCheckpoint::open(std::path::Path::new(fixture))

@@ -11,7 +11,8 @@
 //! losses and final (gathered) parameters bit for bit. Configurations: FullShard, ShardGradOp,
 //! NoShard, HybridShard (F = 2 at W = 4), bf16 mixed precision, gradient accumulation with
 //! `no_sync`, int8 quantized collectives (all-to-all on the wire); and at W = 4 a sharded state dict saved by the MPI run loads in a W = 3 thread run
-//! with identical parameters.
+//! with identical parameters. FullShard, bf16 and HybridShard also run over MPI through
+//! [`HostStaged`] (the host staging GPU ranks on MPI use, here with CPU devices): bit-equal too.
 //!
 //! `--kill-test DIR`: write `DIR/rank<r>.pid` and train until killed (for the fault test of
 //! `cargo xtask mpi-test`, which `kill -9`s one rank and expects the whole job to end).
@@ -22,7 +23,7 @@ use std::sync::Arc;
 use fsdp_alloc::{DType, Device};
 use fsdp_autograd::nn::{Gpt, GptConfig};
 use fsdp_autograd::InitContext;
-use fsdp_collectives::{DeviceMesh, MpiGroup, ProcessGroup};
+use fsdp_collectives::{DeviceMesh, HostStaged, MpiGroup, ProcessGroup};
 use fsdp_core::{
     state_dict, Comm, Fsdp, FsdpConfig, MixedPrecision, Quantization, ShardingStrategy, WrapPolicy,
 };
@@ -266,6 +267,34 @@ fn main() {
                 "{}: W={world} rank {rank}: parameters differ: {d}",
                 case.name
             );
+        }
+        // Host staging over MPI (what GPU ranks on MPI use), for a subset of the cases.
+        if case.name == "FullShard" || case.name.starts_with("HybridShard") || case.mixed.is_some()
+        {
+            let staging = Device::cpu(20_000 + rank);
+            let staged: Arc<dyn ProcessGroup> =
+                Arc::new(HostStaged::new(Arc::clone(&mpi), staging).unwrap());
+            let over_staged = train(&Ranks::Process(staged), &case);
+            let (_, (s_losses, s_params)) = &over_staged[0];
+            assert_eq!(
+                bits(s_losses),
+                bits(t_losses),
+                "{} (host-staged): W={world} rank {rank}: losses {s_losses:?} vs threads \
+                 {t_losses:?}",
+                case.name
+            );
+            if let Some(d) = first_difference(s_params, t_params) {
+                panic!(
+                    "{} (host-staged): W={world} rank {rank}: parameters differ: {d}",
+                    case.name
+                );
+            }
+            if rank == 0 {
+                println!(
+                    "mpi_parity: W={world} {} over MPI with host staging: bit-equal",
+                    case.name
+                );
+            }
         }
         mpi.barrier().unwrap();
         if rank == 0 {

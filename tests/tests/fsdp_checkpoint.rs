@@ -522,3 +522,135 @@ fn damaged_newest_checkpoints_are_refused_not_skipped() {
     restore();
     assert_eq!(checkpoint::newest(&root).unwrap().unwrap(), newest);
 }
+
+// ------------------------------------------------------------ issue #37: nothing lost, round 3
+
+/// Issue #37 (5): `load_latest_valid` falls back past damage only a full load finds (a flipped
+/// tensor byte: its CRC-32), on every rank together, and lists what it skipped; the caller's
+/// refusal (`accept`) stops the search instead of falling back.
+#[test]
+fn load_latest_valid_falls_back_past_a_corrupted_tensor() {
+    let dir = TempDir::new("latest-valid");
+    let root = dir.0.clone();
+    save_steps(&root, 3, &[2, 4, 6], None);
+    // Headers intact, one tensor byte of step 6 flipped: `latest_valid` cannot see it.
+    flip_data_byte(&root.join("step_000000000006/model/rank-00001-of-00002.safetensors"));
+    assert!(checkpoint::latest_valid(&root)
+        .unwrap()
+        .0
+        .unwrap()
+        .ends_with("step_000000000006"));
+    let r = root.clone();
+    let results = run_ranks(2, move |rank, pg| {
+        let fsdp = wrap(rank, pg, 2);
+        fill(&fsdp, 7.0);
+        let res = checkpoint::load_latest_valid(&fsdp, &r, None, None, &mut |_| Ok(())).unwrap();
+        let values: Vec<f32> = full(&fsdp)
+            .entries
+            .iter()
+            .flat_map(|e| e.values.clone())
+            .collect();
+        (res, values)
+    });
+    for (rank, (res, values)) in results.iter().enumerate() {
+        let (dir, loaded) = res.loaded.as_ref().expect("step 4 loads");
+        assert!(
+            dir.ends_with("step_000000000004"),
+            "rank {rank}: {}",
+            dir.display()
+        );
+        assert_eq!(loaded.step, 4);
+        assert!(
+            values.iter().all(|v| *v == 4.0),
+            "rank {rank} holds step 4's values"
+        );
+        assert_eq!(res.skipped.len(), 1, "rank {rank}");
+        let s = &res.skipped[0];
+        assert!(s.dir.ends_with("step_000000000006"));
+        assert!(
+            s.error.to_string().contains("CRC-32"),
+            "rank {rank}: {}",
+            s.error
+        );
+    }
+    // The caller refuses step 6 (say, another run's): an error on every rank, nothing older tried.
+    let r = root.clone();
+    let results = run_ranks(2, move |rank, pg| {
+        let fsdp = wrap(rank, pg, 2);
+        checkpoint::load_latest_valid(&fsdp, &r, None, None, &mut |p| {
+            Err(StateDictError::Refused {
+                path: p.to_path_buf(),
+                reason: format!("{} is of another run", p.display()),
+            })
+        })
+        .map(|_| ())
+    });
+    for (rank, res) in results.iter().enumerate() {
+        let e = res.as_ref().expect_err("refused");
+        assert!(e.to_string().contains("another run"), "rank {rank}: {e}");
+    }
+    // Nothing loadable at all: `loaded` is None and every checkpoint is listed.
+    for step in ["step_000000000002", "step_000000000004"] {
+        flip_data_byte(
+            &root
+                .join(step)
+                .join("model/rank-00000-of-00002.safetensors"),
+        );
+    }
+    let r = root.clone();
+    let results = run_ranks(2, move |rank, pg| {
+        let fsdp = wrap(rank, pg, 2);
+        checkpoint::load_latest_valid(&fsdp, &r, None, None, &mut |_| Ok(())).unwrap()
+    });
+    for res in &results {
+        assert!(res.loaded.is_none());
+        assert_eq!(res.skipped.len(), 3);
+    }
+}
+
+fn flip_data_byte(p: &Path) {
+    let mut bytes = std::fs::read(p).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x40;
+    std::fs::write(p, &bytes).unwrap();
+}
+
+/// Issue #37 (10): a write that fails on one rank (here a non-finite value in rank 1's shard;
+/// a full disk goes the same way) is named, with that rank's own message, on the other ranks
+/// (before, rank 0 said only "another rank failed to write its part").
+#[test]
+fn a_failed_write_on_one_rank_is_named_with_its_reason_on_the_others() {
+    let dir = TempDir::new("peer-failed");
+    let d = dir.join("ck");
+    let results = run_ranks(2, move |rank, pg| {
+        let fsdp = wrap(rank, pg, 1);
+        if rank == 1 {
+            let mut local = state_dict::local_state_dict(&fsdp).unwrap();
+            for u in &mut local.units {
+                u.values.iter_mut().for_each(|v| *v = f32::NAN);
+            }
+            state_dict::load_local_state_dict(&fsdp, &local).unwrap();
+        }
+        state_dict::save_sharded(&fsdp, &d)
+    });
+    assert!(
+        matches!(results[1], Err(StateDictError::NonFinite { .. })),
+        "{:?}",
+        results[1]
+    );
+    match &results[0] {
+        Err(
+            e @ StateDictError::PeerFailed {
+                rank: 1, reason, ..
+            },
+        ) => {
+            assert!(reason.contains("non-finite"), "{e}");
+            assert!(
+                e.to_string().contains("rank 1 failed to write its part"),
+                "{e}"
+            );
+        }
+        other => panic!("rank 0 should name rank 1's failure: {other:?}"),
+    }
+    assert!(!dir.join("ck").exists(), "nothing published");
+}

@@ -486,18 +486,11 @@ fn any_setup() -> impl Strategy<Value = (usize, Option<usize>, FsdpConfig, bool,
         any::<bool>(),
         any::<bool>(),
     )
-        .prop_map(
-            |(heads, head_dim, vocab, layers, seq, tied, checkpoint)| GptConfig {
-                vocab,
-                d_model: heads * head_dim,
-                n_layers: layers,
-                n_heads: heads,
-                seq_len: seq,
-                tied,
-                checkpoint,
-                gelu: fsdp_autograd::Gelu::Exact,
-            },
-        );
+        .prop_map(|(heads, head_dim, vocab, layers, seq, tied, checkpoint)| {
+            GptConfig::new(vocab, heads * head_dim, layers, heads, seq)
+                .with_tied(tied)
+                .with_checkpoint(checkpoint)
+        });
     let knobs = (
         0usize..4,
         0usize..3,

@@ -3,8 +3,12 @@
 //!
 //! Built here, on a machine without a GPU: every test binary of [`gpu_test::STEPS`](crate::gpu_test::STEPS)
 //! (release, feature `cuda`), `train_gpt` (package fsdp-train, feature `cuda`) and this xtask
-//! binary (it finds the GPUs with the driver API and is the 2-process launcher), stripped, under
-//! `DIR/bin`. `run.sh` is generated from the same list as `cargo xtask gpu-test`.
+//! binary (it finds the GPUs with the driver API, is the 2-process launcher and runs the
+//! train_gpt comparisons), stripped, under `DIR/bin`; and, where this machine has OpenMPI's
+//! development files and the bundle stays under its size limit, `train_gpt-mpi` (features
+//! `cuda,mpi`, for the `mpi-gpu` suite; it needs OpenMPI's `mpirun` and `libmpi` on the GPU
+//! machine too). Without it the `mpi-gpu` train_gpt step fails in `run.sh` as missing, saying
+//! why. `run.sh` is generated from the same list as `cargo xtask gpu-test`.
 //!
 //! The binaries load CUDA libraries at run time (cudarc's dynamic loading, built against the
 //! CUDA 12.8 API). cudarc looks for `libcublas.so`, `libnvrtc.so`, `libnccl.so` and `.so.12`,
@@ -135,7 +139,10 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
         let (pkg, test) = match s.exec {
             Exec::Test { pkg, test, .. } => (pkg, test),
             Exec::Launch2 => ("fsdp-tests", Some("gpu_nccl")),
-            Exec::TrainGpt { .. } | Exec::TrainGptLaunch2 { .. } | Exec::Peer => continue,
+            Exec::TrainGpt { .. }
+            | Exec::TrainGptLaunch2 { .. }
+            | Exec::Peer
+            | Exec::TrainCompare { .. } => continue,
         };
         if wanted.contains(&(pkg, test)) || missing.contains(&test_bin_name(pkg, test)) {
             continue;
@@ -167,6 +174,20 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
     total += copy_stripped(&release.join("train_gpt"), &bin.join("train_gpt"))?;
     total += copy_stripped(&release.join("xtask"), &bin.join("xtask"))?;
 
+    // train_gpt with MPI for the mpi-gpu suite, when this machine can build it and it fits.
+    if STEPS
+        .iter()
+        .any(|s| matches!(s.exec, Exec::TrainCompare { mpi: true, .. }))
+    {
+        match train_gpt_mpi(&bin, LIMIT.saturating_sub(total)) {
+            Ok(size) => total += size,
+            Err(why) => {
+                eprintln!("xtask: gpu-bundle: {TRAIN_GPT_MPI} not bundled: {why}");
+                missing.push(format!("{TRAIN_GPT_MPI}: {why}"));
+            }
+        }
+    }
+
     // The PyTorch peer of the `peer` suite (a Python script: run by the GPU machine's Python).
     let peer = crate::root().join("fsdp-train/benches").join(PEER_SCRIPT);
     total += std::fs::copy(&peer, dir.join(PEER_SCRIPT))
@@ -191,6 +212,47 @@ pub fn gpu_bundle(dir: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The bundle's train_gpt built with `cuda,mpi` (the `mpi-gpu` suite).
+const TRAIN_GPT_MPI: &str = "train_gpt-mpi";
+
+/// Builds `train_gpt` with `cuda,mpi` and strips it into `bin/train_gpt-mpi` if it fits in
+/// `room` bytes; its size, or why it is not there.
+fn train_gpt_mpi(bin: &Path, room: u64) -> Result<u64, String> {
+    if !Command::new("mpicc")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Err(
+            "this machine has no OpenMPI development files (mpicc; Debian: \
+                    libopenmpi-dev, and libclang-dev for the bindings)"
+                .into(),
+        );
+    }
+    run(
+        "gpu-bundle: build train_gpt (cuda,mpi)",
+        bundle_cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "fsdp-train",
+            "--features",
+            "cuda,mpi",
+            "--bin",
+            "train_gpt",
+        ]),
+    )?;
+    let to = bin.join(TRAIN_GPT_MPI);
+    let size = copy_stripped(&crate::util::target_dir().join("release/train_gpt"), &to)?;
+    if size > room {
+        let _ = std::fs::remove_file(&to);
+        return Err(format!(
+            "{size} bytes would take the bundle over its {LIMIT}-byte limit"
+        ));
+    }
+    Ok(size)
 }
 
 fn set_executable(p: &Path) -> Result<(), String> {
@@ -247,11 +309,16 @@ fn step_line(exec: &Exec) -> String {
         Exec::Peer => format!(
             "\"$B/bin/xtask\" gpu-peer --train-gpt \"$B/bin/train_gpt\" --script \"$B/{PEER_SCRIPT}\""
         ),
+        Exec::TrainCompare { which, mpi } => format!(
+            "\"$B/bin/xtask\" gpu-train-compare {which} --train-gpt \"$B/bin/{}\" --out \"$OUT/{which}\"",
+            if mpi { TRAIN_GPT_MPI } else { "train_gpt" }
+        ),
     }
 }
 
 /// `run.sh`, generated from [`STEPS`]; `missing` names binaries whose sources are not in the
-/// tree the bundle was built from (their steps fail as missing).
+/// tree the bundle was built from (their steps fail as missing), or `train_gpt-mpi: WHY` when
+/// that binary was not bundled.
 fn run_sh(missing: &[String]) -> String {
     let mut s = String::from(RUN_SH_HEAD);
     let mut suites: Vec<&str> = Vec::new();
@@ -262,19 +329,23 @@ fn run_sh(missing: &[String]) -> String {
         let missing_bin = match st.exec {
             Exec::Test { pkg, test, .. } => {
                 let n = test_bin_name(pkg, test);
-                missing.contains(&n).then_some(n)
+                missing
+                    .contains(&n)
+                    .then(|| format!("bin/{n} was not built: its source was not in the tree"))
             }
+            Exec::TrainCompare { mpi: true, .. } => missing
+                .iter()
+                .find(|m| m.starts_with(TRAIN_GPT_MPI))
+                .map(|why| format!("bin/{why}")),
             _ => None,
         };
         s.push_str(&format!("\n# {}\n", st.what));
         match missing_bin {
-            Some(n) => s.push_str(&format!(
+            Some(why) => s.push_str(&format!(
                 "missing {} {} {}\n",
                 st.suite,
                 i + 1,
-                sh_quote(&format!(
-                    "bin/{n} was not built: its source was not in the tree"
-                ))
+                sh_quote(&why)
             )),
             None => s.push_str(&format!(
                 "step {} {} {} {} -- {}\n",
@@ -431,8 +502,19 @@ mod tests {
         }
         assert!(s.contains("missing attention"));
         assert!(s.contains(
-            "\nsummary ops attention nccl shared-gpu fsdp teardown bench kernels peer\n"
+            "\nsummary ops attention nccl shared-gpu mpi-gpu fsdp teardown bench kernels peer\n"
         ));
+        assert!(s.contains(
+            "gpu-train-compare shared-gpu --train-gpt \"$B/bin/train_gpt\" --out \"$OUT/shared-gpu\""
+        ));
+        assert!(s.contains(
+            "gpu-train-compare mpi-gpu --train-gpt \"$B/bin/train_gpt-mpi\" --out \"$OUT/mpi-gpu\""
+        ));
+        assert!(s.contains("'staged::gpu_tests'"));
+        // Without the MPI train_gpt the step fails as missing, saying why.
+        let without = run_sh(&["train_gpt-mpi: no OpenMPI here".to_string()]);
+        assert!(without.contains("missing mpi-gpu"), "{without}");
+        assert!(without.contains("bin/train_gpt-mpi: no OpenMPI here"));
         assert!(s.contains("gpu-launch-2 --bin \"$B/bin/fsdp-tests-gpu_nccl\""));
         assert!(s.contains(
             "gpu-launch-2 --train-gpt --bin \"$B/bin/train_gpt\" -- '--device' 'cuda' \

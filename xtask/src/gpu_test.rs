@@ -1,7 +1,9 @@
 //! `cargo xtask gpu-test [--list]`: the suite a GPU owner runs, and `cargo xtask nvrtc`.
 //!
 //! The suite was written on machines without a GPU; parts of it ran on one H100 once (issue
-//! #24). Without a GPU `gpu-test` says that no GPU was found and exits non-zero; it never
+//! #24). The `shared-gpu` and `mpi-gpu` suites run W ranks on one GPU (issue #36); the steps
+//! that need more GPUs (NCCL at W = 2..8, the 2-process launches) print `skipped: needs N GPUs`
+//! below that. Without a GPU `gpu-test` says that no GPU was found and exits non-zero; it never
 //! reports a pass. [`STEPS`] is the one list: `gpu-test` runs it through cargo, and
 //! `gpu-bundle` (module `bundle`) builds its binaries and writes a `run.sh` that runs it.
 
@@ -31,6 +33,9 @@ pub enum Exec {
     TrainGptLaunch2 { args: &'static [&'static str] },
     /// `xtask gpu-peer`: train_gpt beside the PyTorch FSDP2 peer (needs PyTorch with CUDA).
     Peer,
+    /// `xtask gpu-train-compare WHICH`: train_gpt on ranks sharing one GPU against CPU thread
+    /// ranks (`train_compare.rs`); `mpi` needs a train_gpt built with `cuda,mpi` and `mpirun`.
+    TrainCompare { which: &'static str, mpi: bool },
 }
 
 /// One step of the GPU suite.
@@ -74,6 +79,94 @@ pub const STEPS: &[Step] = &[
         },
     },
     Step {
+        suite: "ops",
+        what: "train_gpt --device cuda with --dropout 0.1 (the dropout kernel at GPT-2's three \
+               places, the composite attention with probability dropout, issue #38) for 3 steps \
+               with --tensorboard, a checkpoint and --export-hf (resumes the previous run's \
+               checkpoint if there is one)",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "--device",
+                "cuda",
+                "--d-model",
+                "64",
+                "--layers",
+                "2",
+                "--heads",
+                "4",
+                "--seq-len",
+                "64",
+                "--steps",
+                "3",
+                "--dropout",
+                "0.1",
+                "--eval-every",
+                "3",
+                "--tensorboard",
+                "{out}/ecosystem-tb",
+                "--checkpoint-dir",
+                "{out}/ecosystem-ck",
+                "--resume",
+                "--export-hf",
+                "{out}/ecosystem-hf",
+            ],
+        },
+    },
+    Step {
+        suite: "ops",
+        what: "train_gpt sample --device cuda from that checkpoint, greedy (the model's layers on \
+               the GPU, the KV-cache attention on the host)",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "sample",
+                "--checkpoint-dir",
+                "{out}/ecosystem-ck",
+                "--device",
+                "cuda",
+                "--max-new-tokens",
+                "32",
+                "--temperature",
+                "0",
+            ],
+        },
+    },
+    Step {
+        suite: "ops",
+        what: "train_gpt sample --device cuda from that run's Hugging Face export (--init-from)",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "sample",
+                "--init-from",
+                "{out}/ecosystem-hf",
+                "--device",
+                "cuda",
+                "--max-new-tokens",
+                "32",
+                "--temperature",
+                "0",
+            ],
+        },
+    },
+    Step {
+        suite: "attention",
+        what: "tensor-core flash attention forward (mma.sync, flash_mma.cu) vs the CPU kernels: \
+               bf16/f16, d 64/128, GQA, scale, packed == head-split bit for bit, outputs \
+               poisoned before the run, the backward from its out/lse; needs compute \
+               capability 8.0+ (kernels::cuda::tests::on_gpu::flash_attention_mma)",
+        min_gpus: 1,
+        exec: Exec::Test {
+            pkg: "fsdp-autograd",
+            test: None,
+            args: &[
+                "kernels::cuda::tests::on_gpu::flash_attention_mma",
+                "--include-ignored",
+            ],
+        },
+    },
+    Step {
         suite: "attention",
         what: "attention memory scaling: peak memory of attention forward+backward at t = \
                1024, 2048, 4096 grows linearly in t (fsdp-autograd/tests/gpu_attention.rs, \
@@ -88,9 +181,11 @@ pub const STEPS: &[Step] = &[
     Step {
         suite: "attention",
         what: "fused attention kernel times: forward and backward at batch 4, 12 heads, t = 1024, \
-               d = 64 in f32 and bf16 (register-tiled kernels) and at d = 63 (the generic \
-               kernels, the same run's baseline), CUDA events, one JSON line (fwd_ms, bwd_ms, \
-               tflops) per case (fsdp-autograd/tests/gpu_attention.rs, attention_kernel_times)",
+               d = 64 in f32 and bf16 (register-tiled kernels), bf16 with the tensor-core \
+               forward and without it (`_cuda_cores`), bf16 at d = 128 (6 heads), and at d = 63 \
+               (the generic kernels, the same run's baseline), CUDA events, one JSON line \
+               (fwd_kernel, fwd_ms, bwd_ms, tflops, fwd_tflops) per case \
+               (fsdp-autograd/tests/gpu_attention.rs, attention_kernel_times)",
         min_gpus: 1,
         exec: Exec::Test {
             pkg: "fsdp-autograd",
@@ -154,8 +249,7 @@ pub const STEPS: &[Step] = &[
                consumer stream ordered by events, no host wait while issuing, per-rank \
                allocator statistics; misuse as the same typed error on every rank; one \
                --profile interval per rank and collective (fsdp-collectives \
-               src/shared_gpu/gpu_tests.rs; the train_gpt comparisons on one GPU join this \
-               suite once train_gpt uses the backend)",
+               src/shared_gpu/gpu_tests.rs)",
         min_gpus: 1,
         exec: Exec::Test {
             pkg: "fsdp-collectives",
@@ -166,6 +260,55 @@ pub const STEPS: &[Step] = &[
                 "--test-threads",
                 "1",
             ],
+        },
+    },
+    Step {
+        suite: "shared-gpu",
+        what: "train_gpt --device cuda --ranks 4 with one GPU visible (4 thread ranks sharing \
+               it) vs train_gpt --ranks 4 on CPU thread ranks: FullShard, ShardGradOp and \
+               HybridShard(F=2), f32 losses within 1e-4 relative over 20 AdamW steps, FullShard \
+               bf16 within the CPU bf16-vs-f32 difference (at least one bf16 ulp); peak \
+               allocated bytes per rank within the CPU peak + 1 MiB per live unsharded unit + \
+               2 MiB (f32: at least 0.95x); --json backend shared-gpu; in the --profile trace \
+               every rank's all-gather and reduce-scatter intervals overlap its compute kernels \
+               (xtask gpu-train-compare shared-gpu)",
+        min_gpus: 1,
+        exec: Exec::TrainCompare {
+            which: "shared-gpu",
+            mpi: false,
+        },
+    },
+    Step {
+        suite: "mpi-gpu",
+        what: "host staging on a GPU (HostStaged, the path of MPI processes sharing a GPU, over \
+               the thread backend): 2 thread ranks on cuda:0 with page-locked staging, every \
+               collective and in-place form up to 4 MiB from device buffers on CUDA streams, \
+               bit for bit vs the thread backend on CPU ranks; one counted host wait per \
+               collective; a consumer stream ordered by the work's event (fsdp-collectives \
+               src/staged/gpu_tests.rs)",
+        min_gpus: 1,
+        exec: Exec::Test {
+            pkg: "fsdp-collectives",
+            test: None,
+            args: &[
+                "staged::gpu_tests",
+                "--include-ignored",
+                "--test-threads",
+                "1",
+            ],
+        },
+    },
+    Step {
+        suite: "mpi-gpu",
+        what: "mpirun -n 2 train_gpt --backend mpi --device cuda with one GPU visible (both \
+               processes on it, collectives staged through host memory) vs train_gpt --ranks 2 \
+               on CPU thread ranks: FullShard and ShardGradOp, losses within 1e-4 relative over \
+               20 AdamW steps, --json backend mpi (needs OpenMPI's mpirun and a train_gpt built \
+               with cuda,mpi; xtask gpu-train-compare mpi-gpu)",
+        min_gpus: 1,
+        exec: Exec::TrainCompare {
+            which: "mpi-gpu",
+            mpi: true,
         },
     },
     Step {
@@ -379,6 +522,11 @@ fn command(exec: &Exec) -> Command {
         Exec::Peer => {
             let mut c = cargo();
             c.args(["run", "-p", "xtask", "--", "gpu-peer"]);
+            c
+        }
+        Exec::TrainCompare { which, .. } => {
+            let mut c = cargo();
+            c.args(["run", "-p", "xtask", "--", "gpu-train-compare", which]);
             c
         }
     }

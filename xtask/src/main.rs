@@ -14,6 +14,10 @@
 //! - `gpu-launch-2 [--bin TEST]` / `gpu-launch-2 --train-gpt [--bin TRAIN_GPT] -- ARGS`: two
 //!   processes as ranks 0 and 1 of a torchrun-style job (the `gpu_nccl` test, or `train_gpt`).
 //! - `gpu-peer`: `train_gpt --device cuda` beside PyTorch FSDP2 on the same GPU (`peer.rs`).
+//! - `gpu-train-compare shared-gpu|mpi-gpu [--train-gpt BIN] [--out DIR]`: train_gpt on ranks
+//!   sharing one GPU (4 thread ranks; 2 MPI processes) against CPU thread ranks: losses, memory,
+//!   the `--profile` overlap (`train_compare.rs`; steps of the `shared-gpu` and `mpi-gpu`
+//!   suites).
 //! - `gpu-bundle DIR`: builds every binary of the GPU suite (release, `cuda`) here, without a
 //!   GPU, strips them into `DIR/bin` and writes `DIR/run.sh`, which runs the same suite as
 //!   `gpu-test` on a GPU machine without a Rust toolchain (see `bundle.rs`).
@@ -39,6 +43,7 @@ mod house;
 mod mpi;
 mod nodes;
 mod peer;
+mod train_compare;
 mod util;
 
 pub use util::{cargo, cuda_test, root, run};
@@ -233,25 +238,35 @@ fn soak() -> Result<(), String> {
 }
 
 const USAGE: &str = "usage: cargo xtask <ci | house | gpu-test [--list] | gpu-bundle DIR | \
-                     gpu-peer [--train-gpt BIN] [--script PY] | nvrtc | \
+                     gpu-peer [--train-gpt BIN] [--script PY] | \
+                     gpu-train-compare shared-gpu|mpi-gpu [--train-gpt BIN] [--out DIR] | nvrtc | \
                      bench [NAME] | soak | doc | mpi-test [--nodes 2]>";
 
 /// `gpu-peer`'s options: `--train-gpt BIN` and `--script PY`, each at most once.
 fn peer_args<'a>(rest: &[&'a str]) -> Result<(Option<&'a str>, Option<&'a str>), String> {
-    let (mut train_gpt, mut script) = (None, None);
+    let [train_gpt, script] = options("gpu-peer", rest, ["--train-gpt", "--script"])?;
+    Ok((train_gpt, script))
+}
+
+/// The values of `flags` (each `--flag VALUE`, at most once, in any order) in `rest`.
+fn options<'a, const N: usize>(
+    cmd: &str,
+    rest: &[&'a str],
+    flags: [&str; N],
+) -> Result<[Option<&'a str>; N], String> {
+    let mut out = [None; N];
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
-        let slot = match *flag {
-            "--train-gpt" => &mut train_gpt,
-            "--script" => &mut script,
-            other => return Err(format!("gpu-peer: unknown option {other:?}\n{USAGE}")),
-        };
-        *slot = Some(
+        let i = flags
+            .iter()
+            .position(|f| f == flag)
+            .ok_or_else(|| format!("{cmd}: unknown option {flag:?}\n{USAGE}"))?;
+        out[i] = Some(
             *it.next()
-                .ok_or_else(|| format!("gpu-peer: {flag} needs a value\n{USAGE}"))?,
+                .ok_or_else(|| format!("{cmd}: {flag} needs a value\n{USAGE}"))?,
         );
     }
-    Ok((train_gpt, script))
+    Ok(out)
 }
 
 fn main() {
@@ -276,6 +291,10 @@ fn main() {
         ["gpu-find"] => gpu_test::find_gpu().map(|n| println!("{n}")),
         ["gpu-bundle", dir] => bundle::gpu_bundle(dir),
         ["gpu-peer", rest @ ..] => peer_args(rest).and_then(|(t, s)| peer::gpu_peer(t, s)),
+        ["gpu-train-compare", which, rest @ ..] => {
+            options("gpu-train-compare", rest, ["--train-gpt", "--out"])
+                .and_then(|[t, o]| train_compare::gpu_train_compare(which, t, o))
+        }
         ["nvrtc"] => gpu_test::nvrtc(),
         ["bench"] => bench(None),
         ["bench", "mpi"] => mpi::bench_mpi(),

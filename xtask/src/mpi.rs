@@ -24,7 +24,7 @@ pub(crate) fn is_root() -> bool {
 
 /// `mpirun -n W` with the flags this machine needs: `--oversubscribe` (more ranks than cores)
 /// and `--allow-run-as-root` when running as root.
-fn mpirun(w: usize) -> Command {
+pub(crate) fn mpirun(w: usize) -> Command {
     let mut c = Command::new("mpirun");
     c.args(["-n", &w.to_string(), "--oversubscribe"]);
     if is_root() {
@@ -71,7 +71,8 @@ pub(crate) fn build_test_examples(names: &[&str]) -> Result<(), String> {
 }
 
 /// Builds the MPI test binaries, runs the conformance and parity suites on W = 1..=4 processes
-/// (both data paths), and the kill test.
+/// (both data paths; host staging included), the kill test, the group-creation stall test and
+/// train_gpt over MPI with host staging (`FSDP_HOST_STAGING=1`).
 pub fn mpi_test() -> Result<(), String> {
     check_mpirun()?;
     build_test_examples(&["mpi_conformance", "mpi_parity", "mpi_group_stall"])?;
@@ -94,8 +95,113 @@ pub fn mpi_test() -> Result<(), String> {
     )?;
     kill_test(&parity)?;
     group_stall_test(&example("debug", "mpi_group_stall"))?;
+    train_gpt_host_staging_test()?;
     eprintln!("xtask: mpi-test passed");
     Ok(())
+}
+
+/// `mpirun -n 2 train_gpt --backend mpi` with `FSDP_HOST_STAGING=1` (every collective staged
+/// through a host staging device and back: the path of GPU ranks on MPI, `--device cuda`, run
+/// with CPU devices) against the same job unstaged and on 2 thread ranks: every step's loss
+/// bit-equal, and the staged run counting more host waits per step (one per collective), which
+/// shows the staging ran.
+fn train_gpt_host_staging_test() -> Result<(), String> {
+    run(
+        "build train_gpt (mpi)",
+        cargo().args([
+            "build",
+            "-p",
+            "fsdp-train",
+            "--features",
+            "mpi",
+            "--bin",
+            "train_gpt",
+        ]),
+    )?;
+    let bin = target_dir().join("debug").join("train_gpt");
+    let dir = std::env::temp_dir().join(format!("fsdp-mpi-staging-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let args = |metrics: &Path| -> Vec<String> {
+        [
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--no-progress",
+            "--json",
+            "--metrics",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(std::iter::once(metrics.display().to_string()))
+        .collect()
+    };
+    let losses = |p: &Path| -> Result<Vec<String>, String> {
+        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        text.lines()
+            .map(|l| {
+                let v: serde_json::Value =
+                    serde_json::from_str(l).map_err(|e| format!("{}: {e}", p.display()))?;
+                Ok(v["loss"].to_string())
+            })
+            .collect()
+    };
+    let (m_threads, m_mpi, m_staged) = (
+        dir.join("threads.jsonl"),
+        dir.join("mpi.jsonl"),
+        dir.join("staged.jsonl"),
+    );
+    let result = (|| -> Result<(), String> {
+        capture(
+            "train_gpt on 2 thread ranks",
+            Command::new(&bin)
+                .current_dir(root())
+                .args(["--ranks", "2"])
+                .args(args(&m_threads)),
+        )?;
+        let plain = capture(
+            "mpirun -n 2 train_gpt --backend mpi",
+            mpirun(2)
+                .arg(&bin)
+                .args(["--backend", "mpi"])
+                .args(args(&m_mpi)),
+        )?;
+        let staged = capture(
+            "mpirun -n 2 train_gpt --backend mpi with FSDP_HOST_STAGING=1",
+            mpirun(2)
+                .args(["-x", "FSDP_HOST_STAGING=1"])
+                .arg(&bin)
+                .args(["--backend", "mpi"])
+                .args(args(&m_staged)),
+        )?;
+        let want = losses(&m_threads)?;
+        for (label, p) in [("MPI", &m_mpi), ("MPI with host staging", &m_staged)] {
+            let got = losses(p)?;
+            if got != want || want.is_empty() {
+                return Err(format!(
+                    "train_gpt over {label}: losses {got:?} vs thread ranks {want:?}"
+                ));
+            }
+        }
+        let (h_plain, h_staged) = (
+            field(&plain, "host_syncs_per_step")?,
+            field(&staged, "host_syncs_per_step")?,
+        );
+        if h_staged <= h_plain {
+            return Err(format!(
+                "FSDP_HOST_STAGING=1 did not stage: {h_staged} host waits per step vs {h_plain} \
+                 unstaged"
+            ));
+        }
+        eprintln!(
+            "xtask: train_gpt host staging test passed: {} losses bit-equal on threads, MPI and \
+             MPI with host staging ({h_staged} host waits per step staged, {h_plain} unstaged)",
+            want.len()
+        );
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 pub(crate) fn alive(pid: u32) -> bool {

@@ -11,7 +11,7 @@
 //! - The ops, one file each, grouped by family: [`gemm`] (matrix products), [`elementwise`],
 //!   [`reduce`], [`norm`] (softmax, layer norm), [`embedding`], [`loss`] (cross-entropy),
 //!   [`attention`], [`layout`] (strided copies), [`optim`] (optimizer, clipping, grad scaler),
-//!   [`rope`] (rotary position embedding).
+//!   [`rope`] (rotary position embedding), [`dropout`] (the counter-based dropout mask).
 //!   An op's file holds its shape struct, its check, its CPU launch and (feature `cuda`) its
 //!   CUDA launch.
 //! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices, and
@@ -32,6 +32,7 @@ pub mod backend;
 mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 mod front;

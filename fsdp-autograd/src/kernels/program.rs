@@ -4,8 +4,10 @@
 //!
 //! The source is `common.cu` followed by each family's `.cu` files; the kernel table is each
 //! family's modules' `KERNELS` (declared with `declare_kernels!` next to the ops that launch
-//! them). The program is compiled to PTX once per process (NVRTC's default virtual architecture,
-//! so the driver JIT-compiles it for whatever GPU loads it) and loaded once per CUDA context;
+//! them). The program is compiled to PTX once per process and target (NVRTC's default virtual
+//! architecture, or `compute_80` for devices of compute capability 8.0+, where the tensor-core
+//! attention kernels' `mma.sync` is available; the driver JIT-compiles the PTX for the GPU that
+//! loads it) and loaded once per CUDA context;
 //! both are cached for the life of the process. The cached module keeps its context alive (a
 //! primary context stays retained), which is what makes the context pointer a stable cache key.
 //! The emulator build (`cuda/tests/emu.rs`) writes [`source`] out and generates its kernel table from
@@ -21,7 +23,7 @@ use fsdp_alloc::{Device, DeviceId};
 use super::cuda::context::CudaKernels;
 use super::cuda::error::{CudaKernelError, Result};
 use super::cuda::kernel::{Family, Kernel, LoadedModule};
-use super::{attention, elementwise, embedding, layout, loss, norm, optim, reduce, rope};
+use super::{attention, dropout, elementwise, embedding, layout, loss, norm, optim, reduce, rope};
 
 /// Every part of the program, in program order: the shared helpers (with the index check's
 /// kernel), then one entry per op family (its `FAMILY`: `.cu` files and kernel tables).
@@ -39,6 +41,7 @@ const FAMILIES: &[Family] = &[
     layout::FAMILY,
     optim::FAMILY,
     rope::FAMILY,
+    dropout::FAMILY,
 ];
 
 /// The CUDA C source of the whole program: every family's files, in [`FAMILIES`] order.
@@ -127,19 +130,28 @@ pub(crate) fn compile_options() -> CompileOptions {
     }
 }
 
-/// The PTX of [`source`], compiled on first use (an error is cached too: the source is fixed).
-pub(crate) fn ptx() -> Result<Ptx, CudaKernelError> {
-    static PTX: OnceLock<Result<Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        cudarc::nvrtc::compile_ptx_with_opts(source(), compile_options()).map_err(|e| match e {
-            cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
-                format!("{nvrtc:?}: {}", log.to_string_lossy())
+/// The PTX of [`source`], compiled on first use per target (an error is cached too: the source
+/// is fixed): `compute_80` when `tensor_cores` (the `mma.sync` kernels of
+/// `attention/flash_mma.cu` become tensor-core code; the PTX then loads on compute capability
+/// 8.0+ only), else NVRTC's default virtual architecture (those kernels compile to their
+/// emulated reference path, which the host never selects there).
+pub(crate) fn ptx_for(tensor_cores: bool) -> Result<Ptx, CudaKernelError> {
+    static PTX: [OnceLock<Result<Ptx, String>>; 2] = [OnceLock::new(), OnceLock::new()];
+    PTX[usize::from(tensor_cores)]
+        .get_or_init(|| {
+            let mut opts = compile_options();
+            if tensor_cores {
+                opts.arch = Some("compute_80");
             }
-            other => other.to_string(),
+            cudarc::nvrtc::compile_ptx_with_opts(source(), opts).map_err(|e| match e {
+                cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
+                    format!("{nvrtc:?}: {}", log.to_string_lossy())
+                }
+                other => other.to_string(),
+            })
         })
-    })
-    .clone()
-    .map_err(|log| CudaKernelError::Compile { log })
+        .clone()
+        .map_err(|log| CudaKernelError::Compile { log })
 }
 
 /// The module for `ctx`, compiling and loading it on first use (per process, per context).
@@ -152,7 +164,10 @@ pub(crate) fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<LoadedModule>, Cu
     if let Some((_, m)) = modules.iter().find(|(k, _)| *k == key) {
         return Ok(Arc::clone(m));
     }
-    let ptx = ptx()?;
+    // Compute capability 8.0+ (Ampere, Hopper, ...): compile for compute_80, so the tensor-core
+    // attention kernels use mma.sync. A failed query falls back to the default target.
+    let tensor_cores = ctx.compute_capability().is_ok_and(|(major, _)| major >= 8);
+    let ptx = ptx_for(tensor_cores)?;
     let module = ctx
         .load_module(ptx)
         .map_err(|source| CudaKernelError::Driver {
@@ -173,7 +188,7 @@ pub(crate) fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<LoadedModule>, Cu
             Ok((k.name(), f))
         })
         .collect::<Result<HashMap<_, _>, CudaKernelError>>()?;
-    let loaded = Arc::new(LoadedModule::new(module, functions));
+    let loaded = Arc::new(LoadedModule::new(module, functions, tensor_cores));
     modules.push((key, Arc::clone(&loaded)));
     Ok(loaded)
 }

@@ -34,7 +34,7 @@ mod llama;
 
 /// The GELU variants an [`Mlp`] (and [`GptConfig::gelu`]) can use.
 pub use crate::kernels::Gelu;
-pub use gpt::{Block, CausalSelfAttention, Gpt, GptConfig, Mlp};
+pub use gpt::{AttnScaling, Block, CausalSelfAttention, Gpt, GptConfig, GptDropout, Mlp};
 pub use layers::{Embedding, LayerNorm, Linear, RmsNorm, Sequential};
 pub use llama::{
     rope_inv_freq, Llama, Llama3Scaling, LlamaAttention, LlamaConfig, LlamaDecoderLayer,

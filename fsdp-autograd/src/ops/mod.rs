@@ -5,11 +5,13 @@
 //! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
 //! ([`linear`], [`layer_norm`], [`rms_norm`], [`embedding`], [`causal_attention`],
 //! [`causal_attention_scaled`], [`causal_attention_qkv`], [`causal_attention_qkv_grouped`],
-//! [`cross_entropy`], [`rope`], [`silu_mul`]).
+//! [`cross_entropy`], [`rope`], [`silu_mul`], [`dropout`]).
 //! Half-precision tensors are computed in `f32` and rounded on output; binary operations need
 //! equal dtypes.
 
+pub(crate) mod attention_dropout;
 pub(crate) mod attention_qkv;
+pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod nn;
@@ -19,7 +21,9 @@ pub(crate) mod shape;
 pub(crate) mod swiglu;
 pub(crate) mod transfer;
 
+pub use attention_dropout::{causal_attention_qkv_dropout, ProbDropout};
 pub use attention_qkv::{causal_attention_qkv, causal_attention_qkv_grouped};
+pub use dropout::dropout;
 pub use matmul::linear;
 pub use nn::{
     causal_attention, causal_attention_scaled, cross_entropy, embedding, layer_norm, rms_norm,

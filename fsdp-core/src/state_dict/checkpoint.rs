@@ -51,7 +51,9 @@
 //!   a CRC-32 of its content; [`load`] refuses a checkpoint with a missing, stale or corrupted
 //!   file on every rank, before any rank changes its model, and the refusing rank's reason reaches
 //!   every rank ([`StateDictError::PeerRejected`]). [`newest`] refuses a damaged newest
-//!   checkpoint; [`latest_valid`] falls back and says what it skipped.
+//!   checkpoint; [`latest_valid`] falls back past damaged headers and says what it skipped;
+//!   [`load_latest_valid`] loads, falling back past everything a load finds too (a tensor's
+//!   CRC-32).
 //! - Pruning (`keep_last`) counts and removes only the manager's own lineage's checkpoints,
 //!   newest *saves* first (not highest steps), never the one just written, and only directories
 //!   named and filled exactly as the manager writes them.
@@ -79,7 +81,9 @@ use super::format::{
     check_generation, rank_path, read_bytes, read_file_meta, read_sharded_meta, write_sharded_dir,
 };
 use super::optim::{load_sharded_optim, sharded_optim_state_dict};
-use super::reshard::{agree_load, collective_sharded_save, load_sharded, sharded_state_dict, Ctx};
+use super::reshard::{
+    agree_load, collective_sharded_save, load_sharded, sharded_state_dict, share_reason, Ctx,
+};
 use super::types::{OptimState, ShardedStateDict};
 use super::{FORMAT_VERSION, KIND_SHARDED_OPTIM, KIND_SHARDED_PARAMS, META_FILE};
 use crate::optim::scaler::ShardedGradScaler;
@@ -533,6 +537,18 @@ pub fn latest_complete(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     Ok(latest_valid(root)?.0)
 }
 
+/// Every `step_N` checkpoint directory under `root`, newest (highest step) first, complete or
+/// not (none when `root` does not exist). For a caller that walks them itself (`train_gpt
+/// sample`: [`check_complete`], then loading, falling back past damage).
+///
+/// # Errors
+/// [`StateDictError::Io`] when `root` exists but cannot be listed.
+pub fn candidates(root: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
+    let mut steps = step_dirs(root.as_ref())?;
+    steps.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
+    Ok(steps.into_iter().map(|(_, d)| d).collect())
+}
+
 /// The newest checkpoint directory under `root` (the highest `step_N`), checked complete
 /// (manifest checksum, every file's header checksum and save id; tensor checksums are verified
 /// by [`load`]), or `None` when there is no `step_N` directory. Rank-local.
@@ -578,6 +594,108 @@ pub fn latest_valid(root: impl AsRef<Path>) -> Result<(Option<PathBuf>, Vec<Skip
         }
     }
     Ok((None, skipped))
+}
+
+/// What [`load_latest_valid`] did.
+#[derive(Debug)]
+pub struct Resumed {
+    /// The checkpoint loaded and what it restored besides the model and optimizer; `None` when
+    /// `root` held no loadable checkpoint (nothing was changed then).
+    pub loaded: Option<(PathBuf, LoadedCheckpoint)>,
+    /// Every newer checkpoint that was skipped, newest first, with its problem.
+    pub skipped: Vec<Skipped>,
+}
+
+/// How a step of [`load_latest_valid`] went on one rank (all-reduced with max).
+const STEP_OK: f32 = 0.0;
+const STEP_DAMAGED: f32 = 1.0;
+const STEP_STOP: f32 = 2.0;
+
+/// Loads the newest checkpoint under `root` that loads, falling back past every kind of damage
+/// the loader detects: besides what [`latest_valid`] sees in the headers (missing or stale
+/// files, damaged headers or manifests), the damage only a full load finds — a tensor whose
+/// bytes do not match their CRC-32, a non-finite value read back. Each checkpoint, newest
+/// first: [`check_complete`], then `accept` (the caller's own check, e.g. that the checkpoint
+/// is of the same run; rank-local, before anything is loaded), then [`load`]. A damaged one is
+/// skipped (and listed in [`Resumed::skipped`]); anything else — `accept`'s refusal (return
+/// [`StateDictError::Refused`]), a model that does not fit, a failed collective — stops the
+/// search with that error. A **collective**: the ranks agree after every step (a one-element
+/// all-reduce; the failing rank's message is passed to all), so they skip and stop together. A
+/// failed load changes nothing ([`load`] agrees before writing), and a later successful one
+/// replaces the whole state.
+///
+/// # Errors
+/// The first error that is not damage, on the ranks that met it; [`StateDictError::PeerRejected`]
+/// carrying it on the others.
+pub fn load_latest_valid<M: Module + 'static>(
+    fsdp: &Fsdp<M>,
+    root: impl AsRef<Path>,
+    mut optimizer: Option<&mut dyn ShardedOptimizer>,
+    mut scaler: Option<&mut ShardedGradScaler>,
+    accept: &mut dyn FnMut(&Path) -> Result<()>,
+) -> Result<Resumed> {
+    let ctx = Ctx::of(fsdp);
+    let root = root.as_ref();
+    let dirs = agree_load(&ctx, root, None, "checkpoint resume", candidates(root))?;
+    let mut skipped = Vec::new();
+    // Every rank's verdict on `local`: go on, skip the checkpoint, or stop. Returns the error to
+    // skip with (this rank's own, or the refusing rank's message) or to stop with.
+    let verdict = |dir: &Path, local: Result<()>| -> Result<Option<(bool, StateDictError)>> {
+        let code = match &local {
+            Ok(()) => STEP_OK,
+            // Another rank's refusal: its own verdict decides.
+            Err(StateDictError::PeerRejected { .. }) => STEP_DAMAGED,
+            Err(e) if e.is_damage() => STEP_DAMAGED,
+            Err(_) => STEP_STOP,
+        };
+        let all = ctx.max_over_ranks(code)?;
+        if all == STEP_OK {
+            return Ok(None);
+        }
+        let (reason, rank) = share_reason(&ctx, local.as_ref().err())?;
+        let err = local.err().unwrap_or(StateDictError::PeerRejected {
+            op: "checkpoint resume",
+            rank,
+            path: dir.to_path_buf(),
+            reason,
+        });
+        Ok(Some((all == STEP_STOP, err)))
+    };
+    for dir in dirs {
+        let local = check_complete(&dir).and_then(|()| accept(&dir));
+        if let Some((stop, error)) = verdict(&dir, local)? {
+            if stop {
+                return Err(error);
+            }
+            skipped.push(Skipped { dir, error });
+            continue;
+        }
+        // Reborrowed for this attempt only (a failed one leaves them to the next).
+        let opt: Option<&mut dyn ShardedOptimizer> = match &mut optimizer {
+            Some(o) => Some(&mut **o),
+            None => None,
+        };
+        let loaded = load(fsdp, &dir, opt, scaler.as_deref_mut());
+        let (local, loaded) = match loaded {
+            Ok(l) => (Ok(()), Some(l)),
+            Err(e) => (Err(e), None),
+        };
+        match verdict(&dir, local)? {
+            None => {
+                let l = loaded.expect("a load every rank agreed succeeded");
+                return Ok(Resumed {
+                    loaded: Some((dir, l)),
+                    skipped,
+                });
+            }
+            Some((true, error)) => return Err(error),
+            Some((false, error)) => skipped.push(Skipped { dir, error }),
+        }
+    }
+    Ok(Resumed {
+        loaded: None,
+        skipped,
+    })
 }
 
 /// Loads checkpoint `dir` (saved at any number of ranks): the model's parameters, `optimizer`'s

@@ -61,8 +61,12 @@ pub(super) fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(io_err("fsync directory", dir))
 }
 
+/// The directory holding `path` (`.` for a bare file name, whose parent is empty).
 fn parent_of(path: &Path) -> &Path {
-    path.parent().unwrap_or(Path::new("."))
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
 }
 
 /// Writes `bytes` to `path` all-or-nothing: a temporary file in the same directory (mode from

@@ -296,11 +296,25 @@ pub enum StateDictError {
         /// The refusing rank's own error message (at most 1 KiB of it).
         reason: String,
     },
-    /// Another rank failed during a collective save.
-    #[error("state dict: {op}: another rank failed to write its part; see that rank's error")]
+    /// Another rank failed during a collective save (a full disk, a non-finite value, …): its
+    /// own error is passed to every rank, so the rank that reports the run names it.
+    #[error("state dict: {op}: rank {rank} failed to write its part: {reason}")]
     PeerFailed {
         /// The operation.
         op: &'static str,
+        /// The (lowest) failing rank, in the shard group.
+        rank: usize,
+        /// That rank's own error message (at most 1 KiB of it).
+        reason: String,
+    },
+    /// A checkpoint the caller's own check refused before loading it (see
+    /// [`crate::checkpoint::load_latest_valid`]): not damage, so nothing older is tried.
+    #[error("{reason}")]
+    Refused {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// The caller's message.
+        reason: String,
     },
     /// A runtime error (collective, device, tensor, layout) met during a state-dict call.
     #[error(transparent)]
@@ -322,6 +336,7 @@ impl StateDictError {
             | StateDictError::GenerationMismatch { path, .. }
             | StateDictError::NotRegularFile { path }
             | StateDictError::TargetUnusable { path, .. }
+            | StateDictError::Refused { path, .. }
             | StateDictError::PeerRejected { path, .. } => Some(path),
             StateDictError::NonFinite { path, .. } => path.as_deref(),
             _ => None,
@@ -330,6 +345,30 @@ impl StateDictError {
 }
 
 impl StateDictError {
+    /// Whether this error says that a saved file is damaged, missing, unreadable or from
+    /// another save — what a fallback to an older checkpoint can get past — rather than that
+    /// the model, the call or a collective is at fault (a shape or name mismatch, a failed
+    /// all-reduce, the caller's refusal). A [`StateDictError::PeerRejected`] counts as damage
+    /// here; [`crate::checkpoint::load_latest_valid`] lets the refusing rank's own verdict decide.
+    pub fn is_damage(&self) -> bool {
+        matches!(
+            self,
+            StateDictError::Io { .. }
+                | StateDictError::SafeTensors { .. }
+                | StateDictError::Format { .. }
+                | StateDictError::UnsupportedVersion { .. }
+                | StateDictError::ChecksumMismatch { .. }
+                | StateDictError::GenerationMismatch { .. }
+                | StateDictError::NonFinite { path: Some(_), .. }
+                | StateDictError::PieceOutOfRange { .. }
+                | StateDictError::IncompleteShards { .. }
+                | StateDictError::DuplicateEntry { .. }
+                | StateDictError::ValueCount { .. }
+                | StateDictError::Incompatible { .. }
+                | StateDictError::PeerRejected { .. }
+        )
+    }
+
     /// The runtime error behind [`StateDictError::Fsdp`] (a collective, device, tensor or layout
     /// error raised during a state-dict call).
     pub fn fsdp_error(&self) -> Option<&FsdpError> {

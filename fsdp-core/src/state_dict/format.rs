@@ -237,12 +237,31 @@ pub(super) fn names_key(slot: &str) -> String {
     }
 }
 
+/// The whole file `path`, which must be a regular file: it is opened with `O_NONBLOCK` (a FIFO
+/// then returns at once instead of blocking the load forever) and checked on the opened file.
 pub(super) fn read_bytes(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|source| StateDictError::Io {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |source| StateDictError::Io {
         op: "read",
         path: path.to_path_buf(),
         source,
-    })
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io)?;
+    let m = f.metadata().map_err(io)?;
+    if !m.is_file() {
+        return Err(io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, device or directory)",
+        )));
+    }
+    let mut out = Vec::with_capacity(m.len() as usize);
+    f.read_to_end(&mut out).map_err(io)?;
+    Ok(out)
 }
 
 /// Parses a file's header, checks format, version and kind; returns the metadata and the raw

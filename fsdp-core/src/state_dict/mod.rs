@@ -124,7 +124,7 @@
 //! rank-local. The `save_*` functions that write files end
 //! with a one-element all-reduce over the shard and replicate groups, so that every rank returns
 //! only after every file is written and every rank reports a failure of any writer
-//! ([`StateDictError::PeerFailed`]).
+//! ([`StateDictError::PeerFailed`], carrying the failing rank and its own message).
 //!
 //! # Limitations
 //! - Call these between training steps (after the optimizer step, not between a forward and its

@@ -107,7 +107,12 @@ impl Ctx {
     /// One-element all-reduce (max) of a failure flag over the shard and replicate groups:
     /// true if any rank failed.
     pub(super) fn any_failed(&self, failed: bool) -> Result<bool> {
-        let flag = self.new_tensor(vec![if failed { 1.0 } else { 0.0 }])?;
+        Ok(self.max_over_ranks(if failed { 1.0 } else { 0.0 })? > 0.0)
+    }
+
+    /// One-element all-reduce (max) over the shard and replicate groups.
+    pub(super) fn max_over_ranks(&self, value: f32) -> Result<f32> {
+        let flag = self.new_tensor(vec![value])?;
         self.group
             .all_reduce(&tensor_slice(&flag)?, ReduceOp::Max, &self.stream)
             .wait()?;
@@ -115,7 +120,7 @@ impl Ctx {
             rep.all_reduce(&tensor_slice(&flag)?, ReduceOp::Max, &self.stream)
                 .wait()?;
         }
-        Ok(self.read(&flag)?[0] > 0.0)
+        Ok(self.read(&flag)?[0])
     }
 
     /// Checks per-unit optimizer tensors and returns contiguous handles to them.
@@ -353,11 +358,21 @@ pub fn save_full<M: Module + 'static>(fsdp: &Fsdp<M>, path: impl AsRef<Path>) ->
 
 pub(super) fn finish_collective_save(ctx: &Ctx, local: Result<()>, op: &'static str) -> Result<()> {
     let any = ctx.any_failed(local.is_err())?;
-    local?;
     if any {
-        return Err(StateDictError::PeerFailed { op });
+        return Err(peer_failed(ctx, local, op)?);
     }
     Ok(())
+}
+
+/// Every rank of a collective save of which one or more failed: the failing ranks return their
+/// own error, the others [`StateDictError::PeerFailed`] with the lowest failing rank's message
+/// (a collective: every rank calls it). `Ok` holds the error to return.
+fn peer_failed(ctx: &Ctx, local: Result<impl Sized>, op: &'static str) -> Result<StateDictError> {
+    let (reason, rank) = share_reason(ctx, local.as_ref().err())?;
+    Ok(match local {
+        Err(own) => own,
+        Ok(_) => StateDictError::PeerFailed { op, rank, reason },
+    })
 }
 
 /// Reads a full state dict file (every rank reads the whole file) and loads it
@@ -648,8 +663,7 @@ pub(super) fn collective_sharded_save(
         } else if let Ok(tmp) = staging_dir(dir, generation) {
             cleanup(&tmp);
         }
-        local?;
-        return Err(StateDictError::PeerFailed { op });
+        return Err(peer_failed(ctx, local, op)?);
     }
     let tmp = local?;
     let published = if ctx.is_primary() {

@@ -7,18 +7,22 @@
 //! | ours (`nn::Gpt`) | Hugging Face | note |
 //! |---|---|---|
 //! | `tok_emb.weight` `[V, d]` | `transformer.wte.weight` `[V, d]` | |
-//! | `pos_emb.weight` `[T, d]` | `transformer.wpe.weight` `[n_positions, d]` | `T ≤ n_positions`: the first `T` rows |
+//! | `pos_emb.weight` `[n_positions, d]` | `transformer.wpe.weight` `[n_positions, d]` | the whole table (training at a shorter `--seq-len` uses its first rows) |
 //! | `blocks.N.ln1.{weight,bias}` | `transformer.h.N.ln_1.{weight,bias}` | |
 //! | `blocks.N.attn.qkv.weight` `[3d, d]` | `transformer.h.N.attn.c_attn.weight` `[d, 3d]` | Conv1D: transposed |
 //! | `blocks.N.attn.proj.weight` `[d, d]` | `transformer.h.N.attn.c_proj.weight` `[d, d]` | transposed |
 //! | `blocks.N.ln2.{weight,bias}` | `transformer.h.N.ln_2.{weight,bias}` | |
-//! | `blocks.N.mlp.fc.weight` `[4d, d]` | `transformer.h.N.mlp.c_fc.weight` `[d, 4d]` | transposed |
-//! | `blocks.N.mlp.proj.weight` `[d, 4d]` | `transformer.h.N.mlp.c_proj.weight` `[4d, d]` | transposed |
+//! | `blocks.N.mlp.fc.weight` `[inner, d]` | `transformer.h.N.mlp.c_fc.weight` `[d, inner]` | transposed; `inner` = `n_inner` or `4d` |
+//! | `blocks.N.mlp.proj.weight` `[d, inner]` | `transformer.h.N.mlp.c_proj.weight` `[inner, d]` | transposed |
 //! | `ln_f.{weight,bias}` | `transformer.ln_f.{weight,bias}` | |
 //! | `head.weight` (untied only) | `lm_head.weight` | tied (GPT-2): not stored |
 //!
 //! Biases follow their weights untransposed. The attention's causal-mask buffers some files
 //! carry (`attn.bias`, `attn.masked_bias`) are skipped; any other unknown tensor is refused.
+//! A tied config (`tie_word_embeddings` true or absent) whose file carries an `lm_head.weight`
+//! equal to `wte` loads tied; one whose `lm_head.weight` differs loads **untied** with the
+//! file's head, as transformers does (it warns and does not tie them), and [`HfCheckpoint::note`]
+//! says so. `config.json` is read through the allow-list of [`super::gpt2_config`].
 //!
 //! **Loading** ([`load_into`]) goes through fsdp-core's sharded loading path: each rank lists
 //! its own pieces of every parameter ([`state_dict::sharded_state_dict`]), fills exactly those
@@ -29,155 +33,27 @@
 //!
 //! **Exporting** ([`export`]) gathers a full state dict to rank 0 (a collective: every rank
 //! calls it) and writes `model.safetensors` (F32, metadata `format = pt`, as transformers
-//! expects) and `config.json` (`activation_function` `gelu_new` for the tanh GELU, `gelu` for the
-//! exact one; `tie_word_embeddings` as the model has it).
+//! expects; the whole position table) and `config.json` ([`HfConfig::to_json`]: what the model
+//! computes — sizes, activation, epsilon, tying, attention scaling, dropouts — over the
+//! `--init-from` config's carried keys).
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use super::gpt2_config::HfConfig;
 use super::{missing, write_model_dir, HfError, HfTensor, CONFIG, WEIGHTS};
 
-use fsdp_autograd::nn::{Gelu, GptConfig, Module};
+use fsdp_autograd::nn::{GptConfig, Module};
 use fsdp_core::state_dict::{self, FullStateDict, ShardedStateDict};
 use fsdp_core::Fsdp;
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use safetensors::SafeTensors;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// What a GPT-2 file must hold, as [`HfError::Missing`] says it.
 const EXPECTED: &str = "a Hugging Face GPT2LMHeadModel file (transformer.wte, wpe, h.N.ln_1, \
                         attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f)";
-
-/// The shape and activation a Hugging Face GPT-2 `config.json` describes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HfConfig {
-    /// `vocab_size`.
-    pub vocab: usize,
-    /// `n_positions`.
-    pub n_positions: usize,
-    /// `n_embd`.
-    pub d_model: usize,
-    /// `n_layer`.
-    pub n_layers: usize,
-    /// `n_head`.
-    pub n_heads: usize,
-    /// `activation_function`: `gelu_new`/`gelu_pytorch_tanh` → tanh, `gelu` → exact.
-    pub gelu: Gelu,
-    /// `tie_word_embeddings` (true when absent, as in transformers).
-    pub tied: bool,
-}
-
-impl HfConfig {
-    /// The model config: these sizes, sequence length `n_positions`.
-    pub fn gpt(&self) -> GptConfig {
-        GptConfig::new(
-            self.vocab,
-            self.d_model,
-            self.n_layers,
-            self.n_heads,
-            self.n_positions,
-        )
-        .with_tied(self.tied)
-        .with_gelu(self.gelu)
-    }
-
-    /// Parses a `config.json` value (`path` names it in errors).
-    pub fn from_json(path: &Path, v: &Value) -> Result<HfConfig, HfError> {
-        let bad = |detail: String| HfError::Config {
-            path: path.to_path_buf(),
-            detail,
-        };
-        if let Some(t) = v.get("model_type").and_then(Value::as_str) {
-            if t != "gpt2" {
-                return Err(bad(format!(
-                    "model_type is `{t}`, expected `gpt2` (a GPT2LMHeadModel config)"
-                )));
-            }
-        }
-        let size = |key: &str| -> Result<usize, HfError> {
-            v.get(key)
-                .and_then(Value::as_u64)
-                .filter(|&n| n > 0 && n <= 1 << 24)
-                .map(|n| n as usize)
-                .ok_or_else(|| bad(format!("`{key}` is missing or not a positive integer")))
-        };
-        if let Some(inner) = v.get("n_inner").filter(|x| !x.is_null()) {
-            let d = size("n_embd")?;
-            if inner.as_u64() != Some(4 * d as u64) {
-                return Err(bad(format!(
-                    "n_inner {inner} is not 4·n_embd ({}): nn::Gpt's MLP is 4× wide",
-                    4 * d
-                )));
-            }
-        }
-        let act = v
-            .get("activation_function")
-            .and_then(Value::as_str)
-            .unwrap_or("gelu_new");
-        let gelu = match act {
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Gelu::Tanh,
-            "gelu" => Gelu::Exact,
-            other => {
-                return Err(bad(format!(
-                    "activation_function `{other}` is not supported (gelu_new or gelu)"
-                )))
-            }
-        };
-        if let Some(eps) = v.get("layer_norm_epsilon").and_then(Value::as_f64) {
-            if (eps - 1e-5).abs() > 1e-12 {
-                return Err(bad(format!(
-                    "layer_norm_epsilon {eps} is not 1e-5 (nn::Gpt's layer norms use 1e-5)"
-                )));
-            }
-        }
-        let c = HfConfig {
-            vocab: size("vocab_size")?,
-            n_positions: size("n_positions")?,
-            d_model: size("n_embd")?,
-            n_layers: size("n_layer")?,
-            n_heads: size("n_head")?,
-            gelu,
-            tied: v
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(true),
-        };
-        if c.d_model % c.n_heads != 0 {
-            return Err(bad(format!(
-                "n_embd {} is not divisible by n_head {}",
-                c.d_model, c.n_heads
-            )));
-        }
-        Ok(c)
-    }
-
-    /// The `config.json` transformers' `GPT2LMHeadModel.from_pretrained` reads for `g`.
-    pub fn to_json(g: &GptConfig) -> Value {
-        json!({
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": g.vocab,
-            "n_positions": g.seq_len,
-            "n_embd": g.d_model,
-            "n_layer": g.n_layers,
-            "n_head": g.n_heads,
-            "n_inner": null,
-            "activation_function": match g.gelu { Gelu::Tanh => "gelu_new", Gelu::Exact => "gelu" },
-            "layer_norm_epsilon": 1e-5,
-            "initializer_range": 0.02,
-            "tie_word_embeddings": g.tied,
-            "bos_token_id": 50256,
-            "eos_token_id": 50256,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "scale_attn_weights": true,
-            "torch_dtype": "float32",
-        })
-    }
-}
 
 /// How one of our parameters is stored in the Hugging Face file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -226,7 +102,7 @@ fn our_params(g: &GptConfig) -> Vec<(String, Vec<usize>)> {
     let d = g.d_model;
     let mut v = vec![
         ("tok_emb.weight".to_string(), vec![g.vocab, d]),
-        ("pos_emb.weight".to_string(), vec![g.seq_len, d]),
+        ("pos_emb.weight".to_string(), vec![g.positions(), d]),
     ];
     for i in 0..g.n_layers {
         let b = format!("blocks.{i}");
@@ -238,9 +114,9 @@ fn our_params(g: &GptConfig) -> Vec<(String, Vec<usize>)> {
         v.push((format!("{b}.attn.proj.bias"), vec![d]));
         v.push((format!("{b}.ln2.weight"), vec![d]));
         v.push((format!("{b}.ln2.bias"), vec![d]));
-        v.push((format!("{b}.mlp.fc.weight"), vec![4 * d, d]));
-        v.push((format!("{b}.mlp.fc.bias"), vec![4 * d]));
-        v.push((format!("{b}.mlp.proj.weight"), vec![d, 4 * d]));
+        v.push((format!("{b}.mlp.fc.weight"), vec![g.inner(), d]));
+        v.push((format!("{b}.mlp.fc.bias"), vec![g.inner()]));
+        v.push((format!("{b}.mlp.proj.weight"), vec![d, g.inner()]));
         v.push((format!("{b}.mlp.proj.bias"), vec![d]));
     }
     v.push(("ln_f.weight".to_string(), vec![d]));
@@ -270,8 +146,12 @@ pub struct HfCheckpoint {
     tensors: HashMap<String, TensorInfo>,
     /// `transformer.` or empty.
     prefix: String,
-    /// The configuration (`config.json` beside the weights).
+    /// The configuration (`config.json` beside the weights; `tied` cleared when the file's
+    /// head differs from its embedding).
     pub config: HfConfig,
+    /// Set when a tied config's file carried a distinct `lm_head.weight` (untied, as
+    /// transformers does): the line to print.
+    note: Option<String>,
 }
 
 impl HfCheckpoint {
@@ -296,7 +176,8 @@ impl HfCheckpoint {
             let p = p.to_path_buf();
             move |source| HfError::Io { path: p, source }
         };
-        let f = File::open(&file).map_err(io(&file))?;
+        // A regular file, checked on the opened file: a FIFO would block the open forever.
+        let f = crate::input::open_regular(&file).map_err(io(&file))?;
         // SAFETY: the map is read-only and private to this process; as every reader of a mapped
         // file, we rely on no other process truncating or rewriting the checkpoint while it is
         // read (a truncation would fault).
@@ -319,20 +200,22 @@ impl HfCheckpoint {
             return Err(missing(&file, &tensors, "transformer.wte.weight", EXPECTED));
         };
         let cfg_path = dir.join(CONFIG);
-        let text = std::fs::read(&cfg_path).map_err(io(&cfg_path))?;
+        let text = crate::input::read_regular(&cfg_path).map_err(io(&cfg_path))?;
         let v: Value = serde_json::from_slice(&text).map_err(|e| HfError::Config {
             path: cfg_path.clone(),
             detail: format!("not JSON: {e}"),
         })?;
         let config = HfConfig::from_json(&cfg_path, &v)?;
-        let ck = HfCheckpoint {
+        let mut ck = HfCheckpoint {
             path: file,
             map,
             data_start: 8 + n,
             tensors,
             prefix: prefix.to_string(),
             config,
+            note: None,
         };
+        ck.untie_a_distinct_head()?;
         ck.validate()?;
         Ok(ck)
     }
@@ -340,6 +223,42 @@ impl HfCheckpoint {
     /// The weights file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// What loading changed against `config.json`, to print (a distinct `lm_head.weight` under a
+    /// tied config: untied).
+    pub fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    /// Under a tied config, a file whose `lm_head.weight` has `wte`'s shape and dtype but other
+    /// values is loaded untied with that head (transformers: "both are present in the
+    /// checkpoints with different values, so we will NOT tie them").
+    fn untie_a_distinct_head(&mut self) -> Result<(), HfError> {
+        let wte = full_name(&self.prefix, "wte.weight");
+        let (Some(head), Some(emb)) = (self.tensors.get("lm_head.weight"), self.tensors.get(&wte))
+        else {
+            return Ok(());
+        };
+        if !self.config.tied || head.shape != emb.shape {
+            return Ok(());
+        }
+        let n: usize = head.shape.iter().product();
+        let ok = |i: &TensorInfo| matches!(i.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16);
+        if !ok(head) || !ok(emb) {
+            return Ok(()); // validate() names the dtype
+        }
+        let differs =
+            (0..n).any(|i| self.element(head, i).to_bits() != self.element(emb, i).to_bits());
+        if differs {
+            self.config.tied = false;
+            self.note = Some(format!(
+                "{}: lm_head.weight differs from {wte} although config.json ties them \
+                 (tie_word_embeddings); loaded untied with the file's head, as transformers does",
+                self.path.display()
+            ));
+        }
+        Ok(())
     }
 
     /// Every expected tensor present with its shape and a float dtype; nothing unknown.
@@ -379,7 +298,8 @@ impl HfCheckpoint {
         for name in names {
             let skip = name.ends_with(".attn.bias")
                 || name.ends_with(".attn.masked_bias")
-                // A tied model's file may still carry the head (equal to wte).
+                // A tied model's file may still carry the head (equal to wte: a distinct one
+                // has untied the model).
                 || (g.tied && name == "lm_head.weight");
             if !skip && !expected.contains(name) {
                 return Err(HfError::Unexpected {
@@ -414,7 +334,7 @@ impl HfCheckpoint {
 
     /// Elements `offset .. offset + out.len()` of our parameter `ours` (shape `shape`, row-major),
     /// read from the file: transposed for Conv1D weights; our rows past the file's (a larger
-    /// `--vocab`) are zero; our `pos_emb` may have fewer rows than `n_positions`.
+    /// `--vocab`) are zero.
     fn read_piece(&self, ours: &str, shape: &[usize], offset: usize, out: &mut [f32]) {
         let src = source(ours).expect("validated names");
         let info = &self.tensors[&full_name(&self.prefix, &src.name)];
@@ -461,8 +381,9 @@ impl HfCheckpoint {
     }
 }
 
-/// Checks that a model of config `g` can take `ck`'s weights: the same width, depth, heads,
-/// tying and GELU; `vocab ≥` the file's (extra rows start at zero); `seq_len ≤ n_positions`.
+/// Checks that a model of config `g` can take `ck`'s weights: the same width, depth, heads, MLP
+/// width, tying and position table (`n_positions` rows; `seq_len ≤ n_positions`); `vocab ≥` the
+/// file's (extra rows start at zero).
 pub fn check_model(ck: &HfCheckpoint, g: &GptConfig) -> Result<(), HfError> {
     let c = &ck.config;
     let bad = |detail: String| {
@@ -494,6 +415,20 @@ pub fn check_model(ck: &HfCheckpoint, g: &GptConfig) -> Result<(), HfError> {
         return bad(format!(
             "--seq-len {} is longer than the checkpoint's n_positions {}",
             g.seq_len, c.n_positions
+        ));
+    }
+    if g.positions() != c.n_positions {
+        return bad(format!(
+            "the model's position table has {} rows, the checkpoint's n_positions is {}",
+            g.positions(),
+            c.n_positions
+        ));
+    }
+    let inner = c.n_inner.unwrap_or(4 * c.d_model);
+    if g.inner() != inner {
+        return bad(format!(
+            "the model's MLP is {} wide, the checkpoint's {inner} (n_inner)",
+            g.inner()
         ));
     }
     Ok(())
@@ -568,28 +503,35 @@ fn to_hf(full: &FullStateDict, g: &GptConfig) -> Result<Vec<HfTensor>, String> {
 }
 
 /// Writes `full` (of a model of config `g`) as a Hugging Face GPT-2 directory `dir`:
-/// `model.safetensors` and `config.json`, each written to a temporary name and renamed.
+/// `model.safetensors` and `config.json` (`source`: the `--init-from` config whose carried keys
+/// it keeps), each written to a temporary name and renamed.
 ///
 /// # Errors
 /// [`HfError::Io`], [`HfError::Format`], [`HfError::Model`].
-pub fn write_dir(full: &FullStateDict, g: &GptConfig, dir: &Path) -> Result<(), HfError> {
+pub fn write_dir(
+    full: &FullStateDict,
+    g: &GptConfig,
+    source: Option<&HfConfig>,
+    dir: &Path,
+) -> Result<(), HfError> {
     let tensors = to_hf(full, g).map_err(|detail| HfError::Model {
         path: dir.to_path_buf(),
         detail,
     })?;
-    let config = HfConfig::to_json(g);
+    let config = HfConfig::to_json(g, source);
     write_model_dir(dir, tensors, &config)
 }
 
 /// `--export-hf DIR`: gathers the parameters of the wrapped `nn::Gpt` of config `g` to rank 0
 /// and writes them there (a collective: every rank calls it; only rank 0 of the shard group
-/// writes).
+/// writes), with `source`'s carried configuration keys.
 ///
 /// # Errors
 /// State-dict errors of the gather; [`write_dir`]'s on the writing rank.
 pub fn export<M: Module + 'static>(
     fsdp: &Fsdp<M>,
     g: &GptConfig,
+    source: Option<&HfConfig>,
     dir: &Path,
 ) -> Result<(), HfError> {
     let full = state_dict::full_state_dict(fsdp, true).map_err(|e| HfError::StateDict {
@@ -599,7 +541,7 @@ pub fn export<M: Module + 'static>(
     if full.is_empty() {
         return Ok(());
     }
-    write_dir(&full, g, dir)
+    write_dir(&full, g, source, dir)
 }
 
 #[cfg(test)]
@@ -609,7 +551,7 @@ mod tests {
     use std::sync::Arc;
 
     use fsdp_alloc::Device;
-    use fsdp_autograd::nn::Gpt;
+    use fsdp_autograd::nn::{Gelu, Gpt};
     use fsdp_autograd::{InitContext, Tensor};
     use fsdp_collectives::{ProcessGroup, ThreadGroup};
     use fsdp_core::{FsdpConfig, WrapPolicy};
@@ -789,7 +731,8 @@ mod tests {
         let d2 = dir.clone();
         let first = on_ranks(2, g, move |_, fsdp| {
             load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap(), &g).unwrap();
-            export(fsdp, &g, &d2).unwrap();
+            let src = HfConfig::read_beside(&fixture()).unwrap();
+            export(fsdp, &g, Some(&src), &d2).unwrap();
             state_dict::full_state_dict(fsdp, false).unwrap()
         });
         let orig = std::fs::read(fixture().join(WEIGHTS)).unwrap();
@@ -863,6 +806,311 @@ mod tests {
         std::fs::copy(fixture().join(WEIGHTS), other.join(WEIGHTS)).unwrap();
         std::fs::write(other.join(CONFIG), r#"{"model_type": "llama"}"#).unwrap();
         let e = HfCheckpoint::open(&other).unwrap_err().to_string();
-        assert!(e.contains("model_type is `llama`"), "{e}");
+        assert!(e.contains("model_type is \"llama\""), "{e}");
+    }
+
+    fn variants_dir() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2-variants")
+    }
+
+    /// `got` (all `vocab` logits per position) against transformers' `want` (`logits`: every
+    /// `ids` of each position; `logsumexp`): each logit within 1e-5 (absolute; measured: at most
+    /// 1.5e-6), and the full-vocab log-sum-exp within 1e-5 (absolute).
+    fn assert_logits_match(tag: &str, got: &[f32], vocab: usize, ids: &[usize], want: &Value) {
+        for (t, row) in want["logits"].as_array().unwrap().iter().enumerate() {
+            let row: Vec<f64> = row
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            let mine = &got[t * vocab..(t + 1) * vocab];
+            for (k, &id) in ids.iter().enumerate() {
+                let err = (mine[id] as f64 - row[k]).abs();
+                assert!(
+                    err <= 1e-5,
+                    "{tag}: position {t} id {id}: {} vs {} (off by {err:e})",
+                    mine[id],
+                    row[k]
+                );
+            }
+            let m = mine.iter().fold(f64::MIN, |m, &x| m.max(x as f64));
+            let lse = m + mine.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+            let want_lse = want["logsumexp"][t].as_f64().unwrap();
+            assert!(
+                (lse - want_lse).abs() <= 1e-5,
+                "{tag}: position {t}: logsumexp {lse} vs {want_lse}"
+            );
+        }
+    }
+
+    /// Every config variant the fixture script made with transformers: written as a model
+    /// directory (the variant's config.json and weights), opened through `--init-from`'s code,
+    /// loaded on 2 ranks, and its logits compared with transformers' (`scale_attn_weights`,
+    /// `scale_attn_by_inverse_layer_idx` and both, `reorder_and_upcast_attn`,
+    /// `layer_norm_epsilon`, `n_inner`, every GELU spelling, dropout probabilities (eval: no
+    /// effect), an untied head, a tied config whose file carries a distinct head); the
+    /// variants train_gpt does not compute (relu, silu, swish, quick_gelu, gelu_10, mish,
+    /// add_cross_attention, an unknown key) are refused with one line naming the key.
+    #[test]
+    fn config_variants_match_transformers_or_are_refused() {
+        let text = std::fs::read_to_string(variants_dir().join("variants.json")).unwrap();
+        let all: Value = serde_json::from_str(&text).unwrap();
+        let tokens: Vec<i64> = all["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap())
+            .collect();
+        let ids: Vec<usize> = all["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as usize)
+            .collect();
+        let tmp = tempfile::tempdir().unwrap();
+        let (mut checked, mut refused) = (0, 0);
+        for v in all["variants"].as_array().unwrap() {
+            let name = v["name"].as_str().unwrap();
+            let dir = tmp.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            std::fs::write(dir.join(CONFIG), v["config"].to_string()).unwrap();
+            std::fs::copy(
+                variants_dir().join(v["weights"].as_str().unwrap()),
+                dir.join(WEIGHTS),
+            )
+            .unwrap();
+            if let Some(key) = v["refused"].as_str() {
+                let e = HfCheckpoint::open(&dir).unwrap_err().to_string();
+                assert!(e.contains(&format!("`{key}`")), "{name}: {e}");
+                assert!(!e.contains('\n'), "{name}: {e}");
+                refused += 1;
+                continue;
+            }
+            let ck = HfCheckpoint::open(&dir).unwrap();
+            let distinct_head = name == "tied_config_distinct_head";
+            assert_eq!(ck.note().is_some(), distinct_head, "{name}");
+            if distinct_head {
+                assert!(!ck.config.tied, "a distinct head unties the model");
+            }
+            let g = ck.config.gpt();
+            let toks = tokens.clone();
+            let d = dir.clone();
+            let got = on_ranks(2, g, move |dev, fsdp| {
+                load_into(fsdp, &HfCheckpoint::open(&d).unwrap(), &fsdp.module().config).unwrap();
+                logits(dev, fsdp, &toks)
+            });
+            assert_eq!(got[0], got[1], "{name}: ranks agree");
+            assert_logits_match(name, &got[0], g.vocab, &ids, v);
+            checked += 1;
+        }
+        assert_eq!((checked, refused), (16, 8));
+    }
+
+    /// The distinct head is really used: its logits differ from the tied model's, and the
+    /// export writes it untied (tie_word_embeddings false, lm_head.weight stored).
+    #[test]
+    fn a_distinct_head_under_a_tied_config_is_untied_and_exported_so() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("m");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::copy(variants_dir().join(CONFIG), dir.join(CONFIG)).unwrap();
+        std::fs::copy(variants_dir().join("untied.safetensors"), dir.join(WEIGHTS)).unwrap();
+        let ck = HfCheckpoint::open(&dir).unwrap();
+        assert!(ck.note().unwrap().contains("loaded untied"));
+        let out = tmp.path().join("out");
+        let (d, o) = (dir.clone(), out.clone());
+        on_ranks(2, ck.config.gpt(), move |_, fsdp| {
+            load_into(fsdp, &HfCheckpoint::open(&d).unwrap(), &fsdp.module().config).unwrap();
+            let src = HfConfig::read_beside(&d).unwrap();
+            export(fsdp, &fsdp.module().config, Some(&src), &o).unwrap();
+        });
+        let cfg: Value = serde_json::from_slice(&std::fs::read(out.join(CONFIG)).unwrap()).unwrap();
+        assert_eq!(cfg["tie_word_embeddings"], false);
+        let back = HfCheckpoint::open(&out).unwrap();
+        assert!(back.note().is_none() && !back.config.tied);
+        let (a, b) = (ck.full_state_dict(), back.full_state_dict());
+        assert_eq!(a.get("head.weight"), b.get("head.weight"));
+        assert_ne!(
+            a.get("head.weight").unwrap().values,
+            a.get("tok_emb.weight").unwrap().values
+        );
+    }
+
+    fn train_config(args: &[&str]) -> crate::job::TrainConfig {
+        use clap::Parser;
+        let c = crate::cli::Cli::try_parse_from(
+            std::iter::once("train_gpt").chain(args.iter().copied()),
+        )
+        .unwrap()
+        .into_config()
+        .unwrap();
+        crate::interop::prepare(c).unwrap().0
+    }
+
+    /// A 64-position model trained at `--seq-len 32` exports its 64-row table and
+    /// `n_positions: 64` (transformers can run 64-token inputs); its first 32 rows trained, the
+    /// rest as loaded. A model built from scratch exports its own table size.
+    #[test]
+    fn the_export_keeps_the_whole_position_table() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("hf");
+        let src = variants_dir();
+        let c = train_config(&[
+            "--init-from",
+            src.to_str().unwrap(),
+            "--seq-len",
+            "32",
+            "--steps",
+            "2",
+            "--ranks",
+            "2",
+            "--batch",
+            "1",
+            "--lr",
+            "0.1",
+            "--export-hf",
+            out.to_str().unwrap(),
+        ]);
+        let g = c.model.as_gpt().unwrap();
+        assert_eq!((g.seq_len, g.positions()), (32, 64));
+        crate::train::run_job(&c, Box::new(crate::job::Quiet), false).unwrap();
+        let cfg: Value = serde_json::from_slice(&std::fs::read(out.join(CONFIG)).unwrap()).unwrap();
+        assert_eq!(cfg["n_positions"], 64);
+        let file = std::fs::read(out.join(WEIGHTS)).unwrap();
+        let st = SafeTensors::deserialize(&file).unwrap();
+        let wpe = st.tensor("transformer.wpe.weight").unwrap();
+        assert_eq!(wpe.shape(), &[64, 32]);
+        let orig = std::fs::read(src.join(WEIGHTS)).unwrap();
+        let orig = SafeTensors::deserialize(&orig).unwrap();
+        let owpe = orig.tensor("transformer.wpe.weight").unwrap();
+        let row = 32 * 4;
+        assert_ne!(
+            &wpe.data()[..32 * row],
+            &owpe.data()[..32 * row],
+            "rows 0..32 trained"
+        );
+        assert_eq!(
+            &wpe.data()[32 * row..],
+            &owpe.data()[32 * row..],
+            "rows 32..64 untouched"
+        );
+        // The config's other keys came along; what the run used was written back.
+        assert_eq!(cfg["summary_type"], "cls_index");
+        assert_eq!(cfg["resid_pdrop"], json_num(0.1));
+        assert_eq!(cfg["activation_function"], "gelu_new");
+
+        let scratch = tmp.path().join("scratch");
+        let c = train_config(&[
+            "--d-model",
+            "16",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--seq-len",
+            "12",
+            "--vocab",
+            "40",
+            "--steps",
+            "1",
+            "--ranks",
+            "1",
+            "--export-hf",
+            scratch.to_str().unwrap(),
+        ]);
+        crate::train::run_job(&c, Box::new(crate::job::Quiet), false).unwrap();
+        let back = HfCheckpoint::open(&scratch).unwrap();
+        assert_eq!(back.config.n_positions, 12);
+        assert_eq!(
+            back.config.dropout,
+            fsdp_autograd::nn::GptDropout::default()
+        );
+    }
+
+    fn json_num(x: f64) -> Value {
+        serde_json::json!(x)
+    }
+
+    /// `--steps 0 --init-from SRC --export-hf OUT` converts without training: every tensor of
+    /// OUT is bit for bit SRC's (same names, shapes, F32 bytes) and its config.json has SRC's
+    /// keys and values. `--steps 0 --resume --save` writes the checkpoint's parameters.
+    #[test]
+    fn steps_zero_converts_bit_for_bit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("hf");
+        let src = variants_dir();
+        let c = train_config(&[
+            "--init-from",
+            src.to_str().unwrap(),
+            "--steps",
+            "0",
+            "--ranks",
+            "2",
+            "--export-hf",
+            out.to_str().unwrap(),
+        ]);
+        let r = crate::train::run_job(&c, Box::new(crate::job::Quiet), false).unwrap();
+        assert!(r.steps.is_empty());
+        let (a, b) = (
+            std::fs::read(src.join(WEIGHTS)).unwrap(),
+            std::fs::read(out.join(WEIGHTS)).unwrap(),
+        );
+        let (a, b) = (
+            SafeTensors::deserialize(&a).unwrap(),
+            SafeTensors::deserialize(&b).unwrap(),
+        );
+        let (mut na, mut nb) = (a.names(), b.names());
+        na.sort();
+        nb.sort();
+        assert_eq!(na, nb);
+        for n in na {
+            let (x, y) = (a.tensor(n).unwrap(), b.tensor(n).unwrap());
+            assert_eq!((x.shape(), x.dtype()), (y.shape(), y.dtype()), "{n}");
+            assert!(x.data() == y.data(), "{n} differs");
+        }
+        let read = |d: &Path| -> Value {
+            serde_json::from_slice(&std::fs::read(d.join(CONFIG)).unwrap()).unwrap()
+        };
+        assert_eq!(read(&src), read(&out));
+
+        // A checkpoint converted: --resume --steps 0 --save writes its parameters.
+        let ck = tmp.path().join("ck");
+        let small = [
+            "--d-model",
+            "16",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--seq-len",
+            "8",
+            "--vocab",
+            "40",
+            "--ranks",
+            "2",
+            "--checkpoint-dir",
+        ];
+        let mut a1 = small.to_vec();
+        a1.extend([ck.to_str().unwrap(), "--steps", "2"]);
+        let trained = crate::train::run_job(&train_config(&a1), Box::new(crate::job::Quiet), true)
+            .unwrap()
+            .final_params
+            .unwrap();
+        let saved = tmp.path().join("saved.safetensors");
+        let mut a2 = small.to_vec();
+        a2.extend([ck.to_str().unwrap(), "--steps", "0", "--resume", "--save"]);
+        a2.push(saved.to_str().unwrap());
+        crate::train::run_job(&train_config(&a2), Box::new(crate::job::Quiet), false).unwrap();
+        let loaded = fsdp_core::state_dict::FullStateDict::load(&saved).unwrap();
+        for e in &trained.entries {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&loaded.get(&e.name).unwrap().values),
+                bits(&e.values),
+                "{}",
+                e.name
+            );
+        }
     }
 }

@@ -4,15 +4,18 @@
 //! `model.safetensors` and a `config.json` side by side. This module holds what every
 //! architecture shares (the error type, the file names, the directory writer); each architecture
 //! is a file beside it with its configuration, its tensor-name map, loading and export:
-//! `gpt2.rs` (`GPT2LMHeadModel`, `nn::Gpt`), `llama.rs` (`LlamaForCausalLM`, `nn::Llama`);
-//! `tensors.rs` reads a directory's tensors, one file or the shards of an index. [`detect`]
-//! says which architecture a directory holds.
+//! `gpt2.rs` (`GPT2LMHeadModel`, `nn::Gpt`) with its `config.json` allow-list in
+//! `gpt2_config.rs`, `llama.rs` (`LlamaForCausalLM`, `nn::Llama`); `tensors.rs` reads a
+//! directory's tensors, one file or the shards of an index. [`detect`] says which architecture
+//! a directory holds.
 
 mod gpt2;
+mod gpt2_config;
 pub mod llama;
 mod tensors;
 
 pub use gpt2::{check_model, export, load_into, HfCheckpoint};
+pub use gpt2_config::HfConfig;
 pub use llama::LlamaCheckpoint;
 
 use std::collections::HashMap;
@@ -20,6 +23,8 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorInfo, TensorView};
 use serde_json::Value;
+
+use crate::cleanup::TempFile;
 
 /// The tensors file inside a Hugging Face model directory.
 pub const WEIGHTS: &str = "model.safetensors";
@@ -185,7 +190,9 @@ pub(crate) type HfTensor = (String, Vec<usize>, Vec<f32>);
 
 /// Writes a Hugging Face model directory `dir`: `model.safetensors` (the `tensors`, F32, metadata
 /// `format = pt`, as transformers expects) and `config.json` (`config`), each written to a
-/// temporary name and renamed.
+/// temporary name, fsynced and renamed, both with the mode the umask gives new files. Whether
+/// `dir` may be written at all (not the `--init-from` model, no earlier export without
+/// `--overwrite`) is decided before training (`paths::check`, `paths::check_existing`).
 ///
 /// # Errors
 /// [`HfError::Io`], [`HfError::Format`].
@@ -215,16 +222,32 @@ pub(crate) fn write_model_dir(
         })
         .collect::<Result<_, _>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    // The temporary files are removed on every error path and on a fatal signal.
+    let cfg = dir.join(CONFIG);
+    let cfg_tmp = TempFile::new(dir.join(format!(".{CONFIG}.tmp{}", std::process::id())));
+    let text = serde_json::to_string_pretty(config).expect("JSON of plain values");
+    // Created by std, so with 0666 less the umask: the weights get the same mode below.
+    std::fs::write(cfg_tmp.path(), text + "\n").map_err(io(cfg_tmp.path()))?;
+    let mode = std::fs::metadata(cfg_tmp.path())
+        .map_err(io(cfg_tmp.path()))?
+        .permissions();
     let weights = dir.join(WEIGHTS);
-    let tmp = dir.join(format!(".{WEIGHTS}.tmp"));
-    safetensors::serialize_to_file(views, Some(meta), &tmp).map_err(|e| HfError::Format {
-        path: tmp.clone(),
+    let tmp = TempFile::new(dir.join(format!(".{WEIGHTS}.tmp{}", std::process::id())));
+    safetensors::serialize_to_file(views, Some(meta), tmp.path()).map_err(|e| HfError::Format {
+        path: tmp.path().to_path_buf(),
         detail: e.to_string(),
     })?;
-    std::fs::rename(&tmp, &weights).map_err(io(&weights))?;
-    let cfg = dir.join(CONFIG);
-    let tmp = dir.join(format!(".{CONFIG}.tmp"));
-    let text = serde_json::to_string_pretty(config).expect("JSON of plain values");
-    std::fs::write(&tmp, text + "\n").map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &cfg).map_err(io(&cfg))
+    // The safetensors crate writes through a private (0600) temporary file: give the weights
+    // the mode every other file of the export has (issue #37, 2), and make them durable.
+    std::fs::set_permissions(tmp.path(), mode).map_err(io(tmp.path()))?;
+    for t in [&tmp, &cfg_tmp] {
+        std::fs::File::open(t.path())
+            .and_then(|f| f.sync_all())
+            .map_err(io(t.path()))?;
+    }
+    std::fs::rename(tmp.path(), &weights).map_err(io(&weights))?;
+    tmp.keep();
+    std::fs::rename(cfg_tmp.path(), &cfg).map_err(io(&cfg))?;
+    cfg_tmp.keep();
+    Ok(())
 }

@@ -4,8 +4,11 @@
 //! type, and `mod.rs` names them in [`super::ModelSpec`].
 
 use std::path::Path;
+use std::sync::Arc;
 
-use fsdp_autograd::nn::{Gelu, Module, ModuleHooks};
+use fsdp_alloc::Device;
+use fsdp_autograd::kernels::dropout::DropoutKey;
+use fsdp_autograd::nn::{Gelu, Gpt, Module, ModuleHooks};
 use fsdp_autograd::param::Parameter;
 use fsdp_autograd::{AutogradError, InitContext, Tensor};
 use fsdp_core::state_dict::FullStateDict;
@@ -61,17 +64,18 @@ pub trait Family: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     /// Parameter-creation errors; an invalid configuration.
-    fn build(&self, ctx: &InitContext) -> Result<Box<dyn Module>, AutogradError>;
+    fn build(&self, ctx: &InitContext) -> Result<Model, AutogradError>;
     /// The planner's description of this model wrapped by `policy` (`--plan`).
     ///
     /// # Errors
     /// [`PlanError::Model`] for sizes the planner cannot describe.
     fn plan_desc(&self, policy: &WrapPolicy) -> Result<ModelDesc, PlanError>;
-    /// A KV-cache decoder over a plain CPU model of this configuration holding `full`'s values.
+    /// A KV-cache decoder over a plain model of this configuration on `dev` holding `full`'s
+    /// values (`train_gpt sample --device`; dropout off: sampling never sets a key).
     ///
     /// # Errors
-    /// A state dict that does not fit the model.
-    fn decoder(&self, full: &FullStateDict) -> Result<Box<dyn Decode>, String>;
+    /// A state dict that does not fit the model; device errors.
+    fn decoder(&self, full: &FullStateDict, dev: &Device) -> Result<Box<dyn Decode>, String>;
     /// Checks that this model can take the Hugging Face checkpoint at `path` (shape, tying; a
     /// vocabulary at least the file's, a sequence length at most its positions).
     ///
@@ -85,11 +89,13 @@ pub trait Family: Send + Sync + std::fmt::Debug {
     /// The checkpoint cannot be read or does not fit, as one line.
     fn hf_load(&self, fsdp: &Fsdp<Model>, path: &Path) -> Result<(), String>;
     /// `--export-hf DIR`: gathers the parameters and writes the Hugging Face directory on rank 0
-    /// (a collective: every rank calls it).
+    /// (a collective: every rank calls it). `source` is the `--init-from` checkpoint, whose
+    /// configuration keys that do not change the model a family may carry into the export.
     ///
     /// # Errors
     /// The gather or the write failed, as one line.
-    fn hf_export(&self, fsdp: &Fsdp<Model>, dir: &Path) -> Result<(), String>;
+    fn hf_export(&self, fsdp: &Fsdp<Model>, source: Option<&Path>, dir: &Path)
+        -> Result<(), String>;
     /// The Hugging Face checkpoint at `path` as a full state dict of this model's parameters
     /// (`train_gpt sample --init-from`).
     ///
@@ -111,8 +117,10 @@ pub struct ShapeFlags {
     pub kv_heads: Option<usize>,
     /// `--ffn-dim` (the feed-forward width).
     pub ffn_dim: Option<usize>,
-    /// `--gelu` (exact unless given).
-    pub gelu: Gelu,
+    /// `--gelu` (a GPT's is exact unless given).
+    pub gelu: Option<Gelu>,
+    /// `--dropout` (GPT-2's three dropouts).
+    pub dropout: Option<f32>,
     /// `--tied`.
     pub tied: bool,
     /// `--activation-checkpointing`.
@@ -132,13 +140,36 @@ pub trait Decode {
 /// A built model of any family: the module tree the ranks wrap with FSDP. Its parameter names,
 /// children and hooks are the inner module's (it adds no level to the tree).
 pub struct Model {
-    inner: Box<dyn Module>,
+    inner: Arc<dyn Module>,
+    /// The GPT, when the model is one: the family with dropout (`--dropout`), whose key the
+    /// trainer sets per micro-batch ([`Model::set_dropout_key`]).
+    gpt: Option<Arc<Gpt>>,
 }
 
 impl Model {
-    /// Wraps a built module.
+    /// Wraps a built module (a family without dropout).
     pub fn new(inner: Box<dyn Module>) -> Model {
-        Model { inner }
+        Model {
+            inner: Arc::from(inner),
+            gpt: None,
+        }
+    }
+
+    /// Wraps a built GPT (its dropout key is set through [`Model::set_dropout_key`]).
+    pub fn gpt(gpt: Gpt) -> Model {
+        let gpt = Arc::new(gpt);
+        Model {
+            inner: gpt.clone(),
+            gpt: Some(gpt),
+        }
+    }
+
+    /// Turns dropout on (a training micro-batch's `key`) or off (`None`) for the following
+    /// forwards (`Gpt::set_dropout_key`); a family without dropout ignores it.
+    pub fn set_dropout_key(&self, key: Option<DropoutKey>) {
+        if let Some(g) = &self.gpt {
+            g.set_dropout_key(key);
+        }
     }
 }
 

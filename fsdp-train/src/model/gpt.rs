@@ -12,7 +12,7 @@
 use std::path::Path;
 
 use fsdp_alloc::Device;
-use fsdp_autograd::nn::{Gelu, Gpt, GptConfig, Module};
+use fsdp_autograd::nn::{Gelu, Gpt, GptConfig, GptDropout, Module};
 use fsdp_autograd::{no_grad, AutogradError, InitContext, Tensor};
 use fsdp_core::state_dict::FullStateDict;
 use fsdp_core::wrap::WrapPolicy;
@@ -20,12 +20,15 @@ use fsdp_core::Fsdp;
 use fsdp_plan::{ModelDesc, PlanError};
 
 use super::family::{Decode, Family, Model, ShapeFlags};
-use crate::hf::{self, HfCheckpoint};
+use crate::hf::{self, HfCheckpoint, HfConfig};
 
-/// The fingerprint's model string of a GPT (`vocab V d D layers L heads H seq T tied B gelu G`,
-/// the format checkpoints have always carried).
-fn fingerprint(g: &GptConfig) -> String {
-    format!(
+/// The fingerprint's model string of a GPT: `vocab V d D layers L heads H seq T tied B gelu G`
+/// (the format checkpoints have always carried), then only what differs from a plain
+/// `GptConfig::new`: `positions N`, `inner N`, `ln-eps E`, `attn-scale-head-dim B`,
+/// `attn-scale-inverse-layer B`, `dropout E A R` (so checkpoints of models without these
+/// options keep their old fingerprint).
+pub fn fingerprint(g: &GptConfig) -> String {
+    let mut s = format!(
         "vocab {} d {} layers {} heads {} seq {} tied {} gelu {}",
         g.vocab,
         g.d_model,
@@ -34,7 +37,31 @@ fn fingerprint(g: &GptConfig) -> String {
         g.seq_len,
         g.tied,
         g.gelu.name()
-    )
+    );
+    let plain = GptConfig::new(g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len);
+    if g.positions() != plain.positions() {
+        s += &format!(" positions {}", g.positions());
+    }
+    if g.inner() != plain.inner() {
+        s += &format!(" inner {}", g.inner());
+    }
+    if g.ln_eps != plain.ln_eps {
+        s += &format!(" ln-eps {}", g.ln_eps);
+    }
+    if g.attn_scaling.by_head_dim != plain.attn_scaling.by_head_dim {
+        s += &format!(" attn-scale-head-dim {}", g.attn_scaling.by_head_dim);
+    }
+    if g.attn_scaling.by_inverse_layer != plain.attn_scaling.by_inverse_layer {
+        s += &format!(
+            " attn-scale-inverse-layer {}",
+            g.attn_scaling.by_inverse_layer
+        );
+    }
+    if !g.dropout.is_off() {
+        let d = g.dropout;
+        s += &format!(" dropout {} {} {}", d.embd, d.attn, d.resid);
+    }
+    s
 }
 
 /// Parses [`fingerprint`]'s string.
@@ -53,7 +80,7 @@ pub fn parse(s: &str) -> Result<GptConfig, String> {
         get(k)?.parse().map_err(|_| format!("bad `{k}` in `{s}`"))
     };
     let gelu: Gelu = get("gelu")?.parse()?;
-    Ok(GptConfig::new(
+    let mut g = GptConfig::new(
         num("vocab")?,
         num("d")?,
         num("layers")?,
@@ -61,30 +88,90 @@ pub fn parse(s: &str) -> Result<GptConfig, String> {
         num("seq")?,
     )
     .with_tied(get("tied")? == "true")
-    .with_gelu(gelu))
+    .with_gelu(gelu);
+    let has = |k: &str| w.contains(&k);
+    let float = |x: &str| -> Result<f32, String> {
+        x.parse().map_err(|_| format!("bad number `{x}` in `{s}`"))
+    };
+    if has("positions") {
+        g = g.with_positions(num("positions")?);
+    }
+    if has("inner") {
+        g = g.with_inner(num("inner")?);
+    }
+    if has("ln-eps") {
+        g = g.with_ln_eps(float(get("ln-eps")?)?);
+    }
+    if has("attn-scale-head-dim") {
+        g.attn_scaling.by_head_dim = get("attn-scale-head-dim")? == "true";
+    }
+    if has("attn-scale-inverse-layer") {
+        g.attn_scaling.by_inverse_layer = get("attn-scale-inverse-layer")? == "true";
+    }
+    if has("dropout") {
+        let i = w.iter().position(|x| *x == "dropout").unwrap_or(0);
+        let p: Vec<f32> = w
+            .get(i + 1..i + 4)
+            .ok_or_else(|| format!("`dropout` needs three values in `{s}`"))?
+            .iter()
+            .map(|x| float(x))
+            .collect::<Result<_, String>>()?;
+        g = g.with_dropout(GptDropout {
+            embd: p[0],
+            attn: p[1],
+            resid: p[2],
+        });
+    }
+    Ok(g)
 }
 
-/// Parameters of a GPT of this shape (token + position embeddings, blocks, final norm, head).
+/// Parameters of a GPT of this shape (token + position embeddings, blocks with their
+/// feed-forward width `inner`, final norm, head).
 pub fn params(c: &GptConfig) -> u64 {
-    let (v, d, l, t) = (
+    let (v, d, l, t, m) = (
         c.vocab as u64,
         c.d_model as u64,
         c.n_layers as u64,
-        c.seq_len as u64,
+        c.positions() as u64,
+        c.inner() as u64,
     );
-    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (m * d + m) + (m * d + d);
     let head = if c.tied { 0 } else { v * d };
     v * d + t * d + l * block + 2 * d + head
 }
 
-/// A plain CPU `Gpt` of `g` holding `full`'s values.
+/// A plain `Gpt` of `g` on `dev` holding `full`'s values: built on the fake device (nothing
+/// initialized), then each parameter materialized on `dev` from its entry.
 ///
 /// # Errors
-/// A state dict that does not fit.
-pub fn model_from(g: &GptConfig, full: &FullStateDict) -> Result<Gpt, String> {
-    let dev = Device::cpu(0);
-    let model = Gpt::new(&InitContext::eager(&dev, 0), &g.with_checkpoint(false)).map_err(e)?;
-    full.load_into_module(&model).map_err(e)?;
+/// An entry missing, of another shape, or left over; device errors.
+pub fn model_from(g: &GptConfig, full: &FullStateDict, dev: &Device) -> Result<Gpt, String> {
+    let model = Gpt::new(&InitContext::fake(0), &g.with_checkpoint(false)).map_err(e)?;
+    let params = fsdp_autograd::nn::named_parameters(&model);
+    for (name, p) in &params {
+        let entry = full
+            .get(name)
+            .ok_or_else(|| format!("the weights have no parameter `{name}`"))?;
+        if entry.shape != p.shape() {
+            return Err(format!(
+                "parameter `{name}` is {:?} in the weights, {:?} in the model",
+                entry.shape,
+                p.shape()
+            ));
+        }
+        let t = Tensor::from_slice(&entry.values, &entry.shape, dev).map_err(e)?;
+        p.materialize(t).map_err(e)?;
+    }
+    if let Some(extra) = full
+        .entries
+        .iter()
+        .find(|x| !params.iter().any(|(n, _)| *n == x.name))
+    {
+        return Err(format!(
+            "the weights have a parameter `{}` the model does not",
+            extra.name
+        ));
+    }
     Ok(model)
 }
 
@@ -143,7 +230,10 @@ impl Family for GptConfig {
             self.n_heads = h;
         }
         self.tied |= f.tied;
-        self.gelu = f.gelu;
+        self.gelu = f.gelu.unwrap_or(Gelu::Exact);
+        if let Some(p) = f.dropout {
+            *self = self.with_dropout(GptDropout::all(p));
+        }
         self.checkpoint |= f.checkpoint;
         Ok(())
     }
@@ -170,14 +260,14 @@ impl Family for GptConfig {
     fn fingerprint(&self) -> String {
         fingerprint(self)
     }
-    fn build(&self, ctx: &InitContext) -> Result<Box<dyn Module>, AutogradError> {
-        Ok(Box::new(Gpt::new(ctx, self)?))
+    fn build(&self, ctx: &InitContext) -> Result<Model, AutogradError> {
+        Ok(Model::gpt(Gpt::new(ctx, self)?))
     }
     fn plan_desc(&self, policy: &WrapPolicy) -> Result<ModelDesc, PlanError> {
         ModelDesc::gpt(self, policy)
     }
-    fn decoder(&self, full: &FullStateDict) -> Result<Box<dyn Decode>, String> {
-        Ok(Box::new(GptDecoder::new(model_from(self, full)?)?))
+    fn decoder(&self, full: &FullStateDict, dev: &Device) -> Result<Box<dyn Decode>, String> {
+        Ok(Box::new(GptDecoder::new(model_from(self, full, dev)?)?))
     }
     fn hf_check(&self, path: &Path) -> Result<(), String> {
         let ck = HfCheckpoint::open(path).map_err(|e| format!("--init-from: {e}"))?;
@@ -187,8 +277,18 @@ impl Family for GptConfig {
         let ck = HfCheckpoint::open(path).map_err(|e| format!("--init-from: {e}"))?;
         hf::load_into(fsdp, &ck, self).map_err(|e| e.to_string())
     }
-    fn hf_export(&self, fsdp: &Fsdp<Model>, dir: &Path) -> Result<(), String> {
-        hf::export(fsdp, self, dir).map_err(|e| format!("--export-hf: {e}"))
+    fn hf_export(
+        &self,
+        fsdp: &Fsdp<Model>,
+        source: Option<&Path>,
+        dir: &Path,
+    ) -> Result<(), String> {
+        // The --init-from config's keys that do not change the model are carried into the export.
+        let source = match source {
+            Some(p) => Some(HfConfig::read_beside(p).map_err(|e| format!("--export-hf: {e}"))?),
+            None => None,
+        };
+        hf::export(fsdp, self, source.as_ref(), dir).map_err(|e| format!("--export-hf: {e}"))
     }
     fn hf_full(&self, path: &Path) -> Result<FullStateDict, String> {
         let ck = HfCheckpoint::open(path).map_err(e)?;
@@ -250,8 +350,10 @@ impl GptDecoder {
             .call(&ids)
             .and_then(|t| t.add(&m.pos_emb.call(&at)?))
             .map_err(e)?;
-        let scale = 1.0 / (dh as f32).sqrt();
         for (i, (keys, values)) in self.cache.iter_mut().enumerate() {
+            // The layer's own attention scale (`GptConfig::attn_scale`: by head dim and/or
+            // inverse layer index, as the model's attention is scaled).
+            let scale = g.attn_scale(i);
             let b = child(&m.blocks, &i.to_string())?;
             let attn = child(b, "attn")?;
             let qkv = child(attn, "qkv")?
@@ -310,8 +412,10 @@ impl Decode for GptDecoder {
                 g.vocab
             ));
         }
-        if self.tokens.len() == g.seq_len {
-            let keep = self.tokens.split_off(g.seq_len - g.seq_len / 2);
+        // The context is the position table's length (`GptConfig::positions`).
+        let context = g.positions();
+        if self.tokens.len() == context {
+            let keep = self.tokens.split_off(context - context / 2);
             self.tokens.clear();
             for c in &mut self.cache {
                 c.0.clear();
@@ -363,12 +467,86 @@ mod tests {
     #[test]
     fn fingerprint_models_parse() {
         let g = parse("vocab 256 d 64 layers 2 heads 4 seq 32 tied true gelu tanh").unwrap();
-        let want = GptConfig::new(256, 64, 2, 4, 32)
+        let plain = GptConfig::new(256, 64, 2, 4, 32)
             .with_tied(true)
             .with_gelu(Gelu::Tanh);
-        assert_eq!(g, want);
-        assert_eq!(parse(&fingerprint(&want)).unwrap(), want);
+        assert_eq!(g, plain);
+        // A plain model's string is the old one (old checkpoints keep their fingerprint).
+        assert_eq!(
+            fingerprint(&plain),
+            "vocab 256 d 64 layers 2 heads 4 seq 32 tied true gelu tanh"
+        );
+        let mut rich = plain
+            .with_positions(64)
+            .with_inner(100)
+            .with_ln_eps(1e-3)
+            .with_dropout(GptDropout {
+                embd: 0.1,
+                attn: 0.0,
+                resid: 0.2,
+            });
+        rich.attn_scaling.by_head_dim = false;
+        rich.attn_scaling.by_inverse_layer = true;
+        assert_eq!(parse(&fingerprint(&rich)).unwrap(), rich);
         assert!(parse("vocab 256").is_err());
+    }
+
+    /// The decoder uses each layer's attention scale: with scale_attn_by_inverse_layer_idx its
+    /// cached steps still equal the full forward.
+    #[test]
+    fn cached_steps_follow_the_attention_scale() {
+        let dev = Device::cpu(0);
+        let mut g = GptConfig::new(48, 32, 3, 4, 12);
+        g.attn_scaling.by_inverse_layer = true;
+        let m = Gpt::new(&InitContext::eager(&dev, 5), &g).unwrap();
+        for (n, p) in fsdp_autograd::nn::named_parameters(&m) {
+            if n.ends_with("qkv.weight") {
+                no_grad(|| p.get().unwrap().scale_(30.0)).unwrap();
+            }
+        }
+        let toks: Vec<u32> = vec![3, 17, 5, 40, 2, 9];
+        let ids: Vec<i64> = toks.iter().map(|&t| t as i64).collect();
+        let x = Tensor::from_vec(ids, &[1, toks.len()], &dev).unwrap();
+        let full = no_grad(|| m.forward(&x)).unwrap().to_vec::<f32>().unwrap();
+        let mut dec = GptDecoder::new(m).unwrap();
+        for (t, &tok) in toks.iter().enumerate() {
+            let step = dec.step(tok).unwrap();
+            let row = &full[t * 48..(t + 1) * 48];
+            let scale = row.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+            for (a, b) in step.iter().zip(row) {
+                assert!((a - b).abs() <= 1e-5 * scale, "pos {t}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// `model_from` materializes every parameter on the device from the dict, and refuses a
+    /// dict with a missing, misshapen or extra entry.
+    #[test]
+    fn models_are_built_from_the_weights_on_the_device() {
+        let m = model(Gelu::Exact, true);
+        let full = FullStateDict::from_module(&m).unwrap();
+        let g = m.config;
+        let dev = m.tok_emb.weight.get().unwrap().device().clone();
+        let back = model_from(&g, &full, &dev).unwrap();
+        let x = Tensor::from_vec(vec![1i64, 2, 3], &[1, 3], &dev).unwrap();
+        let a = no_grad(|| m.forward(&x)).unwrap().to_vec::<f32>().unwrap();
+        let b = no_grad(|| back.forward(&x))
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert_eq!(a, b);
+        let mut short = full.clone();
+        short.entries.pop();
+        assert!(model_from(&g, &short, &dev)
+            .unwrap_err()
+            .contains("no parameter"));
+        let mut extra = full.clone();
+        let mut e0 = extra.entries[0].clone();
+        e0.name = "spare.weight".into();
+        extra.entries.push(e0);
+        assert!(model_from(&g, &extra, &dev)
+            .unwrap_err()
+            .contains("spare.weight"));
     }
 
     #[test]

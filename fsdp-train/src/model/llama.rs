@@ -100,13 +100,12 @@ pub fn parse(s: &str) -> Result<LlamaConfig, String> {
     .with_rope_scaling(scaling))
 }
 
-/// A plain CPU `Llama` of `c` holding `full`'s values.
+/// A plain `Llama` of `c` on `dev` holding `full`'s values.
 ///
 /// # Errors
 /// A state dict that does not fit.
-pub fn model_from(c: &LlamaConfig, full: &FullStateDict) -> Result<Llama, String> {
-    let dev = Device::cpu(0);
-    let model = Llama::new(&InitContext::eager(&dev, 0), &c.with_checkpoint(false)).map_err(e)?;
+pub fn model_from(c: &LlamaConfig, full: &FullStateDict, dev: &Device) -> Result<Llama, String> {
+    let model = Llama::new(&InitContext::eager(dev, 0), &c.with_checkpoint(false)).map_err(e)?;
     full.load_into_module(&model).map_err(e)?;
     Ok(model)
 }
@@ -153,8 +152,11 @@ impl Family for LlamaConfig {
         "LlamaDecoderLayer"
     }
     fn apply_flags(&mut self, f: &ShapeFlags) -> Result<(), String> {
-        if f.gelu != Gelu::Exact {
+        if f.gelu.is_some_and(|g| g != Gelu::Exact) {
             return Err("--gelu shapes a GPT's MLP; a Llama's is SwiGLU (SiLU·mul)".into());
+        }
+        if f.dropout.is_some() {
+            return Err("--dropout is GPT-2's; a Llama model has no dropout".into());
         }
         if let Some(d) = f.d_model {
             self.d_model = d;
@@ -222,14 +224,14 @@ impl Family for LlamaConfig {
     fn fingerprint(&self) -> String {
         fingerprint(self)
     }
-    fn build(&self, ctx: &InitContext) -> Result<Box<dyn Module>, AutogradError> {
-        Ok(Box::new(Llama::new(ctx, self)?))
+    fn build(&self, ctx: &InitContext) -> Result<Model, AutogradError> {
+        Ok(Model::new(Box::new(Llama::new(ctx, self)?)))
     }
     fn plan_desc(&self, policy: &WrapPolicy) -> Result<ModelDesc, PlanError> {
         ModelDesc::llama(self, policy)
     }
-    fn decoder(&self, full: &FullStateDict) -> Result<Box<dyn Decode>, String> {
-        Ok(Box::new(LlamaDecoder::new(model_from(self, full)?)?))
+    fn decoder(&self, full: &FullStateDict, dev: &Device) -> Result<Box<dyn Decode>, String> {
+        Ok(Box::new(LlamaDecoder::new(model_from(self, full, dev)?)?))
     }
     fn hf_check(&self, path: &Path) -> Result<(), String> {
         hf::check_model(&open(path)?, self).map_err(e)
@@ -237,7 +239,12 @@ impl Family for LlamaConfig {
     fn hf_load(&self, fsdp: &Fsdp<Model>, path: &Path) -> Result<(), String> {
         hf::load_into(fsdp, &open(path)?, self).map_err(e)
     }
-    fn hf_export(&self, fsdp: &Fsdp<Model>, dir: &Path) -> Result<(), String> {
+    fn hf_export(
+        &self,
+        fsdp: &Fsdp<Model>,
+        _source: Option<&Path>,
+        dir: &Path,
+    ) -> Result<(), String> {
         hf::export(fsdp, self, dir).map_err(|err| format!("--export-hf: {err}"))
     }
     fn hf_full(&self, path: &Path) -> Result<FullStateDict, String> {
@@ -432,7 +439,7 @@ mod tests {
         let (spec, _) = super::super::ModelSpec::from_hf(&dir).unwrap();
         assert_eq!(spec.name(), "llama");
         let full = spec.hf_full(&dir).unwrap();
-        let mut dec = spec.decoder(&full).unwrap();
+        let mut dec = spec.decoder(&full, &Device::cpu(0)).unwrap();
         let greedy = ids("greedy");
         let o = crate::sample::SampleOpts {
             max_new_tokens: greedy.len(),

@@ -106,18 +106,38 @@ impl ModelSpec {
             return Ok((ModelSpec::Llama(c), note));
         }
         let ck = HfCheckpoint::open(path).map_err(|e| format!("--init-from: {e}"))?;
-        let c = &ck.config;
+        let (cf, g) = (&ck.config, ck.config.gpt());
         let note = format!(
-            "{} (GPT-2 vocab {} d {} layers {} heads {} positions {}, gelu {})",
+            "{} (GPT-2 vocab {} d {} layers {} heads {} positions {} inner {}, {} ({} GELU), \
+             layer-norm eps {}, attention scale {}{}, {}tied)",
             ck.path().display(),
-            c.vocab,
-            c.d_model,
-            c.n_layers,
-            c.n_heads,
-            c.n_positions,
-            c.gelu.name()
+            cf.vocab,
+            cf.d_model,
+            cf.n_layers,
+            cf.n_heads,
+            cf.n_positions,
+            g.inner(),
+            cf.activation,
+            g.gelu.name(),
+            cf.ln_eps,
+            if cf.scaling.by_head_dim {
+                "1/√head_dim"
+            } else {
+                "1"
+            },
+            if cf.scaling.by_inverse_layer {
+                " / (layer + 1)"
+            } else {
+                ""
+            },
+            if g.tied { "" } else { "un" },
         );
-        Ok((ModelSpec::Gpt(c.gpt()), note))
+        // What the loader had to do (e.g. an untied head in a tied config), if anything.
+        let note = match ck.note() {
+            Some(n) => format!("{note}; {n}"),
+            None => note,
+        };
+        Ok((ModelSpec::Gpt(g), note))
     }
 }
 

@@ -6,7 +6,7 @@
 mod cache;
 mod json;
 
-pub use cache::token_bin;
+pub use cache::{cache_paths, cache_tag, token_bin};
 pub use json::JsonTokenizer;
 
 use std::path::{Path, PathBuf};
@@ -96,8 +96,21 @@ impl Tokenizer {
     /// # Errors
     /// An id outside the vocabulary.
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
-        let bytes = match self {
-            Tokenizer::Json(t) => return t.decode(ids),
+        match self {
+            Tokenizer::Json(t) => t.decode(ids),
+            _ => Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned()),
+        }
+    }
+
+    /// The bytes of `ids` (a GPT-2 token may hold part of a UTF-8 character: text streamed
+    /// token by token is decoded from the bytes, see `sample`). A `tokenizer.json`'s decoder
+    /// gives text: its bytes (a token ending inside a character decodes to U+FFFD on its own).
+    ///
+    /// # Errors
+    /// An id outside the vocabulary.
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, String> {
+        Ok(match self {
+            Tokenizer::Json(t) => t.decode(ids)?.into_bytes(),
             Tokenizer::Bytes => ids
                 .iter()
                 .map(|&i| u8::try_from(i).map_err(|_| format!("token id {i} is not a byte")))
@@ -105,8 +118,7 @@ impl Tokenizer {
             Tokenizer::Gpt2 => gpt2()?
                 .decode_bytes(ids)
                 .map_err(|e| format!("GPT-2 decoding: {e}"))?,
-        };
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        })
     }
 }
 

@@ -12,7 +12,9 @@
 //! Head dims of exactly 64 and 128 take register-tiled kernels (compile-time head dim, each
 //! thread a micro-tile of scores and output columns, 16-byte shared loads, fused multiply-adds
 //! in a fixed order); other head dims take generic kernels that read the head dim at run time.
-//! Both families multiply on the CUDA cores in f32, not on tensor cores.
+//! Both families multiply on the CUDA cores in f32, not on tensor cores; the bf16 / f16 forward
+//! for head dims 64 and 128 has a tensor-core kernel on compute capability 8.0+
+//! ([`flash_mma`](super::flash_mma), chosen in `flash_fwd_in`).
 //!
 //! The shape is an [`Attention`]: its `scale` multiplies the scores, and its `kv_heads` makes
 //! grouped-query attention (query head `h` reads key/value head `h / (heads / kv_heads)` in
@@ -76,6 +78,21 @@ crate::kernels::cuda::kernel::declare_kernels! {
     FLASH_BWD_DQ_F32_D128 = "flash_bwd_dq_f32_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     FLASH_BWD_DQ_BF16_D128 = "flash_bwd_dq_bf16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
     FLASH_BWD_DQ_F16_D128 = "flash_bwd_dq_f16_d128" [U64, U64, U64, U64, U64, U64, F32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr];
+}
+
+/// Which kernels run a fused attention forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FlashPath {
+    /// The tensor-core forward where it applies (device, operand type, head dimension,
+    /// [`tensor_core_attention`](crate::kernels::cuda::tensor_core_attention)), else the
+    /// CUDA-core kernels: what the public methods do.
+    Auto,
+    /// The CUDA-core kernels of `flash.cu`.
+    #[cfg_attr(not(test), allow(dead_code))]
+    CudaCores,
+    /// The tensor-core forward of `flash_mma.cu` (an error where it does not apply).
+    #[cfg_attr(not(test), allow(dead_code))]
+    TensorCores,
 }
 
 /// The element type of the fused kernels' tensors.
@@ -160,7 +177,7 @@ impl FlashLayout {
     }
 }
 
-/// Whether the register-tiled kernels (`flash.cu`'s `_d64` / `_d128`: head dim a compile-time
+/// Whether the register-tiled kernels (`flash_tiled.cu`'s `_d64` / `_d128`: head dim a compile-time
 /// constant, u32 index math inside a head) take `t` rows of head dimension `d` with row stride
 /// up to `rs`; other shapes go to the generic kernels (`_le64` / `_le128`, head dim read at run
 /// time, u64 index math).
@@ -366,7 +383,11 @@ impl CudaKernels {
     /// query head), FlashAttention-2 style: `out = softmax(a.scale·q·kᵀ + causal mask)·v` with
     /// `q`, `out` `[batch, heads, t, d]` and `k`, `v` `[batch, kv_heads, t, d]` (query head `h`
     /// reads key/value head `h / (heads / kv_heads)`, nothing repeated) of element type `dtype`
-    /// (f32, bf16 or f16; arithmetic in f32), and `lse` (`[batch, heads, t]`, f32) the
+    /// (f32, bf16 or f16; arithmetic in f32, except that bf16 / f16 operands with `d` 64 or 128
+    /// on a compute-capability-8.0+ device multiply on the tensor cores — `mma.sync`, f32
+    /// accumulation, P rounded to `dtype` before `P·v` — unless
+    /// [`set_tensor_core_attention(false)`](crate::kernels::cuda::set_tensor_core_attention)),
+    /// and `lse` (`[batch, heads, t]`, f32) the
     /// log-sum-exp of each query's scaled scores, saved for
     /// [`flash_attention_backward`](CudaKernels::flash_attention_backward). No `t×t` buffer:
     /// memory is linear in `t`. Agrees with [`causal_attention`](CudaKernels::causal_attention)
@@ -421,8 +442,28 @@ impl CudaKernels {
         &self,
         stream: &Stream,
         dtype: DType,
+        bufs: [&BufferRef; 5],
+        a: &Attention,
+    ) -> Result<()> {
+        self.flash_forward_on(stream, dtype, bufs, a, FlashPath::Auto)
+    }
+
+    /// The fused forward (either layout: packed passes the qkv buffer as q, k and v) on the
+    /// kernels `path` names; the public methods take [`FlashPath::Auto`], the kernel tests
+    /// name each path.
+    ///
+    /// # Errors
+    /// As [`flash_attention`](CudaKernels::flash_attention); [`KernelError::InvalidShape`] for
+    /// [`FlashPath::TensorCores`] where the tensor-core forward does not apply (operand type,
+    /// head dimension) or this device's program has no tensor-core code
+    /// ([`tensor_cores`](CudaKernels::tensor_cores)).
+    pub(crate) fn flash_forward_on(
+        &self,
+        stream: &Stream,
+        dtype: DType,
         [q, k, v, out, lse]: [&BufferRef; 5],
         a: &Attention,
+        path: FlashPath,
     ) -> Result<()> {
         let op = "flash_attention";
         let ty = FlashType::of(op, dtype)?;
@@ -446,14 +487,38 @@ impl CudaKernels {
             &[("out", out), ("lse", lse)],
             &[("q", q), ("k", k), ("v", v)],
         )?;
-        let plan = plan_flash(ty, a, ptrs)?;
+        let mma = match path {
+            FlashPath::Auto => {
+                self.tensor_cores()
+                    && crate::kernels::cuda::tensor_core_attention()
+                    && super::flash_mma::applies(dtype, a.d)
+            }
+            FlashPath::CudaCores => false,
+            FlashPath::TensorCores if self.tensor_cores() => true,
+            FlashPath::TensorCores => {
+                return Err(KernelError::InvalidShape {
+                    op,
+                    reason: "the tensor-core attention forward needs a device of compute \
+                             capability 8.0+ (mma.sync)"
+                        .into(),
+                }
+                .into())
+            }
+        };
+        let plan = if mma {
+            super::flash_mma::plan_flash_mma(dtype, a, ptrs)?
+        } else {
+            plan_flash(ty, a, ptrs)?
+        };
         // SAFETY: q and out hold batch·heads·t·d elements of `dtype`, k and v
         // batch·kv_heads·t·d (packed: q, k, v are each the whole batch·t·(heads + 2·kv_heads)·d
         // qkv tensor), lse batch·heads·t f32 on this device (checked above); out and lse overlap
         // no other argument; the kernel reads and writes head h's t rows only (rows of d
         // elements at fa_rows' base and stride, inside those lengths for either layout, with
         // kv_heads dividing heads: checked by the plan through Attention::check), with d ≤
-        // FUSED_ATTENTION_MAX_D (checked by the plan) matching its shared-memory tiles.
+        // FUSED_ATTENTION_MAX_D (checked by the plan) matching its shared-memory tiles (the
+        // tensor-core kernel: d exactly 64 or 128, checked by its plan, and the program compiled
+        // for compute_80 on a compute-capability-8.0+ device, checked by tensor_cores()).
         unsafe { c.exec(&plan) }.map(drop)
     }
 

@@ -6,6 +6,8 @@
 mod causal;
 #[cfg(feature = "cuda")]
 pub(crate) mod flash;
+#[cfg(feature = "cuda")]
+pub(crate) mod flash_mma;
 mod shape;
 #[cfg(feature = "cuda")]
 pub(crate) mod unfused;
@@ -15,12 +17,19 @@ pub use shape::{Attention, AttentionLayout};
 
 use super::operand::Operand;
 
-/// The family's part of the CUDA program: the unfused attention's row kernels (`attention.cu`)
-/// and the fused flash kernels (`flash.cu`), with their kernel tables.
+/// The family's part of the CUDA program: the unfused attention's row kernels (`attention.cu`),
+/// the fused flash kernels (`flash.cu`: contract, helpers, generic kernels; `flash_tiled.cu`:
+/// the register-tiled ones) and the tensor-core flash forward (`flash_mma.cu`), the last two
+/// after `flash.cu`, whose helpers they use, with their kernel tables.
 #[cfg(feature = "cuda")]
 pub(crate) const FAMILY: super::cuda::kernel::Family = super::cuda::kernel::Family {
-    sources: &[include_str!("attention.cu"), include_str!("flash.cu")],
-    kernels: &[unfused::KERNELS, flash::KERNELS],
+    sources: &[
+        include_str!("attention.cu"),
+        include_str!("flash.cu"),
+        include_str!("flash_tiled.cu"),
+        include_str!("flash_mma.cu"),
+    ],
+    kernels: &[unfused::KERNELS, flash::KERNELS, flash_mma::KERNELS],
 };
 
 /// What causal attention keeps for its backward; the backend decides

@@ -37,6 +37,24 @@ pub fn fused_attention() -> bool {
     FUSED_ATTENTION.load(Ordering::Relaxed)
 }
 
+static TENSOR_CORE_ATTENTION: AtomicBool = AtomicBool::new(true);
+
+/// Lets the fused causal attention forward of bf16 / f16 tensors with head dimension 64 or 128
+/// run its matrix products on the tensor cores (`mma.sync` m16n8k16, f32 accumulation;
+/// `attention/flash_mma.cu`) on devices of compute capability 8.0+ (`true`, the default);
+/// `false` keeps the CUDA-core flash kernels (f32 arithmetic on widened inputs). f32 tensors
+/// always take the CUDA-core kernels; the backward takes them in either case. Read at every
+/// fused attention forward.
+pub fn set_tensor_core_attention(on: bool) {
+    TENSOR_CORE_ATTENTION.store(on, Ordering::Relaxed);
+}
+
+/// Whether the fused attention forward may use the tensor cores (see
+/// [`set_tensor_core_attention`]).
+pub fn tensor_core_attention() -> bool {
+    TENSOR_CORE_ATTENTION.load(Ordering::Relaxed)
+}
+
 /// The largest head dimension the fused attention kernels take (their tiles live in static
 /// shared memory sized for it).
 pub const FUSED_ATTENTION_MAX_D: usize = 128;

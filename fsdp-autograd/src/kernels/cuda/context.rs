@@ -157,6 +157,12 @@ impl CudaKernels {
         }
     }
 
+    /// Whether this device's program runs `mma.sync` on the tensor cores (compute capability
+    /// 8.0+, program compiled for compute_80): the tensor-core attention forward is available.
+    pub fn tensor_cores(&self) -> bool {
+        self.inner.module.tensor_cores()
+    }
+
     /// The page-locked host device that [`CudaKernels::upload_async`] stages small writes in
     /// (`DeviceId::Cpu(STAGING_CPU_INDEX + ordinal)`, inline stream, PyTorch's allocator
     /// policy), created on first use; `None` if this driver cannot pin host memory.

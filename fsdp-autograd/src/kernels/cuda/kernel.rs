@@ -91,20 +91,31 @@ pub(crate) struct Family {
 /// The program loaded into one CUDA context: one function per kernel of the table.
 pub(crate) struct LoadedModule {
     functions: HashMap<&'static str, CudaFunction>,
+    /// Compiled for compute_80 on a device of compute capability 8.0+: the tensor-core
+    /// (`mma.sync`) kernels are live (see `kernels/program.rs`).
+    tensor_cores: bool,
     // Keeps the module (and through it the context) loaded for the cached functions.
     _module: Arc<CudaModule>,
 }
 
 impl LoadedModule {
-    /// The loaded `functions` of `module`.
+    /// The loaded `functions` of `module`, compiled for compute_80+ when `tensor_cores`.
     pub(crate) fn new(
         module: Arc<CudaModule>,
         functions: HashMap<&'static str, CudaFunction>,
+        tensor_cores: bool,
     ) -> LoadedModule {
         LoadedModule {
             functions,
+            tensor_cores,
             _module: module,
         }
+    }
+
+    /// Whether the program was compiled for compute_80 on a compute-capability-8.0+ device, so
+    /// its `mma.sync` kernels run on the tensor cores.
+    pub(crate) fn tensor_cores(&self) -> bool {
+        self.tensor_cores
     }
 
     /// The loaded function of `kernel` (`None` for a kernel outside the program's table).

@@ -128,12 +128,16 @@
 //! ([`flash_attention`](CudaKernels::flash_attention), the seam's default, see
 //! [`set_fused_attention`]) agrees with the unfused kernels and the CPU to f32 rounding (tests:
 //! `1e-5` relative to each tensor's largest magnitude); its backward has no atomics, so it is
-//! bit-reproducible too.
+//! bit-reproducible too. Its bf16 / f16 forward at head dims 64 and 128 runs on the tensor
+//! cores on compute capability 8.0+ (`mma.sync`, f32 accumulation, the probabilities rounded to
+//! the operand type before `P·v`, as FlashAttention does; [`set_tensor_core_attention`]), which
+//! adds up to `u·Σⱼ Pᵢⱼ|vⱼ|` per output element (`u` the type's unit roundoff).
 //!
 //! # Limitations
 //!
-//! - NVRTC compiles for its default virtual architecture (`sm_52` with NVRTC 12.9) and the
-//!   driver JIT-compiles the PTX; the PTX ISA version follows the NVRTC release (8.8 for NVRTC
+//! - NVRTC compiles for its default virtual architecture (`sm_52` with NVRTC 12.9), or for
+//!   `compute_80` on devices of compute capability 8.0+ (the tensor-core attention forward), and
+//!   the driver JIT-compiles the PTX; the PTX ISA version follows the NVRTC release (8.8 for NVRTC
 //!   12.9), so a driver older than the NVRTC in use rejects it
 //!   (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`): keep NVRTC no newer than the driver.
 //! - The first [`CudaKernels::new`] per process compiles the program (typically a fraction of
@@ -180,7 +184,8 @@ pub struct CudaBackend {
     _never: std::convert::Infallible,
 }
 pub use config::{
-    allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, FUSED_ATTENTION_MAX_D,
+    allow_tf32, fused_attention, set_allow_tf32, set_fused_attention, set_tensor_core_attention,
+    tensor_core_attention, FUSED_ATTENTION_MAX_D,
 };
 
 #[cfg(feature = "cuda")]

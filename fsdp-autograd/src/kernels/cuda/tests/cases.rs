@@ -14,6 +14,7 @@ use super::exec::{
     down_f32, down_u16, down_u64, nan_f32, run, up_f32, up_i64, up_u16, up_u64, CastKind, Exec, Op,
     TypedOp, H, TH,
 };
+pub(super) use super::flash_mma::flash_attention_mma;
 pub(super) use super::fused::{
     flash_attention_f32, flash_attention_grouped, flash_attention_half, flash_attention_packed,
     gemm_half, gemm_tf32,
@@ -1962,6 +1963,47 @@ pub(super) fn rope(e: &mut dyn Exec) {
             let mut wdx = vec![0.0; n];
             cpu_back(&dyv, &cv, &sv, &mut wdx, &s).unwrap();
             assert_eq!(e.download(dx.0), half_bytes(dtype, &wdx), "{}", tag("dx"));
+        }
+    }
+}
+
+/// Dropout (one typed kernel for every dtype) against the CPU kernel
+/// (`kernels::dropout::dropout`), **bit for bit**: the same Philox words, the same kept elements
+/// and the same products, in f32 and (rounded once) in bf16 and f16. Rows of one element, of a
+/// partial last block (cols not a multiple of 4), many rows, a sample index above 2³² and zero
+/// rows; NaN inputs stay NaN where dropped.
+pub(super) fn dropout(e: &mut dyn Exec) {
+    use crate::kernels::dropout::{dropout as cpu_dropout, DropoutKey, DropoutMask};
+    let mut r = Rng::new(67);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (rows, cols, p, sample) in [
+            (1usize, 1usize, 0.5f32, 0u64),
+            (3, 10, 0.1, 7),
+            (64, 33, 0.9, (1u64 << 32) - 2),
+            (2, 1030, 0.25, 1 << 40),
+            (0, 4, 0.5, 3),
+        ] {
+            let tag = format!("dropout {dtype} rows={rows} cols={cols} p={p}");
+            let mut xv = r.vec(rows * cols, 3.0);
+            if let Some(v) = xv.get_mut(1) {
+                *v = f32::NAN;
+            }
+            let xv = as_dtype(dtype, &xv);
+            let mask = DropoutMask {
+                p,
+                key: DropoutKey {
+                    seed: 11,
+                    step: 3,
+                    sample,
+                },
+                site: 5,
+            };
+            let x = (e.upload(&half_bytes(dtype, &xv)), dtype);
+            let y = (e.upload(&half_bytes(dtype, &vec![1.5; rows * cols])), dtype);
+            run(e, Op::Typed(TypedOp::Dropout { x, y, cols, mask }));
+            let mut want = vec![0.0; rows * cols];
+            cpu_dropout(&xv, &mut want, cols, &mask).unwrap();
+            assert_eq!(e.download(y.0), half_bytes(dtype, &want), "{tag}");
         }
     }
 }

@@ -13,12 +13,14 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
 use crate::kernels::attention::flash::{plan_flash, plan_flash_backward, FlashType};
+use crate::kernels::attention::flash_mma::plan_flash_mma;
 use crate::kernels::attention::unfused::{plan_attention, plan_attention_backward};
 use crate::kernels::cuda::desc::view_desc;
 use crate::kernels::cuda::kernel::ArgKind;
 use crate::kernels::cuda::plan::{GemmType, PArg, Plan, Ptr, Step};
 use crate::kernels::cuda::typed::{type_code, types_word};
 use crate::kernels::cuda::CudaKernelError;
+use crate::kernels::dropout::gpu::plan_dropout_t;
 use crate::kernels::elementwise::axpy::gpu::{
     plan_add_row_bias_inplace, plan_add_row_bias_inplace_t, plan_axpy, plan_axpy_t,
 };
@@ -464,6 +466,14 @@ impl EmuExec {
                 *eps,
                 [x.0, gamma.0, y.0, *rstd].map(d),
             ),
+            TypedOp::Dropout { x, y, cols, mask } => plan_dropout_t(
+                types_word(&[c(x), c(y)]),
+                n(x) / *cols as u64,
+                *cols as u64,
+                mask,
+                d(x.0),
+                d(y.0),
+            ),
             TypedOp::RmsNormBackward {
                 x,
                 gamma,
@@ -815,6 +825,15 @@ impl Exec for EmuExec {
                 a,
             } => FlashType::of("flash_attention", *dtype)
                 .and_then(|ty| plan_flash(ty, a, [*q, *k, *v, *out, *lse].map(d))),
+            Op::FlashMma {
+                dtype,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                a,
+            } => plan_flash_mma(*dtype, a, [*q, *k, *v, *out, *lse].map(d)),
             Op::FlashBackward {
                 dtype,
                 q,

@@ -188,6 +188,17 @@ pub(super) enum Op {
         lse: H,
         a: Attention,
     },
+    /// The tensor-core forward (`attention/flash_mma.cu`; bf16 / f16, d 64 or 128), operands
+    /// as [`Op::Flash`]. On a GPU it fails unless the device has compute capability 8.0+.
+    FlashMma {
+        dtype: DType,
+        q: H,
+        k: H,
+        v: H,
+        out: H,
+        lse: H,
+        a: Attention,
+    },
     FlashBackward {
         dtype: DType,
         q: H,
@@ -360,6 +371,12 @@ pub(super) enum TypedOp {
         rstd: H,
         cols: usize,
         eps: f32,
+    },
+    Dropout {
+        x: TH,
+        y: TH,
+        cols: usize,
+        mask: crate::kernels::dropout::DropoutMask,
     },
     RmsNormBackward {
         x: TH,

@@ -3,6 +3,7 @@
 
 use fsdp_alloc::{Buffer, Device, Stream};
 
+use crate::kernels::attention::flash::FlashPath;
 use crate::kernels::attention::AttentionLayout;
 use crate::kernels::cuda::{CudaKernelError, CudaKernels};
 use crate::kernels::gemm::Gemm;
@@ -136,6 +137,9 @@ impl Exec for GpuExec {
                         cols,
                         eps,
                     } => k.rms_norm_t(s, tb(x), tb(gamma), tb(y), b(rstd), *cols, *eps),
+                    TypedOp::Dropout { x, y, cols, mask } => {
+                        k.dropout_t(s, tb(x), tb(y), *cols, mask)
+                    }
                     TypedOp::RmsNormBackward {
                         x,
                         gamma,
@@ -382,14 +386,23 @@ impl Exec for GpuExec {
                 out,
                 lse,
                 a,
-            } => match a.layout {
-                AttentionLayout::Packed => {
-                    k.flash_attention_packed(s, *dtype, b(q), b(out), b(lse), a)
-                }
-                AttentionLayout::Heads => {
-                    k.flash_attention(s, *dtype, b(q), b(kk), b(v), b(out), b(lse), a)
-                }
-            },
+            } => {
+                // The CUDA-core kernels (the tensor-core forward is Op::FlashMma).
+                let qkv = [q, kk, v, out, lse].map(&b);
+                k.flash_forward_on(s, *dtype, qkv, a, FlashPath::CudaCores)
+            }
+            Op::FlashMma {
+                dtype,
+                q,
+                k: kk,
+                v,
+                out,
+                lse,
+                a,
+            } => {
+                let qkv = [q, kk, v, out, lse].map(&b);
+                k.flash_forward_on(s, *dtype, qkv, a, FlashPath::TensorCores)
+            }
             Op::FlashBackward {
                 dtype,
                 q,

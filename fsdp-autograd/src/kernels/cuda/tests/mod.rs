@@ -15,6 +15,7 @@
 mod cases;
 mod emu;
 mod exec;
+mod flash_mma;
 mod fused;
 mod gpu;
 mod gpu_only;
@@ -86,6 +87,7 @@ on_both!(
     rms_norm,
     silu_mul,
     rope,
+    dropout,
     embedding,
     embedding_bad_ids,
     cross_entropy,
@@ -101,6 +103,7 @@ on_both!(
     flash_attention_half,
     flash_attention_packed,
     flash_attention_grouped,
+    flash_attention_mma,
     optimizer_steps,
     sum_squares_and_unscale,
     typed_kernels,
@@ -643,13 +646,23 @@ fn nvrtc_compiles_the_kernels() {
         );
         return;
     }
-    let ptx = crate::kernels::program::ptx().unwrap_or_else(|e| panic!("{e}"));
-    let text = ptx.to_src();
-    for k in all() {
-        assert!(
-            text.contains(&format!(".entry {}(", k.name())),
-            "the PTX has no entry point {}",
-            k.name()
-        );
+    // Both targets: NVRTC's default (every GPU; the tensor-core kernels' reference path) and
+    // compute_80 (the mma.sync code of attention/flash_mma.cu).
+    for tensor_cores in [false, true] {
+        let ptx = crate::kernels::program::ptx_for(tensor_cores).unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for k in all() {
+            assert!(
+                text.contains(&format!(".entry {}(", k.name())),
+                "the PTX (tensor_cores: {tensor_cores}) has no entry point {}",
+                k.name()
+            );
+        }
+        if tensor_cores {
+            assert!(
+                text.contains("mma.sync.aligned.m16n8k16"),
+                "no mma.sync in the compute_80 PTX"
+            );
+        }
     }
 }
