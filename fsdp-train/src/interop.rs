@@ -194,10 +194,10 @@ pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
                 );
             })?;
             notes.push(format!(
-                "tokenizer: {} (vocab {}); {how} {}",
+                "tokenizer: {}; {how} {} (vocab {})",
                 i.tokenizer.name(),
-                i.tokenizer.vocab(),
-                bin.display()
+                bin.display(),
+                i.tokenizer.vocab()
             ));
             DataSpec::File {
                 path: bin,

@@ -32,7 +32,6 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-
 use crate::job::{Observer, StepRecord};
 
 /// The CRC-32C (Castagnoli, reflected polynomial `0x82F63B78`) table.

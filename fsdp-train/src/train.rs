@@ -1716,7 +1716,7 @@ mod tests {
         assert!(
             notes
                 .iter()
-                .any(|n| n.contains("tokenizer.json (vocab 384); wrote")),
+                .any(|n| n.contains("tokenizer.json; wrote") && n.ends_with("(vocab 384)")),
             "{notes:?}"
         );
         let DataSpec::File { path, format, .. } = &c.data else {

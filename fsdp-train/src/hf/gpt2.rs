@@ -897,7 +897,12 @@ mod tests {
             let toks = tokens.clone();
             let d = dir.clone();
             let got = on_ranks(2, g, move |dev, fsdp| {
-                load_into(fsdp, &HfCheckpoint::open(&d).unwrap(), &fsdp.module().config).unwrap();
+                load_into(
+                    fsdp,
+                    &HfCheckpoint::open(&d).unwrap(),
+                    &fsdp.module().config,
+                )
+                .unwrap();
                 logits(dev, fsdp, &toks)
             });
             assert_eq!(got[0], got[1], "{name}: ranks agree");
@@ -921,7 +926,12 @@ mod tests {
         let out = tmp.path().join("out");
         let (d, o) = (dir.clone(), out.clone());
         on_ranks(2, ck.config.gpt(), move |_, fsdp| {
-            load_into(fsdp, &HfCheckpoint::open(&d).unwrap(), &fsdp.module().config).unwrap();
+            load_into(
+                fsdp,
+                &HfCheckpoint::open(&d).unwrap(),
+                &fsdp.module().config,
+            )
+            .unwrap();
             let src = HfConfig::read_beside(&d).unwrap();
             export(fsdp, &fsdp.module().config, Some(&src), &o).unwrap();
         });

@@ -94,8 +94,12 @@ pub trait Family: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     /// The gather or the write failed, as one line.
-    fn hf_export(&self, fsdp: &Fsdp<Model>, source: Option<&Path>, dir: &Path)
-        -> Result<(), String>;
+    fn hf_export(
+        &self,
+        fsdp: &Fsdp<Model>,
+        source: Option<&Path>,
+        dir: &Path,
+    ) -> Result<(), String>;
     /// The Hugging Face checkpoint at `path` as a full state dict of this model's parameters
     /// (`train_gpt sample --init-from`).
     ///

@@ -311,12 +311,7 @@ impl<W: Write> Write for Hashing<W> {
 
 /// Tokenizes `src` with `tok` into `out` (little-endian u16, or u32 when `wide`; created new),
 /// streaming.
-fn tokenize_file(
-    src: &Path,
-    out: &Path,
-    tok: &Tokenizer,
-    wide: bool,
-) -> Result<Tokenized, String> {
+fn tokenize_file(src: &Path, out: &Path, tok: &Tokenizer, wide: bool) -> Result<Tokenized, String> {
     const CHUNK: usize = 1 << 20;
     let io = |p: &Path| {
         let p = p.display().to_string();
@@ -366,8 +361,8 @@ fn tokenize_file(
             format!(
                 "--data {}: not UTF-8 at byte {} (--tokenizer {} reads UTF-8 text; use --tokenizer bytes)",
                 src.display(),
-                tok.name(),
-                offset + e.valid_up_to() as u64
+                offset + e.valid_up_to() as u64,
+                tok.name()
             )
         })?;
         for id in tok.encode(text)? {
@@ -558,7 +553,8 @@ mod tests {
             .starts_with("rebuilt (the text changed"));
         let bad = dir.path().join("b.txt");
         std::fs::write(&bad, [b'a', 0xff, b'\n']).unwrap();
-        assert!(bin_of(&bad).unwrap_err().contains("not UTF-8 at byte 1"));
+        let err = bin_of(&bad).unwrap_err();
+        assert!(err.contains("not UTF-8 at byte 1"), "{err}");
     }
 
     /// Issue #37 (6): a damaged cache is never used silently — flipped bytes, a truncated body,
@@ -620,7 +616,8 @@ mod tests {
             "{how}"
         );
         let how = rebuilt(&|| {
-            let old = json!({"size": 1, "mtime_ns": 2, "sha256": "x", "tokenizer": "gpt2 r50k_base"});
+            let old =
+                json!({"size": 1, "mtime_ns": 2, "sha256": "x", "tokenizer": "gpt2 r50k_base"});
             std::fs::write(&side, old.to_string()).unwrap();
         });
         assert!(how.contains("another format"), "{how}");
