@@ -5,7 +5,8 @@
 //!   counters, constructors and readback.
 //! - [`with_stream`], [`no_grad`]: the thread's current stream and grad mode.
 //! - tensor operations (methods on [`Tensor`] plus [`linear`], [`layer_norm`], [`rms_norm`],
-//!   [`embedding`], [`causal_attention`], [`cross_entropy`]), each with its backward.
+//!   [`embedding`], [`causal_attention`], [`cross_entropy`], [`rope`], [`silu_mul`]), each with
+//!   its backward.
 //! - [`autograd`]: the engine, hooks, [`queue_callback`], [`checkpoint`], [`custom_op`].
 //! - [`Parameter`], [`InitContext`]: named parameters with recorded [`init::InitOp`]s, created
 //!   eagerly on a device or on a fake device (recorded only).
@@ -67,7 +68,7 @@ pub use error::{AutogradError, HookError, Result};
 pub use kernels::Gelu;
 pub use ops::{
     causal_attention, causal_attention_qkv, causal_attention_qkv_grouped, causal_attention_scaled,
-    cross_entropy, dropout, embedding, layer_norm, linear, rms_norm,
+    cross_entropy, dropout, embedding, layer_norm, linear, rms_norm, rope, silu_mul,
 };
 pub use param::{InitContext, Parameter};
 pub use storage::Storage;

@@ -305,6 +305,32 @@ fn half_precision_ops_compute_in_f32() {
     }
 }
 
+/// Llama's two new ops: RoPE (the rotation with the head split, at an offset position) and the
+/// fused SiLU·mul (both inputs).
+#[test]
+fn rope_and_silu_mul() {
+    let mut r = Rng::new(39);
+    let dev = common::dev();
+    let (rows, half) = (6usize, 2usize);
+    let angle = |p: usize, j: usize| p as f64 * 10000f64.powf(-(2.0 * j as f64) / 4.0);
+    let cos: Vec<f32> = (0..rows * half)
+        .map(|i| angle(i / half, i % half).cos() as f32)
+        .collect();
+    let sin: Vec<f32> = (0..rows * half)
+        .map(|i| angle(i / half, i % half).sin() as f32)
+        .collect();
+    gradcheck("rope", &[inp(&mut r, &[2, 3, 2, 4])], |x| {
+        let c = Tensor::from_vec(cos.clone(), &[rows, half], &dev)?;
+        let s = Tensor::from_vec(sin.clone(), &[rows, half], &dev)?;
+        x[0].rope(&c, &s, 2)
+    });
+    gradcheck(
+        "silu_mul",
+        &[inp(&mut r, &[3, 5]), inp(&mut r, &[3, 5])],
+        |x| x[0].silu_mul(&x[1]),
+    );
+}
+
 /// Dropout (the mask is a function of key, site, sample and element, so the finite differences
 /// see the same mask) and the composite attention with dropout on the probabilities.
 #[test]

@@ -8,7 +8,8 @@
 //! - [`ModelDesc`]: units (parameter counts, as [`fsdp_core::Fsdp::wrap`] builds them) and the
 //!   forward sequence of leaf computations (FLOPs and saved activation bytes per token);
 //!   [`ModelDesc::gpt`] derives it from a [`fsdp_autograd::nn::GptConfig`] and a
-//!   [`fsdp_core::WrapPolicy`].
+//!   [`fsdp_core::WrapPolicy`], [`ModelDesc::llama`] from a
+//!   [`fsdp_autograd::nn::LlamaConfig`].
 //! - [`Cluster`]: nodes × ranks per node, device memory, compute rate, and intra-/inter-node
 //!   [`Link`]s under the alpha-beta model; [`Batch`]: sequences per rank and their length.
 //! - [`PlanConfig`]: one candidate (strategy, sharding factor F, backward prefetch, forward
@@ -47,7 +48,8 @@
 //! overheads, of communication kernels slowing the compute they overlap (they share SMs and
 //! HBM), or of the allocator's retries when memory runs out (the paper's 128-GPU batch-2 case); the host thread is assumed to run ahead of the
 //! device (true for FSDP's eager hooks unless the limiter blocks it), one link per group with no
-//! contention between groups, and the memory model counts what fsdp-autograd's GPT ops save; a
+//! contention between groups, and the memory model counts what fsdp-autograd's GPT and Llama ops
+//! save; a
 //! model described by hand must give its own activation figures.
 #![deny(missing_docs)]
 
@@ -56,6 +58,7 @@ mod cluster;
 mod encdec;
 mod error;
 mod hardware;
+mod llama;
 mod model;
 mod report;
 mod search;
@@ -74,6 +77,7 @@ pub use hardware::{
     Collective, Hardware, NCCL_NET_STEP_LATENCY_US, NCCL_NVLINK_STEP_LATENCY_US,
     NCCL_RING_BASE_LATENCY_US, NCCL_TREE_BANDWIDTH_FRACTION, PRESETS,
 };
+pub use llama::llama_modules;
 pub use model::{gpt_modules, Leaf, ModelDesc, UnitDesc};
 pub use report::{merge_rows, Bound, MergedRow};
 pub use search::{PlanEstimate, Planner};

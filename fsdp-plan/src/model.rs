@@ -158,8 +158,40 @@ impl ModelDesc {
                 cfg.d_model, cfg.n_heads
             )));
         }
-        let infos = gpt_modules(cfg);
-        let plans = plan_units(&infos, policy).map_err(|e| PlanError::Model(e.to_string()))?;
+        let name = format!(
+            "gpt v{} d{} L{} h{} t{}{}",
+            cfg.vocab,
+            cfg.d_model,
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.seq_len,
+            if cfg.tied { " tied" } else { "" }
+        );
+        ModelDesc::from_tree(
+            name,
+            &gpt_modules(cfg),
+            gpt_leaves(cfg),
+            policy,
+            cfg.vocab,
+            cfg.seq_len,
+        )
+    }
+
+    /// A description from a model's module tree (`infos`, pre-order as `Fsdp::wrap` sees it) and
+    /// its forward leaves (path, forward FLOPs/token, saved bytes/token, backward transient
+    /// bytes/token, weight-gradient bytes, activation traffic bytes/token), planned by
+    /// [`plan_units`] with `policy`: f32 parameters, i64 ids and targets, f32 logits of `vocab`.
+    /// A leaf belongs to the unit owning its module's first parameter, else to the deepest unit
+    /// enclosing its path.
+    pub(crate) fn from_tree(
+        name: String,
+        infos: &[ModuleInfo],
+        leaves: Vec<(String, f64, f64, f64, usize, f64)>,
+        policy: &WrapPolicy,
+        vocab: usize,
+        seq_len: usize,
+    ) -> Result<ModelDesc, PlanError> {
+        let plans = plan_units(infos, policy).map_err(|e| PlanError::Model(e.to_string()))?;
         let units: Vec<UnitDesc> = plans
             .iter()
             .map(|p| UnitDesc {
@@ -185,7 +217,7 @@ impl ModelDesc {
                 .map(|(i, _)| i)
                 .unwrap_or(0)
         };
-        let leaves: Vec<Leaf> = gpt_leaves(cfg)
+        let leaves: Vec<Leaf> = leaves
             .into_iter()
             .map(|(path, fl, saved, tr, wgrad, hbm)| {
                 let module = infos.iter().find(|m| m.path == path);
@@ -219,15 +251,7 @@ impl ModelDesc {
             })
             .collect();
         let d = ModelDesc {
-            name: format!(
-                "gpt v{} d{} L{} h{} t{}{}",
-                cfg.vocab,
-                cfg.d_model,
-                cfg.n_layers,
-                cfg.n_heads,
-                cfg.seq_len,
-                if cfg.tied { " tied" } else { "" }
-            ),
+            name,
             units,
             leaves,
             spans,
@@ -236,8 +260,8 @@ impl ModelDesc {
             // i64 token ids and i64 targets.
             input_bytes_per_token: 16.0,
             // f32 logits.
-            output_bytes_per_token: 4.0 * cfg.vocab as f64,
-            seq_len: cfg.seq_len,
+            output_bytes_per_token: 4.0 * vocab as f64,
+            seq_len,
         };
         d.validate()?;
         Ok(d)
@@ -282,7 +306,7 @@ impl ModelDesc {
     }
 }
 
-fn module(path: &str, ty: &str, params: &[(&str, usize, usize)]) -> ModuleInfo {
+pub(crate) fn module(path: &str, ty: &str, params: &[(&str, usize, usize)]) -> ModuleInfo {
     ModuleInfo {
         path: path.to_string(),
         type_name: ty.to_string(),

@@ -7,13 +7,14 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, ValueEnum};
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::{Gelu, GptConfig, GptDropout};
+use fsdp_autograd::nn::{Gelu, GptConfig, Llama3Scaling, LlamaConfig};
 use fsdp_core::{BackwardPrefetch, LimitAllGathers, Quantization, ShardingStrategy};
 use fsdp_core::{ShardOver, STRATEGIES};
 
 use crate::data::DataFormat;
 use crate::job::UsageError;
 use crate::job::{CudaLaunch, DataSpec, TrainConfig, MAX_STEPS};
+use crate::model::{ModelSpec, ShapeFlags};
 use crate::optim::{OptimHyper, OptimizerArg};
 
 /// Largest model `--model`/overrides may build (parameters); `--plan` alone (no training)
@@ -59,9 +60,14 @@ pub struct Cli {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Model")]
 pub struct ModelArgs {
-    /// Model preset: mini (vocab 256, d 256, 4 layers, 4 heads, seq 128), small (~25M: vocab
-    /// 256, d 512, 8 layers, 8 heads, seq 256), gpt2 (124M: vocab 50257, d 768, 12 layers, 12
-    /// heads, seq 1024, embedding tied to the head as in GPT-2)
+    /// Model preset: GPTs mini (vocab 256, d 256, 4 layers, 4 heads, seq 128), small (~25M:
+    /// vocab 256, d 512, 8 layers, 8 heads, seq 256), gpt2 (124M: vocab 50257, d 768, 12 layers,
+    /// 12 heads, seq 1024, embedding tied to the head as in GPT-2); Llamas (RMSNorm, RoPE,
+    /// grouped-query attention, SwiGLU, no biases) llama-tiny (0.8M: vocab 256, d 128, 4 layers,
+    /// 4 heads over 2 key/value heads, ffn 352, seq 128), llama-small (~24M: vocab 256, d 512,
+    /// 8 layers, 8/4 heads, ffn 1408, seq 256), llama-1b (Llama 3.2 1B's shape, 1.24B: vocab
+    /// 128256, d 2048, 16 layers, 32/8 heads, ffn 8192, seq 2048, θ 500000 with llama3 scaling,
+    /// tied), llama-8b (Llama 3.1 8B's shape, 8.0B, untied: for --plan)
     #[arg(long, value_enum, default_value_t = ModelPreset::Mini)]
     pub model: ModelPreset,
     /// Override the preset's model width (divisible by --heads)
@@ -70,9 +76,17 @@ pub struct ModelArgs {
     /// Override the preset's number of transformer blocks
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=512))]
     pub layers: Option<u64>,
-    /// Override the preset's attention heads per block
+    /// Override the preset's attention heads per block (a Llama's key/value heads follow unless
+    /// --kv-heads is given)
     #[arg(long, value_name = "H", value_parser = clap::value_parser!(u64).range(1..=512))]
     pub heads: Option<u64>,
+    /// Key/value heads of a Llama's grouped-query attention (dividing --heads; = --heads is
+    /// multi-head attention, 1 multi-query)
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..=512))]
+    pub kv_heads: Option<u64>,
+    /// Feed-forward (SwiGLU) width of a Llama
+    #[arg(long, value_name = "F", value_parser = clap::value_parser!(u64).range(1..=262_144))]
+    pub ffn_dim: Option<u64>,
     /// Override the preset's sequence length (tokens per sequence)
     #[arg(long, value_name = "T", value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pub seq_len: Option<u64>,
@@ -84,7 +98,8 @@ pub struct ModelArgs {
     /// [default: exact; with --init-from: the model's, and a --gelu that differs is refused]
     #[arg(long, value_enum)]
     pub gelu: Option<GeluArg>,
-    /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2)
+    /// Tie the token embedding and the LM head (one shared parameter; always so for gpt2 and
+    /// llama-1b)
     #[arg(long)]
     pub tied: bool,
     /// Activation checkpointing of every transformer block (recomputed in backward; the
@@ -357,6 +372,18 @@ pub enum ModelPreset {
     Small,
     /// GPT-2 small: vocab 50257, d 768, 12 layers, 12 heads, seq 1024, tied head (124M)
     Gpt2,
+    /// Llama, vocab 256, d 128, 4 layers, 4 heads / 2 kv heads, ffn 352, seq 128 (0.8M)
+    LlamaTiny,
+    /// Llama, vocab 256, d 512, 8 layers, 8 heads / 4 kv heads, ffn 1408, seq 256 (24M)
+    LlamaSmall,
+    /// Llama 3.2 1B's shape: vocab 128256, d 2048, 16 layers, 32/8 heads, ffn 8192, seq 2048,
+    /// θ 500000 + llama3 scaling, tied (1.24B)
+    #[value(name = "llama-1b")]
+    Llama1b,
+    /// Llama 3.1 8B's shape: vocab 128256, d 4096, 32 layers, 32/8 heads, ffn 14336, seq 8192,
+    /// θ 500000 + llama3 scaling, untied (8.0B; more than train_gpt trains: --plan)
+    #[value(name = "llama-8b")]
+    Llama8b,
 }
 
 /// `--gelu`.
@@ -371,12 +398,14 @@ pub enum GeluArg {
 /// `--data-format`.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataFormatArg {
-    /// .bin: u16 token ids; any other file: text bytes
+    /// .u32.bin: u32 token ids; .bin: u16 token ids; any other file: text bytes
     Auto,
     /// every byte is a token (vocab 256)
     Text,
     /// little-endian u16 token ids (nanoGPT's train.bin/val.bin)
     U16,
+    /// little-endian u32 token ids (vocabularies over 65,536 ids, e.g. Llama 3's)
+    U32,
 }
 
 /// `--backend`.
@@ -527,86 +556,88 @@ fn usage<T>(msg: impl Into<String>) -> Result<T, UsageError> {
     Err(UsageError(msg.into()))
 }
 
-impl ModelPreset {
-    fn config(self) -> GptConfig {
-        match self {
-            ModelPreset::Mini => GptConfig::mini(),
-            ModelPreset::Small => GptConfig::new(256, 512, 8, 8, 256),
-            // GPT-2 ties its token embedding and LM head (124M parameters).
-            ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024).with_tied(true),
-        }
+/// Llama 3's `llama3` rotary scaling with `factor` (8 for 3.1, 32 for 3.2).
+fn llama3_scaling(factor: f64) -> Llama3Scaling {
+    Llama3Scaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 8192,
     }
 }
 
-/// Parameters of a GPT of this shape (token + position embeddings, blocks, final norm, head).
-pub fn gpt_params(c: &GptConfig) -> u64 {
-    let (v, d, l, t, m) = (
-        c.vocab as u64,
-        c.d_model as u64,
-        c.n_layers as u64,
-        c.positions() as u64,
-        c.inner() as u64,
-    );
-    let block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (m * d + m) + (m * d + d);
-    let head = if c.tied { 0 } else { v * d };
-    v * d + t * d + l * block + 2 * d + head
-}
-
-/// Applies `--gelu` to the model configuration.
-fn apply_gelu(cfg: &mut GptConfig, gelu: GeluArg) {
-    cfg.gelu = match gelu {
-        GeluArg::Exact => Gelu::Exact,
-        GeluArg::Tanh => Gelu::Tanh,
-    };
+impl ModelPreset {
+    /// The preset's model.
+    pub fn config(self) -> ModelSpec {
+        match self {
+            ModelPreset::Mini => GptConfig::mini().into(),
+            ModelPreset::Small => GptConfig::new(256, 512, 8, 8, 256).into(),
+            // GPT-2 ties its token embedding and LM head (124M parameters).
+            ModelPreset::Gpt2 => GptConfig::new(50_257, 768, 12, 12, 1024)
+                .with_tied(true)
+                .into(),
+            ModelPreset::LlamaTiny => LlamaConfig::new(256, 128, 4, 4, 2, 352, 128).into(),
+            ModelPreset::LlamaSmall => LlamaConfig::new(256, 512, 8, 8, 4, 1408, 256).into(),
+            // Llama 3.2 1B and Llama 3.1 8B (their config.json): θ 500000, rms eps 1e-5,
+            // rope_type llama3 with low/high frequency factors 1/4 over 8192 positions.
+            ModelPreset::Llama1b => LlamaConfig::new(128_256, 2048, 16, 32, 8, 8192, 2048)
+                .with_rope_theta(500_000.0)
+                .with_rope_scaling(Some(llama3_scaling(32.0)))
+                .with_tied(true)
+                .into(),
+            ModelPreset::Llama8b => LlamaConfig::new(128_256, 4096, 32, 32, 8, 14_336, 8192)
+                .with_rope_theta(500_000.0)
+                .with_rope_scaling(Some(llama3_scaling(8.0)))
+                .into(),
+        }
+    }
 }
 
 impl Cli {
     /// Checks the combination of flags and resolves presets and defaults.
     pub fn into_config(self) -> Result<TrainConfig, UsageError> {
         let m = &self.model;
-        let mut gpt = m.model.config();
-        if let Some(d) = m.d_model {
-            gpt.d_model = d as usize;
-        }
-        if let Some(l) = m.layers {
-            gpt.n_layers = l as usize;
-        }
-        if let Some(h) = m.heads {
-            gpt.n_heads = h as usize;
-        }
+        let mut model = m.model.config();
+        let gelu = m.gelu.map(|g| match g {
+            GeluArg::Exact => Gelu::Exact,
+            GeluArg::Tanh => Gelu::Tanh,
+        });
+        model
+            .apply_flags(&ShapeFlags {
+                d_model: m.d_model.map(|d| d as usize),
+                layers: m.layers.map(|l| l as usize),
+                heads: m.heads.map(|h| h as usize),
+                kv_heads: m.kv_heads.map(|k| k as usize),
+                ffn_dim: m.ffn_dim.map(|f| f as usize),
+                gelu,
+                dropout: m.dropout,
+                tied: m.tied,
+                checkpoint: m.activation_checkpointing,
+            })
+            .map_err(UsageError)?;
         if let Some(t) = m.seq_len {
-            gpt.seq_len = t as usize;
+            model.set_seq_len(t as usize);
         }
         if let Some(v) = m.vocab {
-            gpt.vocab = v as usize;
-        }
-        if m.tied {
-            gpt = gpt.with_tied(true);
-        }
-        apply_gelu(&mut gpt, m.gelu.unwrap_or(GeluArg::Exact));
-        if m.activation_checkpointing {
-            gpt = gpt.with_checkpoint(true);
-        }
-        if let Some(p) = m.dropout {
-            gpt = gpt.with_dropout(GptDropout::all(p));
+            model.set_vocab(v as usize);
         }
         // `--plan` without `--apply` builds nothing: any model size and rank count may be planned.
         let plan_only = self.planning.plan && !self.planning.apply;
-        let shaped = m.d_model.is_some() || m.layers.is_some() || m.heads.is_some() || m.tied;
+        let shaped = m.d_model.is_some()
+            || m.layers.is_some()
+            || m.heads.is_some()
+            || m.kv_heads.is_some()
+            || m.ffn_dim.is_some()
+            || m.tied;
         let mut interop = self
             .interop
-            .resolve(&mut gpt, m.vocab, m.seq_len, shaped)
+            .resolve(&mut model, m.vocab, m.seq_len, shaped)
             .map_err(UsageError)?;
         // With --init-from the model's own GELU is used; a --gelu given is checked against it.
-        interop.gelu = m.gelu.map(|_| gpt.gelu);
+        interop.gelu = gelu;
         interop.dropout = m.dropout;
-        if gpt.d_model % gpt.n_heads != 0 {
-            return usage(format!(
-                "--d-model {} is not divisible by --heads {}",
-                gpt.d_model, gpt.n_heads
-            ));
-        }
-        let params = gpt_params(&gpt);
+        model.validate().map_err(UsageError)?;
+        let params = model.params();
         if params > MAX_PARAMS && !plan_only {
             return usage(format!(
                 "the model would have {params} parameters (more than {MAX_PARAMS}); pick a smaller \
@@ -621,20 +652,23 @@ impl Cli {
                 let format = match d.data_format {
                     DataFormatArg::Text => DataFormat::Text,
                     DataFormatArg::U16 => DataFormat::U16,
+                    DataFormatArg::U32 => DataFormat::U32,
                     DataFormatArg::Auto => {
-                        if path.extension().is_some_and(|e| e == "bin") {
+                        if path.to_string_lossy().ends_with(".u32.bin") {
+                            DataFormat::U32
+                        } else if path.extension().is_some_and(|e| e == "bin") {
                             DataFormat::U16
                         } else {
                             DataFormat::Text
                         }
                     }
                 };
-                if format == DataFormat::Text && gpt.vocab < interop.tokenizer.vocab() {
+                if format == DataFormat::Text && model.vocab() < interop.tokenizer.vocab() {
                     return usage(format!(
                         "--data {} is read as bytes (ids 0..=255) but --vocab is {}; use --vocab 256 \
                          or more",
                         path.display(),
-                        gpt.vocab
+                        model.vocab()
                     ));
                 }
                 DataSpec::File {
@@ -807,7 +841,7 @@ impl Cli {
             crate::report::plot_kind(plot).map_err(UsageError)?;
         }
         Ok(TrainConfig {
-            gpt,
+            model,
             data,
             eval_every: d.eval_every as usize,
             eval_seqs: d.eval_seqs as usize,
@@ -911,9 +945,12 @@ mod tests {
     #[test]
     fn dropout_and_steps_zero_flags() {
         let c = parse(&["--dropout", "0.1"]).unwrap();
-        assert_eq!(c.gpt.dropout, GptDropout::all(0.1));
+        assert_eq!(
+            c.model.as_gpt().unwrap().dropout,
+            fsdp_autograd::nn::GptDropout::all(0.1)
+        );
         assert_eq!(c.interop.dropout, Some(0.1));
-        assert!(parse(&[]).unwrap().gpt.dropout.is_off());
+        assert!(parse(&[]).unwrap().model.as_gpt().unwrap().dropout.is_off());
         for bad in ["1", "1.5", "-0.1", "x", "NaN"] {
             let e = parse(&[&format!("--dropout={bad}")]).unwrap_err();
             assert!(e.contains("--dropout"), "{e}");
@@ -962,9 +999,11 @@ mod tests {
         assert_eq!(c.steps, 60);
         assert_eq!(c.batch, 4);
         assert_eq!(c.lr, 0.05);
-        assert_eq!(c.gpt.d_model, GptConfig::mini().d_model);
-        assert_eq!(c.gpt.gelu, Gelu::Exact);
-        assert_eq!(parse(&["--gelu", "tanh"]).unwrap().gpt.gelu, Gelu::Tanh);
+        let g = *c.model.as_gpt().unwrap();
+        assert_eq!(g.d_model, GptConfig::mini().d_model);
+        assert_eq!(g.gelu, Gelu::Exact);
+        let tanh = parse(&["--gelu", "tanh"]).unwrap().model;
+        assert_eq!(tanh.as_gpt().unwrap().gelu, Gelu::Tanh);
         assert_eq!(c.strategy, ShardingStrategy::FullShard);
         // The adaptive limiter: off until the allocator has to free and retry (no host waits
         // for the limiter in a step that has memory to spare).
@@ -1053,7 +1092,7 @@ mod tests {
         assert_eq!(c.mixed_precision, Some(DType::BF16));
         assert_eq!((c.grad_accum, c.no_sync), (2, true));
         assert_eq!(c.clip_grad_norm, Some(1.5));
-        assert!(c.gpt.tied && c.cpu_offload && c.checked);
+        assert!(c.model.tied() && c.cpu_offload && c.checked);
         assert_eq!((c.batch, c.seed), (3, 9));
         assert_eq!(parse(&["--optimizer", "adamw"]).unwrap().lr, 1e-3);
     }
@@ -1095,21 +1134,20 @@ mod tests {
 
     #[test]
     fn presets_and_overrides() {
-        let g = parse(&["--model", "gpt2"]).unwrap().gpt;
+        let g = *parse(&["--model", "gpt2"]).unwrap().model.as_gpt().unwrap();
         assert_eq!(
             (g.vocab, g.d_model, g.n_layers, g.n_heads, g.seq_len),
             (50257, 768, 12, 12, 1024)
         );
         // GPT-2 small: 124,439,808 parameters (tied head).
         assert!(g.tied);
-        assert_eq!(gpt_params(&g), 124_439_808);
-        let s = parse(&["--model", "small"]).unwrap().gpt;
-        let p = gpt_params(&s);
+        assert_eq!(crate::model::ModelSpec::Gpt(g).params(), 124_439_808);
+        let p = parse(&["--model", "small"]).unwrap().model.params();
         assert!((20_000_000..30_000_000).contains(&p), "{p}");
         let o = parse(&["--model", "gpt2", "--seq-len", "256", "--vocab", "1000"])
             .unwrap()
-            .gpt;
-        assert_eq!((o.seq_len, o.vocab), (256, 1000));
+            .model;
+        assert_eq!((o.seq_len(), o.vocab()), (256, 1000));
         assert!(parse(&["--d-model", "100", "--heads", "3"]).is_err());
     }
 
@@ -1217,10 +1255,10 @@ mod tests {
     #[test]
     fn tokenizer_and_init_from_flags() {
         let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt"]).unwrap();
-        assert_eq!(c.gpt.vocab, 50257, "vocab set automatically");
+        assert_eq!(c.model.vocab(), 50257, "vocab set automatically");
         assert_eq!(c.interop.tokenizer, crate::tokenizer::Tokenizer::Gpt2);
         let c = parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50304"]).unwrap();
-        assert_eq!(c.gpt.vocab, 50304);
+        assert_eq!(c.model.vocab(), 50304);
         assert!(
             parse(&["--tokenizer", "gpt2", "--data", "x.txt", "--vocab", "50000"])
                 .unwrap_err()

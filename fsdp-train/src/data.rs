@@ -1,5 +1,6 @@
 //! Training data: the embedded synthetic stream, or a file read with positioned reads (text
-//! bytes or nanoGPT-style little-endian u16 token ids).
+//! bytes, nanoGPT-style little-endian u16 token ids, or little-endian u32 ids for vocabularies
+//! over 65,536, such as Llama 3's).
 //!
 //! Sequences are addressed by a *global sequence index*: at optimizer step `s`, micro-batch `m`
 //! of `accum`, the global batch is `G = ranks × batch` sequences numbered
@@ -31,6 +32,28 @@ pub enum DataFormat {
     Text,
     /// Little-endian u16 token ids (nanoGPT's `train.bin`).
     U16,
+    /// Little-endian u32 token ids (a `tokenizer.json` cache of a vocabulary over 65,536 ids).
+    U32,
+}
+
+impl DataFormat {
+    /// Bytes per token.
+    pub fn width(self) -> usize {
+        match self {
+            DataFormat::Text => 1,
+            DataFormat::U16 => 2,
+            DataFormat::U32 => 4,
+        }
+    }
+
+    /// `text bytes`, `u16 ids`, `u32 ids`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            DataFormat::Text => "text bytes",
+            DataFormat::U16 => "u16 ids",
+            DataFormat::U32 => "u32 ids",
+        }
+    }
 }
 
 /// A data problem, with what to do about it.
@@ -60,13 +83,15 @@ pub enum DataError {
         /// What happened.
         detail: String,
     },
-    /// A u16 file of odd length.
-    #[error("--data {path}: {len} bytes is not a whole number of u16 tokens (is it a .bin of u16 ids? use --data-format text for text)")]
+    /// A u16 or u32 file whose length is not a whole number of tokens.
+    #[error("--data {path}: {len} bytes is not a whole number of {width}-byte tokens (is it a .bin of such ids? use --data-format text for text)")]
     OddLength {
         /// The file.
         path: PathBuf,
         /// Its length in bytes.
         len: u64,
+        /// Bytes per token.
+        width: u64,
     },
     /// Too few tokens for one sequence in a split.
     #[error("--data {path}: the {split} split has {tokens} tokens, fewer than one sequence of --seq-len {seq} needs ({need}); use a larger file, a shorter --seq-len or another --val-fraction")]
@@ -164,14 +189,16 @@ impl Dataset {
         let len = meta.len();
         let tokens = match format {
             DataFormat::Text => len,
-            DataFormat::U16 => {
-                if len % 2 != 0 {
+            DataFormat::U16 | DataFormat::U32 => {
+                let width = format.width() as u64;
+                if len % width != 0 {
                     return Err(DataError::OddLength {
                         path: path.to_path_buf(),
                         len,
+                        width,
                     });
                 }
-                len / 2
+                len / width
             }
         };
         let val_tokens = ((tokens as f64) * val_fraction).floor() as u64;
@@ -237,10 +264,7 @@ impl Dataset {
                 "{} ({} tokens as {}; train {} / validation {} tokens)",
                 f.path.display(),
                 f.tokens,
-                match f.format {
-                    DataFormat::Text => "text bytes",
-                    DataFormat::U16 => "u16 ids",
-                },
+                f.format.describe(),
                 f.val_start,
                 f.tokens - f.val_start
             ),
@@ -274,10 +298,7 @@ impl TokenFile {
     /// The bytes of tokens `start .. start + n`, read with one positioned read; a file that
     /// shrank below its opening length (or cannot be read any more) is [`DataError::Changed`].
     fn bytes(&self, start: u64, n: usize) -> Result<Vec<u8>, DataError> {
-        let width = match self.format {
-            DataFormat::Text => 1,
-            DataFormat::U16 => 2,
-        };
+        let width = self.format.width();
         let changed = |detail: String| DataError::Changed {
             path: self.path.clone(),
             detail,
@@ -311,6 +332,12 @@ impl TokenFile {
             let id = match self.format {
                 DataFormat::Text => u64::from(raw[i]),
                 DataFormat::U16 => u64::from(u16::from_le_bytes([raw[2 * i], raw[2 * i + 1]])),
+                DataFormat::U32 => u64::from(u32::from_le_bytes([
+                    raw[4 * i],
+                    raw[4 * i + 1],
+                    raw[4 * i + 2],
+                    raw[4 * i + 3],
+                ])),
             };
             if id >= self.vocab as u64 {
                 return Err(DataError::TokenOutOfRange {

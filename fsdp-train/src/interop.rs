@@ -4,51 +4,49 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, ValueEnum};
-use fsdp_autograd::nn::{Gpt, GptConfig, GptDropout};
+use clap::Args;
+use fsdp_alloc::Device;
+use fsdp_autograd::nn::GptDropout;
 use fsdp_core::{state_dict, Fsdp};
 
 use crate::data::DataFormat;
-use crate::hf::{self, HfCheckpoint, HfConfig};
+use crate::hf::HfCheckpoint;
 use crate::job::{DataSpec, Interop, TrainConfig, MAX_STEPS};
+use crate::model::{Model, ModelSpec};
 use crate::sample::{self, SampleOpts};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{beside, parse_tokenizer, Tokenizer, TokenizerArg};
 
 /// Tokenizer, Hugging Face weights and samples.
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Ecosystem")]
 pub struct InteropArgs {
-    /// How text --data becomes tokens: bytes (vocab 256) or gpt2 (GPT-2's BPE, vocab 50257, set
-    /// automatically; a larger --vocab such as 50304 is allowed). gpt2 caches the tokens next to
-    /// the text as FILE.gpt2.bin (nanoGPT's u16 format) and reuses them while the text is
-    /// unchanged
-    #[arg(long, value_enum, default_value_t = TokenizerArg::Bytes)]
-    pub tokenizer: TokenizerArg,
-    /// Start from Hugging Face GPT-2 weights: a directory with model.safetensors and config.json
-    /// (GPT2LMHeadModel's layout), or its model.safetensors. The model's shape, GELU, layer-norm
-    /// epsilon, attention scaling and dropout come from config.json (--vocab may be larger,
-    /// --seq-len shorter: the whole position table is kept; --dropout replaces the dropout); a
-    /// key train_gpt does not know is refused
+    /// How text --data becomes tokens: bytes (vocab 256), gpt2 (GPT-2's BPE, vocab 50257, set
+    /// automatically; a larger --vocab such as 50304 is allowed), or PATH/tokenizer.json (a
+    /// Hugging Face tokenizer, e.g. Llama 3's; the vocab is raised to its ids). gpt2 caches the
+    /// tokens next to the text as FILE.gpt2.bin (nanoGPT's u16 format), a tokenizer.json as
+    /// FILE.tok-HASH.bin (u16, or FILE.tok-HASH.u32.bin past 65,536 ids), each with a verified
+    /// header beside it, reused while the text and the tokenizer are unchanged. Default: the
+    /// --init-from directory's tokenizer.json when there is one, else bytes
+    #[arg(long, value_name = "bytes|gpt2|PATH", value_parser = parse_tokenizer)]
+    pub tokenizer: Option<TokenizerArg>,
+    /// Start from Hugging Face weights: a directory with model.safetensors (or the shards of
+    /// model.safetensors.index.json) and config.json, of GPT2LMHeadModel or LlamaForCausalLM
+    /// (F32, F16 or BF16), or its weights file. The model's shape comes from config.json (for
+    /// GPT-2 also its GELU, layer-norm epsilon, attention scaling and dropout; --dropout replaces
+    /// the dropout; a key train_gpt does not know is refused); --vocab may be larger, --seq-len
+    /// shorter
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
-    /// After training, write the model as a Hugging Face GPT-2 directory (model.safetensors +
-    /// config.json, loadable by GPT2LMHeadModel.from_pretrained): the whole position table, the
-    /// settings trained with, and --init-from's other config keys
+    /// After training, write the model as a Hugging Face directory (model.safetensors +
+    /// config.json, loadable by GPT2LMHeadModel or LlamaForCausalLM.from_pretrained; a GPT-2
+    /// export keeps the whole position table, the settings trained with, and --init-from's
+    /// other config keys)
     #[arg(long, value_name = "DIR")]
     pub export_hf: Option<PathBuf>,
     /// Print a short sample (48 tokens, temperature 0.8, top-k 40, seed 0) every N steps
     #[arg(long, value_name = "N", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=MAX_STEPS))]
     pub sample_every: u64,
-}
-
-/// `--tokenizer`.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TokenizerArg {
-    /// every byte is a token (vocab 256)
-    Bytes,
-    /// GPT-2's byte-pair encoding (r50k_base, vocab 50257)
-    Gpt2,
 }
 
 impl InteropArgs {
@@ -59,31 +57,36 @@ impl InteropArgs {
     /// A usage message.
     pub fn resolve(
         &self,
-        gpt: &mut GptConfig,
+        model: &mut ModelSpec,
         explicit_vocab: Option<u64>,
         explicit_seq: Option<u64>,
         shape_overridden: bool,
     ) -> Result<Interop, String> {
-        let tokenizer = match self.tokenizer {
-            TokenizerArg::Bytes => Tokenizer::Bytes,
-            TokenizerArg::Gpt2 => Tokenizer::Gpt2,
+        let tokenizer = match (&self.tokenizer, self.init_from.as_deref().and_then(beside)) {
+            (Some(t), _) => t.load()?,
+            (None, Some(p)) => Tokenizer::json(&p)?,
+            (None, None) => Tokenizer::Bytes,
         };
-        if tokenizer == Tokenizer::Gpt2 {
+        if tokenizer != Tokenizer::Bytes {
             match explicit_vocab {
                 Some(v) if (v as usize) < tokenizer.vocab() => {
                     return Err(format!(
-                        "--tokenizer gpt2 needs --vocab {} or more (got {v})",
+                        "--tokenizer {} needs --vocab {} or more (got {v})",
+                        tokenizer.name(),
                         tokenizer.vocab()
                     ))
                 }
                 Some(_) => {}
-                None => gpt.vocab = gpt.vocab.max(tokenizer.vocab()),
+                None => {
+                    let v = model.vocab().max(tokenizer.vocab());
+                    model.set_vocab(v);
+                }
             }
         }
         if self.init_from.is_some() && shape_overridden {
             return Err(
                 "--init-from takes the model's shape from its config.json; drop --d-model, \
-                 --layers, --heads and --tied"
+                 --layers, --heads, --kv-heads, --ffn-dim and --tied"
                     .into(),
             );
         }
@@ -125,8 +128,8 @@ pub fn check_gelu(c: &TrainConfig) -> Result<(), String> {
 }
 
 /// Before training (exit 1 on error): with `--init-from`, opens and checks the checkpoint and
-/// takes the model's shape from it; with `--tokenizer gpt2` and text data, tokenizes it into
-/// (or reuses) the cached `.bin` and trains on that. Returns the configuration to train with
+/// takes the model's shape from it; with `--tokenizer gpt2` or a `tokenizer.json` and text data,
+/// tokenizes it into (or reuses) the cached `.bin` and trains on that. Returns the configuration to train with
 /// and notes to print.
 ///
 /// # Errors
@@ -135,114 +138,100 @@ pub fn check_gelu(c: &TrainConfig) -> Result<(), String> {
 pub fn prepare(c: TrainConfig) -> Result<(TrainConfig, Vec<String>), String> {
     let mut notes = Vec::new();
     let i = &c.interop;
-    let gpt =
-        match &i.init_from {
-            None => c.gpt,
-            Some(p) => {
-                let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
-                let mut g = ck.config.gpt().with_checkpoint(c.gpt.checkpoint);
-                let text =
-                    i.tokenizer == Tokenizer::Gpt2 || matches!(c.data, DataSpec::File { .. });
-                let floor = if text { i.tokenizer.vocab() } else { 0 };
-                g.vocab = i.vocab.unwrap_or(g.vocab).max(g.vocab).max(floor);
-                // Training at a shorter --seq-len uses the first rows; the table stays whole.
-                if let Some(t) = i.seq_len {
-                    g.seq_len = t;
+    let model = match &i.init_from {
+        None => c.model,
+        Some(p) => {
+            let (mut m, note) = ModelSpec::from_hf(p)?;
+            m.set_checkpointed(c.model.checkpointed());
+            let text = i.tokenizer != Tokenizer::Bytes || matches!(c.data, DataSpec::File { .. });
+            let floor = if text { i.tokenizer.vocab() } else { 0 };
+            let file_vocab = m.vocab();
+            m.set_vocab(i.vocab.unwrap_or(file_vocab).max(file_vocab).max(floor));
+            // Training at a shorter --seq-len uses the first rows; a GPT's table stays whole.
+            if let Some(t) = i.seq_len {
+                m.set_seq_len(t);
+            }
+            match (&mut m, i.dropout) {
+                (ModelSpec::Gpt(g), Some(p)) => *g = g.with_dropout(GptDropout::all(p)),
+                (ModelSpec::Llama(_), Some(_)) => {
+                    return Err("--dropout: the --init-from model is a Llama, which has no \
+                                dropout; drop --dropout"
+                        .into())
                 }
-                if let Some(p) = i.dropout {
-                    g = g.with_dropout(GptDropout::all(p));
-                }
-                hf::check_model(&ck, &g).map_err(|e| e.to_string())?;
-                let cf = &ck.config;
-                notes.push(format!(
-                    "init-from: {} (GPT-2 vocab {} d {} layers {} heads {} positions {} inner {}, \
-                 {} ({} GELU), layer-norm eps {}, attention scale {}{}, {}tied)",
-                    ck.path().display(),
-                    cf.vocab,
-                    cf.d_model,
-                    cf.n_layers,
-                    cf.n_heads,
-                    cf.n_positions,
-                    g.inner(),
-                    cf.activation,
-                    g.gelu.name(),
-                    cf.ln_eps,
-                    if cf.scaling.by_head_dim {
-                        "1/√head_dim"
-                    } else {
-                        "1"
-                    },
-                    if cf.scaling.by_inverse_layer {
-                        " / (layer + 1)"
-                    } else {
-                        ""
-                    },
-                    if g.tied { "" } else { "un" },
-                ));
+                _ => {}
+            }
+            m.hf_check(p)?;
+            notes.push(format!("init-from: {note}"));
+            if let ModelSpec::Gpt(g) = &m {
                 let d = g.dropout;
                 notes.push(format!(
-                "dropout in training: embeddings {}, attention probabilities {}, residual {} ({})",
-                d.embd,
-                d.attn,
-                d.resid,
-                if i.dropout.is_some() { "--dropout" } else { "config.json" }
-            ));
-                notes.extend(ck.note().map(str::to_string));
-                g
+                    "dropout in training: embeddings {}, attention probabilities {}, residual {} \
+                     ({})",
+                    d.embd,
+                    d.attn,
+                    d.resid,
+                    if i.dropout.is_some() {
+                        "--dropout"
+                    } else {
+                        "config.json"
+                    }
+                ));
             }
-        };
+            m
+        }
+    };
     let data = match &c.data {
         DataSpec::File {
             path,
             format: DataFormat::Text,
             val_fraction,
-        } if i.tokenizer == Tokenizer::Gpt2 => {
-            let (bin, how) = crate::tokenizer::gpt2_bin(path, &mut |pid| {
+        } if i.tokenizer != Tokenizer::Bytes => {
+            let (bin, format, how) = crate::tokenizer::token_bin(path, &i.tokenizer, &mut |pid| {
                 let who = pid.map_or("another process".into(), |p| format!("process {p}"));
                 println!(
                     "tokenizer: waiting for {who}, which is writing the token cache of {}",
                     path.display()
                 );
             })?;
-            notes.push(format!("tokenizer: gpt2; {how} {}", bin.display()));
+            notes.push(format!(
+                "tokenizer: {}; {how} {} (vocab {})",
+                i.tokenizer.name(),
+                bin.display(),
+                i.tokenizer.vocab()
+            ));
             DataSpec::File {
                 path: bin,
-                format: DataFormat::U16,
+                format,
                 val_fraction: *val_fraction,
             }
         }
         other => other.clone(),
     };
-    Ok((TrainConfig { gpt, data, ..c }, notes))
+    Ok((TrainConfig { model, data, ..c }, notes))
 }
 
 /// A rank's `--init-from`: loads its own pieces of the checkpoint.
 ///
 /// # Errors
-/// [`hf::HfError`] as a line.
-pub fn init_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<bool, String> {
+/// The checkpoint's problem, as one line.
+pub fn init_rank(fsdp: &Fsdp<Model>, c: &TrainConfig) -> Result<bool, String> {
     let Some(p) = &c.interop.init_from else {
         return Ok(false);
     };
-    let ck = HfCheckpoint::open(p).map_err(|e| format!("--init-from: {e}"))?;
-    hf::load_into(fsdp, &ck).map_err(|e| e.to_string())?;
+    c.model.hf_load(fsdp, p)?;
     Ok(true)
 }
 
 /// A rank's `--export-hf` after training (a collective).
 ///
 /// # Errors
-/// [`hf::HfError`] as a line.
-pub fn export_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<Option<PathBuf>, String> {
+/// The checkpoint's problem, as one line.
+pub fn export_rank(fsdp: &Fsdp<Model>, c: &TrainConfig) -> Result<Option<PathBuf>, String> {
     let Some(dir) = &c.interop.export_hf else {
         return Ok(None);
     };
-    // The --init-from config's keys that do not change the model are carried into the export.
-    let source = match &c.interop.init_from {
-        Some(p) => Some(HfConfig::read_beside(p).map_err(|e| format!("--export-hf: {e}"))?),
-        None => None,
-    };
-    hf::export(fsdp, source.as_ref(), dir).map_err(|e| format!("--export-hf: {e}"))?;
+    c.model
+        .hf_export(fsdp, c.interop.init_from.as_deref(), dir)?;
     Ok(Some(dir.clone()))
 }
 
@@ -252,7 +241,7 @@ pub fn export_rank(fsdp: &Fsdp<Gpt>, c: &TrainConfig) -> Result<Option<PathBuf>,
 /// # Errors
 /// Gather or sampling errors as a line.
 pub fn sample_rank(
-    fsdp: &Fsdp<Gpt>,
+    fsdp: &Fsdp<Model>,
     c: &TrainConfig,
     step: usize,
 ) -> Result<Option<String>, String> {
@@ -267,11 +256,10 @@ pub fn sample_rank(
     let tok = if matches!(c.data, DataSpec::Synthetic) {
         None
     } else {
-        Some(c.interop.tokenizer)
+        Some(&c.interop.tokenizer)
     };
-    // On the CPU, whatever the training device; nothing is dropped.
-    let g = c.gpt.with_dropout(GptDropout::default());
-    let model = sample::model_from(&g, &full, &fsdp_alloc::Device::cpu(0))?;
+    // On the CPU, whatever the training device; nothing is dropped (no dropout key is set).
+    let mut dec = c.model.decoder(&full, &Device::cpu(0))?;
     let prompt = match tok {
         Some(t) => sample::prompt_ids(t, "")?,
         None => vec![3],
@@ -281,9 +269,9 @@ pub fn sample_rank(
         temperature: 0.8,
         top_k: Some(40),
         seed: 0,
-        max_id: tok.map_or(c.gpt.vocab, |t| t.vocab().min(c.gpt.vocab)),
+        max_id: tok.map_or(c.model.vocab(), |t| t.vocab().min(c.model.vocab())),
     };
-    let out = sample::generate(&model, &prompt, &o)?;
+    let out = sample::generate(dec.as_mut(), &prompt, &o)?;
     let text = match tok {
         Some(t) => format!("{:?}", t.decode(&out)?),
         None => format!("{out:?}"),

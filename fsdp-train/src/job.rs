@@ -2,13 +2,12 @@
 //! configuration ([`TrainConfig`], [`DataSpec`], [`CudaLaunch`], [`Interop`]), what a run
 //! reports ([`StepRecord`], [`Report`], [`Observer`]), why it stops ([`TrainError`]), and the
 //! spellings and usage error the command line and the planner share. It imports only leaf
-//! modules (data, checkpoint errors, optimizer choice, tokenizer), so `cli`, `train`, `cuda`,
+//! modules (data, checkpoint errors, optimizer choice, tokenizer, the model families), so `cli`, `train`, `cuda`,
 //! `interop`, `plan` and `report` can all use it without importing each other in a circle.
 
 use std::path::PathBuf;
 
 use fsdp_alloc::DType;
-use fsdp_autograd::nn::GptConfig;
 use fsdp_collectives::{CollectiveBackend, RendezvousEnv};
 use fsdp_core::state_dict::FullStateDict;
 use fsdp_core::{BackwardPrefetch, FsdpError, ShardedOptimizer, ShardingStrategy};
@@ -16,6 +15,7 @@ use serde_json::Value;
 
 use crate::ckpt::CheckpointError;
 use crate::data::{DataError, DataFormat};
+use crate::model::ModelSpec;
 use crate::optim::{OptimHyper, OptimizerArg};
 use crate::tokenizer::Tokenizer;
 
@@ -41,8 +41,8 @@ pub enum DataSpec {
 /// Everything a run needs (the validated command line).
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
-    /// Model shape.
-    pub gpt: GptConfig,
+    /// The model: its family and shape.
+    pub model: ModelSpec,
     /// Data source.
     pub data: DataSpec,
     /// Evaluate every N steps (0: never).
@@ -146,7 +146,7 @@ impl TrainConfig {
 
     /// Tokens of one optimizer step (global batch × sequence length).
     pub fn tokens_per_step(&self) -> usize {
-        self.ranks * self.grad_accum * self.batch * self.gpt.seq_len
+        self.ranks * self.grad_accum * self.batch * self.model.seq_len()
     }
 
     /// The rank's optimizer at the peak learning rate (see [`crate::optim`]).

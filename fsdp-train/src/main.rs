@@ -38,6 +38,7 @@ mod interop;
 mod job;
 mod kernel_times;
 mod lock;
+mod model;
 mod optim;
 mod paths;
 mod plan;
@@ -133,7 +134,7 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         .matmul_threads
         .map_or((cores / c.ranks).max(1), |t| t as usize);
     fsdp_autograd::kernels::cpu::set_matmul_threads(threads);
-    let params = cli::gpt_params(&c.gpt);
+    let params = c.model.params();
     let data = train::open_data(&c).map_err(Exit::error)?;
     if primary {
         let banner = report::banner(&c, &data.describe(), cores, threads, params);
@@ -160,7 +161,7 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
                 println!("tensorboard: {}", w.path().display());
                 let mfu = probe
                     .as_ref()
-                    .map(|p| tensorboard::MfuBasis::new(&c.gpt, params, p.flops_per_s));
+                    .map(|p| tensorboard::MfuBasis::new(&*c.model, params, p.flops_per_s));
                 Box::new(tensorboard::TensorBoard::new(Box::new(console), w, mfu))
             }
             None => Box::new(console),

@@ -33,7 +33,7 @@ use crate::data::{file_kind, DataFormat};
 use crate::input::check_regular;
 use crate::job::{DataSpec, TrainConfig};
 use crate::lock::{dir_lock_path, file_lock_path, Lock, LockError};
-use crate::tokenizer::{cache_paths, Tokenizer};
+use crate::tokenizer::{cache_paths, cache_tag};
 
 /// The hf directory files `--init-from DIR` must hold (kept here as plain names so that this
 /// module needs nothing of `hf`).
@@ -159,10 +159,11 @@ fn inputs<'a>(
     if let DataSpec::File { path, format, .. } = &c.data {
         check_regular("--data", path, "give a text or u16 token file")?;
         inputs.push(("--data", path.clone()));
-        if *format == DataFormat::Text && c.interop.tokenizer == Tokenizer::Gpt2 {
+        let tag = cache_tag(&c.interop.tokenizer).filter(|_| *format == DataFormat::Text);
+        if let Some(tag) = tag {
             // The token cache is read and written beside the text: never through a link, never
             // anything but a regular file, and never an output of this run.
-            let (bin, side) = cache_paths(path);
+            let (bin, side) = cache_paths(path, &tag);
             for p in [bin, side] {
                 if let Ok(m) = std::fs::symlink_metadata(&p) {
                     let t = m.file_type();

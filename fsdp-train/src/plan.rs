@@ -52,9 +52,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use fsdp_core::{ShardOver, WrapPolicy};
-use fsdp_plan::{
-    Batch, Cluster, Hardware, Link, ModelDesc, PlanError, PlanEstimate, Planner, PRESETS,
-};
+use fsdp_plan::{Batch, Cluster, Hardware, Link, PlanError, PlanEstimate, Planner, PRESETS};
 
 use crate::job::{strategy_name, TrainConfig, UsageError};
 
@@ -403,8 +401,8 @@ pub fn planner(
     cluster: Cluster,
     hardware: Option<Hardware>,
 ) -> Result<Planner, String> {
-    let policy = WrapPolicy::ModuleTypes(vec!["Block".into()]);
-    let mut model = ModelDesc::gpt(&c.gpt, &policy).map_err(|e| e.to_string())?;
+    let policy = WrapPolicy::ModuleTypes(vec![c.model.unit_type().into()]);
+    let mut model = c.model.plan_desc(&policy).map_err(|e| e.to_string())?;
     if c.mixed_precision.is_some() {
         model = model.with_compute_bytes(2);
         if hardware.is_some() {
@@ -413,13 +411,13 @@ pub fn planner(
     }
     let batch = Batch {
         seqs_per_rank: c.batch,
-        seq_len: c.gpt.seq_len,
+        seq_len: c.model.seq_len(),
     };
     let slots = c.build_optimizer().state_slots();
     let p = Planner::new(model, cluster, batch)
         .map_err(|e| e.to_string())?
         .with_optimizer_slots(slots)
-        .with_activation_checkpointing(c.gpt.checkpoint);
+        .with_activation_checkpointing(c.model.checkpointed());
     match hardware {
         Some(h) => p.with_hardware(h).map_err(|e| e.to_string()),
         None => Ok(p),
@@ -713,7 +711,7 @@ mod tests {
             .unwrap()
             .into_config()
             .unwrap();
-        assert!(ck.gpt.checkpoint);
+        assert!(ck.model.checkpointed());
         let (cl, hw) = cluster(
             &PlanArgs {
                 cluster: Some("a100-80gb".into()),

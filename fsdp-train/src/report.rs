@@ -272,8 +272,8 @@ pub fn metrics_json(r: &StepRecord) -> Value {
 
 /// Model FLOPs per trained token (see "Model FLOP/s" above): `6·Ψ` for a model of `params`
 /// parameters plus `12·L·d·T` for the attention products.
-pub fn flops_per_token(g: &fsdp_autograd::nn::GptConfig, params: u64) -> f64 {
-    6.0 * params as f64 + 12.0 * (g.n_layers * g.d_model * g.seq_len) as f64
+pub fn flops_per_token(g: &dyn crate::model::Family, params: u64) -> f64 {
+    6.0 * params as f64 + 12.0 * (g.n_layers() * g.d_model() * g.seq_len()) as f64
 }
 
 /// Which backend `--plot PATH` uses, from its extension.
@@ -420,7 +420,7 @@ where
 /// whatever is switched on. `data`: the data set's description; `params`: the model's own
 /// parameter count (no padding); `threads`: matmul threads per rank.
 pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params: u64) -> String {
-    let g = &c.gpt;
+    let g = &c.model;
     let shard = if c.strategy.spec().shard_over == ShardOver::ShardGroup {
         format!(" (shard groups of {})", c.shard_size.unwrap_or(c.ranks))
     } else {
@@ -445,7 +445,7 @@ pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params:
     if let Some(m) = c.min_lr {
         extras.push_str(&format!(" | cosine decay to {m}"));
     }
-    if g.tied {
+    if g.tied() {
         extras.push_str(" | tied embedding/head");
     }
     if let Some(launch) = c.cuda {
@@ -464,20 +464,16 @@ pub fn banner(c: &TrainConfig, data: &str, cores: usize, threads: usize, params:
         extras.push_str(&format!(" | int8 collectives (block {block})"));
     }
     format!(
-        "train_gpt: GPT vocab {} d_model {} layers {} heads {} seq {} gelu {} ({} parameters) | data: {data} | \
-         {} ranks × batch {} | {}{shard}, Block units, backward prefetch {}, forward prefetch {}, \
+        "train_gpt: {} ({} parameters) | data: {data} | \
+         {} ranks × batch {} | {}{shard}, {} units, backward prefetch {}, forward prefetch {}, \
          limit all-gathers {} | {} lr {} | {} steps | seed {} | {cores} cores, {threads} matmul \
          thread(s)/rank{extras}",
-        g.vocab,
-        g.d_model,
-        g.n_layers,
-        g.n_heads,
-        g.seq_len,
-        g.gelu.name(),
+        g.describe(),
         thousands(params),
         c.ranks,
         c.batch,
         strategy_name(c.strategy),
+        g.unit_type(),
         prefetch_name(c.backward_prefetch),
         if c.forward_prefetch { "on" } else { "off" },
         limit_name(c),
@@ -629,7 +625,7 @@ pub fn summary(
         thousands(tokens_per_s.round() as u64),
         wall
     );
-    let model_flops = flops_per_token(&c.gpt, params) * tokens_per_s;
+    let model_flops = flops_per_token(&*c.model, params) * tokens_per_s;
     println!(
         "  compute    {:.2} GFLOP/s model FLOPs (6·Ψ + attention per token) vs {:.2} GFLOP/s {} \
          GEMM probe on {} ({:.0}%)",

@@ -172,7 +172,7 @@ pub fn resolve(cli: &Cli) -> Result<Option<Resolved>, Exit> {
         }
         // The model is known now (`--init-from` sets its shape): room for what holds it.
         let slots = config.build_optimizer().state_slots() as u64;
-        paths::check_space(&config, cli::gpt_params(&config.gpt), slots).map_err(Exit::error)?;
+        paths::check_space(&config, config.model.params(), slots).map_err(Exit::error)?;
     }
     if !cli.planning.plan {
         return Ok(Some(Resolved {

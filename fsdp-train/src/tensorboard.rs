@@ -32,8 +32,6 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use fsdp_autograd::nn::GptConfig;
-
 use crate::job::{Observer, StepRecord};
 
 /// The CRC-32C (Castagnoli, reflected polynomial `0x82F63B78`) table.
@@ -225,7 +223,7 @@ pub struct MfuBasis {
 
 impl MfuBasis {
     /// The basis of a model of config `g` with `params` parameters against `gemm_flops_per_s`.
-    pub fn new(g: &GptConfig, params: u64, gemm_flops_per_s: f64) -> MfuBasis {
+    pub fn new(g: &dyn crate::model::Family, params: u64, gemm_flops_per_s: f64) -> MfuBasis {
         MfuBasis {
             flops_per_token: crate::report::flops_per_token(g, params),
             gemm_flops_per_s,
@@ -514,7 +512,7 @@ mod tests {
             .into_config()
             .unwrap()
         };
-        let mfu = MfuBasis::new(&c.gpt, crate::cli::gpt_params(&c.gpt), 1e9);
+        let mfu = MfuBasis::new(&*c.model, c.model.params(), 1e9);
         let w = EventWriter::create(&tb_dir).unwrap();
         let path = w.path().to_path_buf();
         let obs = TensorBoard::new(Box::new(Quiet), w, Some(mfu));

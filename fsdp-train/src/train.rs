@@ -1,6 +1,7 @@
 //! The training loop: the ranks of this process ([`run_job`], one path for every collective
 //! backend: thread ranks, MPI processes, GPU ranks over NCCL), each with its own [`Device`] and
-//! its handle to the group, wrap the same GPT with [`Fsdp`] and train it ([`Rank`]).
+//! its handle to the group, wrap the same model (any family of [`crate::model`], one FSDP unit
+//! per block) with [`Fsdp`] and train it ([`Rank`]).
 //!
 //! A rank's run has three phases: restore the starting state (`--load`, `--init-from`,
 //! `--resume`), the steps, and finish (`--save`, `--export-hf`, the report). Per step every
@@ -17,7 +18,6 @@ use std::time::Instant;
 use fsdp_alloc::trace;
 use fsdp_alloc::{DType, Device, DeviceConfig};
 use fsdp_autograd::kernels::dropout::DropoutKey;
-use fsdp_autograd::nn::Gpt;
 use fsdp_autograd::{cross_entropy, no_grad, InitContext, Tensor};
 use fsdp_collectives::{CollectiveBackend, DeviceMesh, DeviceSlice, ProcessGroup, ReduceOp, Seat};
 use fsdp_core::checkpoint::{self, CheckpointManager};
@@ -32,18 +32,18 @@ use serde_json::{json, Value};
 use crate::ckpt::{self, CheckpointError};
 use crate::data::{DataError, Dataset};
 use crate::job::{DataSpec, Observer, Quiet, Report, StepRecord, TrainConfig, TrainError};
+use crate::model::Model;
 
 /// Settings a resumed run must share with the checkpoint: the model, optimizer, global batch,
 /// data and seed, and the learning-rate schedule (`--lr`, `--warmup-steps`, `--min-lr`, and
 /// `--steps` where the schedule depends on it: the cosine decay of `--min-lr`).
 pub fn fingerprint(cfg: &TrainConfig) -> Value {
-    let g = &cfg.gpt;
     json!({
         "lr": ckpt::f32_value(cfg.lr),
         "warmup_steps": cfg.warmup_steps,
         "min_lr": cfg.min_lr.map(ckpt::f32_value),
         "schedule_steps": cfg.min_lr.map(|_| cfg.steps),
-        "model": crate::sample::model_string(g),
+        "model": cfg.model.fingerprint(),
         "optimizer": ckpt::optimizer_value(cfg.optimizer, &cfg.optim_hyper),
         "global_batch": cfg.ranks * cfg.batch * cfg.grad_accum,
         "data": match &cfg.data {
@@ -58,13 +58,19 @@ pub fn fingerprint(cfg: &TrainConfig) -> Value {
 pub fn open_data(cfg: &TrainConfig) -> Result<Dataset, DataError> {
     match &cfg.data {
         DataSpec::Synthetic => Ok(Dataset::Synthetic {
-            vocab: cfg.gpt.vocab,
+            vocab: cfg.model.vocab(),
         }),
         DataSpec::File {
             path,
             format,
             val_fraction,
-        } => Dataset::open(path, *format, *val_fraction, cfg.gpt.seq_len, cfg.gpt.vocab),
+        } => Dataset::open(
+            path,
+            *format,
+            *val_fraction,
+            cfg.model.seq_len(),
+            cfg.model.vocab(),
+        ),
     }
 }
 
@@ -186,7 +192,7 @@ struct Rank {
     data: Dataset,
     dev: Device,
     host: Option<Device>,
-    fsdp: Fsdp<Gpt>,
+    fsdp: Fsdp<Model>,
     /// The optimizer (`--optimizer`), at the peak learning rate until a step sets its own.
     opt: Box<dyn ShardedOptimizer>,
     observer: Box<dyn Observer>,
@@ -233,7 +239,9 @@ impl Rank {
             // on their host device (FSDP then uploads only the shards it gathers).
             InitContext::eager(crate::cuda::init_device(cfg, &dev, host.as_ref()), cfg.seed)
         };
-        let model = Gpt::new(&init, &cfg.gpt)
+        let model = cfg
+            .model
+            .build(&init)
             .map_err(|e| fsdp_err("building the model")(FsdpError::from(e)))?;
         let comm: Comm = if cfg.strategy.replicates() {
             let f = cfg.shard_size.unwrap_or(world);
@@ -245,7 +253,8 @@ impl Rank {
         };
         let config = FsdpConfig {
             strategy: cfg.strategy,
-            wrap_policy: WrapPolicy::ModuleTypes(vec!["Block".into()]),
+            // One unit per block of the family (GPT's `Block`, Llama's decoder layer).
+            wrap_policy: WrapPolicy::ModuleTypes(vec![cfg.model.unit_type().into()]),
             backward_prefetch: cfg.backward_prefetch,
             forward_prefetch: cfg.forward_prefetch,
             limit_all_gathers: cfg.limit_all_gathers,
@@ -378,14 +387,15 @@ impl Rank {
     fn batch(&self, s: usize, micro: usize) -> Result<(Tensor, Tensor), TrainError> {
         let c = &self.cfg;
         let first = self.first_sample(s, micro);
-        let mut ids = Vec::with_capacity(c.batch * c.gpt.seq_len);
-        let mut tg = Vec::with_capacity(c.batch * c.gpt.seq_len);
+        let seq = c.model.seq_len();
+        let mut ids = Vec::with_capacity(c.batch * seq);
+        let mut tg = Vec::with_capacity(c.batch * seq);
         for b in 0..c.batch as u64 {
-            let (i, t) = self.data.train_sequence(first + b, c.gpt.seq_len, c.seed)?;
+            let (i, t) = self.data.train_sequence(first + b, seq, c.seed)?;
             ids.extend(i);
             tg.extend(t);
         }
-        let shape = [c.batch, c.gpt.seq_len];
+        let shape = [c.batch, seq];
         let x =
             Tensor::from_vec(ids, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
         let y = Tensor::from_vec(tg, &shape, &self.dev).map_err(|e| self.err("batch")(e.into()))?;
@@ -395,7 +405,7 @@ impl Rank {
     /// Mean validation loss over the fixed evaluation set (all ranks; every rank gets it).
     fn evaluate(&self) -> Result<f32, TrainError> {
         let c = &self.cfg;
-        let (n, b, w, seq) = (c.eval_seqs, c.batch, c.ranks, c.gpt.seq_len);
+        let (n, b, w, seq) = (c.eval_seqs, c.batch, c.ranks, c.model.seq_len());
         let rounds = n.div_ceil(w * b);
         let mut sum = 0.0f32;
         let mut count = 0.0f32;
@@ -423,7 +433,7 @@ impl Rank {
                 let x = Tensor::from_vec(ids, &[k, seq], &self.dev)?;
                 let y = Tensor::from_vec(tg, &[k * seq], &self.dev)?;
                 let logits = self.fsdp.forward(&x)?;
-                let vocab = c.gpt.vocab;
+                let vocab = c.model.vocab();
                 let flat = logits.reshape(&[k * seq, vocab])?;
                 Ok(cross_entropy(&flat, &y)?.item()?)
             })
@@ -652,7 +662,7 @@ impl Rank {
         let init = crate::interop::init_rank(&self.fsdp, &self.cfg);
         if self.agree(init.map_err(TrainError::Interop), "--init-from")? && self.rank == 0 {
             self.observer
-                .note("loaded the Hugging Face GPT-2 weights (--init-from)");
+                .note("loaded the Hugging Face weights (--init-from)");
         }
         if self.cfg.resume {
             self.resume()
@@ -837,7 +847,7 @@ impl Rank {
         {
             if rank == 0 {
                 self.observer.note(&format!(
-                    "exported Hugging Face GPT-2 weights to {}",
+                    "exported Hugging Face weights to {}",
                     dir.display()
                 ));
             }
@@ -884,7 +894,7 @@ impl Rank {
         let syncs_before = fsdp_alloc::stream::host_syncs();
         let accum = batches.len();
         let world = self.cfg.ranks;
-        let vocab = self.cfg.gpt.vocab;
+        let vocab = self.cfg.model.vocab();
         let mut scaled = 0.0f32;
         for (micro, (x, y)) in batches.into_iter().enumerate() {
             // Dropout (if the model has any) in this micro-batch's forward, keyed by its first
@@ -1578,8 +1588,9 @@ mod tests {
             out.to_str().unwrap(),
         ]);
         let (c, _notes) = crate::interop::prepare(c).unwrap();
-        assert_eq!((c.gpt.vocab, c.gpt.d_model, c.gpt.seq_len), (50257, 64, 16));
-        assert!(c.gpt.tied);
+        let m = &c.model;
+        assert_eq!((m.vocab(), m.d_model(), m.seq_len()), (50257, 64, 16));
+        assert!(m.tied());
         let r = run_job(&c, Box::new(Quiet), true).unwrap();
         assert!(r.steps.iter().all(|s| s.loss.is_finite()));
         let ck = crate::hf::HfCheckpoint::open(&out).unwrap();
@@ -1596,6 +1607,180 @@ mod tests {
         assert_ne!(
             orig.get("blocks.0.mlp.fc.weight"),
             exported.get("blocks.0.mlp.fc.weight")
+        );
+    }
+
+    /// `--model llama-tiny` (shrunk) on W thread ranks equals one rank with W-way gradient
+    /// accumulation bit for bit (losses and final parameters), with deferred init and activation
+    /// checkpointing on the sharded run; and it trains (the loss falls).
+    #[test]
+    fn llama_on_ranks_equals_one_rank_accumulating() {
+        let run = |extra: &[&str]| {
+            let mut a = vec![
+                "--model",
+                "llama-tiny",
+                "--d-model",
+                "32",
+                "--layers",
+                "2",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--ffn-dim",
+                "48",
+                "--seq-len",
+                "16",
+                "--steps",
+                "6",
+                "--batch",
+                "1",
+                "--lr",
+                "0.01",
+            ];
+            a.extend_from_slice(extra);
+            run_job(&config(&a), Box::new(Quiet), true).unwrap()
+        };
+        let one = run(&["--ranks", "1", "--grad-accum", "4"]);
+        let four = run(&[
+            "--ranks",
+            "4",
+            "--deferred-init",
+            "--activation-checkpointing",
+        ]);
+        assert_eq!(losses(&one), losses(&four));
+        let bits = |r: &Report| {
+            r.final_params
+                .as_ref()
+                .unwrap()
+                .entries
+                .iter()
+                .map(|e| {
+                    (
+                        e.name.clone(),
+                        e.values.iter().map(|x| x.to_bits()).collect(),
+                    )
+                })
+                .collect::<Vec<(String, Vec<u32>)>>()
+        };
+        assert_eq!(bits(&one), bits(&four));
+        let l: Vec<f32> = one.steps.iter().map(|s| s.loss).collect();
+        assert!(l[5] < l[0], "{l:?}");
+    }
+
+    /// `--model llama-tiny --tokenizer tokenizer.json` on a text file: the text is tokenized
+    /// into the cache (u16: the fixture's vocabulary is 384), the vocabulary raised to the
+    /// tokenizer's, and the loss falls.
+    #[test]
+    fn llama_trains_on_text_through_a_tokenizer_json() {
+        let tok = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/llama-tiny/tokenizer.json"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let text = dir.path().join("t.txt");
+        let mut s = String::new();
+        for i in 0..400 {
+            s.push_str(&format!(
+                "The quick brown fox {} shards the parameters.\n",
+                i % 5
+            ));
+        }
+        std::fs::write(&text, s).unwrap();
+        let c = config(&[
+            "--model",
+            "llama-tiny",
+            "--d-model",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--seq-len",
+            "16",
+            "--steps",
+            "20",
+            "--ranks",
+            "2",
+            "--batch",
+            "2",
+            "--lr",
+            "0.01",
+            "--tokenizer",
+            tok,
+            "--data",
+            text.to_str().unwrap(),
+        ]);
+        assert_eq!(c.model.vocab(), 384);
+        let (c, notes) = crate::interop::prepare(c).unwrap();
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("tokenizer.json; wrote") && n.ends_with("(vocab 384)")),
+            "{notes:?}"
+        );
+        let DataSpec::File { path, format, .. } = &c.data else {
+            panic!("{:?}", c.data)
+        };
+        assert_eq!(*format, crate::data::DataFormat::U16);
+        assert!(
+            path.to_string_lossy().contains(".tok-"),
+            "{}",
+            path.display()
+        );
+        let r = run_job(&c, Box::new(Quiet), false).unwrap();
+        let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+        let (first, last) = (l[..5].iter().sum::<f32>(), l[15..].iter().sum::<f32>());
+        assert!(last < first - 5.0 * 0.2, "the loss falls: {l:?}");
+    }
+
+    /// `--init-from` a Hugging Face Llama directory (the fixture) trains on 2 ranks and
+    /// `--export-hf` writes what was trained.
+    #[test]
+    fn llama_init_from_trains_and_exports() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama-tiny");
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("hf");
+        let c = config(&[
+            "--init-from",
+            fixture,
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--ranks",
+            "2",
+            "--batch",
+            "1",
+            "--export-hf",
+            out.to_str().unwrap(),
+        ]);
+        let (c, _notes) = crate::interop::prepare(c).unwrap();
+        let m = &c.model;
+        assert_eq!(
+            (m.name(), m.vocab(), m.d_model(), m.seq_len()),
+            ("llama", 384, 64, 16)
+        );
+        let r = run_job(&c, Box::new(Quiet), true).unwrap();
+        assert!(r.steps.iter().all(|s| s.loss.is_finite()));
+        let ck = crate::hf::LlamaCheckpoint::open(&out).unwrap();
+        let spec = crate::model::ModelSpec::from(ck.config.model);
+        let exported = ck.full_state_dict(&ck.config.model);
+        let trained = r.final_params.unwrap();
+        for e in &trained.entries {
+            assert_eq!(
+                exported.get(&e.name).unwrap().values,
+                e.values,
+                "{}",
+                e.name
+            );
+        }
+        assert_eq!(spec.seq_len(), 16);
+        let orig = crate::hf::LlamaCheckpoint::open(std::path::Path::new(fixture)).unwrap();
+        let orig = orig.full_state_dict(&orig.config.model);
+        assert_ne!(
+            orig.get("layers.0.mlp.up_proj.weight"),
+            exported.get("layers.0.mlp.up_proj.weight")
         );
     }
 

@@ -369,6 +369,30 @@ pub const STEPS: &[Step] = &[
         },
     },
     Step {
+        suite: "bench",
+        what: "train_gpt --device cuda --model llama-1b under bf16 mixed precision (Llama 3.2 \
+               1B's shape: 1.24B parameters, GQA 32/8 through the fused attention kernels, \
+               RoPE, SiLU·mul, RMSNorm; seq 2048, batch 1, deferred init): tokens/s, achieved \
+               TFLOP/s and peak memory as one JSON line",
+        min_gpus: 1,
+        exec: Exec::TrainGpt {
+            args: &[
+                "--device",
+                "cuda",
+                "--model",
+                "llama-1b",
+                "--batch",
+                "1",
+                "--steps",
+                "5",
+                "--mixed-precision",
+                "bf16",
+                "--deferred-init",
+                "--json",
+            ],
+        },
+    },
+    Step {
         suite: "kernels",
         what: "kernel-time bench: one GPT-2 (124M, batch 4, seq 1024) step profiled with CUDA \
                events; per-kernel GPU time shares and the model FLOP rate against the GPU GEMM \

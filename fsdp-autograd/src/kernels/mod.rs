@@ -11,7 +11,7 @@
 //! - The ops, one file each, grouped by family: [`gemm`] (matrix products), [`elementwise`],
 //!   [`reduce`], [`norm`] (softmax, layer norm), [`embedding`], [`loss`] (cross-entropy),
 //!   [`attention`], [`layout`] (strided copies), [`optim`] (optimizer, clipping, grad scaler),
-//!   [`dropout`] (the counter-based dropout mask).
+//!   [`rope`] (rotary position embedding), [`dropout`] (the counter-based dropout mask).
 //!   An op's file holds its shape struct, its check, its CPU launch and (feature `cuda`) its
 //!   CUDA launch.
 //! - [`cpu`]: the CPU kernels, pure functions on contiguous row-major slices, and
@@ -46,6 +46,7 @@ pub mod optim;
 #[cfg(feature = "cuda")]
 pub(crate) mod program;
 pub mod reduce;
+pub mod rope;
 mod select;
 
 pub use backend::{Backend, ReadFn};

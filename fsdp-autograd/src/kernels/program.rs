@@ -23,7 +23,7 @@ use fsdp_alloc::{Device, DeviceId};
 use super::cuda::context::CudaKernels;
 use super::cuda::error::{CudaKernelError, Result};
 use super::cuda::kernel::{Family, Kernel, LoadedModule};
-use super::{attention, dropout, elementwise, embedding, layout, loss, norm, optim, reduce};
+use super::{attention, dropout, elementwise, embedding, layout, loss, norm, optim, reduce, rope};
 
 /// Every part of the program, in program order: the shared helpers (with the index check's
 /// kernel), then one entry per op family (its `FAMILY`: `.cu` files and kernel tables).
@@ -40,6 +40,7 @@ const FAMILIES: &[Family] = &[
     attention::FAMILY,
     layout::FAMILY,
     optim::FAMILY,
+    rope::FAMILY,
     dropout::FAMILY,
 ];
 

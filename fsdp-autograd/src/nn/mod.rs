@@ -1,5 +1,6 @@
 //! Modules: the [`Module`] trait (forward, parameter and child visitors, forward hooks), the
-//! name-resolving helpers [`named_parameters`] / [`named_modules`], and layers up to a small GPT.
+//! name-resolving helpers [`named_parameters`] / [`named_modules`], and layers up to a small GPT
+//! and a Llama.
 //!
 //! Parents call children through [`Module::call`], which runs the child's forward pre-hooks,
 //! its `forward`, then its forward hooks — the points where FSDP unshards a unit before its
@@ -29,11 +30,16 @@
 
 mod gpt;
 mod layers;
+mod llama;
 
 /// The GELU variants an [`Mlp`] (and [`GptConfig::gelu`]) can use.
 pub use crate::kernels::Gelu;
 pub use gpt::{AttnScaling, Block, CausalSelfAttention, Gpt, GptConfig, GptDropout, Mlp};
 pub use layers::{Embedding, LayerNorm, Linear, RmsNorm, Sequential};
+pub use llama::{
+    rope_inv_freq, Llama, Llama3Scaling, LlamaAttention, LlamaConfig, LlamaDecoderLayer,
+    LlamaLayers, LlamaMlp, RotaryTables,
+};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -5,7 +5,7 @@
 //! Methods live on [`Tensor`]; operations with several tensor arguments are also free functions
 //! ([`linear`], [`layer_norm`], [`rms_norm`], [`embedding`], [`causal_attention`],
 //! [`causal_attention_scaled`], [`causal_attention_qkv`], [`causal_attention_qkv_grouped`],
-//! [`cross_entropy`], [`dropout`]).
+//! [`cross_entropy`], [`rope`], [`silu_mul`], [`dropout`]).
 //! Half-precision tensors are computed in `f32` and rounded on output; binary operations need
 //! equal dtypes.
 
@@ -16,7 +16,9 @@ pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod reduce;
+pub(crate) mod rope;
 pub(crate) mod shape;
+pub(crate) mod swiglu;
 pub(crate) mod transfer;
 
 pub use attention_dropout::{causal_attention_qkv_dropout, ProbDropout};
@@ -26,6 +28,8 @@ pub use matmul::linear;
 pub use nn::{
     causal_attention, causal_attention_scaled, cross_entropy, embedding, layer_norm, rms_norm,
 };
+pub use rope::rope;
+pub use swiglu::silu_mul;
 
 use fsdp_alloc::{Device, Stream};
 

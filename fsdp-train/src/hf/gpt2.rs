@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use super::gpt2_config::HfConfig;
 use super::{missing, write_model_dir, HfError, HfTensor, CONFIG, WEIGHTS};
 
-use fsdp_autograd::nn::{Gpt, GptConfig};
+use fsdp_autograd::nn::{GptConfig, Module};
 use fsdp_core::state_dict::{self, FullStateDict, ShardedStateDict};
 use fsdp_core::Fsdp;
 use memmap2::Mmap;
@@ -434,13 +434,17 @@ pub fn check_model(ck: &HfCheckpoint, g: &GptConfig) -> Result<(), HfError> {
     Ok(())
 }
 
-/// Loads `ck` into the wrapped model through the sharded path: this rank reads only the
-/// elements of its own pieces. Rank-local (no communication).
+/// Loads `ck` into the wrapped model (an `nn::Gpt` of config `g`) through the sharded path: this
+/// rank reads only the elements of its own pieces. Rank-local (no communication).
 ///
 /// # Errors
 /// [`HfError::Model`] when the model's shape does not fit; state-dict errors.
-pub fn load_into(fsdp: &Fsdp<Gpt>, ck: &HfCheckpoint) -> Result<(), HfError> {
-    check_model(ck, &fsdp.module().config)?;
+pub fn load_into<M: Module + 'static>(
+    fsdp: &Fsdp<M>,
+    ck: &HfCheckpoint,
+    g: &GptConfig,
+) -> Result<(), HfError> {
+    check_model(ck, g)?;
     let sd_err = |context: &str| {
         let context = context.to_string();
         move |e| HfError::StateDict {
@@ -518,13 +522,18 @@ pub fn write_dir(
     write_model_dir(dir, tensors, &config)
 }
 
-/// `--export-hf DIR`: gathers the parameters to rank 0 and writes them there (a collective:
-/// every rank calls it; only rank 0 of the shard group writes), with `source`'s carried
-/// configuration keys.
+/// `--export-hf DIR`: gathers the parameters of the wrapped `nn::Gpt` of config `g` to rank 0
+/// and writes them there (a collective: every rank calls it; only rank 0 of the shard group
+/// writes), with `source`'s carried configuration keys.
 ///
 /// # Errors
 /// State-dict errors of the gather; [`write_dir`]'s on the writing rank.
-pub fn export(fsdp: &Fsdp<Gpt>, source: Option<&HfConfig>, dir: &Path) -> Result<(), HfError> {
+pub fn export<M: Module + 'static>(
+    fsdp: &Fsdp<M>,
+    g: &GptConfig,
+    source: Option<&HfConfig>,
+    dir: &Path,
+) -> Result<(), HfError> {
     let full = state_dict::full_state_dict(fsdp, true).map_err(|e| HfError::StateDict {
         context: format!("--export-hf {}: gathering the parameters", dir.display()),
         source: Box::new(e),
@@ -532,7 +541,7 @@ pub fn export(fsdp: &Fsdp<Gpt>, source: Option<&HfConfig>, dir: &Path) -> Result
     if full.is_empty() {
         return Ok(());
     }
-    write_dir(&full, &fsdp.module().config, source, dir)
+    write_dir(&full, g, source, dir)
 }
 
 #[cfg(test)]
@@ -542,7 +551,7 @@ mod tests {
     use std::sync::Arc;
 
     use fsdp_alloc::Device;
-    use fsdp_autograd::nn::Gelu;
+    use fsdp_autograd::nn::{Gelu, Gpt};
     use fsdp_autograd::{InitContext, Tensor};
     use fsdp_collectives::{ProcessGroup, ThreadGroup};
     use fsdp_core::{FsdpConfig, WrapPolicy};
@@ -651,7 +660,7 @@ mod tests {
             let toks = tokens.clone();
             let got = on_ranks(2, g, move |dev, fsdp| {
                 let ck = HfCheckpoint::open(&fixture()).unwrap();
-                load_into(fsdp, &ck).unwrap();
+                load_into(fsdp, &ck, &fsdp.module().config).unwrap();
                 logits(dev, fsdp, &toks)
             });
             assert_eq!(got[0], got[1], "ranks agree");
@@ -697,7 +706,7 @@ mod tests {
             on_ranks(1, g.with_gelu(gelu), {
                 let toks = toks.clone();
                 move |dev, fsdp| {
-                    load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap()).unwrap();
+                    load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap(), &g).unwrap();
                     logits(dev, fsdp, &toks)
                 }
             })
@@ -721,9 +730,9 @@ mod tests {
         let g = HfCheckpoint::open(&fixture()).unwrap().config.gpt();
         let d2 = dir.clone();
         let first = on_ranks(2, g, move |_, fsdp| {
-            load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap()).unwrap();
+            load_into(fsdp, &HfCheckpoint::open(&fixture()).unwrap(), &g).unwrap();
             let src = HfConfig::read_beside(&fixture()).unwrap();
-            export(fsdp, Some(&src), &d2).unwrap();
+            export(fsdp, &g, Some(&src), &d2).unwrap();
             state_dict::full_state_dict(fsdp, false).unwrap()
         });
         let orig = std::fs::read(fixture().join(WEIGHTS)).unwrap();
@@ -744,7 +753,7 @@ mod tests {
         assert_eq!(cfg, HfCheckpoint::open(&fixture()).unwrap().config);
         let d3 = dir.clone();
         let second = on_ranks(3, g, move |_, fsdp| {
-            load_into(fsdp, &HfCheckpoint::open(&d3).unwrap()).unwrap();
+            load_into(fsdp, &HfCheckpoint::open(&d3).unwrap(), &g).unwrap();
             state_dict::full_state_dict(fsdp, false).unwrap()
         });
         for (a, b) in first[0].entries.iter().zip(&second[0].entries) {
@@ -888,7 +897,12 @@ mod tests {
             let toks = tokens.clone();
             let d = dir.clone();
             let got = on_ranks(2, g, move |dev, fsdp| {
-                load_into(fsdp, &HfCheckpoint::open(&d).unwrap()).unwrap();
+                load_into(
+                    fsdp,
+                    &HfCheckpoint::open(&d).unwrap(),
+                    &fsdp.module().config,
+                )
+                .unwrap();
                 logits(dev, fsdp, &toks)
             });
             assert_eq!(got[0], got[1], "{name}: ranks agree");
@@ -912,9 +926,14 @@ mod tests {
         let out = tmp.path().join("out");
         let (d, o) = (dir.clone(), out.clone());
         on_ranks(2, ck.config.gpt(), move |_, fsdp| {
-            load_into(fsdp, &HfCheckpoint::open(&d).unwrap()).unwrap();
+            load_into(
+                fsdp,
+                &HfCheckpoint::open(&d).unwrap(),
+                &fsdp.module().config,
+            )
+            .unwrap();
             let src = HfConfig::read_beside(&d).unwrap();
-            export(fsdp, Some(&src), &o).unwrap();
+            export(fsdp, &fsdp.module().config, Some(&src), &o).unwrap();
         });
         let cfg: Value = serde_json::from_slice(&std::fs::read(out.join(CONFIG)).unwrap()).unwrap();
         assert_eq!(cfg["tie_word_embeddings"], false);
@@ -963,7 +982,8 @@ mod tests {
             "--export-hf",
             out.to_str().unwrap(),
         ]);
-        assert_eq!((c.gpt.seq_len, c.gpt.positions()), (32, 64));
+        let g = c.model.as_gpt().unwrap();
+        assert_eq!((g.seq_len, g.positions()), (32, 64));
         crate::train::run_job(&c, Box::new(crate::job::Quiet), false).unwrap();
         let cfg: Value = serde_json::from_slice(&std::fs::read(out.join(CONFIG)).unwrap()).unwrap();
         assert_eq!(cfg["n_positions"], 64);

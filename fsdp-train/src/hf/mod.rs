@@ -5,13 +5,18 @@
 //! architecture shares (the error type, the file names, the directory writer); each architecture
 //! is a file beside it with its configuration, its tensor-name map, loading and export:
 //! `gpt2.rs` (`GPT2LMHeadModel`, `nn::Gpt`) with its `config.json` allow-list in
-//! `gpt2_config.rs`.
+//! `gpt2_config.rs`, `llama.rs` (`LlamaForCausalLM`, `nn::Llama`); `tensors.rs` reads a
+//! directory's tensors, one file or the shards of an index. [`detect`] says which architecture
+//! a directory holds.
 
 mod gpt2;
 mod gpt2_config;
+pub mod llama;
+mod tensors;
 
 pub use gpt2::{check_model, export, load_into, HfCheckpoint};
 pub use gpt2_config::HfConfig;
+pub use llama::LlamaCheckpoint;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +30,46 @@ use crate::cleanup::TempFile;
 pub const WEIGHTS: &str = "model.safetensors";
 /// The configuration file inside a Hugging Face model directory.
 pub const CONFIG: &str = "config.json";
+/// The index of a sharded checkpoint (tensor name → shard file).
+pub const INDEX: &str = "model.safetensors.index.json";
+
+/// The Hugging Face architectures `--init-from` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// `GPT2LMHeadModel` (`gpt2.rs`).
+    Gpt2,
+    /// `LlamaForCausalLM` (`llama.rs`).
+    Llama,
+}
+
+/// The architecture of the checkpoint at `path` (a directory, or a file in it): Llama when its
+/// `config.json` says `model_type` `llama` or names `LlamaForCausalLM`, or when the weights are
+/// sharded (`model.safetensors.index.json`, which only the Llama loader reads); GPT-2
+/// otherwise (whose loader then says what is missing).
+pub fn detect(path: &Path) -> Arch {
+    let dir = if path.is_dir() {
+        path.to_path_buf()
+    } else {
+        path.parent()
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    };
+    let sharded = path.to_string_lossy().ends_with(".index.json")
+        || (path.is_dir() && !dir.join(WEIGHTS).exists() && dir.join(INDEX).exists());
+    let cfg = std::fs::read(dir.join(CONFIG))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+    let llama = cfg.is_some_and(|v| {
+        v.get("model_type").and_then(Value::as_str) == Some("llama")
+            || v.get("architectures")
+                .and_then(Value::as_array)
+                .is_some_and(|a| a.iter().any(|x| x.as_str() == Some("LlamaForCausalLM")))
+    });
+    if llama || sharded {
+        Arch::Llama
+    } else {
+        Arch::Gpt2
+    }
+}
 
 /// A problem with a Hugging Face model file, with what was expected.
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +139,7 @@ pub enum HfError {
     Unexpected {
         /// The file.
         path: PathBuf,
-        /// The architecture whose layout was expected (`GPT2LMHeadModel`).
+        /// The architecture whose layout was expected (`GPT2LMHeadModel`, `LlamaForCausalLM`).
         arch: &'static str,
         /// The tensor.
         name: String,

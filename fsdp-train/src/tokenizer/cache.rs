@@ -1,20 +1,23 @@
-//! The token cache of a text file (issue #37, 6).
+//! The token cache of a text file (issue #37, 6; any tokenizer: issue #39).
 //!
 //! A GPT-2-tokenized text is cached next to it as a nanoGPT-compatible `.bin` (little-endian u16
 //! ids, nothing else: `--data FILE.gpt2.bin` reads it as any u16 file), `FILE.gpt2.bin`, with
-//! its header beside it in `FILE.gpt2.json`:
+//! its header beside it in `FILE.gpt2.json`. A text read with a `tokenizer.json` is cached the
+//! same way as `FILE.tok-HASH.bin` (HASH: the start of the tokenizer file's SHA-256, which the
+//! header's `tokenizer` holds in full), in u16 ids when the tokenizer's vocabulary fits them and
+//! as `FILE.tok-HASH.u32.bin` (little-endian u32) when it exceeds 65,536 ids. The header:
 //!
 //! | field | what |
 //! |---|---|
 //! | `format`, `version` | `fsdp-rs token cache`, [`VERSION`] |
-//! | `tokenizer` | `gpt2 r50k_base` |
+//! | `tokenizer` | `gpt2 r50k_base`, or the `tokenizer.json`'s identity with its SHA-256 |
 //! | `source_size`, `source_mtime_ns`, `source_sha256` | the text the ids came from |
-//! | `tokens`, `max_id` | the ids in the `.bin` (`2·tokens` bytes) and the largest |
+//! | `tokens`, `max_id` | the ids in the `.bin` (`2·tokens` or `4·tokens` bytes) and the largest |
 //! | `body_sha256` | SHA-256 of the `.bin`'s bytes |
 //!
 //! The next run reuses the `.bin` only when every field still holds: the text's size, time and
 //! hash (recomputed: a streaming read), the `.bin`'s length, hash and largest id (recomputed:
-//! one streaming read of it), `max_id` below GPT-2's vocabulary. Anything else — flipped bytes,
+//! one streaming read of it), `max_id` below the tokenizer's vocabulary. Anything else — flipped bytes,
 //! a truncated or foreign `.bin`, an older header — re-tokenizes, and the note says why. A cache
 //! file that is a symbolic link or not a regular file is never read (`paths::check` refuses it
 //! before this runs, and the files are opened without following links).
@@ -31,6 +34,11 @@
 //! stream, let alone twice. Cutting there gives exactly the ids of encoding the whole text: GPT-2's
 //! pre-tokenizer never joins a line break with a following letter, digit or punctuation (the
 //! `\s+(?!\S)` / `\s+` alternatives stop before it), and byte-pair merges stay within a pre-token.
+//! The same holds for byte-level BPE `tokenizer.json`s whose pre-tokenizer splits that way
+//! (Llama 3's and GPT-2's patterns); a tokenizer that merges across line starts (e.g. a
+//! SentencePiece model without pre-tokenizer) may tokenize the ~1 MiB chunk boundaries
+//! differently from one whole-text encoding.
+//!
 //! The source's SHA-256 is computed from the very bytes tokenized, and a source that changes
 //! while it is read is an error.
 
@@ -44,8 +52,9 @@ use std::time::UNIX_EPOCH;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::{gpt2, GPT2_VOCAB};
+use super::Tokenizer;
 use crate::cleanup::TempFile;
+use crate::data::DataFormat;
 use crate::input::open_regular;
 use crate::lock::{file_lock_path, Lock};
 
@@ -53,11 +62,10 @@ use crate::lock::{file_lock_path, Lock};
 pub const FORMAT: &str = "fsdp-rs token cache";
 /// The header's `version` (1 was the unversioned sidecar of source size, time and hash).
 pub const VERSION: u64 = 2;
-const TOKENIZER: &str = "gpt2 r50k_base";
 
-/// The cache of `src`: `(FILE.gpt2.bin, FILE.gpt2.json)` (the name kept byte for byte, UTF-8
-/// or not).
-pub fn cache_paths(src: &Path) -> (PathBuf, PathBuf) {
+/// The cache of `src` for the tokenizer named `tag` (`gpt2`, `tok-HASH`, `tok-HASH.u32`):
+/// `(FILE.TAG.bin, FILE.TAG.json)` (the name kept byte for byte, UTF-8 or not).
+pub fn cache_paths(src: &Path, tag: &str) -> (PathBuf, PathBuf) {
     let name = src
         .file_name()
         .map_or_else(|| OsString::from("data"), |n| n.to_os_string());
@@ -67,7 +75,22 @@ pub fn cache_paths(src: &Path) -> (PathBuf, PathBuf) {
         n.push(ext);
         dir.join(n)
     };
-    (with(".gpt2.bin"), with(".gpt2.json"))
+    (with(&format!(".{tag}.bin")), with(&format!(".{tag}.json")))
+}
+
+/// The cache name of `tok`'s ids (`gpt2`, `tok-HASH`, `tok-HASH.u32` past 65,536 ids), `None`
+/// for `bytes` (read as is, never cached).
+pub fn cache_tag(tok: &Tokenizer) -> Option<String> {
+    let wide = tok.vocab() > 1 << 16;
+    match tok {
+        Tokenizer::Bytes => None,
+        Tokenizer::Gpt2 => Some("gpt2".into()),
+        Tokenizer::Json(t) => Some(format!(
+            "tok-{}{}",
+            t.short(),
+            if wide { ".u32" } else { "" }
+        )),
+    }
 }
 
 /// Opens a cache file for reading: never through a symbolic link, never a non-regular file.
@@ -112,12 +135,19 @@ fn sha256_of(mut r: impl Read) -> std::io::Result<String> {
     }
 }
 
-/// What the `.bin`'s bytes hold: (tokens, largest id, SHA-256), in one streaming read.
-fn scan_body(mut f: File) -> std::io::Result<(u64, u32, String)> {
+/// What the `.bin`'s bytes hold, read as little-endian ids of `width` bytes (2: u16, 4: u32):
+/// (tokens, largest id, SHA-256), in one streaming read.
+fn scan_body(mut f: File, width: usize) -> std::io::Result<(u64, u32, String)> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let (mut len, mut max) = (0u64, 0u32);
-    let mut odd: Option<u8> = None;
+    // The bytes of an id split across reads.
+    let mut part: Vec<u8> = Vec::with_capacity(4);
+    let id = |b: &[u8]| match b {
+        [a, b] => u32::from(u16::from_le_bytes([*a, *b])),
+        [a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]),
+        _ => 0,
+    };
     loop {
         let n = f.read(&mut buf)?;
         if n == 0 {
@@ -126,23 +156,29 @@ fn scan_body(mut f: File) -> std::io::Result<(u64, u32, String)> {
         h.update(&buf[..n]);
         len += n as u64;
         let mut bytes = &buf[..n];
-        if let Some(lo) = odd.take() {
-            max = max.max(u32::from(u16::from_le_bytes([lo, bytes[0]])));
-            bytes = &bytes[1..];
+        if !part.is_empty() {
+            let take = (width - part.len()).min(bytes.len());
+            part.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if part.len() < width {
+                continue;
+            }
+            max = max.max(id(&part));
+            part.clear();
         }
-        let mut pairs = bytes.chunks_exact(2);
-        for p in &mut pairs {
-            max = max.max(u32::from(u16::from_le_bytes([p[0], p[1]])));
+        let mut ids = bytes.chunks_exact(width);
+        for p in &mut ids {
+            max = max.max(id(p));
         }
-        odd = pairs.remainder().first().copied();
+        part.extend_from_slice(ids.remainder());
     }
-    if odd.is_some() {
+    if !part.is_empty() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("{len} bytes is not a whole number of u16 ids"),
+            format!("{len} bytes is not a whole number of {}-byte ids", width),
         ));
     }
-    Ok((len / 2, max, hex(h.finalize())))
+    Ok((len / width as u64, max, hex(h.finalize())))
 }
 
 /// Whether a cache can be reused.
@@ -155,8 +191,15 @@ enum Check {
     Stale(String),
 }
 
+/// How a tokenizer's ids are cached: its header name, the `.bin`'s id width and its vocabulary.
+struct Ids {
+    tokenizer: String,
+    width: usize,
+    vocab: usize,
+}
+
 /// Checks every header field of the cache of `src` (see the module docs).
-fn check(src: &Path, bin: &Path, side: &Path) -> Result<Check, String> {
+fn check(src: &Path, bin: &Path, side: &Path, ids: &Ids) -> Result<Check, String> {
     let header = match open_cache(side).and_then(|mut f| {
         let mut s = Vec::new();
         f.read_to_end(&mut s).map(|_| s)
@@ -168,7 +211,8 @@ fn check(src: &Path, bin: &Path, side: &Path) -> Result<Check, String> {
     let Ok(h) = serde_json::from_slice::<Value>(&header) else {
         return Ok(Check::Stale("its header is not JSON".into()));
     };
-    if h["format"] != FORMAT || h["version"] != VERSION || h["tokenizer"] != TOKENIZER {
+    if h["format"] != FORMAT || h["version"] != VERSION || h["tokenizer"] != ids.tokenizer.as_str()
+    {
         return Ok(Check::Stale(
             "its header is of another format (an older train_gpt, or another tokenizer)".into(),
         ));
@@ -190,7 +234,7 @@ fn check(src: &Path, bin: &Path, side: &Path) -> Result<Check, String> {
         }
         Err(e) => return Ok(Check::Stale(format!("the .bin cannot be read: {e}"))),
     };
-    let (tokens, max, sum) = match scan_body(body) {
+    let (tokens, max, sum) = match scan_body(body, ids.width) {
         Ok(x) => x,
         Err(e) => return Ok(Check::Stale(format!("the .bin is damaged: {e}"))),
     };
@@ -206,9 +250,12 @@ fn check(src: &Path, bin: &Path, side: &Path) -> Result<Check, String> {
                 .into(),
         ));
     }
-    if h["max_id"] != max || max as usize >= GPT2_VOCAB {
-        return Ok(Check::Stale(if max as usize >= GPT2_VOCAB {
-            format!("the .bin holds id {max}, outside GPT-2's vocabulary of {GPT2_VOCAB}: damaged")
+    if h["max_id"] != max || max as usize >= ids.vocab {
+        return Ok(Check::Stale(if max as usize >= ids.vocab {
+            format!(
+                "the .bin holds id {max}, outside the tokenizer's vocabulary of {}: damaged",
+                ids.vocab
+            )
         } else {
             format!(
                 "the .bin's largest id is {max}, its header says {}",
@@ -262,14 +309,14 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-/// Tokenizes `src` with GPT-2's encoding into `out` (u16 little-endian, created new), streaming.
-fn tokenize_file(src: &Path, out: &Path) -> Result<Tokenized, String> {
+/// Tokenizes `src` with `tok` into `out` (little-endian u16, or u32 when `wide`; created new),
+/// streaming.
+fn tokenize_file(src: &Path, out: &Path, tok: &Tokenizer, wide: bool) -> Result<Tokenized, String> {
     const CHUNK: usize = 1 << 20;
     let io = |p: &Path| {
         let p = p.display().to_string();
         move |e: std::io::Error| format!("{p}: {e}")
     };
-    let bpe = gpt2()?;
     let mut f = open_regular(src).map_err(io(src))?;
     let file = OpenOptions::new()
         .write(true)
@@ -299,8 +346,9 @@ fn tokenize_file(src: &Path, out: &Path) -> Result<Tokenized, String> {
             // No cut point in 2 MiB: read on (a very long line).
             if buf.len() >= 64 * CHUNK {
                 return Err(format!(
-                    "--data {}: a line of more than 64 MiB; --tokenizer gpt2 tokenizes line by line",
-                    src.display()
+                    "--data {}: a line of more than 64 MiB; --tokenizer {} tokenizes line by line",
+                    src.display(),
+                    tok.name()
                 ));
             }
             eof = read(&mut f, &mut buf)?;
@@ -311,15 +359,21 @@ fn tokenize_file(src: &Path, out: &Path) -> Result<Tokenized, String> {
         }
         let text = std::str::from_utf8(&buf[..end]).map_err(|e| {
             format!(
-                "--data {}: not UTF-8 at byte {} (--tokenizer gpt2 reads UTF-8 text; use --tokenizer bytes)",
+                "--data {}: not UTF-8 at byte {} (--tokenizer {} reads UTF-8 text; use --tokenizer bytes)",
                 src.display(),
-                offset + e.valid_up_to() as u64
+                offset + e.valid_up_to() as u64,
+                tok.name()
             )
         })?;
-        for id in bpe.encode_ordinary(text) {
-            let id = u16::try_from(id).map_err(|_| format!("token id {id} does not fit u16"))?;
-            w.write_all(&id.to_le_bytes()).map_err(io(out))?;
-            max_id = max_id.max(u32::from(id));
+        for id in tok.encode(text)? {
+            if wide {
+                w.write_all(&id.to_le_bytes()).map_err(io(out))?;
+            } else {
+                let id =
+                    u16::try_from(id).map_err(|_| format!("token id {id} does not fit u16"))?;
+                w.write_all(&id.to_le_bytes()).map_err(io(out))?;
+            }
+            max_id = max_id.max(id);
             tokens += 1;
         }
         offset += end as u64;
@@ -362,22 +416,41 @@ fn replace_file(path: &Path, bytes: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// The GPT-2 token file for text `src`: the cached `.bin` when its header still holds (see the
-/// module docs), otherwise a fresh one. Returns the `.bin` and what happened, for the note
-/// printed before training: `reusing`, `wrote`, or `rebuilt (WHY)`. `on_wait` is called with
-/// the holder's process id if another process is writing the cache (this one then waits).
+/// The token file of text `src` read with `tok` (GPT-2 or a `tokenizer.json`): the cached
+/// `.bin` when its header still holds (see the module docs), otherwise a fresh one. Returns the
+/// `.bin`, its format (u16, or u32 for a vocabulary over 65,536 ids) and what happened, for the
+/// note printed before training: `reusing`, `wrote`, or `rebuilt (WHY)`. `on_wait` is called
+/// with the holder's process id if another process is writing the cache (this one then waits).
 ///
 /// # Errors
-/// I/O errors, non-UTF-8 text, a text that changes while it is tokenized.
-pub fn gpt2_bin(
+/// I/O errors, non-UTF-8 text, a text that changes while it is tokenized; `tok` is `bytes`
+/// (nothing to cache).
+pub fn token_bin(
     src: &Path,
+    tok: &Tokenizer,
     on_wait: &mut dyn FnMut(Option<u32>),
-) -> Result<(PathBuf, String), String> {
-    let (bin, side) = cache_paths(src);
+) -> Result<(PathBuf, DataFormat, String), String> {
+    let wide = tok.vocab() > 1 << 16;
+    let tag = cache_tag(tok).ok_or("--tokenizer bytes reads the text itself")?;
+    let tokenizer = match tok {
+        Tokenizer::Json(t) => t.id(),
+        _ => "gpt2 r50k_base".to_string(),
+    };
+    let (format, width) = if wide {
+        (DataFormat::U32, 4)
+    } else {
+        (DataFormat::U16, 2)
+    };
+    let ids = Ids {
+        tokenizer,
+        width,
+        vocab: tok.vocab(),
+    };
+    let (bin, side) = cache_paths(src, &tag);
     let _lock = Lock::wait("token cache", &bin, &file_lock_path(&bin), on_wait)
         .map_err(|e| e.to_string())?;
-    let why = match check(src, &bin, &side)? {
-        Check::Valid => return Ok((bin, "reusing".into())),
+    let why = match check(src, &bin, &side, &ids)? {
+        Check::Valid => return Ok((bin, format, "reusing".into())),
         Check::Missing => None,
         Check::Stale(w) => Some(w),
     };
@@ -387,7 +460,7 @@ pub fn gpt2_bin(
     tmp_name.push(format!(".tmp{}", std::process::id()));
     let tmp = TempFile::new(bin.with_file_name(tmp_name));
     let _ = std::fs::remove_file(tmp.path());
-    let t = tokenize_file(src, tmp.path())?;
+    let t = tokenize_file(src, tmp.path(), tok, wide)?;
     let after = stamp(&std::fs::metadata(src).map_err(io)?);
     if after != before || t.source_size != before.0 {
         return Err(format!(
@@ -400,7 +473,7 @@ pub fn gpt2_bin(
     let header = json!({
         "format": FORMAT,
         "version": VERSION,
-        "tokenizer": TOKENIZER,
+        "tokenizer": ids.tokenizer,
         "source_size": before.0,
         "source_mtime_ns": before.1,
         "source_sha256": t.source_sha256,
@@ -411,6 +484,7 @@ pub fn gpt2_bin(
     replace_file(&side, (header.to_string() + "\n").as_bytes())?;
     Ok((
         bin,
+        format,
         match why {
             None => "wrote".into(),
             Some(w) => format!("rebuilt ({w})"),
@@ -421,10 +495,21 @@ pub fn gpt2_bin(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenizer::Tokenizer;
 
     fn bin_of(src: &Path) -> Result<(PathBuf, String), String> {
-        gpt2_bin(src, &mut |_| panic!("nobody else holds the lock"))
+        token_bin(src, &Tokenizer::Gpt2, &mut |_| {
+            panic!("nobody else holds the lock")
+        })
+        .map(|(bin, format, how)| {
+            assert_eq!(format, DataFormat::U16);
+            (bin, how)
+        })
+    }
+
+    /// [`token_bin`] with nobody else holding the lock: (bin, format, reused).
+    fn tok_bin(src: &Path, tok: &Tokenizer) -> Result<(PathBuf, DataFormat, bool), String> {
+        token_bin(src, tok, &mut |_| panic!("nobody else holds the lock"))
+            .map(|(bin, format, how)| (bin, format, how == "reusing"))
     }
 
     /// The chunked file tokenization equals encoding the whole text at once, and the cache is
@@ -468,7 +553,8 @@ mod tests {
             .starts_with("rebuilt (the text changed"));
         let bad = dir.path().join("b.txt");
         std::fs::write(&bad, [b'a', 0xff, b'\n']).unwrap();
-        assert!(bin_of(&bad).unwrap_err().contains("not UTF-8 at byte 1"));
+        let err = bin_of(&bad).unwrap_err();
+        assert!(err.contains("not UTF-8 at byte 1"), "{err}");
     }
 
     /// Issue #37 (6): a damaged cache is never used silently — flipped bytes, a truncated body,
@@ -483,7 +569,7 @@ mod tests {
         let (bin, how) = bin_of(&src).unwrap();
         assert_eq!(how, "wrote");
         let good = std::fs::read(&bin).unwrap();
-        let (_, side) = cache_paths(&src);
+        let (_, side) = cache_paths(&src, "gpt2");
         let header: Value = serde_json::from_slice(&std::fs::read(&side).unwrap()).unwrap();
         for key in [
             "format",
@@ -519,7 +605,7 @@ mod tests {
             b[0] = 0xff;
             b[1] = 0xff;
             let mut h = header.clone();
-            let (_, _, sum) = scan_body(tempfile_with(&b)).unwrap();
+            let (_, _, sum) = scan_body(tempfile_with(&b), 2).unwrap();
             h["body_sha256"] = json!(sum);
             h["max_id"] = json!(0xffff);
             std::fs::write(&bin, b).unwrap();
@@ -530,7 +616,8 @@ mod tests {
             "{how}"
         );
         let how = rebuilt(&|| {
-            let old = json!({"size": 1, "mtime_ns": 2, "sha256": "x", "tokenizer": TOKENIZER});
+            let old =
+                json!({"size": 1, "mtime_ns": 2, "sha256": "x", "tokenizer": "gpt2 r50k_base"});
             std::fs::write(&side, old.to_string()).unwrap();
         });
         assert!(how.contains("another format"), "{how}");
@@ -558,5 +645,66 @@ mod tests {
         f.write_all(bytes).unwrap();
         std::io::Seek::rewind(&mut f).unwrap();
         f
+    }
+
+    /// A `tokenizer.json` cache: the ids of encoding the whole text, keyed by the tokenizer
+    /// (another tokenizer file writes another cache), and u32 ids once the vocabulary passes
+    /// 65,536 (an added token of id 70,000 appears in the file).
+    #[test]
+    fn json_tokenizer_cache_is_keyed_by_the_tokenizer_and_widens_to_u32() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("t.txt");
+        let mut text = String::new();
+        for i in 0..60_000 {
+            text.push_str(&format!("Layer {i} gathers its shards, über {}.\n", i % 9));
+            if i % 7 == 0 {
+                text.push_str("\n  <big> rotary\n");
+            }
+        }
+        std::fs::write(&src, &text).unwrap();
+        assert!(text.len() > 2 << 20, "several chunks");
+        let fixture = crate::tokenizer::json::tests::fixture();
+        let tok = Tokenizer::json(&fixture).unwrap();
+        let (bin, format, reused) = tok_bin(&src, &tok).unwrap();
+        assert_eq!((format, reused), (DataFormat::U16, false));
+        let ids: Vec<u32> = std::fs::read(&bin)
+            .unwrap()
+            .chunks(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+            .collect();
+        assert_eq!(ids, tok.encode(&text).unwrap());
+        assert!(tok_bin(&src, &tok).unwrap().2, "reused");
+
+        // The same tokenizer with a token of id 70,000 (in the model's vocabulary, matched as an
+        // added token).
+        let mut v: Value = serde_json::from_slice(&std::fs::read(&fixture).unwrap()).unwrap();
+        v["model"]["vocab"]["<big>"] = json!(70_000);
+        v["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": 70_000, "content": "<big>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false
+        }));
+        let big = dir.path().join("big.json");
+        std::fs::write(&big, v.to_string()).unwrap();
+        let wide = Tokenizer::json(&big).unwrap();
+        assert_eq!(wide.vocab(), 70_001);
+        let (bin32, format, reused) = tok_bin(&src, &wide).unwrap();
+        assert_eq!((format, reused), (DataFormat::U32, false));
+        assert_ne!(bin32, bin);
+        assert!(bin32.to_string_lossy().ends_with(".u32.bin"));
+        let ids: Vec<u32> = std::fs::read(&bin32)
+            .unwrap()
+            .chunks(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert!(ids.contains(&70_000));
+        assert_eq!(ids, wide.encode(&text).unwrap());
+        // The data path reads the u32 ids back.
+        let d = crate::data::Dataset::open(&bin32, DataFormat::U32, 0.1, 64, 70_001).unwrap();
+        assert!(d.describe().contains("u32 ids"));
+        assert!(matches!(
+            crate::data::Dataset::open(&bin32, DataFormat::U32, 0.1, 64, 70_000)
+                .and_then(|d| (0..2000).try_for_each(|g| d.train_sequence(g, 64, 1).map(|_| ()))),
+            Err(crate::data::DataError::TokenOutOfRange { id: 70_000, .. })
+        ));
     }
 }

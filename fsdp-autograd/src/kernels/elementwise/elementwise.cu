@@ -166,3 +166,32 @@ extern "C" __global__ void ew_scale_inplace_t(u64 types, u64 n, void* y, float a
     const unsigned ty = ty_of(types, 0);
     GRID_STRIDE(i, n) st_t(y, i, ty, ld_t(y, i, ty) * alpha);
 }
+
+// ---------------------------------------------------------------------------------------------
+// SiLU·mul, the SwiGLU gate (kernels/elementwise/silu_mul.rs): y = silu(gate) * up with
+// silu(g) = g / (1 + exp(-g)); the backward from the forward inputs, sig = 1 / (1 + exp(-g)):
+// dgate = dy * up * (sig * (1 + g * (1 - sig))), dup = dy * silu(g). The CPU kernel's expressions
+// in its order. Typed only: all-f32 operands have the code word 0.
+
+__device__ float silu_value(float g) { return g / (1.0f + expf(-g)); }
+
+// Operand codes in `types`: gate 0, up 1, y 2.
+extern "C" __global__ void silu_mul_fwd_t(u64 types, u64 n, const void* gate, const void* up,
+                                          void* y) {
+    const unsigned tg = ty_of(types, 0), tu = ty_of(types, 1), ty = ty_of(types, 2);
+    GRID_STRIDE(i, n) st_t(y, i, ty, silu_value(ld_t(gate, i, tg)) * ld_t(up, i, tu));
+}
+
+// Operand codes in `types`: gate 0, up 1, dy 2, dgate 3, dup 4.
+extern "C" __global__ void silu_mul_bwd_t(u64 types, u64 n, const void* gate, const void* up,
+                                          const void* dy, void* dgate, void* dup) {
+    const unsigned tg = ty_of(types, 0), tu = ty_of(types, 1), td = ty_of(types, 2),
+                   tdg = ty_of(types, 3), tdu = ty_of(types, 4);
+    GRID_STRIDE(i, n) {
+        float g = ld_t(gate, i, tg), u = ld_t(up, i, tu), d = ld_t(dy, i, td);
+        float e = expf(-g);
+        float sig = 1.0f / (1.0f + e);
+        st_t(dgate, i, tdg, d * u * (sig * (1.0f + g * (1.0f - sig))));
+        st_t(dup, i, tdu, d * (g / (1.0f + e)));
+    }
+}

@@ -1835,6 +1835,138 @@ pub(super) fn rms_norm(e: &mut dyn Exec) {
     }
 }
 
+/// Bytes of `dtype` values back in f32.
+fn bytes_as_f32(dtype: DType, b: &[u8]) -> Vec<f32> {
+    match dtype {
+        DType::F16 => b
+            .chunks(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::BF16 => b
+            .chunks(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => b
+            .chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    }
+}
+
+/// SiLU·mul and its backward (one set of typed kernels for every dtype) against the CPU kernels
+/// (`kernels::elementwise::silu_mul`): the same expressions in the same order, so they differ
+/// only by CUDA's `expf` (a few ulp in f32; at most one ulp of a half dtype after rounding).
+/// Gates over the saturating ends (±60), lengths around the grid-stride boundary, zero length.
+pub(super) fn silu_mul(e: &mut dyn Exec) {
+    use crate::kernels::elementwise::{silu_mul as cpu_fwd, silu_mul_backward as cpu_bwd};
+    let mut r = Rng::new(39);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        // A dtype ulp at 1, relative: f32 2⁻²³ (the expf difference needs a few), bf16 2⁻⁷,
+        // f16 2⁻¹⁰.
+        let (rel, abs) = match dtype {
+            DType::F32 => (2e-6, 1e-6),
+            DType::BF16 => (8e-3, 1e-5),
+            _ => (1e-3, 1e-5),
+        };
+        for n in [0usize, 1, 7, 1000, 70_001] {
+            let tag = |what: &str| format!("silu_mul {what} {dtype} n={n}");
+            let mut gv = r.vec(n, 6.0);
+            if n >= 4 {
+                gv[..4].copy_from_slice(&[60.0, -60.0, 0.0, -0.0]);
+            }
+            let (gv, uv, dyv) = (
+                as_dtype(dtype, &gv),
+                as_dtype(dtype, &r.vec(n, 2.0)),
+                as_dtype(dtype, &r.vec(n, 1.0)),
+            );
+            let up = |e: &mut dyn Exec, v: &[f32]| (e.upload(&half_bytes(dtype, v)), dtype);
+            let (g, u, dy) = (up(e, &gv), up(e, &uv), up(e, &dyv));
+            let nan = vec![f32::NAN; n];
+            let y = up(e, &nan);
+            run(e, Op::Typed(TypedOp::SiluMul { gate: g, up: u, y }));
+            let mut wy = vec![0.0; n];
+            cpu_fwd(&gv, &uv, &mut wy).unwrap();
+            let got = bytes_as_f32(dtype, &e.download(y.0));
+            assert_close(&tag("y"), &got, &as_dtype(dtype, &wy), rel, abs);
+            let (dg, du) = (up(e, &nan), up(e, &nan));
+            run(
+                e,
+                Op::Typed(TypedOp::SiluMulBackward {
+                    gate: g,
+                    up: u,
+                    dy,
+                    dgate: dg,
+                    dup: du,
+                }),
+            );
+            let (mut wdg, mut wdu) = (vec![0.0; n], vec![0.0; n]);
+            cpu_bwd(&gv, &uv, &dyv, &mut wdg, &mut wdu).unwrap();
+            let got = bytes_as_f32(dtype, &e.download(dg.0));
+            assert_close(&tag("dgate"), &got, &as_dtype(dtype, &wdg), rel, abs);
+            let got = bytes_as_f32(dtype, &e.download(du.0));
+            assert_close(&tag("dup"), &got, &as_dtype(dtype, &wdu), rel, abs);
+        }
+    }
+}
+
+/// RoPE and its backward (typed kernels) against the CPU kernels (`kernels::rope`), **bit for
+/// bit** in every dtype (no transcendental on the device: the tables come from the host): the
+/// head split/merge layouts, offset positions, one position (a decoder step), several heads and
+/// batches, head dims 2, 8 and 128.
+pub(super) fn rope(e: &mut dyn Exec) {
+    use crate::kernels::rope::{rope as cpu_rope, rope_backward as cpu_back, RopeShape};
+    let mut r = Rng::new(40);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (batch, seq, heads, head_dim, pos0) in [
+            (1usize, 1usize, 1usize, 2usize, 0usize),
+            (2, 5, 3, 8, 0),
+            (1, 1, 4, 8, 6),
+            (3, 7, 2, 128, 2),
+            (1, 0, 2, 8, 0),
+        ] {
+            let s = RopeShape {
+                batch,
+                seq,
+                heads,
+                head_dim,
+                pos0,
+                table_rows: pos0 + seq + 1,
+            };
+            let tag = |what: &str| format!("rope {what} {dtype} {s:?}");
+            let n = batch * seq * heads * head_dim;
+            let t = s.table_rows * head_dim / 2;
+            let cv: Vec<f32> = (0..t).map(|i| (i as f32 * 0.3).cos()).collect();
+            let sv: Vec<f32> = (0..t).map(|i| (i as f32 * 0.3).sin()).collect();
+            let (c, sn) = (up_f32(e, &cv), up_f32(e, &sv));
+            let xv = as_dtype(dtype, &r.vec(n, 3.0));
+            let up = |e: &mut dyn Exec, v: &[f32]| (e.upload(&half_bytes(dtype, v)), dtype);
+            let x = up(e, &xv);
+            let y = up(e, &vec![f32::NAN; n]);
+            let op = |backward, input, output| {
+                Op::Typed(TypedOp::Rope {
+                    backward,
+                    input,
+                    cos: c,
+                    sin: sn,
+                    output,
+                    s,
+                })
+            };
+            run(e, op(false, x, y));
+            let mut wy = vec![0.0; n];
+            cpu_rope(&xv, &cv, &sv, &mut wy, &s).unwrap();
+            assert_eq!(e.download(y.0), half_bytes(dtype, &wy), "{}", tag("y"));
+            let dyv = as_dtype(dtype, &r.vec(n, 1.0));
+            let dy = up(e, &dyv);
+            let dx = up(e, &vec![f32::NAN; n]);
+            run(e, op(true, dy, dx));
+            let mut wdx = vec![0.0; n];
+            cpu_back(&dyv, &cv, &sv, &mut wdx, &s).unwrap();
+            assert_eq!(e.download(dx.0), half_bytes(dtype, &wdx), "{}", tag("dx"));
+        }
+    }
+}
+
 /// Dropout (one typed kernel for every dtype) against the CPU kernel
 /// (`kernels::dropout::dropout`), **bit for bit**: the same Philox words, the same kept elements
 /// and the same products, in f32 and (rounded once) in bf16 and f16. Rows of one element, of a

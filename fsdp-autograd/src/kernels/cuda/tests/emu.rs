@@ -38,6 +38,7 @@ use crate::kernels::elementwise::gelu::gpu::{
 use crate::kernels::elementwise::scale::gpu::{
     plan_scale, plan_scale_inplace, plan_scale_inplace_t, plan_scale_t,
 };
+use crate::kernels::elementwise::silu_mul::gpu::{plan_silu_mul, plan_silu_mul_backward};
 use crate::kernels::embedding::gpu::{
     plan_embedding, plan_embedding_backward, plan_embedding_backward_t, plan_embedding_t,
 };
@@ -63,6 +64,7 @@ use crate::kernels::optim::sum_squares::gpu::plan_sum_squares;
 use crate::kernels::optim::unscale::gpu::plan_unscale;
 use crate::kernels::reduce::col_sums::gpu::{plan_col_sums, plan_col_sums_t};
 use crate::kernels::reduce::sum::gpu::{plan_sum, plan_sum_t};
+use crate::kernels::rope::gpu::plan_rope;
 use crate::kernels::KernelError;
 
 use super::exec::{CastKind, Exec, Op, TypedOp, H, TH};
@@ -485,6 +487,33 @@ impl EmuExec {
                 n(x) / *cols as u64,
                 *cols as u64,
                 [x.0, gamma.0, *rstd, dy.0, dx.0, dgamma.0].map(d),
+            ),
+            TypedOp::SiluMul { gate, up, y } => {
+                plan_silu_mul([c(gate), c(up), c(y)], n(gate), [gate.0, up.0, y.0].map(d))
+            }
+            TypedOp::SiluMulBackward {
+                gate,
+                up,
+                dy,
+                dgate,
+                dup,
+            } => plan_silu_mul_backward(
+                [c(gate), c(up), c(dy), c(dgate), c(dup)],
+                n(gate),
+                [gate.0, up.0, dy.0, dgate.0, dup.0].map(d),
+            ),
+            TypedOp::Rope {
+                backward,
+                input,
+                cos,
+                sin,
+                output,
+                s,
+            } => plan_rope(
+                *backward,
+                [c(input), c(output)],
+                s,
+                [input.0, *cos, *sin, output.0].map(d),
             ),
             TypedOp::CrossEntropy { .. }
             | TypedOp::CrossEntropyBackward { .. }

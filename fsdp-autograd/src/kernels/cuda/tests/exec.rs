@@ -387,6 +387,27 @@ pub(super) enum TypedOp {
         dgamma: TH,
         cols: usize,
     },
+    SiluMul {
+        gate: TH,
+        up: TH,
+        y: TH,
+    },
+    SiluMulBackward {
+        gate: TH,
+        up: TH,
+        dy: TH,
+        dgate: TH,
+        dup: TH,
+    },
+    /// RoPE (`backward: false`, input `[b, t, h, d]`) or its backward (input `[b, h, t, d]`).
+    Rope {
+        backward: bool,
+        input: TH,
+        cos: H,
+        sin: H,
+        output: TH,
+        s: crate::kernels::rope::RopeShape,
+    },
     Embedding {
         ids: H,
         table: TH,

@@ -158,6 +158,22 @@ impl Exec for GpuExec {
                         tb(dgamma),
                         *cols,
                     ),
+                    TypedOp::SiluMul { gate, up, y } => k.silu_mul_t(s, tb(gate), tb(up), tb(y)),
+                    TypedOp::SiluMulBackward {
+                        gate,
+                        up,
+                        dy,
+                        dgate,
+                        dup,
+                    } => k.silu_mul_backward_t(s, tb(gate), tb(up), tb(dy), tb(dgate), tb(dup)),
+                    TypedOp::Rope {
+                        backward,
+                        input,
+                        cos,
+                        sin,
+                        output,
+                        s: shape,
+                    } => k.rope_t(s, *backward, tb(input), b(cos), b(sin), tb(output), shape),
                     TypedOp::Embedding {
                         ids,
                         table,

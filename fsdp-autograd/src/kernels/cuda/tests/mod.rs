@@ -85,6 +85,8 @@ on_both!(
     softmax,
     layer_norm,
     rms_norm,
+    silu_mul,
+    rope,
     dropout,
     embedding,
     embedding_bad_ids,
