@@ -77,10 +77,14 @@ fn build_tests(targets: &[(&str, Option<&str>)]) -> Result<Vec<PathBuf>, String>
             pkgs.push(pkg);
             c.args(["-p", pkg, "--features", &format!("{pkg}/cuda")]);
         }
-        match test {
-            None => c.arg("--lib"),
-            Some(t) => c.args(["--test", t]),
-        };
+        if let Some(t) = test {
+            c.args(["--test", t]);
+        }
+    }
+    // `--lib` may be given once: it selects the library tests of every package named (cargo
+    // refuses a repeated `--lib`, which two suites' library steps produced).
+    if targets.iter().any(|(_, t)| t.is_none()) {
+        c.arg("--lib");
     }
     eprintln!("xtask: gpu-bundle: building the test binaries: {c:?}");
     let out = c
