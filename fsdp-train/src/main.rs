@@ -5,8 +5,6 @@
 //! cargo run --release --bin train_gpt -- --strategy no-shard --steps 10 --json
 //! cargo run --release --bin train_gpt -- --data input.txt --steps 300 --eval-every 100 \
 //!     --metrics m.jsonl --plot loss.svg
-//! cargo run --release --bin train_gpt -- --checkpoint-dir ck --checkpoint-every 50 --resume
-//! cargo run --release --bin train_gpt -- --plan --apply --steps 20  # train with the top plan
 //! cargo build --release -p fsdp-train --features mpi --bin train_gpt &&
 //!     mpirun -n 4 target/release/train_gpt --backend mpi   # one process per rank (as root:
 //!                                                          # mpirun --allow-run-as-root …)
@@ -39,6 +37,7 @@ mod job;
 mod kernel_times;
 mod lock;
 mod model;
+mod observe;
 mod optim;
 mod paths;
 mod plan;
@@ -50,7 +49,6 @@ mod tensorboard;
 mod tokenizer;
 mod train;
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -59,7 +57,7 @@ use clap::Parser;
 use crate::cli::Cli;
 use crate::job::{Report, TrainConfig};
 use crate::probe::Probe;
-use crate::report::{Console, GemmRate};
+use crate::report::GemmRate;
 use crate::resolve::{Exit, Resolved};
 
 fn main() -> ExitCode {
@@ -110,15 +108,6 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         primary,
         locks,
     } = job;
-    let metrics = match cli.logging.metrics.as_ref().filter(|_| primary) {
-        // Appended to with --resume, replaced with --overwrite (`paths::check_existing` refused
-        // anything else that holds earlier lines).
-        Some(p) => Some((
-            p.clone(),
-            report::open_metrics(p, c.resume && !cli.logging.overwrite).map_err(Exit::error)?,
-        )),
-        None => None,
-    };
     let cores = resolve::cores();
     // On CUDA the probe runs after training: the CUDA kernel backend is cached per device id,
     // and its first user's device would otherwise be the probe's.
@@ -140,42 +129,11 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
         let banner = report::banner(&c, &data.describe(), cores, threads, params);
         println!("{banner}");
     }
-    let every = cli
-        .logging
-        .log_every
-        .map_or((c.steps / 12).max(1), |n| n as usize);
-    let launched = c.mpi || c.cuda == Some(crate::job::CudaLaunch::Processes);
-    let progress = primary
-        && report::wants_progress_bar(
-            std::io::stdout().is_terminal(),
-            std::io::stderr().is_terminal(),
-            cli.logging.no_progress,
-            launched,
-        );
-    let console = Console::new(progress, every, metrics);
-    let observer: Box<dyn job::Observer> =
-        match cli.logging.tensorboard.as_ref().filter(|_| primary) {
-            Some(dir) => {
-                let w = tensorboard::EventWriter::create(dir)
-                    .map_err(|e| Exit::error(format!("--tensorboard: {e}")))?;
-                println!("tensorboard: {}", w.path().display());
-                let mfu = probe
-                    .as_ref()
-                    .map(|p| tensorboard::MfuBasis::new(&*c.model, params, p.flops_per_s));
-                Box::new(tensorboard::TensorBoard::new(Box::new(console), w, mfu))
-            }
-            None => Box::new(console),
-        };
+    let observer = observe::observer(cli, &c, primary, probe.as_ref(), params)?;
     let start = Instant::now();
     let mut rep = train::run_job(&c, observer, false).map_err(Exit::error)?;
     let wall = start.elapsed().as_secs_f64();
-    rep.observer.finish().map_err(|e| {
-        Exit::error(if e.starts_with("--tensorboard") {
-            e
-        } else {
-            format!("--metrics: {e}")
-        })
-    })?;
+    observe::finish(&mut *rep.observer)?;
     // Another process of a multi-process job: rank 0 reports.
     Ok((rep.rank == 0).then_some(Done {
         config: c,
@@ -189,17 +147,9 @@ fn run(cli: &Cli, job: Resolved) -> Result<Option<Done>, Exit> {
 
 /// Rank 0's outputs after training: `--plot`, `--kernel-times`, the summary and `--json`.
 fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
-    let Some(Done {
-        config: c,
-        report: rep,
-        wall,
-        probe,
-        params,
-        _locks,
-    }) = done
-    else {
-        return Ok(());
-    };
+    // The locks (`d._locks`) are held until `d` drops at the end.
+    let Some(d) = done else { return Ok(()) };
+    let (c, rep) = (&d.config, &d.report);
     if let Some(p) = &cli.logging.plot {
         report::plot(p, &rep.history).map_err(Exit::error)?;
         println!("plot: {}", p.display());
@@ -209,16 +159,13 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
         return Ok(());
     }
     if rep.steps.is_empty() {
-        let done = rep.first_step - 1;
-        println!(
-            "nothing to do: the checkpoint is at step {done} of --steps {}",
-            c.steps
-        );
+        let (done, steps) = (rep.first_step - 1, c.steps);
+        println!("nothing to do: the checkpoint is at step {done} of --steps {steps}");
         return Ok(());
     }
-    let probe = match probe {
+    let probe = match d.probe {
         Some(p) => p,
-        None => resolve::gemm_probe(&c)?,
+        None => resolve::gemm_probe(c)?,
     };
     if cli.logging.kernel_times {
         if let Some(p) = &cli.logging.profile {
@@ -227,14 +174,14 @@ fn report(cli: &Cli, done: Option<Done>) -> Result<(), Exit> {
     }
     // The honest limit beside the probe (CPU runs with OpenBLAS installed), measured now that
     // training is over and the machine is quiet.
-    let reference = probe::reference_limit(&c, resolve::cores(), Duration::from_millis(300));
+    let reference = probe::reference_limit(c, resolve::cores(), Duration::from_millis(300));
     let gemm = GemmRate {
         flops_per_s: probe.flops_per_s,
         device: &probe.device,
         dtype: probe.dtype,
         reference: &reference,
     };
-    report::summary(&c, &rep, wall, &gemm, params, cli.logging.json);
+    report::summary(c, rep, d.wall, &gemm, d.params, cli.logging.json);
     Ok(())
 }
 

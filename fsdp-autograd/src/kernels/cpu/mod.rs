@@ -66,6 +66,7 @@ pub(crate) mod math;
 mod matmul;
 mod norm;
 mod reference;
+mod transpose;
 
 pub use attention::{
     causal_attention, causal_attention_backward, causal_attention_backward_with,
