@@ -4,9 +4,11 @@
 //! **Commands.** Every fenced ```` ```sh ```` block of README.md is split into commands (`\`
 //! continuations joined, `#` comments dropped, `&&` separating commands). The blocks run in
 //! order, each in its own scratch directory under `target/readme-smoke/` holding what the
-//! README tells the user to bring: `input.txt` (a copy of README.md) and `gpt2-dir` (the tiny
-//! GPT-2 fixture, `fsdp-train/tests/fixtures/gpt2-tiny`); the commands of one block share it, so
-//! `sample --checkpoint-dir ck` reads the checkpoint the block's training command wrote.
+//! README tells the user to bring: `input.txt` (a copy of README.md), `gpt2-dir` (the tiny
+//! GPT-2 fixture, `fsdp-train/tests/fixtures/gpt2-tiny`), `llama-dir` (the tiny Llama fixture,
+//! `fsdp-train/tests/fixtures/llama-tiny`) and its `tokenizer.json`; the commands of one block
+//! share it, so `sample --checkpoint-dir ck` reads the checkpoint the block's training command
+//! wrote.
 //! `train_gpt` is built once, release, the way the README builds it: with
 //! `-p fsdp-train --features mpi` where OpenMPI is installed (the README's MPI build line; that
 //! binary also runs every thread-rank command), else `--bin train_gpt` alone.
@@ -408,6 +410,10 @@ pub fn readme() -> Result<(), String> {
             dir.join("gpt2-dir"),
         )
         .map_err(|e| format!("{e}"))?;
+        let llama = root.join("fsdp-train/tests/fixtures/llama-tiny");
+        std::os::unix::fs::symlink(&llama, dir.join("llama-dir")).map_err(|e| format!("{e}"))?;
+        std::fs::copy(llama.join("tokenizer.json"), dir.join("tokenizer.json"))
+            .map_err(|e| format!("{e}"))?;
         for c in block {
             let shown = c.words.join(" ");
             let plan = match plan(c, mpi) {
