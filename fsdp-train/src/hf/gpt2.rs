@@ -667,32 +667,7 @@ mod tests {
             let got = &got[0];
             let v = g.vocab;
             let w = &want["activations"][act];
-            for (t, row) in w["logits"].as_array().unwrap().iter().enumerate() {
-                let row: Vec<f64> = row
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect();
-                let scale = row.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-                let mine = &got[t * v..(t + 1) * v];
-                for (k, &id) in ids.iter().enumerate() {
-                    let err = (mine[id] as f64 - row[k]).abs() / scale;
-                    assert!(
-                        err <= 1e-5,
-                        "{act}: position {t} id {id}: {} vs {} (rel {err:e})",
-                        mine[id],
-                        row[k]
-                    );
-                }
-                let m = mine.iter().fold(f64::MIN, |m, &x| m.max(x as f64));
-                let lse = m + mine.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-                let want_lse = w["logsumexp"][t].as_f64().unwrap();
-                assert!(
-                    ((lse - want_lse) / want_lse).abs() <= 1e-5,
-                    "{act}: position {t}: logsumexp {lse} vs {want_lse}"
-                );
-            }
+            crate::hf::assert_logits_close(act, got, v, &ids, w);
         }
     }
 

@@ -724,32 +724,7 @@ mod tests {
             .collect();
         let rows = want["logits"].as_array().unwrap();
         assert_eq!(rows.len() * vocab, got.len(), "{what}: positions");
-        for (t, row) in rows.iter().enumerate() {
-            let row: Vec<f64> = row
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect();
-            let scale = row.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let mine = &got[t * vocab..(t + 1) * vocab];
-            for (k, &id) in ids.iter().enumerate() {
-                let err = (mine[id] as f64 - row[k]).abs() / scale;
-                assert!(
-                    err <= 1e-5,
-                    "{what}: position {t} id {id}: {} vs {} (rel {err:e})",
-                    mine[id],
-                    row[k]
-                );
-            }
-            let m = mine.iter().fold(f64::MIN, |m, &x| m.max(x as f64));
-            let lse = m + mine.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-            let want_lse = want["logsumexp"][t].as_f64().unwrap();
-            assert!(
-                ((lse - want_lse) / want_lse).abs() <= 1e-5,
-                "{what}: position {t}: logsumexp {lse} vs {want_lse}"
-            );
-        }
+        crate::hf::assert_logits_close(what, got, vocab, &ids, want);
     }
 
     #[test]
